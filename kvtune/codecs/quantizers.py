@@ -1,0 +1,273 @@
+"""Quantizers Q: float32 KV tensors -> integer symbols + float16 metadata (brief, sec. 2).
+
+* ``uniform``: round-to-nearest uniform integer quantization with per-group float16 scale
+  (and zero point when asymmetric), grouped per token (along ``head_dim``) or per channel
+  (along tokens). KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization
+  for KV Cache", sec. 3) quantizes keys per channel in groups of 32 tokens and values per
+  token; its cost is ``bits + 32/group_size`` bits per element (2-bit at group 32: 3 bits).
+* ``none``: no quantization; values pass through as bfloat16 (16 bits per element, no
+  metadata). The "no compression" baseline.
+
+Grouping. For input ``x`` of shape ``(batch, kv_heads, tokens, head_dim)``:
+
+=============  ============================  ==========================================
+granularity    a group is                    metadata shape (each of scale, zero)
+=============  ============================  ==========================================
+per_token      ``group_size`` channels of    ``(batch, kv_heads, tokens, ceil(head_dim/g))``
+               one token
+per_channel    ``group_size`` tokens of      ``(batch, kv_heads, ceil(tokens/g), head_dim)``
+               one channel
+=============  ============================  ==========================================
+
+``group_size = 0`` means the whole axis (one group per token, or per channel). When the axis
+length is not a multiple of ``group_size`` the last group is shorter (ragged).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtune.codecs.base import MetaField, QuantizedTensor, Quantizer, param, register_quantizer
+
+__all__ = [
+    "UniformQuantizer",
+    "NoQuantizer",
+    "group_axis",
+    "group",
+    "ungroup",
+    "fp16_round_up",
+    "asymmetric_params",
+    "symmetric_params",
+    "quantize_affine",
+    "dequantize_affine",
+]
+
+FP16_MAX = 65504.0
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def group_axis(granularity: str) -> int:
+    """Tensor axis a group runs along: ``-1`` (head_dim) for per_token, ``-2`` (tokens) for per_channel."""
+    return -1 if granularity == "per_token" else -2
+
+
+def group(x: torch.Tensor, axis: int, group_size: int) -> torch.Tensor:
+    """Split ``axis`` (of length ``n``) of ``x`` into ``(ceil(n/g), g)`` groups.
+
+    A ragged last group is padded by repeating the axis' last element, which leaves every
+    group's min, max and absmax unchanged. ``group_size = 0`` means one group of length ``n``.
+
+    Returns:
+        ``x`` with ``axis`` replaced by the two axes ``(num_groups, g)``: one more dimension,
+        the group index at ``axis`` and the group members at ``axis + 1`` (non-negative axis).
+    """
+    axis = axis % x.dim()
+    n = x.shape[axis]
+    g = group_size or n
+    num_groups = -(-n // g)
+    if num_groups * g != n:
+        idx = torch.arange(num_groups * g, device=x.device).clamp_(max=n - 1)
+        x = x.index_select(axis, idx)
+    return x.reshape(*x.shape[:axis], num_groups, g, *x.shape[axis + 1 :])
+
+
+def ungroup(xg: torch.Tensor, axis: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`group`: merge the ``(num_groups, g)`` axes back and drop the padding.
+
+    ``axis`` is the axis index in the *ungrouped* tensor (negative values count from its end).
+    """
+    ndim = xg.dim() - 1
+    axis = axis % ndim
+    merged = xg.reshape(*xg.shape[:axis], xg.shape[axis] * xg.shape[axis + 1], *xg.shape[axis + 2 :])
+    return merged.narrow(axis, 0, n)
+
+
+def fp16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """Smallest float16 value ``>= x`` (float32 in, float16 out), saturating at +-65504."""
+    x = x.clamp(-FP16_MAX, FP16_MAX)
+    h = x.to(torch.float16)
+    up = torch.nextafter(h, torch.full_like(h, math.inf))
+    return torch.where(h.to(torch.float32) < x, up, h)
+
+
+def asymmetric_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 ``(scale, zero)`` of asymmetric min/max quantization (KIVI, Liu et al. 2024, sec. 3).
+
+    ``zero`` is the group minimum rounded *up* to float16, so the minimum always maps to
+    symbol 0; ``scale = (max - zero) / (2**bits - 1)`` rounded to the nearest float16, so the
+    maximum maps to symbol ``2**bits - 1``. Both together make quantize -> dequantize ->
+    quantize reproduce the same symbols. A constant group gets ``scale = 0`` and decodes to
+    ``zero`` (exactly the constant when it is a float16 value, e.g. any bfloat16 input).
+
+    Args:
+        lo, hi: float32 per-group min and max (same shape).
+        bits: 1..8.
+
+    Returns:
+        ``(scale, zero)``, float16, same shape as ``lo``.
+    """
+    zero = fp16_round_up(lo)
+    scale = ((hi - zero.to(torch.float32)) / (2**bits - 1)).clamp(0.0, FP16_MAX).to(torch.float16)
+    return scale, zero
+
+
+def symmetric_params(absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float16 ``scale`` of symmetric quantization: ``2 * absmax / (2**bits - 1)`` (nearest).
+
+    The grid ``(q - (2**bits - 1) / 2) * scale``, ``q = 0 .. 2**bits - 1``, is symmetric
+    about zero and spans ``[-absmax, absmax]`` (a mid-rise grid: with an even number of levels
+    zero itself is not a level; 1 bit gives ``+-absmax``). An all-zero group gets scale 0.
+    """
+    return (2.0 * absmax / (2**bits - 1)).clamp(0.0, FP16_MAX).to(torch.float16)
+
+
+def quantize_affine(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round-to-nearest symbols ``clamp(round((x - zero) / scale), 0, 2**bits - 1)`` as uint8.
+
+    ``scale``/``zero`` are float32 and broadcast against ``xg``; where ``scale == 0`` the
+    symbol is ``round(-zero * 0) = 0`` (constant group).
+    """
+    inv = torch.where(scale > 0, 1.0 / scale.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(scale))
+    u = (xg - zero) * inv
+    return u.round_().clamp_(0, 2**bits - 1).to(torch.uint8)
+
+
+def dequantize_affine(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``zero + q * scale`` in float32 (``scale``/``zero`` float32, broadcast against ``q``)."""
+    return torch.addcmul(zero, q.to(torch.float32), scale)
+
+
+# ----------------------------------------------------------------------------- components
+
+
+@register_quantizer("uniform")
+@dataclass(frozen=True)
+class UniformQuantizer(Quantizer):
+    """Uniform round-to-nearest integer quantization with float16 per-group metadata.
+
+    Asymmetric (default): ``x ~ zero + q * scale`` with ``zero``/``scale`` from the group's
+    min/max (KIVI, Liu et al. 2024, sec. 3); metadata ``scale`` and ``zero``, float16 each.
+    Symmetric: ``x ~ (q - (2**b - 1)/2) * scale`` from the group's absmax; metadata ``scale``
+    only. See :func:`asymmetric_params`, :func:`symmetric_params` and the module docstring for
+    groups and metadata shapes.
+
+    Per element cost: ``bits + 16 * (1 + asymmetric) / group_length`` bits, where
+    ``group_length`` is ``group_size`` (or the axis length when 0); e.g. 2-bit asymmetric
+    at ``group_size = 32`` costs 3 bits.
+
+    Error: ``|x - x_hat| <= scale / 2`` plus float16 rounding of the metadata
+    (``<= 2**-10 * max|x|`` of the group) for every element.
+
+    Symbols: uint8 of the input's shape ``(batch, kv_heads, tokens, head_dim)``.
+
+    Args:
+        bits: bits per symbol, 1..8.
+        symmetric: symmetric grid around zero (scale only) instead of min/max (scale + zero).
+        granularity: ``"per_token"`` (groups along head_dim) or ``"per_channel"`` (groups
+            along tokens).
+        group_size: elements per group along the grouping axis; 0 = the whole axis.
+    """
+
+    bits: int = param(4, low=1, high=8, doc="bits per symbol")
+    symmetric: bool = param(False, doc="symmetric grid (scale only) instead of min/max")
+    granularity: str = param("per_token", choices=("per_token", "per_channel"), doc="grouping axis")
+    group_size: int = param(32, low=0, doc="elements per group along the axis, 0 = whole axis")
+
+    @property
+    def symbol_bits(self) -> int:
+        return self.bits
+
+    def _num_groups(self, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+        axis = group_axis(self.granularity) % len(shape)
+        n = shape[axis]
+        g = self.group_size or n
+        num_groups = -(-n // g) if g else 0
+        meta_shape = tuple(shape[:axis]) + (num_groups,) + tuple(shape[axis + 1 :])
+        return axis, meta_shape
+
+    def meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
+        """float16 ``scale`` (and ``zero`` if asymmetric) of the shape given in the module table."""
+        _, meta_shape = self._num_groups(tuple(shape))
+        names = ("scale",) if self.symmetric else ("scale", "zero")
+        return tuple(MetaField(n, meta_shape, torch.float16) for n in names)
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """Quantize float32 ``(batch, kv_heads, tokens, head_dim)`` ``x`` to uint8 symbols of the same shape."""
+        shape = tuple(x.shape)
+        axis, meta_shape = self._num_groups(shape)
+        x = x.to(torch.float32)
+        if x.numel() == 0:
+            meta = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.meta_layout(shape)}
+            return QuantizedTensor(torch.zeros(shape, dtype=torch.uint8), self.bits, meta, shape)
+        xg = group(x, axis, self.group_size)  # (..., G, g, ...): members on axis + 1
+        red = axis + 1
+        if self.symmetric:
+            scale16 = symmetric_params(xg.abs().amax(dim=red), self.bits)
+            scale = scale16.to(torch.float32)
+            zero = scale * (-(2**self.bits - 1) / 2.0)
+            meta = {"scale": scale16}
+        else:
+            lo, hi = torch.aminmax(xg, dim=red)
+            scale16, zero16 = asymmetric_params(lo, hi, self.bits)
+            scale, zero = scale16.to(torch.float32), zero16.to(torch.float32)
+            meta = {"scale": scale16, "zero": zero16}
+        q = quantize_affine(xg, scale.unsqueeze(red), zero.unsqueeze(red), self.bits)
+        symbols = ungroup(q, axis, shape[axis]).contiguous()
+        return QuantizedTensor(symbols, self.bits, {k: v.contiguous() for k, v in meta.items()}, shape)
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        """Float32 reconstruction of shape ``q.shape`` from uint8 symbols and float16 metadata."""
+        shape = tuple(q.shape)
+        if math.prod(shape) == 0:
+            return torch.zeros(shape, dtype=torch.float32)
+        axis, _ = self._num_groups(shape)
+        red = axis + 1
+        scale = q.meta["scale"].to(torch.float32)
+        if self.symmetric:
+            zero = scale * (-(2**self.bits - 1) / 2.0)
+        else:
+            zero = q.meta["zero"].to(torch.float32)
+        qg = group(q.symbols.reshape(shape), axis, self.group_size)
+        xg = dequantize_affine(qg, scale.unsqueeze(red), zero.unsqueeze(red))
+        return ungroup(xg, axis, shape[axis]).contiguous()
+
+    def short_label(self) -> str:
+        """``u{bits}{a|s}/{tok|ch}[/g{group_size}]``, e.g. ``u2a/ch/g32``."""
+        gran = "tok" if self.granularity == "per_token" else "ch"
+        grp = f"/g{self.group_size}" if self.group_size else ""
+        return f"u{self.bits}{'s' if self.symmetric else 'a'}/{gran}{grp}"
+
+
+@register_quantizer("none")
+@dataclass(frozen=True)
+class NoQuantizer(Quantizer):
+    """No quantization: values are sent as bfloat16 (16 bits per element, no metadata).
+
+    Symbols are the raw bfloat16 bit patterns as ``torch.uint16`` of the input's shape,
+    ``bits = 16``; a codec stores them as raw little-endian 16-bit words. Reconstruction is
+    the input rounded to bfloat16 (exact for bfloat16 inputs). The "no compression" baseline.
+    """
+
+    @property
+    def symbol_bits(self) -> int:
+        return 16
+
+    def meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
+        """No metadata."""
+        return ()
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """bfloat16 bit patterns (uint16, same shape as ``x``)."""
+        symbols = x.to(torch.bfloat16).contiguous().view(torch.uint16)
+        return QuantizedTensor(symbols, 16, {}, tuple(x.shape))
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        """Float32 values of the bfloat16 patterns, shape ``q.shape``."""
+        return q.symbols.reshape(q.shape).contiguous().view(torch.bfloat16).to(torch.float32)
+
+    def short_label(self) -> str:
+        return "bf16"

@@ -1,0 +1,55 @@
+"""Typed errors raised by kvtune.
+
+Every error a user can trigger with bad input derives from :class:`KvtuneError`, so the CLI
+can print it as one clear line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class KvtuneError(Exception):
+    """Base class of every error kvtune raises on purpose."""
+
+
+class AssetError(KvtuneError):
+    """A named asset (model, text) could not be fetched, verified or read."""
+
+
+class ModelLayoutError(KvtuneError):
+    """The model loaded, but kvtune cannot read or inject its KV cache layout."""
+
+
+class ConfigError(KvtuneError):
+    """A policy configuration, component name or parameter value is invalid."""
+
+
+class SpaceError(KvtuneError):
+    """A search-space YAML file is malformed (unknown key, bad value, empty space)."""
+
+
+class TableError(KvtuneError):
+    """A policy table is malformed (unknown version, missing columns, bad breakpoints)."""
+
+
+class KVStreamError(KvtuneError):
+    """Base class of errors raised while decoding a KV bitstream.
+
+    A stream that is truncated, corrupted, of another format version or for another policy
+    never decodes to tensors: one of the subclasses below is raised instead.
+    """
+
+
+class TruncatedStreamError(KVStreamError):
+    """The stream ends before the lengths recorded in its header say it should."""
+
+
+class CorruptStreamError(KVStreamError):
+    """The stream's checksum or magic does not match: bytes were altered."""
+
+
+class StreamVersionError(KVStreamError):
+    """The stream was written with a wire-format version this kvtune cannot read."""
+
+
+class PolicyMismatchError(KVStreamError):
+    """The stream was encoded with a different policy than the one the caller expects."""

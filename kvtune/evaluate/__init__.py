@@ -1,0 +1,1 @@
+"""KV capture, workloads, metrics and throughput measurement on real models."""

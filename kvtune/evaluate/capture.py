@@ -1,0 +1,132 @@
+"""Real contexts and their KV caches, captured once per run.
+
+Each candidate policy then costs only its own encode/decode plus one continuation forward
+pass on the decoded cache (the disaggregated-serving split: prefill builds the KV cache, it
+crosses the wire compressed, decode continues from it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtune.errors import KvtuneError
+from kvtune.evaluate.model import KVLayers, LoadedModel, cache_to_kv, forward_cache, kv_to_cache
+
+
+@dataclass
+class Capture:
+    """Prefill KV caches and the baseline continuation of N real contexts.
+
+    Attributes:
+        input_ids: ``(N, T + C)`` int64 token ids: T context tokens then C continuation tokens.
+        context_tokens: T.
+        kv: per-layer ``(K, V)``, each ``(N, kv_heads, T, head_dim)`` in the model dtype.
+        baseline_logits: ``(N, C, vocab)`` float32 logits of the continuation run on the
+            original (uncompressed) cache; position i predicts continuation token i + 1.
+    """
+
+    input_ids: torch.Tensor
+    context_tokens: int
+    kv: KVLayers
+    baseline_logits: torch.Tensor
+
+    @property
+    def num_contexts(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def continuation_ids(self) -> torch.Tensor:
+        """``(N, C)`` continuation tokens fed on the decode side."""
+        return self.input_ids[:, self.context_tokens :]
+
+    def context_kv(self, i: int) -> KVLayers:
+        """KV of context ``i`` alone: per layer ``(1, kv_heads, T, head_dim)`` views."""
+        return [(k[i : i + 1], v[i : i + 1]) for k, v in self.kv]
+
+
+def build_contexts(
+    tokenizer, documents: list[tuple[str, str]], *, n_contexts: int, context_tokens: int,
+    continuation_tokens: int,
+) -> torch.Tensor:
+    """Cut ``n_contexts`` windows of ``context_tokens + continuation_tokens`` real tokens.
+
+    Documents are tokenized in name order and joined with the EOS token; windows start at
+    evenly spaced offsets of that stream, so contexts span different documents and the run is
+    deterministic.
+
+    Returns:
+        ``(n_contexts, context_tokens + continuation_tokens)`` int64 tensor.
+
+    Raises:
+        KvtuneError: the text is too short for the requested windows (the message gives the
+            number of tokens available).
+    """
+    if n_contexts < 1 or context_tokens < 1 or continuation_tokens < 2:
+        raise KvtuneError("need --contexts >= 1, --context-tokens >= 1 and --continuation-tokens >= 2")
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for _, text in documents:
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.extend(sep)
+    window = context_tokens + continuation_tokens
+    if len(stream) < n_contexts * window:
+        raise KvtuneError(
+            f"the text has {len(stream)} tokens, fewer than {n_contexts} contexts x {window} tokens; "
+            "use fewer or shorter contexts, or more text"
+        )
+    stride = (len(stream) - window) // max(n_contexts - 1, 1)
+    rows = [stream[i * stride : i * stride + window] for i in range(n_contexts)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+@torch.inference_mode()
+def capture(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int, *, batch_size: int = 4,
+            progress=None) -> Capture:
+    """Run prefill on the contexts, keep their KV, and compute the baseline continuation.
+
+    Args:
+        lm: the loaded model.
+        input_ids: ``(N, T + C)`` from :func:`build_contexts`.
+        context_tokens: T.
+        batch_size: contexts per prefill forward pass (memory vs speed).
+        progress: optional callable ``advance(n)`` called after each batch.
+
+    Returns:
+        A :class:`Capture`; its KV stays on the model's device.
+    """
+    kv_parts: list[KVLayers] = []
+    for start in range(0, input_ids.shape[0], batch_size):
+        ids = input_ids[start : start + batch_size, :context_tokens].to(lm.device)
+        out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        kv_parts.append([(k.clone(), v.clone()) for k, v in cache_to_kv(forward_cache(out))])
+        if progress:
+            progress(ids.shape[0])
+    kv = [
+        (torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
+        for l in range(len(kv_parts[0]))
+    ]
+    cap = Capture(input_ids=input_ids, context_tokens=context_tokens, kv=kv, baseline_logits=torch.empty(0))
+    cap.baseline_logits = continuation_logits(lm, cap, kv)
+    return cap
+
+
+@torch.inference_mode()
+def continuation_logits(lm: LoadedModel, cap: Capture, kv: KVLayers, *, batch_size: int = 8) -> torch.Tensor:
+    """Logits of the continuation tokens run on top of the given (possibly decoded) cache.
+
+    Args:
+        kv: per layer ``(N, kv_heads, T, head_dim)``, same shapes as ``cap.kv``.
+
+    Returns:
+        ``(N, C, vocab)`` float32 logits on the CPU.
+    """
+    outs = []
+    for start in range(0, cap.num_contexts, batch_size):
+        part = [(k[start : start + batch_size], v[start : start + batch_size]) for k, v in kv]
+        cache = kv_to_cache(part, lm.model.config)
+        ids = cap.continuation_ids[start : start + batch_size].to(lm.device)
+        logits = lm.model(input_ids=ids, cache=cache, use_cache=True).logits
+        outs.append(logits.float().cpu())
+    return torch.cat(outs)

@@ -1,0 +1,33 @@
+"""Baseline optimizers: exhaustive enumeration and uniform random sampling."""
+
+from __future__ import annotations
+
+import random
+
+from kvtune.optimize.base import Optimizer, register_optimizer
+from kvtune.space import Candidate
+
+
+@register_optimizer("exhaustive")
+class ExhaustiveOptimizer(Optimizer):
+    """Every candidate, in enumeration order (the ground truth for benchmarks)."""
+
+    def ask(self) -> Candidate | None:
+        pending = self.pending
+        return pending[0] if pending else None
+
+
+@register_optimizer("random")
+class RandomOptimizer(Optimizer):
+    """Uniform sampling without replacement; the order is a fixed permutation of the seed."""
+
+    def __init__(self, candidates, *, seed: int = 0) -> None:
+        super().__init__(candidates, seed=seed)
+        self._order = list(range(len(self.candidates)))
+        random.Random(seed).shuffle(self._order)
+
+    def ask(self) -> Candidate | None:
+        for i in self._order:
+            if i not in self.told:
+                return self.candidates[i]
+        return None

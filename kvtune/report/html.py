@@ -1,0 +1,345 @@
+"""Self-contained HTML report of a profiling run (plotly, opens offline).
+
+Rendering only: every number drawn comes from :mod:`kvtune.report.plot_data`. The page holds
+
+1. a 3-D scatter of all trials (accuracy %, compression ratio, codec s/GB), Pareto points
+   highlighted, hover text with label and numbers;
+2. two 2-D projections (ratio vs accuracy, ratio vs codec latency);
+3. per accuracy floor, predicted transfer time per GB of KV vs link bandwidth (Gbps, log x
+   from 1 to 400) along the policy-table envelope, colored by the chosen policy, with the
+   uncompressed line and the breakpoints (KVServe latency model and piecewise table,
+   ``BRIEF.md`` Sec. 2);
+4. the Pareto policies and each floor's intervals as plain HTML tables;
+5. the run configuration.
+
+plotly.js is embedded inline exactly once (first figure, ``include_plotlyjs=True``); the
+others use ``include_plotlyjs=False``. Figure div ids are fixed, so the same inputs give the
+same file.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from kvtune.report import plot_data as pdl
+from kvtune.atomic import atomic_write_text
+from kvtune.tables.policy_table import PolicyTable
+
+__all__ = [
+    "figure_envelope",
+    "figure_projection",
+    "figure_trials_3d",
+    "render_report",
+    "write_report",
+]
+
+_TEMPLATE = "plotly_white"
+_FRONT_COLOR = "#d62728"
+_OTHER_COLOR = "#9aa5b1"
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto;
+       max-width: 1200px; color: #1f2933; padding: 0 1rem; }
+h1 { font-size: 1.6rem; } h2 { font-size: 1.25rem; margin-top: 2.2rem; }
+h3 { font-size: 1.05rem; margin-top: 1.6rem; }
+table.kvtune { border-collapse: collapse; font-size: 0.85rem; margin: 0.6rem 0; }
+table.kvtune th, table.kvtune td { border: 1px solid #d9e2ec; padding: 0.25rem 0.5rem;
+       text-align: left; white-space: nowrap; }
+table.kvtune th { background: #f0f4f8; }
+.fig { margin: 0.5rem 0 1rem 0; }
+.note { color: #52606d; font-size: 0.85rem; }
+pre { background: #f5f7fa; padding: 0.8rem; overflow-x: auto; font-size: 0.8rem; }
+"""
+
+
+# ------------------------------------------------------------------------------ figures
+
+
+def figure_trials_3d(points: pd.DataFrame) -> go.Figure:
+    """3-D scatter: x = accuracy %, y = compression ratio, z = codec s/GB.
+
+    Args:
+        points: output of :func:`kvtune.report.plot_data.trial_points`.
+    """
+    fig = go.Figure()
+    for on_front, name, color, size in (
+        (False, "dominated trials", _OTHER_COLOR, 3),
+        (True, "Pareto front", _FRONT_COLOR, 6),
+    ):
+        sub = points[points["on_front"] == on_front]
+        fig.add_trace(
+            go.Scatter3d(
+                x=sub["accuracy_pct"],
+                y=sub["compression_ratio"],
+                z=sub["codec_seconds_per_gb"],
+                mode="markers",
+                name=f"{name} ({len(sub)})",
+                marker={"size": size, "color": color, "opacity": 0.95 if on_front else 0.5},
+                text=sub["hover"],
+                hovertemplate="%{text}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        template=_TEMPLATE,
+        title="All trials: accuracy, compression ratio, codec latency",
+        height=620,
+        margin={"l": 0, "r": 0, "t": 50, "b": 0},
+        scene={
+            "xaxis_title": "relative accuracy (%)",
+            "yaxis_title": "compression ratio (x)",
+            "zaxis_title": "codec s/GB (enc + dec)",
+        },
+    )
+    return fig
+
+
+_AXIS_TITLES = {
+    "accuracy_pct": "relative accuracy (%)",
+    "compression_ratio": "compression ratio (x)",
+    "codec_seconds_per_gb": "codec seconds per GB of KV (enc + dec)",
+}
+
+
+def figure_projection(points: pd.DataFrame, x: str, y: str, *, title: str) -> go.Figure:
+    """2-D projection of the trials; Pareto points highlighted.
+
+    Args:
+        points: output of :func:`kvtune.report.plot_data.trial_points`.
+        x, y: column names of ``points`` (``accuracy_pct``, ``compression_ratio`` or
+            ``codec_seconds_per_gb``).
+        title: figure title.
+    """
+    fig = go.Figure()
+    for on_front, name, color, size in (
+        (False, "dominated trials", _OTHER_COLOR, 6),
+        (True, "Pareto front (3-D)", _FRONT_COLOR, 9),
+    ):
+        sub = points[points["on_front"] == on_front]
+        fig.add_trace(
+            go.Scatter(
+                x=sub[x],
+                y=sub[y],
+                mode="markers",
+                name=f"{name} ({len(sub)})",
+                marker={"size": size, "color": color, "opacity": 0.95 if on_front else 0.55},
+                text=sub["hover"],
+                hovertemplate="%{text}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        template=_TEMPLATE,
+        title=title,
+        height=460,
+        xaxis_title=_AXIS_TITLES.get(x, x),
+        yaxis_title=_AXIS_TITLES.get(y, y),
+    )
+    return fig
+
+
+def figure_envelope(
+    curve: pd.DataFrame,
+    uncompressed: pd.DataFrame,
+    breakpoints: list[float],
+    colors: Mapping[str, str],
+    *,
+    accuracy_floor: float,
+) -> go.Figure:
+    """Predicted transfer seconds per GB of KV vs link Gbps for one accuracy floor.
+
+    Args:
+        curve: :func:`kvtune.report.plot_data.envelope_curve` for this floor.
+        uncompressed: :func:`kvtune.report.plot_data.uncompressed_curve`.
+        breakpoints: :func:`kvtune.report.plot_data.breakpoints_gbps` for this floor.
+        colors: :func:`kvtune.report.plot_data.policy_colors`.
+        accuracy_floor: fraction, for the title.
+    """
+    fig = go.Figure()
+    fig.add_trace(
+        go.Scatter(
+            x=uncompressed["bandwidth_gbps"],
+            y=uncompressed["seconds_per_gb"],
+            mode="lines",
+            name="uncompressed (8 / B)",
+            line={"color": "#7b8794", "dash": "dash", "width": 1.5},
+            hovertemplate="uncompressed<br>%{x:.3g} Gbps: %{y:.4g} s/GB<extra></extra>",
+        )
+    )
+    for _, seg in curve.groupby("segment", sort=True):
+        pid = str(seg["policy_id"].iloc[0])
+        label = str(seg["label"].iloc[0])
+        name = label if pid == label else f"{label} [{pid}]"
+        fig.add_trace(
+            go.Scatter(
+                x=seg["bandwidth_gbps"],
+                y=seg["seconds_per_gb"],
+                mode="lines",
+                name=html.escape(name),
+                line={"color": colors.get(pid, "#000000"), "width": 4},
+                hovertemplate=(
+                    f"{html.escape(name)}<br>%{{x:.3g}} Gbps: %{{y:.4g}} s/GB<extra></extra>"
+                ),
+            )
+        )
+    for bw in breakpoints:
+        fig.add_vline(x=bw, line={"color": "#bcccdc", "dash": "dot", "width": 1})
+    fig.update_layout(
+        template=_TEMPLATE,
+        title=(
+            f"Accuracy floor {100 * accuracy_floor:g} %: predicted transfer time per GB of KV "
+            "(encode + wire + decode)"
+        ),
+        height=460,
+        xaxis={"type": "log", "title": "link bandwidth (Gbps)"},
+        yaxis={"type": "log", "title": "seconds per GB of original KV"},
+        legend={"title": {"text": "policy on the envelope"}},
+    )
+    return fig
+
+
+# ------------------------------------------------------------------------------ page
+
+
+def _html_table(frame: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
+    body = "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
+        for row in frame.itertuples(index=False, name=None)
+    )
+    return f'<table class="kvtune">\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>'
+
+
+def _fig_div(fig: go.Figure, div_id: str, *, first: bool) -> str:
+    return (
+        '<div class="fig">'
+        + fig.to_html(
+            full_html=False,
+            include_plotlyjs=True if first else False,
+            div_id=div_id,
+            default_width="100%",
+            default_height=f"{int(fig.layout.height or 460)}px",
+            config={"displaylogo": False, "responsive": True},
+        )
+        + "</div>"
+    )
+
+
+def render_report(
+    trials: pd.DataFrame,
+    pareto: pd.DataFrame,
+    table: PolicyTable,
+    *,
+    title: str,
+    run_config: Mapping[str, Any],
+) -> str:
+    """Build the report page as one HTML string (see :func:`write_report`)."""
+    points = pdl.trial_points(trials, pareto)
+    colors = pdl.policy_colors(table)
+    figures: list[tuple[str, str, go.Figure]] = [
+        ("kvtune-trials-3d", "", figure_trials_3d(points)),
+        (
+            "kvtune-ratio-vs-accuracy",
+            "",
+            figure_projection(points, "accuracy_pct", "compression_ratio", title="Compression ratio vs accuracy"),
+        ),
+        (
+            "kvtune-ratio-vs-latency",
+            "",
+            figure_projection(
+                points, "codec_seconds_per_gb", "compression_ratio", title="Compression ratio vs codec latency"
+            ),
+        ),
+    ]
+    unc = pdl.uncompressed_curve()
+    for k, floor in enumerate(table.floors):
+        fig = figure_envelope(
+            pdl.envelope_curve(table, floor),
+            unc,
+            pdl.breakpoints_gbps(table, floor),
+            colors,
+            accuracy_floor=floor,
+        )
+        intervals = _html_table(pdl.interval_rows(table, floor))
+        figures.append((f"kvtune-envelope-{k}", intervals, fig))
+
+    divs = [_fig_div(fig, div_id, first=(i == 0)) for i, (div_id, _, fig) in enumerate(figures)]
+    n_front = int(points["on_front"].sum())
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{esc(title)}</title>",
+        f"<style>{_CSS}</style>",
+        "</head>",
+        "<body>",
+        f"<h1>{esc(title)}</h1>",
+        (
+            f'<p>Model <b>{esc(table.model)}</b>, workload <b>{esc(table.workload)}</b>, device '
+            f"<b>{esc(table.device)}</b>. {len(trials)} trials, {len(points)} plotted, "
+            f"{n_front} on the 3-D Pareto front (accuracy up, ratio up, codec latency down). "
+            f"Accuracy floors: {esc(', '.join(f'{100 * f:g} %' for f in table.floors))}.</p>"
+        ),
+        '<p class="note">Codec latency = 1/encode_gbps + 1/decode_gbps seconds per GB (1e9 bytes) '
+        "of original bf16 KV. Link bandwidths are in Gbps (1e9 bits/s). Predicted transfer time "
+        "per GB of KV = a + b &middot; 8/B (KVServe latency model); compression pays iff B &lt; B* "
+        "= 8 (1 - 1/cr) / a Gbps.</p>",
+        "<h2>Trials</h2>",
+        divs[0],
+        "<h2>Projections</h2>",
+        divs[1],
+        divs[2],
+        "<h2>Policy table: transfer time vs bandwidth</h2>",
+    ]
+    for (div_id, intervals, _), div, floor in zip(figures[3:], divs[3:], table.floors, strict=True):
+        parts += [f"<h3>Accuracy floor {100 * floor:g} %</h3>", div, intervals]
+    parts += [
+        f"<h2>Pareto policies ({len(pareto)})</h2>",
+        _html_table(pdl.pareto_rows(pareto)),
+        "<h2>Run configuration</h2>",
+        f"<pre>{esc(json.dumps(dict(run_config), indent=2, sort_keys=True, default=str))}</pre>",
+        "</body>",
+        "</html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def write_report(
+    trials: pd.DataFrame,
+    pareto: pd.DataFrame,
+    table: PolicyTable,
+    path: str | os.PathLike[str],
+    *,
+    title: str,
+    run_config: Mapping[str, Any],
+) -> Path:
+    """Write the self-contained HTML report of a profiling run, atomically.
+
+    The file embeds plotly.js once (about 5 MB) and opens offline in any browser. Figures:
+    a 3-D trials scatter, two 2-D projections, and one transfer-time-vs-bandwidth chart per
+    accuracy floor of ``table`` (3 + len(table.floors) plotly divs); plus HTML tables of the
+    Pareto policies and of each floor's intervals, and the run configuration as JSON.
+
+    Args:
+        trials: all evaluated policies (``relative_accuracy`` fraction, ``compression_ratio``,
+            ``encode_gbps``/``decode_gbps`` GB/s; ``policy_id``, ``label``, ``method``).
+        pareto: the Pareto rows (:func:`kvtune.pareto.pareto_front`).
+        table: the compiled :class:`~kvtune.tables.policy_table.PolicyTable`.
+        path: destination ``.html`` file (parent directories are created).
+        title: page title.
+        run_config: run settings shown verbatim (JSON; non-JSON values via ``str``).
+
+    Returns:
+        The path written.
+    """
+    page = render_report(trials, pareto, table, title=title, run_config=run_config)
+    return atomic_write_text(path, page)

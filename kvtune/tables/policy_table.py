@@ -1,0 +1,902 @@
+"""Versioned piecewise policy table: which policy to use at bandwidth B and accuracy floor q.
+
+KVServe paper, Sec. "piecewise policy table" (``BRIEF.md`` Sec. 2). For each accuracy floor,
+the candidates are the Pareto policies whose relative accuracy is >= the floor plus the
+implicit uncompressed policy ``"none"``. Each candidate's per-volume transfer time is the line
+``T/V = a + b * x`` with ``x = 1/B`` (seconds per GB, B in GB/s), ``a = 1/encode_gbps +
+1/decode_gbps`` (s/GB) and ``b = 1/compression_ratio``; the table stores the lower envelope of
+those lines, one row per interval of x. Online selection is a binary search on x.
+
+The table is method-agnostic: a row only needs a policy id, a method name, a label, an opaque
+``config_json`` and the measured numbers, so SCD or BiCache policies land in the same tables.
+
+Schema version 1, one row per (accuracy floor, interval); columns (units in names):
+
+================== ========= ==============================================================
+column             dtype     meaning
+================== ========= ==============================================================
+schema_version     int       1
+model              str       model the table was profiled for
+workload           str       workload (qa, math, code, summarization, ...)
+device             str       device the codec throughputs were measured on
+accuracy_floor     float     minimum relative accuracy of every policy in this bucket
+x_lo_s_per_gb      float     interval start, x = 1/B in seconds per GB (inclusive); 0 first
+x_hi_s_per_gb      float     interval end (exclusive); inf for the last interval
+bandwidth_hi_gbps  float     link Gbps at x_lo (8 / x_lo; inf when x_lo = 0)
+bandwidth_lo_gbps  float     link Gbps at x_hi (8 / x_hi; 0 when x_hi = inf)
+policy_id          str       chosen policy ("none" = send uncompressed)
+method             str       "tqc", "scd", "bicache", ... or "none"
+label              str       human-readable policy
+config_json        str       full policy configuration (opaque JSON)
+a_s_per_gb         float     codec seconds per GB of original KV (1/enc + 1/dec)
+b                  float     1 / compression_ratio
+compression_ratio  float     bf16 bytes / stream bytes
+relative_accuracy  float     fraction, 1.0 == 100 %
+encode_gbps        float     encode throughput, GB/s of original KV (inf for "none")
+decode_gbps        float     decode throughput, GB/s of original KV (inf for "none")
+threshold_gbps     float     B* as link Gbps: compression pays iff B < B* (inf for "none",
+                             which is always admissible)
+runners_up         str       JSON list of the next 1-2 best policy ids at the interval's
+                             midpoint (fallbacks for an online controller)
+runner_up_policies str       JSON list of objects with the same numbers for each runner-up,
+                             so a controller can use them without the trials frame
+================== ========= ==============================================================
+
+Gbps is 1e9 *bits* per second (links); GB/s is 1e9 *bytes* per second (throughputs,
+``x``). Non-finite numbers are written to JSON as the strings ``"inf"``/``"-inf"``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune.errors import KvtuneError, TableError
+from kvtune.atomic import atomic_path, atomic_write_text
+from kvtune.tables.envelope import lower_envelope
+from kvtune.tables.latency import (
+    gbps_to_x_s_per_gb,
+    line_coefficients,
+    threshold_gbps,
+    x_s_per_gb_to_gbps,
+)
+
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_FLOORS",
+    "NONE_POLICY_ID",
+    "SCHEMA_VERSION",
+    "SUPPORTED_SCHEMA_VERSIONS",
+    "PolicyEntry",
+    "PolicyTable",
+    "SelectedPolicy",
+    "compile_policy_table",
+]
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+DEFAULT_FLOORS: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
+NONE_POLICY_ID = "none"
+_FORMAT = "kvtune.policy_table"
+_PARQUET_META_KEY = b"kvtune.policy_table"
+_FLOOR_TOL = 1e-12  # q_min this close above a floor still maps to that floor
+
+_META_COLUMNS = ("schema_version", "model", "workload", "device", "accuracy_floor")
+_INTERVAL_COLUMNS = ("x_lo_s_per_gb", "x_hi_s_per_gb", "bandwidth_hi_gbps", "bandwidth_lo_gbps")
+_POLICY_STR_COLUMNS = ("policy_id", "method", "label", "config_json")
+_POLICY_FLOAT_COLUMNS = (
+    "a_s_per_gb",
+    "b",
+    "compression_ratio",
+    "relative_accuracy",
+    "encode_gbps",
+    "decode_gbps",
+    "threshold_gbps",
+)
+_RUNNER_COLUMNS = ("runners_up", "runner_up_policies")
+#: Columns of a schema-1 table, in order.
+COLUMNS: tuple[str, ...] = (
+    _META_COLUMNS + _INTERVAL_COLUMNS + _POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS + _RUNNER_COLUMNS
+)
+_FLOAT_COLUMNS = ("accuracy_floor",) + _INTERVAL_COLUMNS + _POLICY_FLOAT_COLUMNS
+_STR_COLUMNS = ("model", "workload", "device") + _POLICY_STR_COLUMNS + _RUNNER_COLUMNS
+_PARETO_REQUIRED = (
+    "policy_id",
+    "label",
+    "method",
+    "config_json",
+    "compression_ratio",
+    "relative_accuracy",
+    "encode_gbps",
+    "decode_gbps",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# JSON helpers: finite floats as numbers, non-finite as strings, so files are strict JSON.
+
+
+def _enc_float(v: float) -> float | str:
+    v = float(v)
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def _dec_float(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"{what}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, allow_nan=False)
+
+
+def _json_value(v: Any) -> Any:
+    """Convert a cell of an extra column to a strict-JSON value."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return _enc_float(v)
+    if v is None:
+        return None
+    return str(v)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyEntry:
+    """One candidate policy with the numbers the latency model needs.
+
+    Attributes:
+        policy_id: 12-hex id, or ``"none"`` for sending uncompressed.
+        method: ``"tqc"``, ``"scd"``, ``"bicache"``, ... or ``"none"``.
+        label: human-readable description.
+        config_json: full configuration, opaque JSON string (``"{}"`` for "none").
+        a_s_per_gb: codec seconds per GB of original KV (``1/encode_gbps + 1/decode_gbps``).
+        b: ``1 / compression_ratio``.
+        compression_ratio: bf16 bytes / stream bytes.
+        relative_accuracy: fraction (1.0 == 100 %).
+        encode_gbps, decode_gbps: throughputs in GB/s (1e9 bytes/s) of original KV.
+        threshold_gbps: B* in link Gbps; the policy beats "none" iff bandwidth < B*.
+    """
+
+    policy_id: str
+    method: str
+    label: str
+    config_json: str
+    a_s_per_gb: float
+    b: float
+    compression_ratio: float
+    relative_accuracy: float
+    encode_gbps: float
+    decode_gbps: float
+    threshold_gbps: float
+
+    def seconds_per_gb(self, bandwidth_gbps: float) -> float:
+        """Predicted transfer seconds per GB of original KV at link ``bandwidth_gbps`` (Gbps):
+        ``a + b * 8 / bandwidth_gbps`` (KVServe latency model)."""
+        return self.a_s_per_gb + self.b * float(gbps_to_x_s_per_gb(bandwidth_gbps))
+
+    def transfer_seconds(self, kv_bytes: float, bandwidth_gbps: float) -> float:
+        """Predicted seconds to encode + send + decode ``kv_bytes`` bytes at ``bandwidth_gbps``."""
+        return kv_bytes / 1e9 * self.seconds_per_gb(bandwidth_gbps)
+
+    def pays_at(self, bandwidth_gbps: float) -> bool:
+        """True iff this policy is faster than sending uncompressed at ``bandwidth_gbps``
+        (``bandwidth_gbps < threshold_gbps``); always True for ``"none"``."""
+        return self.policy_id == NONE_POLICY_ID or bandwidth_gbps < self.threshold_gbps
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Strict-JSON dict (non-finite floats as ``"inf"`` strings)."""
+        out: dict[str, Any] = {c: getattr(self, c) for c in _POLICY_STR_COLUMNS}
+        out.update({c: _enc_float(getattr(self, c)) for c in _POLICY_FLOAT_COLUMNS})
+        return out
+
+    @classmethod
+    def from_json_dict(cls, d: Mapping[str, Any]) -> PolicyEntry:
+        """Inverse of :meth:`to_json_dict`; raises ``KeyError``/``ValueError`` when malformed."""
+        kwargs: dict[str, Any] = {c: str(d[c]) for c in _POLICY_STR_COLUMNS}
+        kwargs.update({c: _dec_float(d[c], c) for c in _POLICY_FLOAT_COLUMNS})
+        return cls(**kwargs)
+
+
+def _none_entry() -> PolicyEntry:
+    return PolicyEntry(
+        policy_id=NONE_POLICY_ID,
+        method="none",
+        label="none (uncompressed)",
+        config_json="{}",
+        a_s_per_gb=0.0,
+        b=1.0,
+        compression_ratio=1.0,
+        relative_accuracy=1.0,
+        encode_gbps=math.inf,
+        decode_gbps=math.inf,
+        threshold_gbps=math.inf,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SelectedPolicy:
+    """Result of :meth:`PolicyTable.select`.
+
+    Attributes:
+        policy: the envelope's policy at this bandwidth and accuracy floor.
+        accuracy_floor: the bucket used (smallest configured floor >= ``q_min``).
+        q_min: the requested minimum relative accuracy (fraction).
+        bandwidth_gbps: the queried link bandwidth (Gbps).
+        x_s_per_gb: ``8 / bandwidth_gbps``, seconds per GB over the link.
+        x_lo_s_per_gb, x_hi_s_per_gb: the interval of x that contains ``x_s_per_gb``.
+        bandwidth_lo_gbps, bandwidth_hi_gbps: the same interval in link Gbps
+            (``bandwidth_lo_gbps < bandwidth_gbps <= bandwidth_hi_gbps``).
+        runners_up: policy ids of the next-best candidates in this interval (best first).
+        alternatives: the same runners-up as :class:`PolicyEntry` objects.
+    """
+
+    policy: PolicyEntry
+    accuracy_floor: float
+    q_min: float
+    bandwidth_gbps: float
+    x_s_per_gb: float
+    x_lo_s_per_gb: float
+    x_hi_s_per_gb: float
+    bandwidth_lo_gbps: float
+    bandwidth_hi_gbps: float
+    runners_up: tuple[str, ...]
+    alternatives: tuple[PolicyEntry, ...]
+
+    @property
+    def policy_id(self) -> str:
+        """Id of the chosen policy (``"none"`` = uncompressed)."""
+        return self.policy.policy_id
+
+    @property
+    def method(self) -> str:
+        """Method of the chosen policy."""
+        return self.policy.method
+
+    @property
+    def label(self) -> str:
+        """Label of the chosen policy."""
+        return self.policy.label
+
+    @property
+    def config_json(self) -> str:
+        """Configuration JSON of the chosen policy."""
+        return self.policy.config_json
+
+    @property
+    def predicted_seconds_per_gb(self) -> float:
+        """Predicted transfer seconds per GB of original KV at the queried bandwidth."""
+        return self.policy.a_s_per_gb + self.policy.b * self.x_s_per_gb
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation
+
+
+def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
+    missing = [c for c in _PARETO_REQUIRED if c not in pareto.columns]
+    if missing:
+        raise TableError(f"cannot compile policy table: Pareto frame lacks column(s) {missing}")
+    ids = pareto["policy_id"].astype(str)
+    if (ids == NONE_POLICY_ID).any():
+        raise TableError(f"cannot compile policy table: policy_id {NONE_POLICY_ID!r} is reserved")
+    dup = ids[ids.duplicated()].unique().tolist()
+    if dup:
+        raise TableError(
+            f"cannot compile policy table: duplicate policy_id(s) {dup[:5]}; "
+            "aggregate repeated trials of a policy before compiling"
+        )
+    num = {}
+    for c in ("compression_ratio", "relative_accuracy", "encode_gbps", "decode_gbps"):
+        num[c] = pd.to_numeric(pareto[c], errors="coerce").to_numpy(dtype=np.float64)
+        if np.isnan(num[c]).any():
+            raise TableError(f"cannot compile policy table: column {c} has NaN or non-numeric values")
+    cr = num["compression_ratio"]
+    if not (np.isfinite(cr) & (cr > 0)).all():
+        raise TableError("cannot compile policy table: compression_ratio must be finite and > 0")
+    if not np.isfinite(num["relative_accuracy"]).all():
+        raise TableError("cannot compile policy table: relative_accuracy must be finite")
+    for c in ("encode_gbps", "decode_gbps"):
+        if not (num[c] > 0).all():
+            raise TableError(f"cannot compile policy table: {c} must be > 0 GB/s")
+    a, b = line_coefficients(cr, num["encode_gbps"], num["decode_gbps"])
+    a = np.atleast_1d(a)
+    b = np.atleast_1d(b)
+    thr = np.atleast_1d(threshold_gbps(cr, num["encode_gbps"], num["decode_gbps"]))
+    entries = [
+        PolicyEntry(
+            policy_id=str(pid),
+            method=str(method),
+            label=str(label),
+            config_json=str(cfg),
+            a_s_per_gb=float(a[i]),
+            b=float(b[i]),
+            compression_ratio=float(cr[i]),
+            relative_accuracy=float(num["relative_accuracy"][i]),
+            encode_gbps=float(num["encode_gbps"][i]),
+            decode_gbps=float(num["decode_gbps"][i]),
+            threshold_gbps=float(thr[i]),
+        )
+        for i, (pid, method, label, cfg) in enumerate(
+            zip(ids, pareto["method"], pareto["label"], pareto["config_json"], strict=True)
+        )
+    ]
+    # Identical lines resolve to the lowest index: prefer higher accuracy, then ratio.
+    entries.sort(key=lambda e: (-e.relative_accuracy, -e.compression_ratio, e.a_s_per_gb, e.policy_id))
+    return entries
+
+
+def _check_floors(floors: Iterable[float]) -> tuple[float, ...]:
+    try:
+        fl = [float(f) for f in floors]
+    except (TypeError, ValueError) as exc:
+        raise TableError(f"accuracy floors must be numbers: {exc}") from None
+    if not fl:
+        raise TableError("at least one accuracy floor is required")
+    if any(not math.isfinite(f) or f <= 0 for f in fl):
+        raise TableError(f"accuracy floors must be finite and > 0, got {fl}")
+    if len(set(fl)) != len(fl):
+        raise TableError(f"accuracy floors must be distinct, got {fl}")
+    return tuple(sorted(fl, reverse=True))
+
+
+def compile_policy_table(
+    pareto: pd.DataFrame,
+    *,
+    floors: Sequence[float] = DEFAULT_FLOORS,
+    model: str,
+    workload: str,
+    device: str,
+    n_runners_up: int = 2,
+    metadata: Mapping[str, Any] | None = None,
+) -> PolicyTable:
+    """Compile the piecewise policy table from a Pareto front (KVServe, piecewise table).
+
+    For every floor q: candidates are the rows with ``relative_accuracy >= q`` plus the
+    implicit ``"none"`` policy (a = 0, b = 1, relative accuracy 1.0); the table rows are the
+    intervals of the lower envelope of ``a + b * x`` over ``x = 1/B in [0, inf)`` s/GB.
+    Among identical lines the one with higher accuracy (then ratio, then id) wins; "none"
+    wins ties with an identical compressed line. Every floor covers all bandwidths, since
+    "none" is always a candidate.
+
+    Args:
+        pareto: output of :func:`kvtune.pareto.pareto_front` (any frame with
+            ``policy_id``, ``label``, ``method``, ``config_json``, ``compression_ratio``,
+            ``relative_accuracy``, ``encode_gbps`` and ``decode_gbps`` in GB/s works;
+            dominated rows never reach the envelope anyway).
+        floors: accuracy floors (fractions), e.g. ``(0.99, 0.97, 0.95, 0.90)``.
+        model, workload, device: what the table was profiled for (stored in every row).
+        n_runners_up: next-best policies listed per interval (KVServe uses 1-2).
+        metadata: extra JSON-serializable key/values stored with the table.
+
+    Returns:
+        :class:`PolicyTable` with rows sorted by floor (descending), then ``x_lo_s_per_gb``.
+
+    Raises:
+        TableError: missing columns, NaN or non-positive numbers, duplicate or reserved
+            policy ids, bad floors or empty model/workload/device.
+    """
+    for name, value in (("model", model), ("workload", workload), ("device", device)):
+        if not isinstance(value, str) or not value:
+            raise TableError(f"cannot compile policy table: {name} must be a non-empty string")
+    fl = _check_floors(floors)
+    entries = [_none_entry(), *_candidate_entries(pareto)]
+    a = np.array([e.a_s_per_gb for e in entries])
+    b = np.array([e.b for e in entries])
+    acc = np.array([e.relative_accuracy for e in entries])
+    rows: list[dict[str, Any]] = []
+    for floor in fl:
+        sel = np.flatnonzero((acc >= floor) | (np.arange(len(entries)) == 0))
+        for iv in lower_envelope(a[sel], b[sel], n_runners_up=n_runners_up):
+            e = entries[int(sel[iv.index])]
+            runners = [entries[int(sel[r])] for r in iv.runners_up]
+            rows.append(
+                {
+                    "schema_version": SCHEMA_VERSION,
+                    "model": model,
+                    "workload": workload,
+                    "device": device,
+                    "accuracy_floor": floor,
+                    "x_lo_s_per_gb": iv.x_lo,
+                    "x_hi_s_per_gb": iv.x_hi,
+                    "bandwidth_hi_gbps": float(x_s_per_gb_to_gbps(iv.x_lo)),
+                    "bandwidth_lo_gbps": float(x_s_per_gb_to_gbps(iv.x_hi)),
+                    **{c: getattr(e, c) for c in _POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS},
+                    "runners_up": _dumps([r.policy_id for r in runners]),
+                    "runner_up_policies": _dumps([r.to_json_dict() for r in runners]),
+                }
+            )
+    return PolicyTable(pd.DataFrame(rows, columns=list(COLUMNS)), metadata=metadata)
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+
+
+def _fail(source: str, problem: str) -> TableError:
+    return TableError(f"{source}: {problem}")
+
+
+def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
+    """Check a schema-1 frame and return a normalized copy (typed, canonical order)."""
+    if not isinstance(frame, pd.DataFrame):
+        raise _fail(source, f"expected a DataFrame, got {type(frame).__name__}")
+    if "schema_version" in frame.columns and len(frame):
+        try:
+            versions = sorted({int(v) for v in frame["schema_version"]})
+        except (TypeError, ValueError):
+            raise _fail(source, "schema_version must be an integer") from None
+        unknown = [v for v in versions if v not in SUPPORTED_SCHEMA_VERSIONS]
+        if unknown:
+            raise _fail(
+                source,
+                f"unknown schema_version {unknown[0]} (this kvtune reads "
+                f"{sorted(SUPPORTED_SCHEMA_VERSIONS)})",
+            )
+    missing = [c for c in COLUMNS if c not in frame.columns]
+    if missing:
+        raise _fail(source, f"missing column(s) {missing}")
+    if len(frame) == 0:
+        raise _fail(source, "table has no rows")
+    out = frame.reset_index(drop=True).copy()
+    out["schema_version"] = out["schema_version"].astype("int64")
+    for c in _FLOAT_COLUMNS:
+        vals = pd.to_numeric(out[c], errors="coerce")
+        if vals.isna().any():
+            raise _fail(source, f"column {c} has missing or non-numeric values")
+        out[c] = vals.astype("float64")
+    for c in _STR_COLUMNS:
+        if out[c].isna().any():
+            raise _fail(source, f"column {c} has missing values")
+        out[c] = out[c].astype(str)
+    for c in ("model", "workload", "device"):
+        vals = out[c].unique()
+        if len(vals) != 1 or not vals[0]:
+            raise _fail(source, f"column {c} must hold one non-empty value, got {list(vals)[:3]}")
+    if (out["policy_id"] == "").any():
+        raise _fail(source, "empty policy_id")
+    floors = out["accuracy_floor"].to_numpy()
+    if not (np.isfinite(floors) & (floors > 0)).all():
+        raise _fail(source, "accuracy_floor must be finite and > 0")
+
+    for floor, grp in out.groupby("accuracy_floor", sort=False):
+        lo = grp["x_lo_s_per_gb"].to_numpy()
+        hi = grp["x_hi_s_per_gb"].to_numpy()
+        where = f"accuracy_floor {floor:g}"
+        if lo[0] != 0.0:
+            raise _fail(source, f"{where}: first interval starts at x={lo[0]} s/GB, not 0")
+        if hi[-1] != np.inf:
+            raise _fail(source, f"{where}: last interval ends at x={hi[-1]} s/GB, not inf")
+        if not (lo < hi).all():
+            k = int(np.flatnonzero(~(lo < hi))[0])
+            raise _fail(
+                source,
+                f"{where}: non-monotone breakpoints: interval {k} has x_lo={lo[k]} >= x_hi={hi[k]}",
+            )
+        if not np.isfinite(lo).all() or not np.isfinite(hi[:-1]).all():
+            raise _fail(source, f"{where}: non-finite breakpoint before the last interval")
+        if not (np.diff(lo) > 0).all():
+            k = int(np.flatnonzero(~(np.diff(lo) > 0))[0])
+            raise _fail(
+                source,
+                f"{where}: non-monotone breakpoints: interval {k + 1} starts at x={lo[k + 1]} "
+                f"<= start of interval {k} (x={lo[k]})",
+            )
+        joins = hi[:-1] != lo[1:]
+        if joins.any():
+            k = int(np.flatnonzero(joins)[0])
+            kind = "gap" if hi[k] < lo[k + 1] else "overlap"
+            raise _fail(
+                source,
+                f"{where}: {kind} between interval {k} (x_hi={hi[k]}) and {k + 1} (x_lo={lo[k + 1]})",
+            )
+        for col, x in (("bandwidth_hi_gbps", lo), ("bandwidth_lo_gbps", hi)):
+            expect = np.asarray(x_s_per_gb_to_gbps(x), dtype=np.float64)
+            got = grp[col].to_numpy()
+            if not np.allclose(got, expect, rtol=1e-9, atol=0.0):
+                raise _fail(source, f"{where}: {col} does not equal 8 / x (Gbps from s/GB)")
+        acc = grp["relative_accuracy"].to_numpy()
+        low = (acc < floor - _FLOOR_TOL) & (grp["policy_id"].to_numpy() != NONE_POLICY_ID)
+        if low.any():
+            pid = grp["policy_id"].to_numpy()[low][0]
+            raise _fail(source, f"{where}: policy {pid} has relative_accuracy below the floor")
+    for r, (ids_s, pols_s) in enumerate(zip(out["runners_up"], out["runner_up_policies"], strict=True)):
+        try:
+            ids = json.loads(ids_s)
+            pols = [PolicyEntry.from_json_dict(p) for p in json.loads(pols_s)]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _fail(source, f"row {r}: malformed runners_up/runner_up_policies ({exc})") from None
+        if not isinstance(ids, list) or ids != [p.policy_id for p in pols]:
+            raise _fail(source, f"row {r}: runners_up does not match runner_up_policies")
+
+    order = np.lexsort((np.arange(len(out)), -out["accuracy_floor"].to_numpy()))
+    out = out.iloc[order].reset_index(drop=True)
+    extras = [c for c in out.columns if c not in COLUMNS]
+    return out[list(COLUMNS) + extras]
+
+
+_Record = tuple[dict[str, Any], PolicyEntry, tuple[PolicyEntry, ...]]  # row, policy, runners-up
+
+
+class PolicyTable:
+    """A compiled, versioned policy table (KVServe piecewise table) plus its metadata.
+
+    Build it with :func:`compile_policy_table` or :meth:`PolicyTable.load`. Construction
+    validates the frame (see :meth:`load` for the checks) and precomputes per-floor arrays so
+    that :meth:`select` is a dictionary lookup plus a bisect (microseconds).
+
+    Args:
+        frame: a schema-1 table (columns :data:`COLUMNS`, extra columns are kept).
+        metadata: extra JSON-serializable key/values (stored in files, not interpreted).
+        source: name used in error messages (a file path when loaded).
+
+    Raises:
+        TableError: the frame is malformed.
+    """
+
+    def __init__(
+        self,
+        frame: pd.DataFrame,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        source: str = "<in-memory policy table>",
+    ) -> None:
+        self._frame = _validate_frame(frame, source)
+        self._metadata = dict(metadata or {})
+        try:
+            _dumps(self._metadata)
+        except (TypeError, ValueError) as exc:
+            raise _fail(source, f"metadata is not JSON-serializable: {exc}") from None
+        first = self._frame.iloc[0]
+        self._model = str(first["model"])
+        self._workload = str(first["workload"])
+        self._device = str(first["device"])
+        self._floors = tuple(float(f) for f in self._frame["accuracy_floor"].unique())
+        self._lookup: dict[float, tuple[list[float], list[_Record]]] = {}
+        for floor, grp in self._frame.groupby("accuracy_floor", sort=False):
+            los = grp["x_lo_s_per_gb"].astype(float).tolist()
+            recs = []
+            for row in grp.to_dict("records"):
+                entry = PolicyEntry(
+                    **{c: str(row[c]) for c in _POLICY_STR_COLUMNS},
+                    **{c: float(row[c]) for c in _POLICY_FLOAT_COLUMNS},
+                )
+                alts = tuple(PolicyEntry.from_json_dict(p) for p in json.loads(row["runner_up_policies"]))
+                recs.append((row, entry, alts))
+            self._lookup[float(floor)] = (los, recs)
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        """A copy of the rows (one per floor x interval), columns :data:`COLUMNS` + extras."""
+        return self._frame.copy()
+
+    @property
+    def schema_version(self) -> int:
+        """Schema version of the table (1)."""
+        return SCHEMA_VERSION
+
+    @property
+    def model(self) -> str:
+        """Model the table was profiled for."""
+        return self._model
+
+    @property
+    def workload(self) -> str:
+        """Workload the table was profiled for."""
+        return self._workload
+
+    @property
+    def device(self) -> str:
+        """Device the codec throughputs were measured on."""
+        return self._device
+
+    @property
+    def floors(self) -> tuple[float, ...]:
+        """Configured accuracy floors (fractions), descending."""
+        return self._floors
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Header of the table: format, schema_version, model, workload, device, floors and
+        the extra metadata given at construction (under ``"extra"``)."""
+        return {
+            "format": _FORMAT,
+            "schema_version": SCHEMA_VERSION,
+            "model": self._model,
+            "workload": self._workload,
+            "device": self._device,
+            "floors": list(self._floors),
+            "extra": dict(self._metadata),
+        }
+
+    def __len__(self) -> int:
+        return len(self._frame)
+
+    def __repr__(self) -> str:
+        return (
+            f"PolicyTable(model={self._model!r}, workload={self._workload!r}, "
+            f"device={self._device!r}, floors={list(self._floors)}, rows={len(self)})"
+        )
+
+    def intervals(self, accuracy_floor: float) -> pd.DataFrame:
+        """Rows of one floor, left to right in x (i.e. from high to low bandwidth).
+
+        Raises:
+            TableError: the floor is not configured.
+        """
+        floor = self._exact_floor(accuracy_floor)
+        return self._frame[self._frame["accuracy_floor"] == floor].reset_index(drop=True)
+
+    def floor_for(self, q_min: float) -> float:
+        """The accuracy bucket for a requested minimum accuracy: the smallest configured floor
+        >= ``q_min`` (with a 1e-12 tolerance).
+
+        Raises:
+            TableError: every configured floor is below ``q_min``.
+        """
+        q = float(q_min)
+        if math.isnan(q):
+            raise TableError("q_min is NaN")
+        ok = [f for f in self._floors if f >= q - _FLOOR_TOL]
+        if not ok:
+            raise TableError(
+                f"no accuracy floor >= q_min={q:g} in the policy table for {self._model}/"
+                f"{self._workload}/{self._device} (floors: {list(self._floors)})"
+            )
+        return min(ok)
+
+    def _exact_floor(self, accuracy_floor: float) -> float:
+        for f in self._floors:
+            if abs(f - float(accuracy_floor)) <= _FLOOR_TOL:
+                return f
+        raise TableError(f"accuracy floor {accuracy_floor} not in table (floors: {list(self._floors)})")
+
+    # ---------------------------------------------------------------- selection
+
+    def select(self, bandwidth_gbps: float, q_min: float) -> SelectedPolicy:
+        """The fastest policy predicted at link bandwidth ``bandwidth_gbps`` with accuracy >=
+        the bucket of ``q_min`` (KVServe: bucket, then binary search on x = 1/B).
+
+        Intervals are half-open in x, ``[x_lo, x_hi)``, i.e. ``(bandwidth_lo, bandwidth_hi]``
+        in Gbps: a bandwidth exactly at a breakpoint selects the interval on its
+        lower-bandwidth side (both policies predict the same time there).
+
+        Args:
+            bandwidth_gbps: measured link bandwidth in Gbps (1e9 bits/s), > 0; inf allowed.
+            q_min: minimum relative accuracy (fraction, e.g. 0.97).
+
+        Returns:
+            :class:`SelectedPolicy`.
+
+        Raises:
+            TableError: no configured floor >= ``q_min``.
+            KvtuneError: bandwidth is NaN or <= 0.
+        """
+        bw = float(bandwidth_gbps)
+        if math.isnan(bw) or bw <= 0:
+            raise KvtuneError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps}")
+        floor = self.floor_for(q_min)
+        los, recs = self._lookup[floor]
+        x = float(gbps_to_x_s_per_gb(bw))
+        k = max(0, bisect.bisect_right(los, x) - 1)
+        row, entry, alts = recs[k]
+        return SelectedPolicy(
+            policy=entry,
+            accuracy_floor=floor,
+            q_min=float(q_min),
+            bandwidth_gbps=bw,
+            x_s_per_gb=x,
+            x_lo_s_per_gb=float(row["x_lo_s_per_gb"]),
+            x_hi_s_per_gb=float(row["x_hi_s_per_gb"]),
+            bandwidth_lo_gbps=float(row["bandwidth_lo_gbps"]),
+            bandwidth_hi_gbps=float(row["bandwidth_hi_gbps"]),
+            runners_up=tuple(a.policy_id for a in alts),
+            alternatives=alts,
+        )
+
+    # ---------------------------------------------------------------- files
+
+    def to_parquet(self, path: str | os.PathLike[str]) -> Path:
+        """Write the table to Parquet atomically; the header (:attr:`metadata`) goes into the
+        file's key-value metadata under ``kvtune.policy_table``. Returns the path."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        tbl = pa.Table.from_pandas(self._frame, preserve_index=False)
+        meta = dict(tbl.schema.metadata or {})
+        meta[_PARQUET_META_KEY] = _dumps(self.metadata).encode()
+        tbl = tbl.replace_schema_metadata(meta)
+        with atomic_path(path) as tmp:
+            pq.write_table(tbl, tmp)
+        return Path(path)
+
+    def to_json(self, path: str | os.PathLike[str]) -> Path:
+        """Write a human-readable, strict-JSON file atomically; returns the path.
+
+        Layout: the header (:attr:`metadata` plus ``units``), then ``tables``: one object per
+        accuracy floor with its ``intervals`` left to right in x, each with breakpoints both
+        as ``x_*_s_per_gb`` (1/B) and ``bandwidth_*_gbps``, the policy's numbers, and its
+        runners-up as a list of ids and a list of objects. Non-finite numbers are the strings
+        ``"inf"``/``"-inf"``.
+        """
+        doc = self.metadata
+        doc["units"] = {
+            "x_*_s_per_gb": "x = 1/B: seconds per GB (1e9 bytes) over the link; interval [x_lo, x_hi)",
+            "bandwidth_*_gbps": "link gigabits per second (1e9 bits/s) = 8 / x",
+            "a_s_per_gb": "codec seconds per GB of original KV = 1/encode_gbps + 1/decode_gbps",
+            "b": "1 / compression_ratio; predicted seconds per GB of KV = a + b * x",
+            "encode_gbps, decode_gbps": "GB/s (1e9 bytes/s) of original bf16 KV",
+            "threshold_gbps": "compression pays iff link Gbps < threshold_gbps",
+            "relative_accuracy, accuracy_floor": "fraction, 1.0 == 100 %",
+        }
+        per_row = [c for c in self._frame.columns if c not in _META_COLUMNS]
+        tables = []
+        for floor in self._floors:
+            grp = self._frame[self._frame["accuracy_floor"] == floor]
+            intervals = []
+            for row in grp.to_dict("records"):
+                item: dict[str, Any] = {}
+                for c in per_row:
+                    v = row[c]
+                    if c in _RUNNER_COLUMNS:
+                        item[c] = json.loads(v)
+                    elif c in _FLOAT_COLUMNS:
+                        item[c] = _enc_float(v)
+                    else:
+                        item[c] = _json_value(v)
+                intervals.append(item)
+            tables.append({"accuracy_floor": floor, "intervals": intervals})
+        doc["tables"] = tables
+        return atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PolicyTable:
+        """Load a table written by :meth:`to_parquet` (``.parquet``/``.pq``) or :meth:`to_json`
+        (``.json``), chosen by suffix, and validate it.
+
+        Checks: readable file of that format; known ``schema_version``; all :data:`COLUMNS`
+        present; no missing values; one model/workload/device; per floor the intervals start
+        at x = 0, end at inf, have ``x_lo < x_hi`` (monotone breakpoints) and no gaps or
+        overlaps; Gbps columns equal ``8 / x``; policies meet their floor; runners-up parse.
+
+        Raises:
+            TableError: naming the file and the problem.
+        """
+        p = Path(path)
+        src = str(p)
+        suffix = p.suffix.lower()
+        if suffix not in (".parquet", ".pq", ".json"):
+            raise _fail(src, f"unknown policy table suffix {p.suffix!r} (use .parquet or .json)")
+        if not p.is_file():
+            raise _fail(src, "file not found")
+        if suffix == ".json":
+            frame, extra, header_floors = _read_json(p)
+        else:
+            frame, extra, header_floors = _read_parquet(p)
+        table = cls(frame, metadata=extra, source=src)
+        if header_floors is not None and sorted(map(float, header_floors)) != sorted(table.floors):
+            raise _fail(
+                src, f"header floors {header_floors} do not match the rows' floors {list(table.floors)}"
+            )
+        return table
+
+
+def _check_header(header: Mapping[str, Any], src: str) -> None:
+    if header.get("format", _FORMAT) != _FORMAT:
+        raise _fail(src, f"not a kvtune policy table (format={header.get('format')!r})")
+    if "schema_version" not in header:
+        raise _fail(src, "header lacks schema_version")
+    version = header["schema_version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise _fail(
+            src,
+            f"unknown schema_version {version!r} (this kvtune reads {sorted(SUPPORTED_SCHEMA_VERSIONS)})",
+        )
+
+
+def _read_parquet(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]:
+    import pyarrow.parquet as pq
+
+    src = str(p)
+    try:
+        tbl = pq.read_table(p)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise _fail(src, f"cannot read Parquet ({exc})") from None
+    raw = (tbl.schema.metadata or {}).get(_PARQUET_META_KEY)
+    extra: dict[str, Any] = {}
+    floors = None
+    if raw is not None:
+        try:
+            header = json.loads(raw)
+        except ValueError:
+            raise _fail(src, "malformed kvtune header in Parquet metadata") from None
+        if not isinstance(header, dict):
+            raise _fail(src, "malformed kvtune header in Parquet metadata")
+        _check_header(header, src)
+        extra = dict(header.get("extra") or {})
+        floors = _header_floors(header, src)
+    frame = tbl.to_pandas()
+    return frame, extra, floors
+
+
+def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]:
+    src = str(p)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _fail(src, f"cannot read JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise _fail(src, "top level must be a JSON object")
+    _check_header(doc, src)
+    for key in ("model", "workload", "device", "tables"):
+        if key not in doc:
+            raise _fail(src, f"missing header field {key!r}")
+    if not isinstance(doc["tables"], list) or not doc["tables"]:
+        raise _fail(src, "'tables' must be a non-empty list")
+    rows: list[dict[str, Any]] = []
+    for t in doc["tables"]:
+        if not isinstance(t, dict) or "accuracy_floor" not in t or not isinstance(t.get("intervals"), list):
+            raise _fail(src, "each entry of 'tables' needs 'accuracy_floor' and a list 'intervals'")
+        for k, item in enumerate(t["intervals"]):
+            if not isinstance(item, dict):
+                raise _fail(src, "each interval must be a JSON object")
+            missing = [c for c in COLUMNS if c not in _META_COLUMNS and c not in item]
+            if missing:
+                raise _fail(
+                    src,
+                    f"missing column(s) {missing} in interval {k} of accuracy_floor "
+                    f"{t['accuracy_floor']}",
+                )
+            row: dict[str, Any] = {
+                "schema_version": doc["schema_version"],
+                "model": doc["model"],
+                "workload": doc["workload"],
+                "device": doc["device"],
+                "accuracy_floor": t["accuracy_floor"],
+            }
+            for c, v in item.items():
+                if c in _RUNNER_COLUMNS:
+                    row[c] = _dumps(v)
+                elif c in _FLOAT_COLUMNS:
+                    try:
+                        row[c] = _dec_float(v, c)
+                    except ValueError as exc:
+                        raise _fail(src, str(exc)) from None
+                else:
+                    row[c] = v
+            rows.append(row)
+    frame = pd.DataFrame(rows)
+    extra = doc.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise _fail(src, "'extra' must be a JSON object")
+    return frame, dict(extra), _header_floors(doc, src)
+
+
+def _header_floors(header: Mapping[str, Any], src: str) -> list[Any] | None:
+    floors = header.get("floors")
+    if floors is None:
+        return None
+    if not isinstance(floors, list) or not all(
+        isinstance(f, (int, float)) and not isinstance(f, bool) for f in floors
+    ):
+        raise _fail(src, f"header 'floors' must be a list of numbers, got {floors!r}")
+    return floors

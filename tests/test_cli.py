@@ -1,0 +1,66 @@
+"""End-to-end CLI runs on a tiny random Llama (fast, offline): every output is written."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+from typer.testing import CliRunner
+
+from kvtune.cli import app
+
+runner = CliRunner()
+
+
+def _profile(tmp_path, tiny_model_dir, tiny_text, *extra):
+    args = ["profile", "--model", str(tiny_model_dir), "--text", str(tiny_text), "--contexts", "3",
+            "--context-tokens", "48", "--continuation-tokens", "8", "--budget", "6", "--device", "cpu",
+            "--out", str(tmp_path / "profiles"), "--reports", str(tmp_path / "reports"), "--run", "tiny", *extra]
+    return runner.invoke(app, args)
+
+
+def test_profile_writes_all_outputs(tmp_path, tiny_model_dir, tiny_text):
+    res = _profile(tmp_path, tiny_model_dir, tiny_text)
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "profiles" / "tiny"
+    trials = pd.read_parquet(run / "trials.parquet")
+    assert len(trials) == 6 and trials["policy_id"].is_unique
+    assert {"compression_ratio", "relative_accuracy", "encode_gbps", "decode_gbps", "kl_mean", "config_json"} <= set(trials)
+    assert (trials["compression_ratio"] > 1.5).all()
+    pareto = pd.read_parquet(run / "pareto.parquet")
+    assert 1 <= len(pareto) <= 6 and set(pareto["policy_id"]) <= set(trials["policy_id"])
+    assert len(pd.read_parquet(run / "policy_table.parquet")) >= 1
+    assert json.loads((run / "policy_table.json").read_text())
+    settings = json.loads((run / "run.json").read_text())["settings"]
+    assert settings["budget"] == 6 and settings["context_tokens"] == 48
+    html = (tmp_path / "reports" / "tiny.html").read_text()
+    assert "plotly" in html.lower()
+    assert "Pareto front" in res.output
+
+
+def test_resume_continues_without_repeating(tmp_path, tiny_model_dir, tiny_text):
+    assert _profile(tmp_path, tiny_model_dir, tiny_text).exit_code == 0
+    run = tmp_path / "profiles" / "tiny"
+    first = pd.read_parquet(run / "trials.parquet")["policy_id"].tolist()
+    settings = json.loads((run / "run.json").read_text())
+    settings["settings"]["budget"] = 9
+    (run / "run.json").write_text(json.dumps(settings))
+    res = runner.invoke(app, ["profile", "--resume", str(run)])
+    assert res.exit_code == 0, res.output
+    ids = pd.read_parquet(run / "trials.parquet")["policy_id"].tolist()
+    assert ids[:6] == first and len(ids) == 9 and len(set(ids)) == 9
+
+
+def test_existing_run_without_resume_is_refused(tmp_path, tiny_model_dir, tiny_text):
+    assert _profile(tmp_path, tiny_model_dir, tiny_text).exit_code == 0
+    res = _profile(tmp_path, tiny_model_dir, tiny_text)
+    assert res.exit_code == 2 and "already has trials" in res.output
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, tiny_model_dir, tiny_text):
+    res = _profile(tmp_path, tiny_model_dir, tiny_text, "--space", "nope")
+    assert res.exit_code == 2 and "no space of that name" in res.output
+    res = runner.invoke(app, ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", "x", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "GGUF file not found" in res.output
+    res = _profile(tmp_path, tiny_model_dir, tiny_text, "--context-tokens", "100000")
+    assert res.exit_code == 2 and "fewer than 3 contexts" in res.output

@@ -1,0 +1,396 @@
+"""Tests of kvtune.tables: latency model, lower envelope, compiled policy tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from kvtune.errors import KvtuneError, TableError
+from kvtune.pareto import pareto_front
+from kvtune.tables import (
+    PolicyTable,
+    bytes_per_s_to_gbps,
+    compile_policy_table,
+    gbps_to_bytes_per_s,
+    gbps_to_x_s_per_gb,
+    line_coefficients,
+    locate_interval,
+    lower_envelope,
+    threshold_bandwidth,
+    threshold_gbps,
+    transfer_seconds,
+    uncompressed_seconds,
+    x_s_per_gb_to_gbps,
+)
+from kvtune.atomic import atomic_path
+
+# ------------------------------------------------------------------------------ latency
+
+
+def test_unit_conversions():
+    assert gbps_to_bytes_per_s(8.0) == 1e9
+    assert bytes_per_s_to_gbps(1.25e9) == 10.0
+    assert gbps_to_x_s_per_gb(40.0) == 0.2
+    assert x_s_per_gb_to_gbps(0.0) == math.inf
+    assert x_s_per_gb_to_gbps(math.inf) == 0.0
+    np.testing.assert_allclose(gbps_to_bytes_per_s(np.array([1.0, 100.0])), [1.25e8, 1.25e10])
+
+
+def test_latency_closed_form_values():
+    # cr = 4, 10 GB/s encode and decode: S = 5 GB/s, B* = 0.75 * 5 GB/s = 3.75 GB/s = 30 Gbps.
+    assert threshold_bandwidth(4.0, 10e9, 10e9) == pytest.approx(3.75e9)
+    assert threshold_gbps(4.0, 10.0, 10.0) == pytest.approx(30.0)
+    # 1 GB at 10 Gbps (1.25e9 B/s): 0.1 s encode + 0.2 s wire + 0.1 s decode vs 0.8 s raw.
+    assert transfer_seconds(1e9, 1.25e9, 10e9, 10e9, 4.0) == pytest.approx(0.4)
+    assert uncompressed_seconds(1e9, 1.25e9) == pytest.approx(0.8)
+    a, b = line_coefficients(4.0, 10.0, 10.0)
+    assert (a, b) == (pytest.approx(0.2), 0.25)
+    # At the threshold, both take the same time.
+    bstar = threshold_bandwidth(4.0, 10e9, 10e9)
+    assert transfer_seconds(1e9, bstar, 10e9, 10e9, 4.0) == pytest.approx(uncompressed_seconds(1e9, bstar))
+    # cr <= 1 never pays: threshold 0
+    assert threshold_bandwidth(1.0, 10e9, 10e9) == 0.0
+    assert threshold_bandwidth(0.5, 10e9, 10e9) == 0.0
+
+
+@settings(max_examples=250, deadline=None)
+@given(
+    ratio=st.floats(0.1, 64.0),
+    enc=st.floats(1e6, 1e12),
+    dec=st.floats(1e6, 1e12),
+    bandwidth=st.floats(1e5, 1e12),
+    volume=st.floats(1e3, 1e12),
+)
+def test_compression_pays_exactly_below_threshold(ratio, enc, dec, bandwidth, volume):
+    bstar = threshold_bandwidth(ratio, enc, dec)
+    # stay clear of the boundary, where rounding can go either way
+    assume(abs(bandwidth - bstar) > 1e-7 * max(bandwidth, bstar))
+    t_p = transfer_seconds(volume, bandwidth, enc, dec, ratio)
+    t_none = uncompressed_seconds(volume, bandwidth)
+    assert (t_p < t_none) == (bandwidth < bstar)
+    if ratio <= 1.0:
+        assert bstar == 0.0 and t_p > t_none
+
+
+# ------------------------------------------------------------------------------ envelope
+
+
+def test_lower_envelope_hand_example():
+    # none (0, 1), p1 (0.1, 0.5), p2 (0.3, 0.2), p3 (1.0, 0.9) never wins.
+    a = np.array([0.0, 0.1, 0.3, 1.0])
+    b = np.array([1.0, 0.5, 0.2, 0.9])
+    ivs = lower_envelope(a, b)
+    assert [iv.index for iv in ivs] == [0, 1, 2]
+    assert [iv.x_lo for iv in ivs] == pytest.approx([0.0, 0.2, 2 / 3])
+    assert [iv.x_hi for iv in ivs] == pytest.approx([0.2, 2 / 3, math.inf])
+    # runners-up at midpoints: x=0.1 -> p1 (0.15), p2 (0.32); x=0.433 -> none, p2 ...
+    assert ivs[0].runners_up == (1, 2)
+    assert ivs[1].runners_up == (2, 0)
+    assert ivs[2].runners_up == (1, 0)  # probed at x = 2/3 + 1: p1 = 0.933, none = 1.67
+
+
+def test_lower_envelope_ties_are_deterministic():
+    # identical lines -> lowest index; parallel -> lowest a; same a -> smaller b from x > 0.
+    a = np.array([0.5, 0.2, 0.2, 0.2, 0.0, 0.0])
+    b = np.array([0.1, 0.3, 0.3, 0.6, 1.0, 2.0])
+    ivs = lower_envelope(a, b)
+    assert [iv.index for iv in ivs] == [4, 1, 0]
+    assert ivs[0].x_lo == 0.0 and ivs[0].x_hi == pytest.approx(0.2 / 0.7)
+    assert lower_envelope(np.array([1.0, 1.0]), np.array([1.0, 1.0]))[0].index == 0
+    # a finite domain clips the last interval
+    ivs = lower_envelope(a, b, x_max=2.0)  # line 0 takes over at x = 1.5
+    assert [iv.index for iv in ivs] == [4, 1, 0] and ivs[-1].x_hi == 2.0
+    assert ivs[-1].x_lo == pytest.approx(1.5)
+    ivs = lower_envelope(a, b, x_max=1.0)
+    assert [iv.index for iv in ivs] == [4, 1] and ivs[-1].x_hi == 1.0
+    ivs = lower_envelope(a, b, x_max=0.1)
+    assert [(iv.index, iv.x_hi) for iv in ivs] == [(4, 0.1)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("n", [1, 2, 5, 40, 300])
+def test_lower_envelope_equals_brute_force_argmin(seed, n):
+    rng = np.random.default_rng(seed * 1000 + n)
+    a = rng.uniform(0.0, 1.0, n)
+    b = rng.uniform(0.01, 1.0, n)
+    if n > 2:
+        a[0], b[0] = 0.0, 1.0  # the uncompressed line
+    ivs = lower_envelope(a, b)
+    # exact partition of [0, inf)
+    assert ivs[0].x_lo == 0.0 and ivs[-1].x_hi == math.inf
+    assert all(p.x_hi == q.x_lo for p, q in zip(ivs, ivs[1:], strict=False))
+    assert all(iv.x_lo < iv.x_hi for iv in ivs)
+    assert len({iv.index for iv in ivs}) == len(ivs)  # each line wins at most once
+    xs = np.concatenate([np.linspace(0.0, 20.0, 20001), np.geomspace(20.0, 1e6, 200)])
+    bps = np.array([iv.x_lo for iv in ivs[1:]])
+    if bps.size:
+        near = np.min(np.abs(xs[:, None] - bps[None, :]), axis=1) < 1e-9 * np.maximum(1.0, xs)
+        xs = xs[~near]
+    values = a[None, :] + b[None, :] * xs[:, None]
+    brute = np.argmin(values, axis=1)
+    got = np.array([ivs[locate_interval(ivs, x)].index for x in xs])
+    np.testing.assert_array_equal(got, brute)
+    # runners-up are the next best lines at the probe point, in order
+    for iv in ivs:
+        x = 0.5 * (iv.x_lo + iv.x_hi) if math.isfinite(iv.x_hi) else iv.x_lo + max(1.0, iv.x_lo)
+        order = [int(i) for i in np.argsort(a + b * x, kind="stable") if i != iv.index]
+        assert list(iv.runners_up) == order[: min(2, n - 1)]
+
+
+def test_lower_envelope_rejects_bad_input():
+    with pytest.raises(ValueError):
+        lower_envelope(np.array([]), np.array([]))
+    with pytest.raises(ValueError):
+        lower_envelope(np.array([0.0, np.nan]), np.array([1.0, 0.5]))
+    with pytest.raises(ValueError):
+        lower_envelope(np.array([0.0]), np.array([1.0, 0.5]))
+
+
+# ------------------------------------------------------------------------------ tables
+
+# Hand-built Pareto front: (id, accuracy, ratio, enc GB/s, dec GB/s) -> line (a, b)
+HAND = [
+    ("p1", 0.999, 2.0, 20.0, 20.0),  # a = 0.1, b = 0.5
+    ("p2", 0.985, 4.0, 10.0, 10.0),  # a = 0.2, b = 0.25
+    ("p3", 0.960, 8.0, 5.0, 5.0),  # a = 0.4, b = 0.125
+    ("p4", 0.920, 16.0, 2.5, 2.5),  # a = 0.8, b = 0.0625
+    ("p5", 0.995, 2.5, 4.0, 4.0),  # a = 0.5, b = 0.4
+]
+
+
+def hand_pareto() -> pd.DataFrame:
+    df = pd.DataFrame(HAND, columns=["policy_id", "relative_accuracy", "compression_ratio", "encode_gbps", "decode_gbps"])
+    df["label"] = "policy " + df["policy_id"]
+    df["method"] = "tqc"
+    df["config_json"] = [json.dumps({"name": p, "bits": i + 2}) for i, p in enumerate(df["policy_id"])]
+    return df
+
+
+def random_trials(seed: int = 0, n: int = 80) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(2, 9, n)
+    return pd.DataFrame(
+        {
+            "policy_id": [f"{i:012x}" for i in range(n)],
+            "label": [f"kivi-{b}b" for b in bits],
+            "method": "tqc",
+            "config_json": [json.dumps({"bits": int(b)}) for b in bits],
+            "compression_ratio": 16.0 / bits * rng.uniform(0.8, 1.2, n),
+            "relative_accuracy": 1.0 - 0.4 * np.exp(-0.7 * bits) * rng.uniform(0.5, 2.0, n),
+            "encode_gbps": rng.uniform(0.5, 20.0, n),
+            "decode_gbps": rng.uniform(0.5, 20.0, n),
+            "kl_mean": rng.random(n),
+            "top1_agreement": rng.random(n),
+            "ppl_ratio": 1.0 + rng.random(n),
+            "trial": np.arange(n),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def hand_table() -> PolicyTable:
+    return compile_policy_table(hand_pareto(), model="SmolLM2-135M", workload="qa", device="cpu")
+
+
+def test_compiled_hand_table_has_expected_intervals(hand_table):
+    t = hand_table
+    assert t.floors == (0.99, 0.97, 0.95, 0.90)
+    expected = {
+        # floor: [(policy, x_lo, x_hi)] with x in s/GB
+        0.99: [("none", 0.0, 0.2), ("p1", 0.2, 4.0), ("p5", 4.0, math.inf)],
+        0.97: [("none", 0.0, 0.2), ("p1", 0.2, 0.4), ("p2", 0.4, math.inf)],
+        0.95: [("none", 0.0, 0.2), ("p1", 0.2, 0.4), ("p2", 0.4, 1.6), ("p3", 1.6, math.inf)],
+        0.90: [("none", 0.0, 0.2), ("p1", 0.2, 0.4), ("p2", 0.4, 1.6), ("p3", 1.6, 6.4), ("p4", 6.4, math.inf)],
+    }
+    for floor, rows in expected.items():
+        iv = t.intervals(floor)
+        assert iv["policy_id"].tolist() == [r[0] for r in rows]
+        assert iv["x_lo_s_per_gb"].tolist() == pytest.approx([r[1] for r in rows])
+        assert iv["x_hi_s_per_gb"].tolist() == pytest.approx([r[2] for r in rows])
+        # Gbps view of the same breakpoints: 8 / x
+        assert iv["bandwidth_hi_gbps"].tolist() == pytest.approx([8 / r[1] if r[1] else math.inf for r in rows])
+        assert iv["bandwidth_lo_gbps"].tolist() == pytest.approx([8 / r[2] for r in rows])
+    frame = t.frame
+    assert (frame["schema_version"] == 1).all() and (frame["model"] == "SmolLM2-135M").all()
+    p1 = frame[frame["policy_id"] == "p1"].iloc[0]
+    assert p1["a_s_per_gb"] == pytest.approx(0.1) and p1["b"] == 0.5
+    # the first breakpoint is p1's threshold B* = 8 (1 - 1/2) / 0.1 = 40 Gbps
+    assert p1["threshold_gbps"] == pytest.approx(40.0)
+    none = frame[frame["policy_id"] == "none"].iloc[0]
+    assert (none["a_s_per_gb"], none["b"], none["method"]) == (0.0, 1.0, "none")
+    assert json.loads(frame.iloc[0]["runners_up"]) == ["p1", "p5"]
+
+
+@pytest.mark.parametrize(
+    ("bandwidth_gbps", "q_min", "policy_id", "floor"),
+    [
+        (100.0, 0.99, "none", 0.99),
+        (10.0, 0.99, "p1", 0.99),
+        (40.0, 0.99, "p1", 0.99),  # exactly at a breakpoint (x = 0.2): intervals are [x_lo, x_hi)
+        (1.0, 0.99, "p5", 0.99),
+        (10.0, 0.97, "p2", 0.97),
+        (30.0, 0.96, "p1", 0.97),  # q_min 0.96 -> bucket 0.97
+        (3.0, 0.95, "p3", 0.95),
+        (1.0, 0.90, "p4", 0.90),
+        (1.0, 0.5, "p4", 0.90),
+        (math.inf, 0.9, "none", 0.90),
+    ],
+)
+def test_select_hand_table(hand_table, bandwidth_gbps, q_min, policy_id, floor):
+    sel = hand_table.select(bandwidth_gbps, q_min)
+    assert sel.policy_id == policy_id
+    assert sel.accuracy_floor == floor
+    assert sel.bandwidth_lo_gbps < bandwidth_gbps <= sel.bandwidth_hi_gbps
+    assert len(sel.runners_up) == 2 and sel.runners_up == tuple(p.policy_id for p in sel.alternatives)
+
+
+def test_select_errors(hand_table):
+    with pytest.raises(TableError, match="no accuracy floor"):
+        hand_table.select(10.0, 0.995)
+    with pytest.raises(KvtuneError):
+        hand_table.select(0.0, 0.9)
+    with pytest.raises(KvtuneError):
+        hand_table.select(float("nan"), 0.9)
+
+
+def brute_force_choice(pareto: pd.DataFrame, floor: float, bandwidths_gbps: np.ndarray):
+    """Fastest of "none" + Pareto rows with accuracy >= floor, by direct evaluation of
+    a + x / cr (x = 8 / Gbps); returns (policy ids, seconds per GB) per bandwidth."""
+    cand = pareto[pareto["relative_accuracy"] >= floor]
+    ids = np.array(["none", *cand["policy_id"]])
+    a = np.r_[0.0, 1 / cand["encode_gbps"] + 1 / cand["decode_gbps"]]
+    b = np.r_[1.0, 1 / cand["compression_ratio"]]
+    x = 8.0 / np.asarray(bandwidths_gbps)
+    times = a[None, :] + b[None, :] * x[:, None]
+    best = np.argmin(times, axis=1)
+    return ids[best], times[np.arange(len(x)), best]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_select_matches_brute_force_argmin(seed):
+    trials = random_trials(seed)
+    pareto = pareto_front(trials)
+    table = compile_policy_table(pareto, model="m", workload="w", device="d")
+    rng = np.random.default_rng(seed)
+    bandwidths = np.r_[1.0, 2.5, 5.0, 10.0, 25.0, 40.0, 100.0, 200.0, 400.0, rng.uniform(0.5, 500.0, 40)]
+    for q_min, floor in [(0.99, 0.99), (0.97, 0.97), (0.951, 0.97), (0.95, 0.95), (0.9, 0.9), (0.0, 0.9)]:
+        best_ids, best_t = brute_force_choice(pareto, floor, bandwidths)
+        for bw, best, t_best in zip(bandwidths, best_ids, best_t, strict=True):
+            sel = table.select(bw, q_min)
+            assert sel.accuracy_floor == floor
+            assert sel.predicted_seconds_per_gb == pytest.approx(t_best, rel=1e-12)
+            assert sel.policy_id == best
+    # the table is not trivial: at low bandwidth some compressed policy wins
+    assert table.select(1.0, 0.9).policy_id != "none"
+
+
+def test_roundtrip_parquet_and_json_select_identically(tmp_path):
+    pareto = pareto_front(random_trials(3))
+    table = compile_policy_table(
+        pareto, model="SmolLM2-135M", workload="qa", device="cpu", metadata={"run": "r1"}
+    )
+    pq_path = table.to_parquet(tmp_path / "table.parquet")
+    js_path = table.to_json(tmp_path / "table.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table.json", "table.parquet"]  # no temp files
+    doc = json.loads(js_path.read_text())
+    assert doc["schema_version"] == 1 and [t["accuracy_floor"] for t in doc["tables"]] == [0.99, 0.97, 0.95, 0.9]
+    assert doc["tables"][0]["intervals"][0]["bandwidth_hi_gbps"] == "inf"
+    for path in (pq_path, js_path):
+        loaded = PolicyTable.load(path)
+        pd.testing.assert_frame_equal(loaded.frame, table.frame)
+        assert loaded.metadata == table.metadata
+        for bw in [1.0, 3.3, 12.0, 47.0, 100.0, 399.0]:
+            for q in [0.99, 0.96, 0.9]:
+                assert loaded.select(bw, q) == table.select(bw, q)
+
+
+# ------------------------------------------------------------------------------ malformed
+
+
+def _rewrite_json(src, dst, edit):
+    doc = json.loads(src.read_text())
+    edit(doc)
+    dst.write_text(json.dumps(doc))
+    return dst
+
+
+def test_malformed_json_tables_raise_table_error(tmp_path, hand_table):
+    good = hand_table.to_json(tmp_path / "good.json")
+
+    def bump_version(doc):
+        doc["schema_version"] = 2
+
+    def drop_column(doc):
+        del doc["tables"][0]["intervals"][1]["b"]
+
+    def non_monotone(doc):
+        ivs = doc["tables"][3]["intervals"]  # floor 0.90: 5 intervals
+        ivs[2]["x_lo_s_per_gb"], ivs[2]["x_hi_s_per_gb"] = ivs[2]["x_hi_s_per_gb"], ivs[2]["x_lo_s_per_gb"]
+
+    def gap(doc):
+        ivs = doc["tables"][2]["intervals"]
+        ivs[1]["x_hi_s_per_gb"] = 0.3  # next interval starts at 0.4
+        ivs[1]["bandwidth_lo_gbps"] = 8 / 0.3
+
+    cases = [
+        (bump_version, "unknown schema_version 2"),
+        (drop_column, r"missing column.*'b'"),
+        (non_monotone, "non-monotone"),
+        (gap, "gap"),
+    ]
+    for edit, message in cases:
+        bad = _rewrite_json(good, tmp_path / f"bad_{edit.__name__}.json", edit)
+        with pytest.raises(TableError, match=message) as info:
+            PolicyTable.load(bad)
+        assert str(bad) in str(info.value)
+
+
+def test_malformed_parquet_tables_raise_table_error(tmp_path, hand_table):
+    frame = hand_table.frame
+    v2 = frame.assign(schema_version=2)
+    v2.to_parquet(tmp_path / "v2.parquet")
+    frame.drop(columns=["runners_up"]).to_parquet(tmp_path / "missing.parquet")
+    order = list(range(len(frame)))
+    assert frame["policy_id"].iloc[12:14].tolist() == ["p2", "p3"]  # floor 0.90
+    order[12], order[13] = 13, 12  # p3's interval stored before p2's
+    frame.iloc[order].to_parquet(tmp_path / "order.parquet")
+    (tmp_path / "garbage.parquet").write_bytes(b"not parquet at all")
+    for name, message in [
+        ("v2.parquet", "unknown schema_version 2"),
+        ("missing.parquet", r"missing column.*runners_up"),
+        ("order.parquet", "non-monotone"),
+        ("garbage.parquet", "cannot read Parquet"),
+    ]:
+        with pytest.raises(TableError, match=message) as info:
+            PolicyTable.load(tmp_path / name)
+        assert name in str(info.value)
+    with pytest.raises(TableError, match="suffix"):
+        PolicyTable.load(tmp_path / "table.csv")
+
+
+def test_compile_rejects_bad_pareto():
+    df = hand_pareto()
+    with pytest.raises(TableError, match="duplicate"):
+        compile_policy_table(pd.concat([df, df.iloc[:1]]), model="m", workload="w", device="d")
+    with pytest.raises(TableError, match="reserved"):
+        compile_policy_table(df.assign(policy_id=["none", "a", "b", "c", "d"]), model="m", workload="w", device="d")
+    with pytest.raises(TableError, match="config_json"):
+        compile_policy_table(df.drop(columns=["config_json"]), model="m", workload="w", device="d")
+
+
+def test_atomic_path_leaves_original_on_failure(tmp_path):
+    dest = tmp_path / "t.json"
+    dest.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(dest) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash mid-write")
+    assert dest.read_text() == "old"
+    assert os.listdir(tmp_path) == ["t.json"]
