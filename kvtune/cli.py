@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtune.errors import KvtuneError
+from kvtune.settings import ProfileSettings
 
 app = typer.Typer(
     help="kvtune: profile KV-cache compression policies on a real model and compile them into "
@@ -18,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-console = Console()
+console = Console(width=None if Console().is_terminal else 160)
 
 
 def _fail(exc: Exception) -> None:
@@ -26,26 +27,29 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(code=2)
 
 
+_D = ProfileSettings()  # the defaults live in one place
+
+
 @app.command()
 def profile(
-    model: str = typer.Option("smollm2-135m-instruct", help="Named model asset, local .gguf file, Hugging Face folder or model id."),
-    text: str = typer.Option("paul-graham-essays", help="Named text asset, a .txt file or a folder of .txt files."),
-    space: str = typer.Option("default", help="Search space: a name in search_spaces/ or a YAML path."),
-    budget: int = typer.Option(40, min=0, help="Maximum policies to evaluate (0 = the whole space)."),
-    optimizer: str = typer.Option("random", help="Search strategy: random or exhaustive."),
-    contexts: int = typer.Option(8, min=1, help="Number of real text contexts (N)."),
-    context_tokens: int = typer.Option(1024, min=1, help="Tokens per context whose KV is compressed (T)."),
-    continuation_tokens: int = typer.Option(128, min=2, help="Held-out continuation tokens scored per context (C)."),
-    out: Path = typer.Option(Path("profiles"), help="Folder that receives the run folder."),
-    reports: Path = typer.Option(Path("reports"), help="Folder that receives the HTML report."),
+    model: str = typer.Option(_D.model, help="Named model asset, local .gguf file, Hugging Face folder or model id."),
+    text: str = typer.Option(_D.text, help="Named text asset, a .txt file or a folder of .txt files."),
+    space: str = typer.Option(_D.space, help="Search space: a name in search_spaces/ or a YAML path."),
+    budget: int = typer.Option(_D.budget, min=0, help="Maximum policies to evaluate (0 = the whole space)."),
+    optimizer: str = typer.Option(_D.optimizer, help="Search strategy: random or exhaustive."),
+    contexts: int = typer.Option(_D.contexts, min=1, help="Number of real text contexts (N)."),
+    context_tokens: int = typer.Option(_D.context_tokens, min=1, help="Tokens per context whose KV is compressed (T)."),
+    continuation_tokens: int = typer.Option(_D.continuation_tokens, min=2, help="Held-out continuation tokens scored per context (C)."),
+    out: Path = typer.Option(Path(_D.out), help="Folder that receives the run folder."),
+    reports: Path = typer.Option(Path(_D.reports), help="Folder that receives the HTML report."),
     run: str = typer.Option("", help="Run name (default: <model>-<space>-<timestamp>)."),
     resume: Optional[Path] = typer.Option(None, help="Continue an interrupted run folder; its saved settings are used."),
-    device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
-    seed: int = typer.Option(0, help="Seed for the search order."),
+    device: str = typer.Option(_D.device, help="auto (CUDA when present), cpu or cuda."),
+    seed: int = typer.Option(_D.seed, help="Seed for the search order."),
 ) -> None:
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
-    from kvtune.profile import ProfileSettings, load_settings, run_profile
+    from kvtune.profile import load_settings, run_profile
 
     try:
         if resume is not None:
@@ -79,7 +83,7 @@ def _print_summary(result) -> None:
     trials, pareto = result.trials, result.pareto
     table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} policies)")
     for col in ("policy", "ratio", "rel. acc. %", "95% CI", "KL (nats)", "enc GB/s", "dec GB/s"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for _, r in pareto.sort_values("compression_ratio", ascending=False).iterrows():
         table.add_row(
             r["label"], f"{r['compression_ratio']:.2f}x", f"{100 * r['relative_accuracy']:.2f}",
@@ -93,6 +97,19 @@ def _print_summary(result) -> None:
     )
     for name, path in result.files.items():
         console.print(f"  {name:<18} {path}")
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="A run folder, e.g. profiles/<run>.")) -> None:
+    """Rebuild a run's Pareto front, policy tables and HTML report from its stored trials."""
+    from kvtune.profile import finalize_run
+
+    try:
+        result = finalize_run(run_dir)
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    _print_summary(result)
 
 
 @app.command()

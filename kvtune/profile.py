@@ -14,7 +14,6 @@ and the report is ``<reports>/<run>.html``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import platform
 import time
@@ -27,84 +26,19 @@ import pandas as pd
 import torch
 
 from kvtune import __version__
-from kvtune.assets import DEFAULT_MODEL, DEFAULT_TEXT, read_texts
+from kvtune.assets import read_texts
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.capture import build_contexts, capture
 from kvtune.evaluate.evaluator import ContinuationEvaluator
 from kvtune.evaluate.model import load_model
 from kvtune.optimize import make_optimizer
 from kvtune.pareto import pareto_front
+from kvtune.settings import ProfileSettings
 from kvtune.report.html import write_report
 from kvtune.space import load_space
 from kvtune.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import compile_policy_table
-
-SETTINGS_VERSION = 1
-
-
-@dataclass
-class ProfileSettings:
-    """Everything that defines a profiling run (saved as ``run.json``; round-trips through JSON).
-
-    Attributes:
-        model: ``--model`` spec (asset name, ``.gguf`` path, HF folder or id).
-        text: ``--text`` spec (asset name, ``.txt`` file or folder).
-        space: ``--space`` name or YAML path.
-        budget: maximum number of policies evaluated (0 = the whole space).
-        contexts: N contexts; context_tokens: T tokens each; continuation_tokens: C tokens scored.
-        optimizer: registered optimizer name.
-        device: ``auto``, ``cpu`` or ``cuda``.
-        seed: seeds the optimizer (and anything random) so runs reproduce.
-        floors: accuracy floors (fractions) of the compiled policy table.
-        run: run name (folder under ``out``).
-    """
-
-    model: str = DEFAULT_MODEL
-    text: str = DEFAULT_TEXT
-    space: str = "default"
-    budget: int = 40
-    contexts: int = 8
-    context_tokens: int = 1024
-    continuation_tokens: int = 128
-    optimizer: str = "random"
-    device: str = "auto"
-    seed: int = 0
-    floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
-    run: str = ""
-    out: str = "profiles"
-    reports: str = "reports"
-    version: int = SETTINGS_VERSION
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["floors"] = list(self.floors)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ProfileSettings":
-        """Rebuild settings saved by :meth:`to_dict`.
-
-        Raises:
-            KvtuneError: another settings version, or unknown keys.
-        """
-        if d.get("version") != SETTINGS_VERSION:
-            raise KvtuneError(f"run settings version {d.get('version')!r} is not {SETTINGS_VERSION}; re-run the profile")
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise KvtuneError(f"run settings have unknown keys {sorted(unknown)}")
-        d = dict(d)
-        d["floors"] = tuple(d.get("floors", cls.floors))
-        return cls(**d)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.out) / self.run
-
-    @property
-    def report_path(self) -> Path:
-        return Path(self.reports) / f"{self.run}.html"
-
 
 @dataclass
 class ProfileResult:
@@ -213,21 +147,44 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
                             f"acc {100 * record['relative_accuracy']:.1f}%")
 
     on_stage("pareto + tables + report", 1)
+    run_info["timing_seconds"] = {"load_and_capture": t_capture, "evaluate": time.perf_counter() - t_start - t_capture}
+    result = finalize_run(run_dir, run_info=run_info)
+    on_progress(1)
+    return result
+
+
+def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> ProfileResult:
+    """Derive every output of a run from its trial store: Pareto front, policy tables, report.
+
+    Used at the end of :func:`run_profile` and by ``kvtune report`` to rebuild the outputs of
+    an existing run (for example after changing floors or the report). Needs no model.
+
+    Raises:
+        KvtuneError: the folder has no ``run.json`` or no trials.
+    """
+    run_dir = Path(run_dir)
+    if run_info is None:
+        if not (run_dir / "run.json").is_file():
+            raise KvtuneError(f"{run_dir}: no run.json; is it a kvtune run folder?")
+        run_info = json.loads((run_dir / "run.json").read_text())
+    settings = ProfileSettings.from_dict(run_info["settings"])
+    store = TrialStore(run_dir)
     trials = store.frame()
+    if trials.empty:
+        raise KvtuneError(f"{run_dir}: no finished trials yet")
     files = {"run": run_dir / "run.json", "trials": store.write_table()}
     pareto = pareto_front(trials)
-    files["pareto"] = run_dir / "pareto.parquet"
-    atomic_write_parquet(pareto, files["pareto"])
+    files["pareto"] = atomic_write_parquet(pareto, run_dir / "pareto.parquet")
     table = compile_policy_table(pareto, floors=settings.floors, model=settings.model,
-                                 workload=evaluator.workload, device=str(lm.device))
+                                 workload=run_info.get("workload", "continuation"),
+                                 device=run_info.get("model_info", {}).get("device", "cpu"))
     files["policy_table"] = run_dir / "policy_table.parquet"
     files["policy_table_json"] = run_dir / "policy_table.json"
     table.to_parquet(files["policy_table"])
     table.to_json(files["policy_table_json"])
-    run_info["timing_seconds"] = {"load_and_capture": t_capture, "total": time.perf_counter() - t_start}
     run_info["trials"] = len(trials)
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
-    files["report"] = write_report(trials, pareto, table, settings.report_path,
-                                   title=f"kvtune profile: {settings.run}", run_config=run_info)
-    on_progress(1)
+    report_path = Path(settings.reports) / f"{run_dir.name}.html"
+    files["report"] = write_report(trials, pareto, table, report_path,
+                                   title=f"kvtune profile: {run_dir.name}", run_config=run_info)
     return ProfileResult(settings=settings, trials=trials, pareto=pareto, table=table, files=files)

@@ -10,6 +10,7 @@ head_dim)``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,8 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF loader draws its own tqdm bar
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
@@ -133,6 +136,11 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
             f"--model {spec!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). "
             "Use a named asset (kvtune assets), a local .gguf file or a Hugging Face folder."
         ) from exc
+    finally:
+        if quiet is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
     model.to(dev).eval()
     lm = LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev)
     if getattr(lm.config, "num_hidden_layers", None) is None:

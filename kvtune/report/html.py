@@ -6,7 +6,7 @@ Rendering only: every number drawn comes from :mod:`kvtune.report.plot_data`. Th
    highlighted, hover text with label and numbers;
 2. two 2-D projections (ratio vs accuracy, ratio vs codec latency);
 3. per accuracy floor, predicted transfer time per GB of KV vs link bandwidth (Gbps, log x
-   from 1 to 400) along the policy-table envelope, colored by the chosen policy, with the
+   from 1 to 400, widened downwards to show every breakpoint) along the policy-table envelope, colored by the chosen policy, with the
    uncompressed line and the breakpoints (KVServe latency model and piecewise table,
    ``BRIEF.md`` Sec. 2);
 4. the Pareto policies and each floor's intervals as plain HTML tables;
@@ -257,12 +257,13 @@ def render_report(
             ),
         ),
     ]
-    unc = pdl.uncompressed_curve()
+    bw_range = pdl.bandwidth_range_for(table)
+    unc = pdl.uncompressed_curve(bandwidth_range_gbps=bw_range)
     for k, floor in enumerate(table.floors):
         fig = figure_envelope(
-            pdl.envelope_curve(table, floor),
+            pdl.envelope_curve(table, floor, bandwidth_range_gbps=bw_range),
             unc,
-            pdl.breakpoints_gbps(table, floor),
+            pdl.breakpoints_gbps(table, floor, bandwidth_range_gbps=bw_range),
             colors,
             accuracy_floor=floor,
         )

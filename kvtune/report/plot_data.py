@@ -133,6 +133,18 @@ def policy_colors(table: PolicyTable) -> dict[str, str]:
     return colors
 
 
+def bandwidth_range_for(table: PolicyTable) -> tuple[float, float]:
+    """Plot range in link Gbps: 1-400 Gbps, widened downwards to show every breakpoint.
+
+    On a slow codec device compression pays only below ~1 Gbps; a fixed 1-400 Gbps axis would
+    then show nothing but the uncompressed line.
+    """
+    bws = table.frame["bandwidth_lo_gbps"].to_numpy(dtype=float)
+    finite = bws[np.isfinite(bws) & (bws > 0)]
+    low = min([BANDWIDTH_RANGE_GBPS[0], *(finite / 3.0)])
+    return max(low, 1e-3), BANDWIDTH_RANGE_GBPS[1]
+
+
 def envelope_curve(
     table: PolicyTable,
     accuracy_floor: float,
