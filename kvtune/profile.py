@@ -120,7 +120,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     }
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
 
-    optimizer = make_optimizer(settings.optimizer, space.candidates, seed=settings.seed)
+    optimizer = make_optimizer(settings.optimizer, space, seed=settings.seed)
     for cand in space.candidates:
         if cand.policy_id in done:
             optimizer.tell(cand, done[cand.policy_id])

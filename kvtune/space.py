@@ -1,23 +1,44 @@
-"""Search spaces: YAML files whose Cartesian product of parameter values is the candidate set.
+"""Search spaces: typed parameters in YAML whose Cartesian product is the candidate set.
 
-A space file looks like::
+A space file (version 2) looks like::
 
-    version: 1
+    version: 2
     name: default
     description: KIVI-style uniform quantization with and without Hadamard rotation
-    fixed:                       # set on every candidate
+    fixed:                          # set on every candidate
       codec: bitpack
       key.name: uniform
-    parameters:                  # every combination of these values is a candidate
-      transforms: [identity, hadamard]     # "a+b" composes transforms in order
-      key.bits: [2, 3, 4, 8]
-      key.granularity: [per_channel, per_token]
+    parameters:
+      transforms:                   # categorical: unordered choices; "a+b" composes transforms
+        type: categorical
+        values: [identity, hadamard]
+      key.bits:                     # ordinal: ordered numbers
+        type: ordinal
+        values: [2, 3, 4, 8]
+        precision: increasing       # a larger value is more precise (used by pruning)
+      key.group_size:
+        type: ordinal
+        values: [32, 64]
+        precision: decreasing
+      key.fraction:                 # float: a numeric grid, embedded on [low, high]
+        type: float
+        values: [0.125, 0.25, 0.5]
+        when: {key.name: mixhq}     # conditional: only set when key.name is mixhq
+    forbidden:                      # combinations that are dropped (every listed key matches)
+      - {key.granularity: per_token, key.bits: 2}
+
+A parameter may also be written as a bare list (version 1 files): strings make it
+categorical, numbers ordinal without a precision direction.
 
 Keys are dotted paths into a policy configuration (see :class:`kvtune.codecs.PolicyConfig`):
 ``transforms``, ``codec``, ``codec.<param>``, ``key.<param>``, ``value.<param>``, and
-``kv.<param>`` which sets the key and the value quantizer alike. Unknown top-level keys, empty
-value lists, values of the wrong kind and parameter values the components reject are
-:class:`SpaceError` naming the file, the line and the key.
+``kv.<param>`` which sets the key and the value quantizer alike. A ``when`` condition compares
+other keys (fixed or parameter) with a value or a list of accepted values; a parameter whose
+condition fails is left unset, and candidates that become identical are kept once.
+
+Every mistake — unknown keys, empty value lists, values of the wrong type, conditions on
+unknown keys, values the components reject, an empty space — is a :class:`SpaceError` naming
+the file, the line and the key.
 """
 
 from __future__ import annotations
@@ -27,13 +48,72 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from kvtune.errors import ConfigError, SpaceError
 
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
-TOP_LEVEL_KEYS = {"version", "name", "description", "fixed", "parameters"}
-SUPPORTED_VERSIONS = {1}
+TOP_LEVEL_KEYS = {"version", "name", "description", "fixed", "parameters", "forbidden"}
+PARAM_KEYS = {"type", "values", "precision", "when", "low", "high"}
+PARAM_TYPES = ("categorical", "ordinal", "float")
+PRECISION = ("increasing", "decreasing", "none")
+SUPPORTED_VERSIONS = {1, 2}
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One searched parameter.
+
+    Attributes:
+        key: dotted path (``key.bits``).
+        type: ``categorical`` (unordered), ``ordinal`` (ordered numbers) or ``float``.
+        values: the enumerated values, in file order.
+        precision: for numeric parameters, whether a larger value is more precise
+            (``increasing``, e.g. bits), less precise (``decreasing``, e.g. group size) or
+            neither (``none``). Bidirectional pruning only reasons along these directions.
+        when: condition ``{other key: accepted values}``; empty = always active.
+        low, high: embedding range of numeric parameters (default: min and max of values).
+    """
+
+    key: str
+    type: str
+    values: tuple[Any, ...]
+    precision: str = "none"
+    when: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def is_numeric(self) -> bool:
+        return self.type in ("ordinal", "float")
+
+    def active(self, assignment: dict[str, Any]) -> bool:
+        """Whether the condition holds for an assignment of the other keys."""
+        return all(assignment.get(k) in accepted for k, accepted in self.when)
+
+    def embed(self, value: Any) -> np.ndarray:
+        """Feature vector of one value: one-hot for categoricals, min-max scaled numerics.
+
+        An inactive parameter (``value is None``) embeds as zeros.
+
+        Returns:
+            float64 array of length :attr:`width`.
+        """
+        if self.type == "categorical":
+            out = np.zeros(len(self.values))
+            if value is not None:
+                out[self.values.index(value)] = 1.0
+            return out
+        if value is None:
+            return np.zeros(1)
+        lo = float(min(self.values) if self.low is None else self.low)
+        hi = float(max(self.values) if self.high is None else self.high)
+        return np.array([0.0 if hi == lo else (float(value) - lo) / (hi - lo)])
+
+    @property
+    def width(self) -> int:
+        return len(self.values) if self.type == "categorical" else 1
 
 
 @dataclass(frozen=True)
@@ -42,7 +122,7 @@ class Candidate:
 
     Attributes:
         index: position in the space's enumeration order.
-        params: the flat ``{dotted key: value}`` assignment that produced it.
+        params: the active ``{dotted key: value}`` assignment (fixed keys excluded).
         config: the :class:`~kvtune.codecs.PolicyConfig`.
     """
 
@@ -57,17 +137,62 @@ class Candidate:
 
 @dataclass
 class SearchSpace:
-    """A parsed search space: its name, source file and de-duplicated candidates."""
+    """A parsed search space: its parameters and de-duplicated candidates.
+
+    Attributes:
+        name, path, description: from the file.
+        parameters: the searched :class:`Parameter` s, in file order.
+        fixed: keys set on every candidate.
+        candidates: the enumeration, duplicates (same policy id) removed.
+    """
 
     name: str
     path: Path
     description: str
-    parameters: dict[str, list[Any]]
+    parameters: list[Parameter]
     fixed: dict[str, Any]
     candidates: list[Candidate] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.candidates)
+
+    def features(self) -> np.ndarray:
+        """GP embedding of every candidate: ``(n_candidates, d)`` float64 in [0, 1].
+
+        Concatenation over parameters of :meth:`Parameter.embed` (one-hot categoricals,
+        min-max scaled numerics, zeros where a conditional parameter is inactive).
+        """
+        rows = [np.concatenate([p.embed(c.params.get(p.key)) for p in self.parameters]) for c in self.candidates]
+        return np.vstack(rows) if rows else np.zeros((0, sum(p.width for p in self.parameters)))
+
+    def family(self, candidate: Candidate) -> tuple:
+        """Hashable family key: the candidate's categorical values and which parameters are
+        active. Candidates of one family differ only in numeric parameters."""
+        return tuple(
+            (p.key, candidate.params.get(p.key) if p.type == "categorical" else p.key in candidate.params)
+            for p in self.parameters
+        )
+
+    def at_most_as_precise(self, a: Candidate, b: Candidate) -> bool:
+        """True when ``a`` is in ``b``'s family and no numeric parameter of ``a`` is more
+        precise than ``b``'s, and parameters without a precision direction are equal.
+
+        This is the partial order bidirectional pruning relies on: if ``b`` misses an accuracy
+        floor, so (by assumption of monotonicity) does every ``a`` with this relation.
+        """
+        if self.family(a) != self.family(b):
+            return False
+        for p in self.parameters:
+            if not p.is_numeric or p.key not in a.params:
+                continue
+            va, vb = a.params[p.key], b.params[p.key]
+            if p.precision == "increasing" and va > vb:
+                return False
+            if p.precision == "decreasing" and va < vb:
+                return False
+            if p.precision == "none" and va != vb:
+                return False
+        return True
 
 
 def resolve_space_path(spec: str) -> Path:
@@ -90,6 +215,9 @@ def assignment_to_policy_dict(params: dict[str, Any]) -> dict[str, Any]:
     ``{"transforms": "affine+hadamard", "kv.bits": 4, "codec": "bitpack"}`` ->
     ``{"transforms": ["affine", "hadamard"], "key": {"bits": 4}, "value": {"bits": 4},
     "codec": {"name": "bitpack"}}``.
+
+    Raises:
+        ConfigError: a key outside ``transforms``, ``codec``, ``key``, ``value``, ``kv``.
     """
     out: dict[str, Any] = {}
     for key, value in params.items():
@@ -103,27 +231,85 @@ def assignment_to_policy_dict(params: dict[str, Any]) -> dict[str, Any]:
         targets = ["key", "value"] if head == "kv" else [head]
         for t in targets:
             if t not in ("key", "value", "codec"):
-                raise ConfigError(f"unknown key {key!r}: expected transforms, codec[.param], key.<param>, value.<param> or kv.<param>")
+                raise ConfigError(
+                    f"unknown key {key!r}: expected transforms, codec[.param], key.<param>, value.<param> or kv.<param>"
+                )
             slot = out.setdefault(t, {})
             slot["name" if not rest else rest] = value
     return out
 
 
-def _line_of(node: yaml.Node | None, key: str) -> int | None:
-    """1-based line of ``key`` inside a composed YAML mapping node, if found."""
-    if isinstance(node, yaml.MappingNode):
-        for k, _ in node.value:
-            if getattr(k, "value", None) == key:
-                return k.start_mark.line + 1
-    return None
+# ----------------------------------------------------------------------------- YAML parsing
 
 
-def _child(node: yaml.Node | None, key: str) -> yaml.Node | None:
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            if getattr(k, "value", None) == key:
-                return v
-    return None
+class _Where:
+    """File:line locator for keys of a composed YAML document."""
+
+    def __init__(self, path: Path, root: yaml.Node | None) -> None:
+        self.path, self.root = path, root
+
+    @staticmethod
+    def child(node: yaml.Node | None, key: str) -> yaml.Node | None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if getattr(k, "value", None) == key:
+                    return v
+        return None
+
+    def __call__(self, *keys: str) -> str:
+        node, line = self.root, None
+        for key in keys:
+            if isinstance(node, yaml.MappingNode):
+                for k, v in node.value:
+                    if getattr(k, "value", None) == key:
+                        line, node = k.start_mark.line + 1, v
+                        break
+                else:
+                    break
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def _accepted(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _parse_parameter(key: str, spec: Any, where: _Where) -> Parameter:
+    loc = where("parameters", key)
+    if isinstance(spec, list):
+        spec = {"values": spec}
+        spec["type"] = "categorical" if any(isinstance(v, str) for v in spec["values"]) else "ordinal"
+    if not isinstance(spec, dict):
+        raise SpaceError(f"{loc}: parameter {key!r} must be a list of values or a mapping with 'values'")
+    for k in spec:
+        if k not in PARAM_KEYS:
+            raise SpaceError(f"{loc}: parameter {key!r} has unknown field {k!r} (allowed: {', '.join(sorted(PARAM_KEYS))})")
+    values = spec.get("values")
+    if not isinstance(values, list) or not values:
+        raise SpaceError(f"{loc}: parameter {key!r} must be a non-empty list of values")
+    if any(isinstance(v, (dict, list)) for v in values):
+        raise SpaceError(f"{loc}: parameter {key!r} has a non-scalar value; use scalars")
+    if len(set(map(repr, values))) != len(values):
+        raise SpaceError(f"{loc}: parameter {key!r} lists a value twice")
+    ptype = spec.get("type", "categorical")
+    if ptype not in PARAM_TYPES:
+        raise SpaceError(f"{loc}: parameter {key!r} has type {ptype!r}; allowed: {', '.join(PARAM_TYPES)}")
+    if ptype != "categorical" and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise SpaceError(f"{loc}: {ptype} parameter {key!r} needs numeric values, got {values}")
+    if ptype == "ordinal" and list(values) != sorted(values):
+        raise SpaceError(f"{loc}: ordinal parameter {key!r} must list its values in increasing order")
+    precision = spec.get("precision", "none")
+    if precision not in PRECISION or (precision != "none" and ptype == "categorical"):
+        raise SpaceError(f"{loc}: parameter {key!r}: precision must be one of {PRECISION} (numeric types only)")
+    when = spec.get("when", {}) or {}
+    if not isinstance(when, dict):
+        raise SpaceError(f"{loc}: parameter {key!r}: 'when' must be a mapping of key -> value or list of values")
+    low, high = spec.get("low"), spec.get("high")
+    try:
+        assignment_to_policy_dict({key: values[0]})
+    except ConfigError as exc:
+        raise SpaceError(f"{loc}: {exc}") from None
+    return Parameter(key=key, type=ptype, values=tuple(values), precision=precision,
+                     when=tuple((k, _accepted(v)) for k, v in when.items()), low=low, high=high)
 
 
 def load_space(spec: str | Path) -> SearchSpace:
@@ -137,8 +323,9 @@ def load_space(spec: str | Path) -> SearchSpace:
         policy reached by two assignments) removed.
 
     Raises:
-        SpaceError: unreadable YAML, unknown or missing keys, empty value lists, values the
-            components reject, or an empty space; the message names file, line and key.
+        SpaceError: unreadable YAML, unknown or missing keys, bad types or values, conditions
+            on unknown keys, values the components reject, or an empty space; the message
+            names file, line and key.
     """
     from kvtune.codecs import PolicyConfig
 
@@ -151,56 +338,60 @@ def load_space(spec: str | Path) -> SearchSpace:
         raise SpaceError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise SpaceError(f"{path}: top level must be a mapping with keys {sorted(TOP_LEVEL_KEYS)}")
-
-    def where(parent: yaml.Node | None, key: str) -> str:
-        line = _line_of(parent, key)
-        return f"{path}:{line}" if line else str(path)
-
+    where = _Where(path, root)
     for key in data:
         if key not in TOP_LEVEL_KEYS:
-            raise SpaceError(f"{where(root, key)}: unknown key {key!r} (allowed: {', '.join(sorted(TOP_LEVEL_KEYS))})")
+            raise SpaceError(f"{where(key)}: unknown key {key!r} (allowed: {', '.join(sorted(TOP_LEVEL_KEYS))})")
     version = data.get("version", 1)
     if version not in SUPPORTED_VERSIONS:
-        raise SpaceError(f"{where(root, 'version')}: unsupported space version {version!r} (supported: 1)")
-    params = data.get("parameters")
-    if not isinstance(params, dict) or not params:
-        raise SpaceError(f"{where(root, 'parameters')}: 'parameters' must be a non-empty mapping of key -> list of values")
+        raise SpaceError(f"{where('version')}: unsupported space version {version!r} (supported: 1, 2)")
+    raw_params = data.get("parameters")
+    if not isinstance(raw_params, dict) or not raw_params:
+        raise SpaceError(f"{where('parameters')}: 'parameters' must be a non-empty mapping of key -> values")
     fixed = data.get("fixed") or {}
     if not isinstance(fixed, dict):
-        raise SpaceError(f"{where(root, 'fixed')}: 'fixed' must be a mapping of key -> value")
-    pnode, fnode = _child(root, "parameters"), _child(root, "fixed")
-    for key, values in params.items():
-        if not isinstance(values, list) or not values:
-            raise SpaceError(f"{where(pnode, key)}: parameter {key!r} must be a non-empty list of values")
-        for v in values:
-            if isinstance(v, dict):
-                raise SpaceError(f"{where(pnode, key)}: parameter {key!r} has a mapping value {v!r}; use scalars")
-        try:
-            assignment_to_policy_dict({key: values[0]})
-        except ConfigError as exc:
-            raise SpaceError(f"{where(pnode, key)}: {exc}") from None
+        raise SpaceError(f"{where('fixed')}: 'fixed' must be a mapping of key -> value")
     for key in fixed:
-        if key in params:
-            raise SpaceError(f"{where(fnode, key)}: {key!r} is both fixed and a parameter")
+        if key in raw_params:
+            raise SpaceError(f"{where('fixed', key)}: {key!r} is both fixed and a parameter")
+        try:
+            assignment_to_policy_dict({key: fixed[key]})
+        except ConfigError as exc:
+            raise SpaceError(f"{where('fixed', key)}: {exc}") from None
+    params = [_parse_parameter(k, v, where) for k, v in raw_params.items()]
+    known = set(fixed) | set(raw_params)
+    for p in params:
+        for k, _ in p.when:
+            if k not in known:
+                raise SpaceError(f"{where('parameters', p.key)}: condition on unknown key {k!r}")
+    forbidden = data.get("forbidden") or []
+    if not isinstance(forbidden, list) or not all(isinstance(f, dict) and f for f in forbidden):
+        raise SpaceError(f"{where('forbidden')}: 'forbidden' must be a list of non-empty mappings key -> value(s)")
+    for rule in forbidden:
+        for k in rule:
+            if k not in known:
+                raise SpaceError(f"{where('forbidden')}: forbidden rule {rule} names unknown key {k!r}")
+    rules = [{k: _accepted(v) for k, v in rule.items()} for rule in forbidden]
 
-    keys = list(params)
     candidates: list[Candidate] = []
     seen: set[str] = set()
-    for combo in itertools.product(*(params[k] for k in keys)):
-        assignment = {**fixed, **dict(zip(keys, combo))}
+    for combo in itertools.product(*(p.values for p in params)):
+        full = {**fixed, **{p.key: v for p, v in zip(params, combo)}}
+        active = {p.key: full[p.key] for p in params if p.active(full)}
+        assignment = {**fixed, **active}
+        if any(all(assignment.get(k) in acc for k, acc in rule.items()) for rule in rules):
+            continue
         try:
             config = PolicyConfig.from_dict(assignment_to_policy_dict(assignment))
         except ConfigError as exc:
-            bad = next((k for k in keys if k.split(".")[-1] in str(exc)), None)
-            loc = where(pnode, bad) if bad else str(path)
+            bad = next((p.key for p in params if p.key.split(".")[-1] in str(exc)), None)
+            loc = where("parameters", bad) if bad else str(path)
             raise SpaceError(f"{loc}: candidate {assignment} is invalid: {exc}") from None
         if config.policy_id in seen:
             continue
         seen.add(config.policy_id)
-        candidates.append(Candidate(index=len(candidates), params=dict(zip(keys, combo)), config=config))
+        candidates.append(Candidate(index=len(candidates), params=active, config=config))
     if not candidates:
-        raise SpaceError(f"{path}: the space is empty")
-    return SearchSpace(
-        name=str(data.get("name") or path.stem), path=path, description=str(data.get("description", "")),
-        parameters=params, fixed=fixed, candidates=candidates,
-    )
+        raise SpaceError(f"{path}: the space is empty (every combination is forbidden or invalid)")
+    return SearchSpace(name=str(data.get("name") or path.stem), path=path, description=str(data.get("description", "")),
+                       parameters=params, fixed=fixed, candidates=candidates)

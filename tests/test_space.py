@@ -1,9 +1,10 @@
-"""Search-space YAML: enumeration and clear errors naming file, line and key."""
+"""Search-space YAML: enumeration, conditions, forbidden rules, embedding, and clear errors."""
 
 from __future__ import annotations
 
 import textwrap
 
+import numpy as np
 import pytest
 
 from kvtune.errors import SpaceError
@@ -41,6 +42,60 @@ def test_kv_shortcut_sets_both_quantizers(tmp_path):
     assert [(c.config.key.bits, c.config.value.bits) for c in space.candidates] == [(2, 2), (4, 4)]
 
 
+def test_conditions_and_forbidden(tmp_path):
+    p = _write(tmp_path, """\
+        version: 2
+        fixed: {codec: bitpack, value.name: uniform}
+        parameters:
+          key.name: {type: categorical, values: [uniform, none]}
+          key.bits: {type: ordinal, values: [2, 4, 8], precision: increasing, when: {key.name: uniform}}
+          key.granularity: {type: categorical, values: [per_channel, per_token], when: {key.name: uniform}}
+        forbidden:
+          - {key.granularity: per_token, key.bits: 2}
+        """)
+    space = load_space(p)
+    # uniform: 3 bits x 2 granularities - 1 forbidden = 5; none: the conditional params collapse to 1
+    assert len(space) == 6
+    none = [c for c in space.candidates if c.params["key.name"] == "none"]
+    assert len(none) == 1 and none[0].params == {"key.name": "none"}
+    assert not any(c.params.get("key.granularity") == "per_token" and c.params.get("key.bits") == 2 for c in space.candidates)
+
+
+def test_embedding_one_hot_and_min_max(tmp_path):
+    p = _write(tmp_path, """\
+        version: 2
+        fixed: {codec: bitpack, kv.name: uniform}
+        parameters:
+          transforms: {type: categorical, values: [identity, hadamard]}
+          kv.bits: {type: ordinal, values: [2, 4, 8], precision: increasing}
+        """)
+    space = load_space(p)
+    feats = space.features()
+    assert feats.shape == (6, 3)
+    byparams = {(c.params["transforms"], c.params["kv.bits"]): f for c, f in zip(space.candidates, feats)}
+    np.testing.assert_allclose(byparams[("hadamard", 4)], [0.0, 1.0, (4 - 2) / (8 - 2)])
+    np.testing.assert_allclose(byparams[("identity", 8)], [1.0, 0.0, 1.0])
+
+
+def test_precision_partial_order():
+    space = load_space("default")
+    by = {tuple(sorted(c.params.items())): c for c in space.candidates}
+
+    def get(**kw):
+        base = {"transforms": "identity", "key.bits": 4, "key.granularity": "per_channel", "key.group_size": 32,
+                "value.bits": 4, "value.group_size": 32}
+        base.update({k.replace("_", ".", 1) if k.startswith(("key_", "value_")) else k: v for k, v in kw.items()})
+        return by[tuple(sorted(base.items()))]
+
+    ref = get()
+    assert space.at_most_as_precise(get(key_bits=2), ref)
+    assert space.at_most_as_precise(get(key_bits=2, value_group_size=64), ref)
+    assert not space.at_most_as_precise(get(key_bits=8), ref)
+    assert not space.at_most_as_precise(get(key_bits=2, value_bits=8), ref)
+    assert not space.at_most_as_precise(get(key_bits=2, transforms="hadamard"), ref)  # other family
+    assert space.at_most_as_precise(ref, ref)
+
+
 @pytest.mark.parametrize(
     "body, pattern",
     [
@@ -52,6 +107,14 @@ def test_kv_shortcut_sets_both_quantizers(tmp_path):
         ("version: 7\nparameters: {kv.bits: [4]}\n", "unsupported space version 7"),
         ("parameters: [1, 2\n", "not valid YAML"),
         ("fixed: {kv.bits: 2}\nparameters: {kv.bits: [4]}\n", "both fixed and a parameter"),
+        ("parameters:\n  kv.bits: {type: ordinal, values: [4, 2]}\n", r"s\.yaml:2: .*increasing order"),
+        ("parameters:\n  kv.bits: {type: integer, values: [2]}\n", r"s\.yaml:2: .*has type 'integer'"),
+        ("parameters:\n  kv.bits: {values: [2], colour: red}\n", r"s\.yaml:2: .*unknown field 'colour'"),
+        ("parameters:\n  kv.bits: {type: ordinal, values: [2, x]}\n", "needs numeric values"),
+        ("parameters:\n  kv.bits: {type: ordinal, values: [2], when: {kv.name: mixhq}}\n", "condition on unknown key 'kv.name'"),
+        ("parameters:\n  kv.bits: [2, 4]\nforbidden:\n  - {kv.colour: 2}\n", "unknown key 'kv.colour'"),
+        ("fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n  kv.bits: [2]\nforbidden:\n  - {kv.bits: 2}\n", "space is empty"),
+        ("parameters:\n  kv.bits: {type: categorical, values: [2], precision: increasing}\n", "precision must be"),
     ],
 )
 def test_bad_spaces_name_file_line_key(tmp_path, body, pattern):

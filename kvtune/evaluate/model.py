@@ -10,7 +10,6 @@ head_dim)``.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,8 +125,13 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF loader draws its own tqdm bar
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - transformers without GGUF support
+        gguf_utils = None
+    saved_tqdm = getattr(gguf_utils, "tqdm", None)
+    if saved_tqdm is not None:  # the GGUF loader draws its own tqdm bar; kvtune shows progress itself
+        gguf_utils.tqdm = lambda iterable, *a, **k: iterable
     try:
         tokenizer = AutoTokenizer.from_pretrained(src, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kwargs)
@@ -137,10 +141,8 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
             "Use a named asset (kvtune assets), a local .gguf file or a Hugging Face folder."
         ) from exc
     finally:
-        if quiet is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
+        if saved_tqdm is not None:
+            gguf_utils.tqdm = saved_tqdm
     model.to(dev).eval()
     lm = LoadedModel(name=spec, model=model, tokenizer=tokenizer, device=dev)
     if getattr(lm.config, "num_hidden_layers", None) is None:

@@ -10,11 +10,13 @@ stored results through :meth:`tell` before asking again.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kvtune.errors import ConfigError
-from kvtune.space import Candidate
+from kvtune.space import Candidate, SearchSpace
 
 OPTIMIZERS: dict[str, type["Optimizer"]] = {}
 
@@ -34,15 +36,25 @@ class Optimizer(ABC):
     """Base class: proposes candidates, receives their results.
 
     Args:
-        candidates: the whole discrete space, in enumeration order.
+        space: the discrete search space (candidates in enumeration order, their GP features,
+            their families and precision order).
         seed: makes the proposal sequence reproducible.
+        q_min: the accuracy floor (fraction) for constrained optimizers.
+        ratios: ``(n_candidates,)`` float64 compression ratios measured up front (cheap: no
+            model forward pass), or ``None`` when not available.
     """
 
     name: str = "base"
 
-    def __init__(self, candidates: Sequence[Candidate], *, seed: int = 0) -> None:
-        self.candidates = list(candidates)
+    def __init__(self, space: SearchSpace, *, seed: int = 0, q_min: float = 0.97,
+                 ratios: np.ndarray | None = None) -> None:
+        self.space = space
+        self.candidates = list(space.candidates)
         self.seed = seed
+        self.q_min = q_min
+        self.ratios = None if ratios is None else np.asarray(ratios, dtype=np.float64)
+        if self.ratios is not None and self.ratios.shape != (len(self.candidates),):
+            raise ValueError(f"ratios has shape {self.ratios.shape}, expected ({len(self.candidates)},)")
         self.told: dict[int, dict[str, Any]] = {}
 
     @abstractmethod
@@ -59,12 +71,13 @@ class Optimizer(ABC):
         return [c for c in self.candidates if c.index not in self.told]
 
 
-def make_optimizer(name: str, candidates: Sequence[Candidate], *, seed: int = 0) -> Optimizer:
-    """Instantiate a registered optimizer.
+def make_optimizer(name: str, space: SearchSpace, *, seed: int = 0, q_min: float = 0.97,
+                   ratios: np.ndarray | None = None) -> Optimizer:
+    """Instantiate a registered optimizer (arguments as in :class:`Optimizer`).
 
     Raises:
         ConfigError: unknown optimizer name (the message lists the known ones).
     """
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZERS))}")
-    return OPTIMIZERS[name](candidates, seed=seed)
+    return OPTIMIZERS[name](space, seed=seed, q_min=q_min, ratios=ratios)

@@ -21,10 +21,10 @@ class ExhaustiveOptimizer(Optimizer):
 class RandomOptimizer(Optimizer):
     """Uniform sampling without replacement; the order is a fixed permutation of the seed."""
 
-    def __init__(self, candidates, *, seed: int = 0) -> None:
-        super().__init__(candidates, seed=seed)
+    def __init__(self, space, **kwargs) -> None:
+        super().__init__(space, **kwargs)
         self._order = list(range(len(self.candidates)))
-        random.Random(seed).shuffle(self._order)
+        random.Random(self.seed).shuffle(self._order)
 
     def ask(self) -> Candidate | None:
         for i in self._order:
