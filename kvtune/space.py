@@ -43,7 +43,6 @@ the file, the line and the key.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +163,22 @@ class SearchSpace:
         """
         rows = [np.concatenate([p.embed(c.params.get(p.key)) for p in self.parameters]) for c in self.candidates]
         return np.vstack(rows) if rows else np.zeros((0, sum(p.width for p in self.parameters)))
+
+    @property
+    def needs_head_scores(self) -> bool:
+        """Whether some candidate ranks KV heads (MixHQ) and still lacks calibration scores."""
+        return any(c.config.needs_head_scores for c in self.candidates)
+
+    def with_head_scores(self, scores) -> "SearchSpace":
+        """A copy whose candidates carry MixHQ head scores from a calibration pass.
+
+        Args:
+            scores: ``scores[layer][kv_head]`` (see :mod:`kvtune.evaluate.calibrate`).
+        """
+        cands = [Candidate(index=c.index, params=c.params, config=c.config.with_head_scores(scores))
+                 for c in self.candidates]
+        return SearchSpace(name=self.name, path=self.path, description=self.description,
+                           parameters=self.parameters, fixed=self.fixed, candidates=cands)
 
     def family(self, candidate: Candidate) -> tuple:
         """Hashable family key: the candidate's categorical values and which parameters are
@@ -312,8 +327,79 @@ def _parse_parameter(key: str, spec: Any, where: _Where) -> Parameter:
                      when=tuple((k, _accepted(v)) for k, v in when.items()), low=low, high=high)
 
 
+def presets_space(path: Path) -> SearchSpace:
+    """A space whose candidates are the named policies of a presets file (``--space presets``).
+
+    Each candidate has the single categorical parameter ``preset`` = its name, so trials and
+    reports can mark presets. The file format is :mod:`kvtune.codecs.presets`.
+
+    Raises:
+        SpaceError: the presets file is invalid (the message names file, line and preset).
+    """
+    from kvtune.codecs.presets import read_presets
+
+    try:
+        presets = read_presets(path)
+        configs = {name: p.config() for name, p in presets.items()}
+    except ConfigError as exc:
+        raise SpaceError(str(exc)) from None
+    names = tuple(configs)
+    param = Parameter(key="preset", type="categorical", values=names)
+    candidates = [Candidate(index=i, params={"preset": n}, config=configs[n]) for i, n in enumerate(names)]
+    return SearchSpace(name=path.stem, path=path, description="published baselines as fixed policies",
+                       parameters=[param], fixed={}, candidates=candidates)
+
+
+def sorted_params(active: dict[str, Any], params: list[Parameter]) -> list[tuple[str, Any]]:
+    """Active parameters in file order."""
+    return [(p.key, active[p.key]) for p in params if p.key in active]
+
+
+def _dependency_order(params: list[Parameter], where: _Where) -> list[Parameter]:
+    """Parameters ordered so that every condition's keys are assigned before it is tested.
+
+    Raises:
+        SpaceError: conditions that depend on each other in a cycle.
+    """
+    keys = {p.key for p in params}
+    ordered: list[Parameter] = []
+    placed: set[str] = set()
+    pending = list(params)
+    while pending:
+        ready = [p for p in pending if all(k in placed or k not in keys for k, _ in p.when)]
+        if not ready:
+            raise SpaceError(f"{where('parameters', pending[0].key)}: conditions form a cycle among "
+                             f"{', '.join(p.key for p in pending)}")
+        for p in ready:
+            ordered.append(p)
+            placed.add(p.key)
+            pending.remove(p)
+    return ordered
+
+
+def _active_assignments(params: list[Parameter], fixed: dict[str, Any], where: _Where):
+    """Yield each distinct active assignment once: a depth-first product in which a parameter
+    whose condition fails takes no value (so it does not multiply the enumeration)."""
+    order = _dependency_order(params, where)
+
+    def walk(i: int, assigned: dict[str, Any]):
+        if i == len(order):
+            yield dict(assigned)
+            return
+        p = order[i]
+        if not p.active({**fixed, **assigned}):
+            yield from walk(i + 1, assigned)
+            return
+        for v in p.values:
+            assigned[p.key] = v
+            yield from walk(i + 1, assigned)
+        del assigned[p.key]
+
+    yield from walk(0, {})
+
+
 def load_space(spec: str | Path) -> SearchSpace:
-    """Parse and enumerate a search space.
+    """Parse and enumerate a search space (or a presets file, see :func:`presets_space`).
 
     Args:
         spec: a path to a YAML file, or the name of a file in ``search_spaces/``.
@@ -338,6 +424,8 @@ def load_space(spec: str | Path) -> SearchSpace:
         raise SpaceError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise SpaceError(f"{path}: top level must be a mapping with keys {sorted(TOP_LEVEL_KEYS)}")
+    if "presets" in data:
+        return presets_space(path)
     where = _Where(path, root)
     for key in data:
         if key not in TOP_LEVEL_KEYS:
@@ -375,9 +463,7 @@ def load_space(spec: str | Path) -> SearchSpace:
 
     candidates: list[Candidate] = []
     seen: set[str] = set()
-    for combo in itertools.product(*(p.values for p in params)):
-        full = {**fixed, **{p.key: v for p, v in zip(params, combo)}}
-        active = {p.key: full[p.key] for p in params if p.active(full)}
+    for active in _active_assignments(params, fixed, where):
         assignment = {**fixed, **active}
         if any(all(assignment.get(k) in acc for k, acc in rule.items()) for rule in rules):
             continue
@@ -390,7 +476,7 @@ def load_space(spec: str | Path) -> SearchSpace:
         if config.policy_id in seen:
             continue
         seen.add(config.policy_id)
-        candidates.append(Candidate(index=len(candidates), params=active, config=config))
+        candidates.append(Candidate(index=len(candidates), params=dict(sorted_params(active, params)), config=config))
     if not candidates:
         raise SpaceError(f"{path}: the space is empty (every combination is forbidden or invalid)")
     return SearchSpace(name=str(data.get("name") or path.stem), path=path, description=str(data.get("description", "")),

@@ -1,13 +1,14 @@
 """Tests of the codec library: every registered transform x quantizer x codec, the wire format.
 
 Inputs are synthetic heavy-tailed tensors (Student-t, 3 degrees of freedom, with a few outlier
-channels scaled x20, as keys have); tests on real model KV live elsewhere.
+channels scaled x20, as keys have); tests on real model KV live elsewhere. Presets are tested in
+``test_presets.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
+import importlib
 import math
 import struct
 
@@ -33,9 +34,21 @@ from kvtune.codecs import (
     original_nbytes,
     read_header,
 )
+from kvtune.codecs.base import BF16_BITS, plan_segments
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
+from kvtune.codecs.fp8 import FP8Quantizer
+from kvtune.codecs.mixhq import MixHQ, rank_heads
+from kvtune.codecs.policy import apply_transforms, invert_transforms, transform_min_bits
 from kvtune.codecs.stream import write_stream
-from kvtune.codecs.transforms import block_hadamard_matrix, power_of_two_blocks, random_signs
+from kvtune.codecs.transforms import (
+    Affine,
+    Delta,
+    block_hadamard_matrix,
+    delta_decode,
+    delta_encode,
+    power_of_two_blocks,
+    random_signs,
+)
 from kvtune.errors import (
     ConfigError,
     CorruptStreamError,
@@ -44,6 +57,24 @@ from kvtune.errors import (
     StreamVersionError,
     TruncatedStreamError,
 )
+
+# Codec modules written alongside this library: tested here as soon as they exist, so that the
+# registry (and the completeness check below) does not depend on test collection order.
+for _module in ("kvtune.codecs.range_coder", "kvtune.codecs.zstd_codec"):
+    try:
+        importlib.import_module(_module)
+    except ImportError:
+        pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread is faster and immune to CPU contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # ----------------------------------------------------------------------------- data
 
@@ -72,13 +103,20 @@ def make_kv(shapes, *, dtype=torch.float32, seed: int = 0):
 
 
 # ragged token counts (100, 37 vs groups of 32/48), head_dim 96 (64 + 32 Hadamard blocks),
-# a single token, and an empty layer
+# a single token, and an empty layer; encoded at layer_offset 3 (layers 3..6)
 MATRIX_SHAPES = [
     ((1, 2, 100, 64), (1, 2, 100, 64)),
     ((2, 1, 37, 96), (2, 1, 37, 96)),
     ((1, 2, 1, 64), (1, 2, 1, 64)),
     ((1, 2, 0, 64), (1, 2, 0, 64)),
 ]
+MATRIX_OFFSET = 3
+
+# per-layer retrieval scores for mixhq, layers 0..6 with the matrix's head counts at layers 3..6;
+# at fraction 0.25 the top 3 of 13 heads are (2, 0), (5, 1), (4, 0): layer 3 is all low, layer
+# 4 all high, layer 5 split, layer 6 all low.
+SCORES = ((0.1, 0.5), (0.3, 0.2), (0.9, 0.05), (0.4, 0.6), (0.7,), (0.2, 0.8), (0.35, 0.1))
+SPLIT_LAYER = 5  # two heads, one high one low
 
 # ----------------------------------------------------------------------------- the matrix
 # Every registered component must have examples here: registering a new one without adding it
@@ -87,6 +125,8 @@ MATRIX_SHAPES = [
 TRANSFORM_EXAMPLES = {
     "identity": [Identity()],
     "hadamard": [Hadamard(), Hadamard(seed=7)],
+    "delta": [Delta(), Delta(group_size=4, anchor_bits=8), Delta(group_size=32, anchor_bits=BF16_BITS)],
+    "affine": [Affine(), Affine(statistic="absmax", shift=True)],
 }
 QUANTIZER_EXAMPLES = {
     "uniform": [
@@ -101,23 +141,76 @@ QUANTIZER_EXAMPLES = {
         UniformQuantizer(bits=7, symmetric=True, granularity="per_token", group_size=0),
         UniformQuantizer(bits=8, granularity="per_token", group_size=32),
         UniformQuantizer(bits=8, symmetric=True, granularity="per_channel", group_size=32),
+        # bfloat16 windows and layer schedules (layers 3 and 4 of the matrix are "shallow")
+        UniformQuantizer(bits=2, granularity="per_channel", group_size=32, sink_tokens=4, recent_tokens=16),
+        UniformQuantizer(bits=3, granularity="per_token", group_size=32, shallow_layers=5, shallow_bits=6),
+        UniformQuantizer(bits=2, symmetric=True, granularity="per_token", group_size=16, recent_tokens=40,
+                         shallow_layers=4, shallow_bits=BF16_BITS),
     ],
     "none": [NoQuantizer()],
+    "mixhq": [
+        MixHQ(head_scores=SCORES),
+        MixHQ(fraction=0.5, high_bits=BF16_BITS, low_bits=1, granularity="per_channel", group_size=16,
+              recent_tokens=8, head_scores=SCORES),
+        MixHQ(fraction=1.0, high_bits=4, low_bits=3, symmetric=True, group_size=0, sink_tokens=2, head_scores=SCORES),
+    ],
+    "fp8": [FP8Quantizer(), FP8Quantizer(format="e5m2", scaled=True)],
 }
-CODEC_EXAMPLES = {"bitpack": [BitPack()]}
+_OPTIONAL_CODECS = {  # codecs written alongside this library, with examples once registered
+    "range": lambda cls: [cls(), cls(model="per_head")],
+    "zstd": lambda cls: [cls()],
+}
+CODEC_EXAMPLES = {"bitpack": [BitPack()]} | {
+    name: examples(CODECS[name]) for name, examples in _OPTIONAL_CODECS.items() if name in CODECS
+}
 
 ALL_TRANSFORMS = [t for ts in TRANSFORM_EXAMPLES.values() for t in ts]
 ALL_QUANTIZERS = [q for qs in QUANTIZER_EXAMPLES.values() for q in qs]
 UNIFORM = QUANTIZER_EXAMPLES["uniform"]
+PLAIN_UNIFORM = UNIFORM[:11]  # one width, no windows: the block kernel alone
 ALL_CODECS = [c for cs in CODEC_EXAMPLES.values() for c in cs]
+KIVI2_RECENT = PolicyConfig.kivi(2, recent_tokens=16)
 
-POLICIES = [
-    PolicyConfig(transforms=(t,), key=q, value=q, codec=c)
-    for t, q, c in itertools.product(ALL_TRANSFORMS, ALL_QUANTIZERS, ALL_CODECS)
-] + [
-    PolicyConfig.kivi(2),
-    PolicyConfig(transforms=(Hadamard(seed=1), Hadamard(seed=2)), key=UNIFORM[4], value=NoQuantizer()),
-]
+
+def _transform_samples() -> list[PolicyConfig]:
+    """Every quantizer without a transform, and every transform with a rotating third of the
+    quantizers (each quantizer meets several transforms, K and V quantizers differ)."""
+    n = len(ALL_QUANTIZERS)
+    out = [PolicyConfig(key=q, value=q) for q in ALL_QUANTIZERS]
+    for i, t in enumerate(t for t in ALL_TRANSFORMS if not t.is_identity):
+        for j in range(i % 3, n, 3):
+            out.append(PolicyConfig(transforms=(t,), key=ALL_QUANTIZERS[j], value=ALL_QUANTIZERS[(j + 1) % n]))
+    return out
+
+
+# every quantizer and every transform in a covering sample of combinations (bit-packed); every
+# codec x a sample of quantizers and transforms; compositions of transforms
+POLICIES = (
+    _transform_samples()
+    + [
+        PolicyConfig(transforms=(t,), key=q, value=v, codec=c)
+        for c in ALL_CODECS
+        if c != BitPack()
+        for t, q, v in [
+            (Identity(), UNIFORM[1], UNIFORM[2]),
+            (Hadamard(), UNIFORM[0], UNIFORM[9]),
+            (Delta(group_size=4, anchor_bits=8), UNIFORM[12], QUANTIZER_EXAMPLES["mixhq"][1]),
+            (Affine(), QUANTIZER_EXAMPLES["fp8"][1], NoQuantizer()),
+        ]
+    ]
+    + [
+        PolicyConfig.kivi(2),
+        KIVI2_RECENT,
+        PolicyConfig(transforms=(Hadamard(seed=1), Hadamard(seed=2)), key=UNIFORM[4], value=NoQuantizer()),
+        PolicyConfig(transforms=(Affine(), Hadamard()), key=UNIFORM[2], value=UNIFORM[5]),
+        PolicyConfig(transforms=(Affine(shift=True), Delta(group_size=8, anchor_bits=BF16_BITS), Hadamard()),
+                     key=UNIFORM[11], value=QUANTIZER_EXAMPLES["mixhq"][0]),
+        PolicyConfig(transforms=(Delta(group_size=4, anchor_bits=3), Delta(group_size=6, anchor_bits=7)),
+                     key=UNIFORM[1], value=QUANTIZER_EXAMPLES["fp8"][0]),
+    ]
+)
+# bfloat16 input on a sample (every policy runs on float32)
+BF16_POLICIES = POLICIES[::5]
 
 
 def _id(p: PolicyConfig) -> str:
@@ -125,38 +218,45 @@ def _id(p: PolicyConfig) -> str:
 
 
 def test_every_registered_component_is_in_the_matrix():
-    assert set(TRANSFORMS) == set(TRANSFORM_EXAMPLES) == {"identity", "hadamard"}
-    assert set(QUANTIZERS) == set(QUANTIZER_EXAMPLES) == {"uniform", "none"}
-    assert set(CODECS) == set(CODEC_EXAMPLES) == {"bitpack"}
+    assert set(TRANSFORMS) == set(TRANSFORM_EXAMPLES) == {"identity", "hadamard", "delta", "affine"}
+    assert set(QUANTIZERS) == set(QUANTIZER_EXAMPLES) == {"uniform", "none", "mixhq", "fp8"}
+    assert set(CODECS) == set(CODEC_EXAMPLES) and "bitpack" in CODECS
+    used = {(kind, c.name) for p in POLICIES for kind, c in
+            [*(("transform", t) for t in p.transforms), ("quantizer", p.key), ("quantizer", p.value), ("codec", p.codec)]}
+    registered = {("transform", n) for n in TRANSFORMS if n != "identity"} | {("quantizer", n) for n in QUANTIZERS} | {
+        ("codec", n) for n in CODECS}
+    assert registered <= used  # every component is exercised by the round-trip matrix
 
 
 def reference_pipeline(x: torch.Tensor, cfg: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> torch.Tensor:
     """In-memory T -> Q -> Q^-1 -> T^-1 without the codec and the stream."""
-    y = x.to(torch.float32)
-    for t in cfg.transforms:
-        y = t.forward(y, layer=layer, kind=kind)
-    y = quant.dequantize(quant.quantize(y))
-    for t in reversed(cfg.transforms):
-        y = t.inverse(y, layer=layer, kind=kind)
-    return y.to(x.dtype)
+    y, states = apply_transforms(x.to(torch.float32), cfg.transforms, layer=layer, kind=kind)
+    q = quant.quantize(y, layer=layer, kind=kind, min_bits=transform_min_bits(cfg.transforms, x.shape[2]))
+    y = quant.dequantize(q, layer=layer, kind=kind)
+    return invert_transforms(y, cfg.transforms, states, layer=layer, kind=kind).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", POLICIES, ids=_id)
+@pytest.mark.parametrize(
+    "cfg, dtype",
+    [(p, torch.float32) for p in POLICIES] + [(p, torch.bfloat16) for p in BF16_POLICIES],
+    ids=lambda x: x.label if isinstance(x, PolicyConfig) else str(x).removeprefix("torch."),
+)
 def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtype):
     kv = make_kv(MATRIX_SHAPES, dtype=dtype)
-    stream = encode_kv(kv, cfg, layer_offset=3)
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET)
     out = decode_kv(stream, expect=cfg)
     assert len(out) == len(kv)
+    h = read_header(stream)
+    assert len(stream) == h.total_nbytes  # the reported size is everything that crosses the wire
     for i, ((k, v), (k2, v2)) in enumerate(zip(kv, out)):
         for orig, dec, quant, kind in ((k, k2, cfg.key, "key"), (v, v2, cfg.value, "value")):
             assert dec.shape == orig.shape and dec.dtype == orig.dtype and dec.device.type == "cpu"
             assert torch.isfinite(dec).all()
             # the codec and the stream are lossless: decode == the in-memory lossy pipeline, bit for bit
-            assert torch.equal(dec, reference_pipeline(orig, cfg, quant, 3 + i, kind))
+            assert torch.equal(dec, reference_pipeline(orig, cfg, quant, MATRIX_OFFSET + i, kind))
 
 
 def test_none_quantizer_is_lossless_on_bfloat16_and_rounds_float32_to_bfloat16():
@@ -230,14 +330,16 @@ def reference_error_bound(x: torch.Tensor, q: UniformQuantizer) -> torch.Tensor:
     return bound
 
 
-@pytest.mark.parametrize("quant", UNIFORM, ids=lambda q: q.short_label())
+@pytest.mark.parametrize("quant", PLAIN_UNIFORM, ids=lambda q: q.short_label())
 @pytest.mark.parametrize("shape", [(1, 2, 100, 64), (2, 1, 37, 96)])
 def test_uniform_error_within_half_step_of_own_group(quant, shape):
     x = heavy_tailed(shape, seed=11, outliers=(3, 17))
-    q = quant.quantize(x)
-    assert q.symbols.shape == x.shape and q.symbols.dtype == torch.uint8
-    assert int(q.symbols.max()) < 2**quant.bits
-    err = (quant.dequantize(q) - x).abs()
+    symbols, meta = quant.quantize_block(x)
+    assert symbols.shape == x.shape and symbols.dtype == torch.uint8
+    assert int(symbols.max()) < 2**quant.bits
+    q = quant.quantize(x, layer=0, kind="key")  # one whole-tensor segment, same as the block kernel
+    assert len(q.parts) == 1 and q.parts[0].segment.is_whole and torch.equal(q.parts[0].symbols, symbols)
+    err = (quant.dequantize_block(symbols, meta, x.shape) - x).abs()
     bound = reference_error_bound(x, quant)
     assert (err <= bound).all(), float((err - bound).max())
 
@@ -248,19 +350,27 @@ def test_8bit_asymmetric_error_is_half_a_step():
     xg = x.reshape(1, 4, 64, 4, 16)
     step = ((xg.amax(-1, keepdim=True) - xg.amin(-1, keepdim=True)) / 255).expand_as(xg).reshape(x.shape)
     mag = xg.abs().amax(-1, keepdim=True).expand_as(xg).reshape(x.shape)
-    err = (quant.dequantize(quant.quantize(x)) - x).abs()
+    err = (quant.dequantize_block(*quant.quantize_block(x), x.shape) - x).abs()
     assert (err <= step / 2 + 2**-10 * mag + 1e-7).all()
     assert float((err / step).max()) > 0.4  # round-to-nearest: errors do reach ~half a step
 
 
 def test_metadata_layout_and_kivi_cost():
     kivi_k = UniformQuantizer(bits=2, granularity="per_channel", group_size=32)
-    q = kivi_k.quantize(heavy_tailed((1, 3, 100, 64), seed=1))
-    assert q.meta["scale"].shape == q.meta["zero"].shape == (1, 3, 4, 64)  # ceil(100/32) token groups
-    assert q.meta["scale"].dtype == torch.float16 and q.meta_nbytes == 2 * 2 * 3 * 4 * 64
+    q = kivi_k.quantize(heavy_tailed((1, 3, 100, 64), seed=1), layer=0, kind="key")
+    (part,) = q.parts
+    assert part.meta["scale"].shape == part.meta["zero"].shape == (1, 3, 4, 64)  # ceil(100/32) token groups
+    assert part.meta["scale"].dtype == torch.float16 and q.meta_nbytes == 2 * 2 * 3 * 4 * 64
     sym = UniformQuantizer(bits=3, symmetric=True, granularity="per_token", group_size=24)
-    layout = sym.meta_layout((2, 1, 37, 96))
+    layout = sym.block_meta_layout((2, 1, 37, 96))
     assert [(f.name, f.shape, f.dtype) for f in layout] == [("scale", (2, 1, 37, 4), torch.float16)]
+    assert sym.meta_layout((2, 1, 37, 96), layer=0, kind="value") == (layout,)
+    # with a 28-token recent window the per-channel groups run over the first 72 tokens only
+    win = UniformQuantizer(bits=2, granularity="per_channel", group_size=32, recent_tokens=28)
+    assert [[(f.name, f.shape) for f in lay] for lay in win.meta_layout((1, 3, 100, 64), layer=0, kind="key")] == [
+        [("scale", (1, 3, 3, 64)), ("zero", (1, 3, 3, 64))],
+        [],
+    ]
 
 
 def test_constant_groups_decode_exactly():
@@ -273,7 +383,7 @@ def test_constant_groups_decode_exactly():
         UniformQuantizer(bits=2, granularity="per_token", group_size=0),
         UniformQuantizer(bits=1, symmetric=True, granularity="per_token", group_size=8),
     ):
-        y = quant.dequantize(quant.quantize(x))
+        y = quant.dequantize_block(*quant.quantize_block(x), x.shape)
         if quant.granularity == "per_channel":
             assert torch.equal(y[0, 0, :32, 5], x[0, 0, :32, 5])
             assert not torch.equal(y[0, 0, 32:, 5], x[0, 0, 32:, 5])
@@ -283,15 +393,20 @@ def test_constant_groups_decode_exactly():
                 assert torch.equal(y[0, 0, 40], x[0, 0, 40])
 
 
+@pytest.mark.parametrize("floors", [None, "anchors"])
 @pytest.mark.parametrize("quant", ALL_QUANTIZERS, ids=lambda q: q.short_label())
-def test_quantize_dequantize_quantize_is_idempotent(quant):
+def test_quantize_dequantize_quantize_is_idempotent(quant, floors):
     x = heavy_tailed((2, 2, 70, 96), seed=3, outliers=(3, 17))
-    q1 = quant.quantize(x)
-    x1 = quant.dequantize(q1)
-    q2 = quant.quantize(x1)
-    assert torch.equal(q1.symbols, q2.symbols)
-    assert q1.meta.keys() == q2.meta.keys() and all(torch.equal(q1.meta[k], q2.meta[k]) for k in q1.meta)
-    assert torch.equal(quant.dequantize(q2), x1)
+    min_bits = Delta(group_size=8, anchor_bits=6).token_min_bits(70) if floors else None
+    kw = dict(layer=SPLIT_LAYER, kind="key")
+    q1 = quant.quantize(x, min_bits=min_bits, **kw)
+    x1 = quant.dequantize(q1, **kw)
+    q2 = quant.quantize(x1, min_bits=min_bits, **kw)
+    assert len(q1.parts) == len(q2.parts) >= 1
+    for a, b in zip(q1.parts, q2.parts):
+        assert a.bits == b.bits and torch.equal(a.symbols, b.symbols)
+        assert a.meta.keys() == b.meta.keys() and all(torch.equal(a.meta[k], b.meta[k]) for k in a.meta)
+    assert torch.equal(quant.dequantize(q2, **kw), x1)
 
 
 @pytest.mark.parametrize("bits", [6, 8])
@@ -302,17 +417,17 @@ def test_idempotent_on_groups_with_large_offset(bits):
     ranges = torch.tensor([0.5, 2.0, 8.0]).repeat(400)[:, None]
     x = (offsets + ranges * torch.linspace(0, 1, 32)[None, :]).reshape(1, 1, 1200, 32)
     quant = UniformQuantizer(bits=bits, granularity="per_token", group_size=0)
-    q1 = quant.quantize(x)
-    assert torch.equal(quant.quantize(quant.dequantize(q1)).symbols, q1.symbols)
-    assert (q1.symbols.amin(-1) == 0).all() and (q1.symbols.amax(-1) == 2**bits - 1).all()
+    s1, m1 = quant.quantize_block(x)
+    assert torch.equal(quant.quantize_block(quant.dequantize_block(s1, m1, x.shape))[0], s1)
+    assert (s1.amin(-1) == 0).all() and (s1.amax(-1) == 2**bits - 1).all()
 
 
 def test_uniform_symbols_hit_both_ends_of_the_grid():
     quant = UniformQuantizer(bits=3, granularity="per_token", group_size=0)
     x = torch.tensor([[[[-1.0, -0.5, 0.0, 0.25, 2.5]]]])
-    q = quant.quantize(x)
-    assert q.symbols.flatten().tolist() == [0, 1, 2, 2, 7]  # step 0.5: (x + 1) / 0.5 rounded (2.5 -> 2)
-    assert torch.equal(quant.dequantize(q), torch.tensor([[[[-1.0, -0.5, 0.0, 0.0, 2.5]]]]))
+    symbols, meta = quant.quantize_block(x)
+    assert symbols.flatten().tolist() == [0, 1, 2, 2, 7]  # step 0.5: (x + 1) / 0.5 rounded (2.5 -> 2)
+    assert torch.equal(quant.dequantize_block(symbols, meta, x.shape), torch.tensor([[[[-1.0, -0.5, 0.0, 0.0, 2.5]]]]))
 
 
 # ----------------------------------------------------------------------------- transforms
@@ -332,10 +447,15 @@ def test_block_hadamard_is_symmetric_orthonormal(n, blocks):
 @pytest.mark.parametrize("transform", ALL_TRANSFORMS, ids=lambda t: t.short_label())
 def test_transform_inverse_and_norm(transform, head_dim):
     x = torch.randn(2, 3, 50, head_dim, generator=torch.Generator().manual_seed(head_dim))
-    y = transform.forward(x, layer=4, kind="key")
+    state = transform.fit(x, layer=4, kind="key")
+    assert [(f.name, f.shape, f.dtype) for f in transform.state_layout(x.shape, layer=4, kind="key")] == [
+        (k, tuple(v.shape), v.dtype) for k, v in state.items()
+    ]
+    y = transform.forward(x, layer=4, kind="key", state=state)
     assert y.shape == x.shape and y.dtype == torch.float32
-    torch.testing.assert_close(transform.inverse(y, layer=4, kind="key"), x, rtol=0, atol=1e-5)
-    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(transform.inverse(y, layer=4, kind="key", state=state), x, rtol=1e-6, atol=1e-5)
+    if isinstance(transform, (Identity, Hadamard)):  # orthonormal
+        torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
     if isinstance(transform, Hadamard):
         assert not torch.allclose(y, x)
         # wrong layer or kind -> different signs -> not the inverse
@@ -413,14 +533,49 @@ def test_stream_length_is_header_plus_sections_plus_checksum():
     stream = encode_kv(kv, cfg, layer_offset=7)
     h = read_header(stream)
     assert len(stream) == h.total_nbytes == h.header_nbytes + h.meta_nbytes + h.payload_nbytes + 4
+    assert h.state_nbytes == 0
     assert h.layer_offset == 7 and h.dtype == "float32" and h.policy_id == cfg.policy_id
     assert h.policy == cfg.to_dict() and h.num_layers == 4
-    for (ks, vs), (km, kp, vm, vp) in zip(h.shapes, h.sections):
+    for (ks, vs), (k_sec, v_sec) in zip(h.shapes, h.sections):
+        if ks[2] == 0:  # an empty tensor has no segments
+            assert k_sec.flat() == v_sec.flat() == [0]
+            continue
+        (km,), (kp,), (vm,), (vp,) = k_sec.meta, k_sec.payload, v_sec.meta, v_sec.payload
         assert kp == math.ceil(math.prod(ks) * 3 / 8) and vp == math.ceil(math.prod(vs) * 3 / 8)
         b, hh, t, d = ks
         assert km == 2 * 2 * b * hh * math.ceil(t / 32) * d  # per-channel: scale + zero per 32 tokens
         assert vm == 2 * 2 * b * hh * t * math.ceil(d / 32)  # per-token: scale + zero per 32 channels
     assert original_nbytes(kv) == 2 * sum(math.prod(k) + math.prod(v) for k, v in h.shapes)
+
+
+def test_segments_and_state_in_the_stream():
+    # affine state (scale + shift), delta anchors in bf16, a bf16 recent window, a layer schedule
+    cfg = PolicyConfig(
+        transforms=(Affine(shift=True), Delta(group_size=10, anchor_bits=BF16_BITS)),
+        key=UniformQuantizer(bits=2, granularity="per_channel", group_size=32, recent_tokens=20),
+        value=UniformQuantizer(bits=3, granularity="per_token", group_size=32, shallow_layers=1, shallow_bits=5),
+    )
+    kv = make_kv([((1, 3, 100, 64), (1, 3, 100, 64))] * 2)
+    h = read_header(encode_kv(kv, cfg))
+    anchors = 10  # tokens 0, 10, ..., 90
+    for layer, (k_sec, v_sec) in enumerate(h.sections):
+        assert k_sec.state == v_sec.state == 2 * 2 * 3 * 64  # float16 scale + shift per (head, channel)
+        # keys: one bf16 class (anchors 0, 10, ..., 70 + recent window 80..99; first, as it holds
+        # token 0), then the 2-bit body (the other 72 tokens)
+        body = 80 - 8
+        assert k_sec.num_segments == 2
+        assert k_sec.payload == (3 * (100 - body) * 64 * 2, math.ceil(3 * body * 64 * 2 / 8))
+        assert k_sec.meta == (0, 2 * 2 * 3 * math.ceil(body / 32) * 64)
+        # values: anchor tokens in bf16 first (class order = first token), then the rest
+        bits = 5 if layer == 0 else 3
+        assert v_sec.payload == (3 * anchors * 64 * 2, math.ceil(3 * 90 * 64 * bits / 8))
+        assert v_sec.meta == (0, 2 * 2 * 3 * 90 * 2)
+    assert h.state_nbytes == 4 * 2 * 2 * 3 * 64
+
+
+def test_stream_sections_of_an_empty_cache():
+    h = read_header(encode_kv([], PolicyConfig.kivi(2)))
+    assert h.sections == () and h.num_elements == 0
 
 
 @pytest.mark.parametrize(
@@ -530,6 +685,14 @@ def _with(slot: str, **changes):
         ({k: v for k, v in KIVI_HADAMARD.items() if k != "value"}, ["'value'", "missing"]),
         ({**KIVI_HADAMARD, "version": 2}, ["'version'"]),
         ({**KIVI_HADAMARD, "key": 4}, ["'key'", "name"]),
+        (_with("key", recent_tokens=-1), ["'recent_tokens'", ">= 0"]),
+        (_with("key", shallow_bits=9), ["'shallow_bits'", "16"]),
+        ({**KIVI_HADAMARD, "key": {"name": "mixhq", "fraction": 1.5}}, ["'mixhq'", "'fraction'", "0.0..1.0"]),
+        ({**KIVI_HADAMARD, "key": {"name": "mixhq", "head_scores": "high"}}, ["'head_scores'", "list"]),
+        ({**KIVI_HADAMARD, "value": {"name": "fp8", "format": "e3m4"}}, ["'fp8'", "'format'", "'e4m3'", "'e5m2'"]),
+        ({**KIVI_HADAMARD, "transforms": [{"name": "delta", "anchor_bits": 9}]}, ["'delta'", "'anchor_bits'", "16"]),
+        ({**KIVI_HADAMARD, "transforms": [{"name": "delta", "group_size": 1}]}, ["'group_size'", ">= 2"]),
+        ({**KIVI_HADAMARD, "transforms": [{"name": "affine", "statistic": "std"}]}, ["'affine'", "'statistic'", "'rms'"]),
     ],
 )
 def test_bad_configs_raise_config_error_naming_the_key(d, expected):
@@ -551,11 +714,22 @@ def test_components_validate_on_construction():
 # ----------------------------------------------------------------------------- corrupted streams
 
 
-@pytest.fixture(scope="module")
-def good_stream():
-    cfg = PolicyConfig.kivi(4, transforms=(Hadamard(),))
+GOOD_POLICIES = {
+    "kivi4-hadamard": PolicyConfig.kivi(4, transforms=(Hadamard(),)),
+    # transform state, bf16 anchors and windows, mixed-precision heads: several segments per tensor
+    "segments": PolicyConfig(
+        transforms=(Affine(shift=True), Delta(group_size=8, anchor_bits=BF16_BITS), Hadamard()),
+        key=UniformQuantizer(bits=2, granularity="per_channel", group_size=32, sink_tokens=2, recent_tokens=16),
+        value=MixHQ(head_scores=SCORES, recent_tokens=4),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(GOOD_POLICIES))
+def good_stream(request):
+    cfg = GOOD_POLICIES[request.param]
     kv = make_kv(MATRIX_SHAPES[:2])
-    return cfg, encode_kv(kv, cfg)
+    return cfg, encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET)
 
 
 def _flip(data: bytes, pos: int) -> bytes:
@@ -573,7 +747,7 @@ def test_good_stream_decodes_with_and_without_expectation(good_stream):
 def test_flipped_payload_byte_is_corrupt(good_stream):
     _, stream = good_stream
     h = read_header(stream)
-    for pos in (h.header_nbytes, h.header_nbytes + h.meta_nbytes // 2, len(stream) - 10, len(stream) - 1):
+    for pos in (h.header_nbytes, h.header_nbytes + (h.state_nbytes + h.meta_nbytes) // 2, len(stream) - 10, len(stream) - 1):
         with pytest.raises(CorruptStreamError):
             decode_kv(_flip(stream, pos))
 
@@ -614,7 +788,7 @@ def test_bad_magic_and_wrong_version(good_stream):
 def test_wrong_expected_policy(good_stream):
     cfg, stream = good_stream
     with pytest.raises(PolicyMismatchError, match=cfg.policy_id):
-        decode_kv(stream, expect=PolicyConfig.kivi(4))
+        decode_kv(stream, expect=PolicyConfig.kivi(3))
 
 
 def test_no_single_byte_flip_ever_decodes(good_stream):
@@ -634,16 +808,32 @@ def test_intact_but_inconsistent_streams_never_decode():
     shape = (1, 1, 32, 32)
     meta = bytes(2 * 2 * 32)  # one token group x 32 channels x (scale, zero) x fp16
     payload = bytes(32 * 32 * 2 // 8)
-    ok = _authentic_stream(cfg.to_dict(), [(meta, payload, bytes(2 * 2 * 32), payload)], [(shape, shape)])
-    (k, v), = decode_kv(ok)
+
+    def one_layer(policy, k_parts, v_parts=(b"", meta, payload)):
+        return _authentic_stream(policy, [(list(k_parts), list(v_parts))], [(shape, shape)])
+
+    (k, v), = decode_kv(one_layer(cfg.to_dict(), [b"", meta, payload]))
     assert torch.equal(k, torch.zeros(shape))
     with pytest.raises(CorruptStreamError, match="metadata"):
-        decode_kv(_authentic_stream(cfg.to_dict(), [(meta[:-2], payload, meta, payload)], [(shape, shape)]))
+        decode_kv(one_layer(cfg.to_dict(), [b"", meta[:-2], payload]))
     with pytest.raises(CorruptStreamError, match="payload"):
-        decode_kv(_authentic_stream(cfg.to_dict(), [(meta, payload + b"\x00", meta, payload)], [(shape, shape)]))
+        decode_kv(one_layer(cfg.to_dict(), [b"", meta, payload + b"\x00"]))
+    with pytest.raises(CorruptStreamError, match="segments"):
+        decode_kv(one_layer(cfg.to_dict(), [b"", meta, payload, b"", b""]))
+    with pytest.raises(CorruptStreamError, match="segments"):
+        decode_kv(one_layer(cfg.to_dict(), [b""]))
+    with pytest.raises(CorruptStreamError, match="state"):
+        decode_kv(one_layer(cfg.to_dict(), [b"\x00\x00", meta, payload]))
+    affine = PolicyConfig(transforms=(Affine(),), key=cfg.key, value=cfg.value).to_dict()
+    with pytest.raises(CorruptStreamError, match="state"):
+        decode_kv(one_layer(affine, [b"", meta, payload]))
     unknown = {**cfg.to_dict(), "codec": {"name": "brotli"}}
     with pytest.raises(KVStreamError, match="brotli"):
-        decode_kv(_authentic_stream(unknown, [(meta, payload, meta, payload)], [(shape, shape)]))
+        decode_kv(one_layer(unknown, [b"", meta, payload]))
+    # an intact stream whose policy cannot be applied to its shapes: mixhq scores for 1 head
+    mix = PolicyConfig(key=MixHQ(head_scores=((0.5, 0.1),)), value=cfg.value).to_dict()
+    with pytest.raises(KVStreamError, match="2 heads"):
+        decode_kv(one_layer(mix, [b"", meta, payload]))
     # a tampered header whose header checksum was recomputed is still caught by the final checksum
     good = encode_kv(make_kv(MATRIX_SHAPES[:1]), cfg)
     hlen = struct.unpack_from("<I", good, 6)[0]
@@ -652,3 +842,274 @@ def test_intact_but_inconsistent_streams_never_decode():
     forged = head + hashlib.blake2b(head, digest_size=4).digest() + good[14 + hlen :]
     with pytest.raises(CorruptStreamError, match="checksum"):
         decode_kv(forged)
+
+
+# ----------------------------------------------------------------------------- segments (plan)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    heads=st.integers(0, 5),
+    tokens=st.integers(0, 40),
+    head_bits=st.data(),
+    sink=st.integers(0, 6),
+    recent=st.integers(0, 12),
+    anchor=st.sampled_from([None, (3, 4), (5, 8), (7, 16)]),
+)
+def test_plan_partitions_the_tensor_with_the_right_widths(heads, tokens, head_bits, sink, recent, anchor):
+    hb = head_bits.draw(st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=heads, max_size=heads))
+    floors = torch.zeros(tokens, dtype=torch.int64)
+    if anchor:
+        floors = Delta(group_size=anchor[0], anchor_bits=anchor[1]).token_min_bits(tokens)
+    windows = UniformQuantizer(sink_tokens=sink, recent_tokens=recent).window_min_bits(tokens)
+    if windows is not None:
+        floors = torch.maximum(floors, windows)
+    segs = plan_segments((1, heads, tokens, 3), hb, floors, UniformQuantizer().coder)
+    width = torch.zeros(heads, tokens, dtype=torch.int64)
+    count = torch.zeros(heads, tokens, dtype=torch.int64)
+    for s in segs:
+        h_idx, t_idx = s.head_indices(heads), torch.arange(tokens)[s.tokens if s.tokens is not None else slice(None)]
+        assert s.shape == (1, h_idx.numel(), t_idx.numel(), 3) and s.numel > 0
+        count[h_idx[:, None], t_idx[None, :]] += 1
+        width[h_idx[:, None], t_idx[None, :]] = s.bits
+    assert (count == 1).all()  # a partition: every element in exactly one segment
+    expect = torch.maximum(torch.tensor(hb, dtype=torch.int64)[:, None], floors[None, :]) if heads and tokens else width
+    assert torch.equal(width, expect)
+    # no two segments share (token class, width): minimal for the structure
+    assert len({(str(s.tokens), s.bits) for s in segs}) == len(segs)
+
+
+def test_segment_take_and_put_are_inverse():
+    x = torch.arange(2 * 4 * 9 * 3, dtype=torch.float32).reshape(2, 4, 9, 3)
+    segs = plan_segments(x.shape, (2, 8, 2, 16), Delta(group_size=3, anchor_bits=4).token_min_bits(9), UniformQuantizer().coder)
+    out = torch.full_like(x, float("nan"))
+    for s in segs:
+        s.put(out, s.take(x))
+    assert torch.equal(out, x)
+
+
+# ----------------------------------------------------------------------------- windows and schedules
+
+
+def test_sink_and_recent_tokens_are_exact_bfloat16():
+    x = heavy_tailed((1, 3, 1024, 64), seed=21, outliers=(3,))
+    quant = UniformQuantizer(bits=2, granularity="per_channel", group_size=32, sink_tokens=4, recent_tokens=128)
+    cfg = PolicyConfig(key=quant, value=quant)
+    (k2, _), = decode_kv(encode_kv([(x, x)], cfg))
+    bf = x.to(torch.bfloat16).float()
+    assert torch.equal(k2[:, :, :4], bf[:, :, :4]) and torch.equal(k2[:, :, -128:], bf[:, :, -128:])
+    assert not torch.equal(k2[:, :, 4:-128], bf[:, :, 4:-128])
+    q = quant.quantize(x, layer=0, kind="key")
+    assert [(p.bits, p.shape) for p in q.parts] == [(16, (1, 3, 132, 64)), (2, (1, 3, 892, 64))]
+    # bf16 window: 16 bits, body: 2 bits + (scale, zero) per 32 tokens = 3 bits (892 = 27 groups + 28)
+    body_meta = 2 * 2 * 3 * 28 * 64
+    assert q.bits_per_element() == (132 * 3 * 64 * 16 + 892 * 3 * 64 * 2 + 8 * body_meta) / x.numel()
+    # windows longer than the tensor: all bf16
+    (s2, _), = decode_kv(encode_kv([(x[:, :, :100], x[:, :, :100])], cfg))
+    assert torch.equal(s2, bf[:, :, :100])
+
+
+def test_layer_schedule_uses_shallow_bits_below_shallow_layers():
+    quant = UniformQuantizer(bits=2, granularity="per_token", group_size=32, shallow_layers=3, shallow_bits=6)
+    kv = make_kv([((1, 2, 64, 64), (1, 2, 64, 64))] * 3)
+    h = read_header(encode_kv(kv, PolicyConfig(key=quant, value=NoQuantizer()), layer_offset=1))
+    # absolute layers 1, 2 are shallow (6 bits), layer 3 is not (2 bits)
+    assert [k.payload for k, _ in h.sections] == [(2 * 64 * 64 * 6 // 8,)] * 2 + [(2 * 64 * 64 * 2 // 8,)]
+    assert quant.head_bits(3, layer=2, kind="key") == (6, 6, 6) and quant.head_bits(3, layer=3, kind="key") == (2, 2, 2)
+    bf = UniformQuantizer(bits=2, shallow_layers=1, shallow_bits=BF16_BITS)
+    x = heavy_tailed((1, 2, 10, 64), seed=1)
+    assert torch.equal(bf.dequantize(bf.quantize(x, layer=0, kind="value"), layer=0, kind="value"), x.bfloat16().float())
+    assert bf.symbol_widths() == (2, 16)
+
+
+def test_new_uniform_parameters_keep_old_policy_ids_and_labels():
+    # sink/recent/schedule are left out of the canonical dict at their defaults
+    cfg = PolicyConfig.from_dict(KIVI_HADAMARD)
+    assert "recent_tokens" not in cfg.to_dict()["key"] and cfg.policy_id == "46d08cde433f"
+    win = PolicyConfig.kivi(2, recent_tokens=128)
+    assert win.to_dict()["key"]["recent_tokens"] == 128 and win.policy_id != PolicyConfig.kivi(2).policy_id
+    assert win.label == "identity|K:u2a/ch/g32/r128|V:u2a/tok/g32/r128|bitpack"
+    sched = UniformQuantizer(bits=4, symmetric=True, group_size=0, sink_tokens=4, shallow_layers=10, shallow_bits=5)
+    assert sched.short_label() == "u4s/tok/s4/L10:5"
+    assert UniformQuantizer.from_dict(sched.to_dict()) == sched
+
+
+# ----------------------------------------------------------------------------- delta
+
+
+def test_delta_encode_decode_and_anchor_floors():
+    x = torch.randn(2, 3, 23, 8, generator=torch.Generator().manual_seed(0))
+    y = delta_encode(x, 5)
+    anchors = torch.arange(23) // 5 * 5
+    assert torch.equal(y[:, :, ::5], x[:, :, ::5])
+    torch.testing.assert_close(y[:, :, 7], x[:, :, 7] - x[:, :, 5], rtol=0, atol=0)
+    torch.testing.assert_close(delta_decode(y, 5), x, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x.index_select(2, anchors)[:, :, ::5], x[:, :, ::5])
+    assert Delta(group_size=5).token_min_bits(23) is None
+    floors = Delta(group_size=5, anchor_bits=8).token_min_bits(23)
+    assert floors.tolist() == [8 if t % 5 == 0 else 0 for t in range(23)]
+
+
+def test_delta_with_bf16_anchors_keeps_anchors_exact():
+    x = heavy_tailed((1, 3, 1024, 64), seed=4)
+    cfg = PolicyConfig(transforms=(Delta(group_size=10, anchor_bits=BF16_BITS),),
+                       key=UniformQuantizer(bits=2, granularity="per_token"), value=UniformQuantizer(bits=2))
+    (k2, _), = decode_kv(encode_kv([(x, x)], cfg))
+    assert torch.equal(k2[:, :, ::10], x[:, :, ::10].bfloat16().float())
+    assert not torch.equal(k2[:, :, 1::10], x[:, :, 1::10].bfloat16().float())
+    # anchors are a 16-bit segment, the deltas a 2-bit one: 103 anchors, 921 deltas
+    k_sec = read_header(encode_kv([(x, x)], cfg)).sections[0][0]
+    assert k_sec.payload == (3 * 103 * 64 * 2, 3 * 921 * 64 * 2 // 8)
+
+
+def test_delta_anchor_bits_are_a_floor_not_a_cap():
+    x = heavy_tailed((1, 2, 40, 32), seed=5)
+    floors = Delta(group_size=10, anchor_bits=4).token_min_bits(40)
+    q8 = UniformQuantizer(bits=8).quantize(x, layer=0, kind="key", min_bits=floors)
+    assert [p.bits for p in q8.parts] == [8]  # anchors already get 8 bits: one segment
+    q2 = UniformQuantizer(bits=2).quantize(x, layer=0, kind="key", min_bits=floors)
+    assert [p.bits for p in q2.parts] == [4, 2]
+    fp8 = FP8Quantizer().quantize(x, layer=0, kind="key", min_bits=floors)
+    assert [p.bits for p in fp8.parts] == [8]
+
+
+# ----------------------------------------------------------------------------- affine
+
+
+def test_affine_state_is_the_float16_channel_statistic_and_inverts_exactly():
+    x = heavy_tailed((2, 3, 50, 16), seed=6, outliers=(3,))
+    for statistic, shift in (("rms", False), ("absmax", True)):
+        t = Affine(statistic=statistic, shift=shift)
+        state = t.fit(x, layer=0, kind="key")
+        xd = x.double()
+        mean = xd.mean(dim=(0, 2))
+        centered = xd - (state["shift"].double()[None, :, None, :] if shift else 0)
+        stat = centered.square().mean(dim=(0, 2)).sqrt() if statistic == "rms" else centered.abs().amax(dim=(0, 2))
+        assert state["scale"].dtype == torch.float16 and state["scale"].shape == (3, 16)
+        assert torch.equal(state["scale"], stat.to(torch.float16))
+        if shift:
+            assert torch.equal(state["shift"], mean.to(torch.float16))
+        y = t.forward(x, layer=0, kind="key", state=state)
+        torch.testing.assert_close(t.inverse(y, layer=0, kind="key", state=state), x, rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match="state"):
+            t.forward(x, layer=0, kind="key")
+    # zero channels and empty tensors get scale 1 (no division by zero)
+    z = torch.zeros(1, 2, 5, 4)
+    assert torch.equal(Affine().fit(z, layer=0, kind="key")["scale"], torch.ones(2, 4, dtype=torch.float16))
+    assert torch.equal(Affine(shift=True).fit(z[:, :, :0], layer=0, kind="key")["scale"], torch.ones(2, 4, dtype=torch.float16))
+
+
+def test_affine_state_travels_in_the_stream_and_helps_per_token_keys():
+    kv = make_kv([((1, 4, 256, 64), (1, 4, 256, 64))])
+    k = kv[0][0]
+    tok = UniformQuantizer(bits=3, granularity="per_token", group_size=0)
+
+    normal = [c for c in range(64) if c not in (3, 17)]  # make_kv's outlier channels are 3 and 17
+
+    def rel_err(cfg):
+        stream = encode_kv(kv, cfg)
+        (k2, _), = decode_kv(stream)
+        err = k2 - k
+        return float(err.norm() / k.norm()), float(err[..., normal].norm() / k[..., normal].norm()), read_header(stream)
+
+    plain, plain_normal, _ = rel_err(PolicyConfig(key=tok, value=tok))
+    scaled, scaled_normal, h = rel_err(PolicyConfig(transforms=(Affine(),), key=tok, value=tok))
+    assert h.state_nbytes == 2 * (4 * 64 * 2)  # K and V: float16 scale per (head, channel)
+    assert len(encode_kv(kv, PolicyConfig(transforms=(Affine(),), key=tok, value=tok))) == h.total_nbytes
+    # the x20 outlier channels no longer set every token's range: the other channels gain most
+    assert scaled < plain and scaled_normal < 0.3 * plain_normal
+
+
+# ----------------------------------------------------------------------------- mixhq
+
+
+def test_mixhq_top_fraction_of_heads_by_score_gets_high_bits():
+    g = torch.Generator().manual_seed(9)
+    scores = torch.rand(4, 4, generator=g)  # 4 layers x 4 kv heads, N = 16
+    quant = MixHQ(fraction=0.25, high_bits=8, low_bits=2, granularity="per_token", group_size=32).with_head_scores(scores)
+    top = set(torch.argsort(scores.flatten(), descending=True)[:4].tolist())  # 0.25 * 16 = 4 heads
+    x = heavy_tailed((1, 4, 64, 64), seed=2)
+    for layer in range(4):
+        bits = quant.quantize(x, layer=layer, kind="key").bits_per_head()
+        expect = [9.0 if layer * 4 + h in top else 3.0 for h in range(4)]  # width + 1 bit of (scale, zero)/32
+        assert bits.tolist() == expect
+    # through the stream: the same heads, payload per segment
+    h = read_header(encode_kv([(x, x)] * 4, PolicyConfig(key=quant, value=quant)))
+    n_high = [sum(layer * 4 + i in top for i in range(4)) for layer in range(4)]
+    for layer, (k_sec, _) in enumerate(h.sections):
+        assert sorted(k_sec.payload) == sorted(
+            p for p in (n_high[layer] * 64 * 64, (4 - n_high[layer]) * 64 * 64 * 2 // 8) if p)
+
+
+def test_mixhq_ranking_is_global_deterministic_and_nested():
+    scores = ((0.5, 0.5, 0.1), (0.5, 0.9, 0.5))  # ties at 0.5
+    assert rank_heads(scores, 0.5) == ((True, True, False), (False, True, False))  # 3 of 6: 0.9, then ties by (layer, head)
+    assert rank_heads(scores, 0.0) == ((False,) * 3, (False,) * 3)
+    assert rank_heads(scores, 1.0) == ((True,) * 3, (True,) * 3)
+    assert rank_heads(scores, 0.25) == ((True, False, False), (False, True, False))  # floor(1.5 + 0.5) = 2
+    sets = [{(l, h) for l, row in enumerate(rank_heads(scores, f)) for h, v in enumerate(row) if v} for f in (0.1, 0.4, 0.7, 1.0)]
+    assert all(a <= b for a, b in zip(sets, sets[1:]))
+    # the scores travel in the policy: the decoder ranks the same heads
+    cfg = PolicyConfig(key=MixHQ(fraction=0.5), value=NoQuantizer()).with_head_scores(scores)
+    again = PolicyConfig.from_json(cfg.to_json())
+    assert again == cfg and again.key.head_bits(3, layer=1, kind="key") == (2, 8, 2)
+
+
+def test_mixhq_needs_scores_and_checks_their_shape():
+    cfg = PolicyConfig(key=MixHQ(), value=MixHQ())
+    assert cfg.needs_head_scores and not cfg.with_head_scores([[1.0, 2.0]]).needs_head_scores
+    kv = make_kv([((1, 2, 8, 16), (1, 2, 8, 16))])
+    with pytest.raises(ConfigError, match="mixhq needs head scores from a calibration pass"):
+        encode_kv(kv, cfg)
+    with pytest.raises(ConfigError, match="layer 1"):
+        encode_kv(kv, cfg.with_head_scores([[1.0, 2.0]]), layer_offset=1)
+    with pytest.raises(ConfigError, match="3 heads"):
+        encode_kv(kv, cfg.with_head_scores([[1.0, 2.0, 3.0]]))
+    for bad in ([[1.0, float("nan")]], [1.0, 2.0], [["a"]], [[True]]):
+        with pytest.raises(ConfigError, match="head_scores"):
+            cfg.with_head_scores(bad)
+    with pytest.raises(ConfigError, match="low_bits"):
+        MixHQ(high_bits=2, low_bits=4)
+
+
+def test_with_head_scores_only_touches_head_ranking_quantizers():
+    kivi = PolicyConfig.kivi(2)
+    assert kivi.with_head_scores([[0.1]]) == kivi and not kivi.needs_head_scores
+    mixed = PolicyConfig(key=MixHQ(), value=UniformQuantizer(bits=3))
+    filled = mixed.with_head_scores(torch.tensor([[0.25, 0.75]]))
+    assert filled.key.head_scores == ((0.25, 0.75),) and filled.value == mixed.value
+    assert filled.policy_id != mixed.policy_id and filled.label == mixed.label
+    assert filled.to_dict()["key"]["head_scores"] == [[0.25, 0.75]]
+
+
+# ----------------------------------------------------------------------------- fp8
+
+
+@pytest.mark.parametrize("fmt, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_fp8_equals_torch_float8_cast(fmt, dtype):
+    x = heavy_tailed((1, 2, 64, 64), seed=8, outliers=(3,))
+    quant = FP8Quantizer(format=fmt)
+    symbols, meta = quant.quantize_block(x)
+    assert symbols.dtype == torch.uint8 and meta == {} and quant.symbol_bits == 8
+    assert torch.equal(symbols, x.to(dtype).view(torch.uint8))
+    (k2, _), = decode_kv(encode_kv([(x, x)], PolicyConfig(key=quant, value=quant)))
+    assert torch.equal(k2, x.to(dtype).float())
+    # saturation instead of inf / NaN
+    big = torch.tensor([1e9, -1e9, 0.0]).reshape(1, 1, 1, 3)
+    m = torch.finfo(dtype).max
+    assert quant.dequantize_block(*quant.quantize_block(big), big.shape).flatten().tolist() == [m, -m, 0.0]
+
+
+def test_fp8_scaled_uses_a_float16_per_token_scale():
+    x = heavy_tailed((1, 2, 64, 64), seed=8, outliers=(3,)) * 1e-3
+    quant = FP8Quantizer(format="e4m3", scaled=True)
+    q = quant.quantize(x, layer=0, kind="value")
+    assert q.parts[0].meta["scale"].shape == (1, 2, 64) and q.bits_per_element() == 8 + 16 / 64
+    y = quant.dequantize(q, layer=0, kind="value")
+    # every token's absmax lands on the top of the float8 range
+    assert torch.equal(q.parts[0].symbols.view(torch.float8_e4m3fn).float().abs().amax(-1), torch.full((1, 2, 64), 448.0))
+    assert float((y - x).norm() / x.norm()) < 0.05
+    unscaled = FP8Quantizer().dequantize_block(*FP8Quantizer().quantize_block(x), x.shape)
+    assert float((y - x).norm()) < float((unscaled - x).norm())  # tiny values: the scale pays off
+    z = torch.zeros(1, 1, 2, 8)
+    assert torch.equal(quant.dequantize(quant.quantize(z, layer=0, kind="key"), layer=0, kind="key"), z)

@@ -62,3 +62,7 @@ __all__ = [
     "NoQuantizer",
     "BitPack",
 ]
+
+# codecs in their own modules register themselves on import
+from kvtune.codecs import range_coder as _range_coder  # noqa: E402,F401
+from kvtune.codecs import zstd_codec as _zstd_codec  # noqa: E402,F401

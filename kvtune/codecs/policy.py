@@ -2,7 +2,16 @@
 
 A :class:`PolicyConfig` composes transforms (applied in order, inverted in reverse), one
 quantizer for keys, one for values, and a codec. It round-trips through JSON, has a stable
-``policy_id`` (hash of its canonical JSON) and a compact ``label``.
+``policy_id`` (hash of its canonical JSON) and a compact ``label``. Calibration data a policy
+needs at run time (``mixhq``'s per-head retrieval scores) is part of the configuration
+(:meth:`PolicyConfig.with_head_scores`), so streams stay self-describing.
+
+Per K or V tensor of layer ``l`` the pipeline is::
+
+    for t in transforms:  state_t = t.fit(x); x = t.forward(x, state=state_t)
+    floors = max over transforms of t.token_min_bits(tokens)      # e.g. delta anchors
+    q = quantizer.quantize(x, layer=l, kind=k, min_bits=floors)   # one or more segments
+    sections = [state bytes] + [meta_i bytes, codec.pack(symbols_i, bits_i)] per segment
 
 :func:`encode_kv` turns a KV cache into one self-describing stream (:mod:`kvtune.codecs.stream`);
 :func:`decode_kv` rebuilds the cache from the bytes alone. The compression ratio of a policy
@@ -22,21 +31,43 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 
-from kvtune.codecs.base import Codec, Quantizer, QuantizedTensor, Transform, meta_from_bytes, meta_to_bytes
+import kvtune.codecs.fp8  # noqa: F401  (registers the "fp8" quantizer)
+import kvtune.codecs.mixhq  # noqa: F401  (registers the "mixhq" quantizer)
+import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
+from kvtune.codecs.base import (
+    Codec,
+    MetaField,
+    QuantizedSegment,
+    QuantizedTensor,
+    Quantizer,
+    Transform,
+    meta_from_bytes,
+    meta_to_bytes,
+)
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.quantizers import UniformQuantizer
-from kvtune.codecs.stream import canonical_json, read_stream, write_stream
+from kvtune.codecs.stream import TensorSections, canonical_json, read_stream, write_stream
 from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError
 
-__all__ = ["KVLayers", "PolicyConfig", "encode_kv", "decode_kv", "original_nbytes", "POLICY_VERSIONS"]
+__all__ = [
+    "KVLayers",
+    "PolicyConfig",
+    "encode_kv",
+    "decode_kv",
+    "original_nbytes",
+    "POLICY_VERSIONS",
+    "apply_transforms",
+    "invert_transforms",
+    "transform_min_bits",
+]
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 """One ``(K, V)`` pair per layer, each ``(batch, kv_heads, tokens, head_dim)`` floating tensor."""
@@ -63,7 +94,8 @@ class PolicyConfig:
 
     Raises:
         ConfigError: wrong component types, unsupported version, or a codec that cannot
-            pack the quantizers' symbol width.
+            pack one of the symbol widths the quantizers can emit (with the transforms'
+            precision floors).
     """
 
     transforms: tuple[Transform, ...] = ()
@@ -84,10 +116,11 @@ class PolicyConfig:
                 raise ConfigError(f"policy {slot!r} must be a {base.__name__}, got {getattr(self, slot)!r}")
         if self.version not in POLICY_VERSIONS or isinstance(self.version, bool):
             raise ConfigError(f"policy 'version' = {self.version!r} is not supported; allowed: {POLICY_VERSIONS}")
+        floors = tuple(sorted({b for t in self.transforms for b in t.min_bits_values()}))
         for slot in ("key", "value"):
-            bits = getattr(self, slot).symbol_bits
-            if not self.codec.supports(bits):
-                raise ConfigError(f"policy 'codec' {self.codec.name!r} cannot pack the {bits}-bit symbols of {slot!r}")
+            for bits in getattr(self, slot).symbol_widths(floors):
+                if not self.codec.supports(bits):
+                    raise ConfigError(f"policy 'codec' {self.codec.name!r} cannot pack the {bits}-bit symbols of {slot!r}")
 
     # ------------------------------------------------------------------ serialization
 
@@ -167,24 +200,53 @@ class PolicyConfig:
         """Compact label, e.g. ``hadamard|K:u2a/ch/g32|V:u2a/tok/g32|bitpack``.
 
         Transforms are joined by ``+`` (``identity`` when there are none); quantizers read
-        ``u{bits}{a=asymmetric|s=symmetric}/{tok|ch}[/g{group_size}]`` or ``bf16``.
+        ``u{bits}{a=asymmetric|s=symmetric}/{tok|ch}[/g{group_size}][/s{sink}][/r{recent}]
+        [/L{layers}:{bits}]``, ``mix{f}:{high}/{low}...``, ``fp8{format}[/tok]`` or ``bf16``.
+        ``mixhq`` head scores are not in the label (they are in :attr:`policy_id`).
         """
         t = "+".join(x.short_label() for x in self.transforms) or "identity"
         return f"{t}|K:{self.key.short_label()}|V:{self.value.short_label()}|{self.codec.short_label()}"
 
+    # ------------------------------------------------------------------ calibration
+
+    @property
+    def needs_head_scores(self) -> bool:
+        """True when a quantizer ranks heads (``mixhq``) and has no scores yet."""
+        return any(getattr(q, "head_scores", None) == () for q in (self.key, self.value))
+
+    def with_head_scores(self, scores: Any) -> "PolicyConfig":
+        """A copy in which every head-ranking quantizer (``mixhq``) gets ``scores``.
+
+        Args:
+            scores: per layer, one retrieval score per KV head (higher = more retrieval), for
+                every layer of the model (absolute layer indices): nested lists or a
+                ``(layers, kv_heads)`` tensor/array, e.g. from
+                :func:`kvtune.evaluate.calibrate` . Other quantizers are unchanged.
+
+        Returns:
+            The new policy (a different :attr:`policy_id` when a quantizer uses the scores).
+
+        Raises:
+            ConfigError: scores that are not a list of lists of finite numbers.
+        """
+        return dataclasses.replace(self, key=self.key.with_head_scores(scores), value=self.value.with_head_scores(scores))
+
     # ------------------------------------------------------------------ presets
 
     @classmethod
-    def kivi(cls, bits: int = 2, group_size: int = 32, *, transforms: tuple[Transform, ...] = ()) -> "PolicyConfig":
+    def kivi(
+        cls, bits: int = 2, group_size: int = 32, *, recent_tokens: int = 0, transforms: tuple[Transform, ...] = ()
+    ) -> "PolicyConfig":
         """KIVI-style policy (Liu et al. 2024, sec. 3): asymmetric ``bits``-bit keys per channel
         and values per token, both in groups of ``group_size``, bit-packed.
 
-        Unlike KIVI, the most recent tokens are not kept in full precision (no residual window).
+        KIVI keeps the most recent tokens in full precision (its residual window, 128 tokens
+        in the paper's presets): pass ``recent_tokens=128`` for that; the default 0 has no window.
         """
         return cls(
             transforms=transforms,
-            key=UniformQuantizer(bits=bits, granularity="per_channel", group_size=group_size),
-            value=UniformQuantizer(bits=bits, granularity="per_token", group_size=group_size),
+            key=UniformQuantizer(bits=bits, granularity="per_channel", group_size=group_size, recent_tokens=recent_tokens),
+            value=UniformQuantizer(bits=bits, granularity="per_token", group_size=group_size, recent_tokens=recent_tokens),
             codec=BitPack(),
         )
 
@@ -226,26 +288,79 @@ def _kv_dtype(kv: KVLayers) -> torch.dtype:
     return dtypes.pop() if dtypes else torch.bfloat16
 
 
-def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> tuple[bytes, bytes]:
-    """One K or V tensor -> (metadata bytes, packed payload bytes)."""
+def transform_min_bits(transforms: tuple[Transform, ...], tokens: int) -> torch.Tensor | None:
+    """Per-token precision floors the transforms ask for: the elementwise max, or ``None``."""
+    floors = None
+    for t in transforms:
+        f = t.token_min_bits(tokens)
+        if f is not None:
+            floors = f if floors is None else torch.maximum(floors, f)
+    return floors
+
+
+def apply_transforms(
+    x: torch.Tensor, transforms: tuple[Transform, ...], *, layer: int, kind: str
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """Fit and apply ``transforms`` in order to float32 ``x``; returns ``(y, states)``."""
+    states = []
+    for t in transforms:
+        state = t.fit(x, layer=layer, kind=kind)
+        x = t.forward(x, layer=layer, kind=kind, state=state)
+        states.append(state)
+    return x, states
+
+
+def invert_transforms(
+    y: torch.Tensor, transforms: tuple[Transform, ...], states: list[dict[str, torch.Tensor]], *, layer: int, kind: str
+) -> torch.Tensor:
+    """Undo :func:`apply_transforms` (in reverse order, with the same states)."""
+    for t, state in zip(reversed(transforms), reversed(states)):
+        y = t.inverse(y, layer=layer, kind=kind, state=state)
+    return y
+
+
+def _state_layouts(transforms: tuple[Transform, ...], shape: tuple[int, ...], layer: int, kind: str) -> list[tuple[MetaField, ...]]:
+    return [t.state_layout(shape, layer=layer, kind=kind) for t in transforms]
+
+
+def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> list[bytes]:
+    """One K or V tensor -> its sections ``[state, meta_0, payload_0, ...]``."""
     x = t.detach().to("cpu", torch.float32)
-    for tr in config.transforms:
-        x = tr.forward(x, layer=layer, kind=kind)
-    q = quant.quantize(x)
-    return meta_to_bytes(q.meta, quant.meta_layout(q.shape)), config.codec.pack(q.symbols, q.bits)
+    shape = tuple(x.shape)
+    y, states = apply_transforms(x, config.transforms, layer=layer, kind=kind)
+    layouts = _state_layouts(config.transforms, shape, layer, kind)
+    out = [b"".join(meta_to_bytes(s, lay) for s, lay in zip(states, layouts))]
+    q = quant.quantize(y, layer=layer, kind=kind, min_bits=transform_min_bits(config.transforms, shape[2]))
+    for p in q.parts:
+        out.append(meta_to_bytes(p.meta, p.segment.meta_layout))
+        out.append(config.codec.pack(p.symbols, p.bits))
+    return out
 
 
 def _decode_tensor(
-    meta: memoryview, payload: memoryview, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
+    sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
 ) -> torch.Tensor:
-    """(metadata bytes, payload bytes) -> float32 tensor of ``shape``."""
-    meta_t = meta_from_bytes(meta, quant.meta_layout(shape))
-    symbols = config.codec.unpack(payload, quant.symbol_bits, math.prod(shape), shape=shape)
-    q = QuantizedTensor(torch.from_numpy(symbols).reshape(shape), quant.symbol_bits, meta_t, shape)
-    x = quant.dequantize(q)
-    for tr in reversed(config.transforms):
-        x = tr.inverse(x, layer=layer, kind=kind)
-    return x
+    """The sections of one K or V tensor -> float32 tensor of ``shape``."""
+    layouts = _state_layouts(config.transforms, shape, layer, kind)
+    need = sum(f.nbytes for lay in layouts for f in lay)
+    if len(sections.state) != need:
+        raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {need}")
+    states, pos = [], 0
+    for lay in layouts:
+        n = sum(f.nbytes for f in lay)
+        states.append(meta_from_bytes(sections.state[pos : pos + n], lay))
+        pos += n
+    plan = quant.plan(shape, layer=layer, kind=kind, min_bits=transform_min_bits(config.transforms, shape[2]))
+    if len(plan) != sections.num_segments:
+        raise CorruptStreamError(f"{sections.num_segments} segments recorded, the policy needs {len(plan)}")
+    parts = []
+    for seg, meta, payload in zip(plan, sections.meta, sections.payload):
+        symbols = config.codec.unpack(payload, seg.bits, seg.numel, shape=seg.shape)
+        if not symbols.flags.writeable:
+            symbols = symbols.copy()
+        parts.append(QuantizedSegment(seg, torch.from_numpy(symbols).reshape(seg.shape), meta_from_bytes(meta, seg.meta_layout)))
+    y = quant.dequantize(QuantizedTensor(shape, tuple(parts)), layer=layer, kind=kind)
+    return invert_transforms(y, config.transforms, states, layer=layer, kind=kind)
 
 
 def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> bytes:
@@ -265,6 +380,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> b
     Raises:
         TypeError, ValueError: malformed ``kv`` (not pairs of 4-D tensors, unsupported or
             mixed dtypes) or negative ``layer_offset``.
+        ConfigError: the policy cannot be applied to this cache, e.g. a ``mixhq`` quantizer
+            without head scores or with scores for other layers / head counts.
     """
     dtype = _kv_dtype(kv)
     if layer_offset < 0:
@@ -272,10 +389,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> b
     shapes, sections = [], []
     for i, (k, v) in enumerate(kv):
         layer = layer_offset + i
-        km, kp = _encode_tensor(k, config, config.key, layer, "key")
-        vm, vp = _encode_tensor(v, config, config.value, layer, "value")
         shapes.append((tuple(k.shape), tuple(v.shape)))
-        sections.append((km, kp, vm, vp))
+        sections.append((_encode_tensor(k, config, config.key, layer, "key"), _encode_tensor(v, config, config.value, layer, "value")))
     return write_stream(
         policy=config.to_dict(),
         policy_id=config.policy_id,
@@ -302,8 +417,8 @@ def decode_kv(stream: bytes | bytearray | memoryview, *, expect: PolicyConfig | 
         CorruptStreamError: bad magic, checksum mismatch, or inconsistent header/sections.
         StreamVersionError: unknown wire-format version.
         PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
-        KVStreamError: the (intact) stream names a policy this kvtune cannot build, e.g. a
-            component that is not registered.
+        KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
+            component that is not registered) or cannot apply to the recorded shapes.
     """
     header, sections = read_stream(stream, expect_policy_id=None if expect is None else expect.policy_id)
     try:
@@ -312,14 +427,16 @@ def decode_kv(stream: bytes | bytearray | memoryview, *, expect: PolicyConfig | 
         raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {exc}") from None
     dtype = _NAME_DTYPES[header.dtype]
     out: KVLayers = []
-    for i, ((kshape, vshape), (km, kp, vm, vp)) in enumerate(zip(header.shapes, sections)):
+    for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):
         layer = header.layer_offset + i
         try:
-            k = _decode_tensor(km, kp, kshape, config, config.key, layer, "key")
-            v = _decode_tensor(vm, vp, vshape, config, config.value, layer, "value")
-        except (CorruptStreamError, ValueError, RuntimeError) as exc:
-            if isinstance(exc, CorruptStreamError):
-                raise
+            k = _decode_tensor(ks, kshape, config, config.key, layer, "key")
+            v = _decode_tensor(vs, vshape, config, config.value, layer, "value")
+        except CorruptStreamError:
+            raise
+        except ConfigError as exc:
+            raise KVStreamError(f"KV stream policy {header.policy_id} cannot decode layer {layer}: {exc}") from None
+        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
             raise CorruptStreamError(f"corrupt KV stream: layer {layer} does not decode ({exc})") from None
         out.append((k.to(dtype), v.to(dtype)))
     return out

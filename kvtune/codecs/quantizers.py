@@ -5,8 +5,13 @@
   (along tokens). KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization
   for KV Cache", sec. 3) quantizes keys per channel in groups of 32 tokens and values per
   token; its cost is ``bits + 32/group_size`` bits per element (2-bit at group 32: 3 bits).
+  Options: bfloat16 sink and recent-token windows (KIVI's residual window) and a layer
+  schedule (shallow layers at other bits, as CacheGen).
 * ``none``: no quantization; values pass through as bfloat16 (16 bits per element, no
   metadata). The "no compression" baseline.
+
+Head-aware mixed precision (``mixhq``) lives in :mod:`kvtune.codecs.mixhq`, float8 casts
+(``fp8``) in :mod:`kvtune.codecs.fp8`.
 
 Grouping. For input ``x`` of shape ``(batch, kv_heads, tokens, head_dim)``:
 
@@ -20,7 +25,9 @@ per_channel    ``group_size`` tokens of      ``(batch, kv_heads, ceil(tokens/g),
 =============  ============================  ==========================================
 
 ``group_size = 0`` means the whole axis (one group per token, or per channel). When the axis
-length is not a multiple of ``group_size`` the last group is shorter (ragged).
+length is not a multiple of ``group_size`` the last group is shorter (ragged). Groups are
+formed inside each segment (:class:`~kvtune.codecs.base.Segment`): with bfloat16 windows or
+higher-precision anchor tokens the per-channel groups run over the remaining tokens only.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.codecs.base import MetaField, QuantizedTensor, Quantizer, param, register_quantizer
+from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, param, register_quantizer
 
 __all__ = [
     "UniformQuantizer",
     "NoQuantizer",
+    "GroupedWindowsMixin",
+    "window_floors",
     "group_axis",
     "group",
     "ungroup",
@@ -141,12 +150,66 @@ def dequantize_affine(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) 
     return torch.addcmul(zero, q.to(torch.float32), scale)
 
 
+# ----------------------------------------------------------------------------- shared plan pieces
+
+
+def window_floors(tokens: int, sink_tokens: int, recent_tokens: int) -> torch.Tensor | None:
+    """int64 ``(tokens,)`` floors: 16 (bfloat16) on the first ``sink_tokens`` and the last
+    ``recent_tokens`` tokens, 0 elsewhere; ``None`` when both windows are empty.
+
+    The windows may overlap (short tensors); such tokens are simply bfloat16.
+    """
+    if not (sink_tokens or recent_tokens):
+        return None
+    floors = torch.zeros(tokens, dtype=torch.int64)
+    floors[:sink_tokens] = BF16_BITS
+    if recent_tokens:
+        floors[max(tokens - recent_tokens, 0) :] = BF16_BITS
+    return floors
+
+
+class GroupedWindowsMixin:
+    """Plan pieces shared by quantizers with uniform grouped block kernels and bfloat16 windows.
+
+    Expects the dataclass fields ``symmetric``, ``granularity``, ``group_size``,
+    ``sink_tokens`` and ``recent_tokens``. Contributes :meth:`coder` (a plain
+    :class:`UniformQuantizer` of the requested width with the same grouping, or bfloat16 for
+    16) and the sink/recent windows (:meth:`window_min_bits`).
+    """
+
+    symmetric: bool
+    granularity: str
+    group_size: int
+    sink_tokens: int
+    recent_tokens: int
+
+    def coder(self, bits: int) -> Quantizer:
+        """Block quantizer of width ``bits``: uniform with this grouping, or bfloat16 for 16."""
+        if bits == BF16_BITS:
+            return NoQuantizer()
+        return UniformQuantizer(bits=bits, symmetric=self.symmetric, granularity=self.granularity, group_size=self.group_size)
+
+    def window_min_bits(self, tokens: int) -> torch.Tensor | None:
+        """16 on the sink and recent windows (:func:`window_floors`)."""
+        return window_floors(tokens, self.sink_tokens, self.recent_tokens)
+
+    def window_widths(self) -> tuple[int, ...]:
+        return (BF16_BITS,) if (self.sink_tokens or self.recent_tokens) else ()
+
+    def _grouping_label(self) -> str:
+        """``{a|s}/{tok|ch}[/g{group_size}][/s{sink}][/r{recent}]``."""
+        gran = "tok" if self.granularity == "per_token" else "ch"
+        grp = f"/g{self.group_size}" if self.group_size else ""
+        win = (f"/s{self.sink_tokens}" if self.sink_tokens else "") + (f"/r{self.recent_tokens}" if self.recent_tokens else "")
+        return f"{'s' if self.symmetric else 'a'}/{gran}{grp}{win}"
+
+
 # ----------------------------------------------------------------------------- components
 
 
 @register_quantizer("uniform")
 @dataclass(frozen=True)
-class UniformQuantizer(Quantizer):
+class UniformQuantizer(GroupedWindowsMixin, Quantizer):
     """Uniform round-to-nearest integer quantization with float16 per-group metadata.
 
     Asymmetric (default): ``x ~ zero + q * scale`` with ``zero``/``scale`` from the group's
@@ -162,7 +225,17 @@ class UniformQuantizer(Quantizer):
     Error: ``|x - x_hat| <= scale / 2`` plus float16 rounding of the metadata
     (``<= 2**-10 * max|x|`` of the group) for every element.
 
-    Symbols: uint8 of the input's shape ``(batch, kv_heads, tokens, head_dim)``.
+    Full-precision windows: the first ``sink_tokens`` tokens (attention sinks, StreamingLLM)
+    and the last ``recent_tokens`` tokens (KIVI's residual window, 128 in KIVI) are sent as
+    bfloat16 (16 bits, no metadata) in a separate segment; the groups of the quantized part run
+    over the remaining tokens only (with per-channel groups of 32 on 1024 tokens and
+    ``recent_tokens = 128``: 28 groups over tokens 0..895).
+
+    Layer schedule: layers with absolute index ``< shallow_layers`` use ``shallow_bits``
+    instead of ``bits`` (CacheGen, Liu et al. SIGCOMM'24, sec. 5.2: shallow layers are more
+    sensitive, so they get finer quantization); ``shallow_bits = 16`` keeps them in bfloat16.
+
+    Symbols: uint8 of each segment's shape.
 
     Args:
         bits: bits per symbol, 1..8.
@@ -170,16 +243,35 @@ class UniformQuantizer(Quantizer):
         granularity: ``"per_token"`` (groups along head_dim) or ``"per_channel"`` (groups
             along tokens).
         group_size: elements per group along the grouping axis; 0 = the whole axis.
+        sink_tokens: first tokens kept in bfloat16.
+        recent_tokens: last tokens kept in bfloat16.
+        shallow_layers: number of leading layers that use ``shallow_bits`` (0 = no schedule).
+        shallow_bits: width of those layers, 1..8 or 16.
     """
 
     bits: int = param(4, low=1, high=8, doc="bits per symbol")
     symmetric: bool = param(False, doc="symmetric grid (scale only) instead of min/max")
     granularity: str = param("per_token", choices=("per_token", "per_channel"), doc="grouping axis")
     group_size: int = param(32, low=0, doc="elements per group along the axis, 0 = whole axis")
+    sink_tokens: int = param(0, low=0, doc="first tokens kept in bfloat16", elide_default=True)
+    recent_tokens: int = param(0, low=0, doc="last tokens kept in bfloat16", elide_default=True)
+    shallow_layers: int = param(0, low=0, doc="layers with index < this use shallow_bits", elide_default=True)
+    shallow_bits: int = param(8, choices=(*range(1, 9), BF16_BITS), doc="bits of the shallow layers", elide_default=True)
 
     @property
     def symbol_bits(self) -> int:
         return self.bits
+
+    # ------------------------------------------------------------------ plan
+
+    def head_bits(self, heads: int, *, layer: int, kind: str) -> tuple[int, ...]:
+        """``shallow_bits`` for layers ``< shallow_layers``, else ``bits``, on every head."""
+        return ((self.shallow_bits if layer < self.shallow_layers else self.bits),) * heads
+
+    def head_widths(self) -> tuple[int, ...]:
+        return (self.bits, self.shallow_bits) if self.shallow_layers else (self.bits,)
+
+    # ------------------------------------------------------------------ block kernel
 
     def _num_groups(self, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
         axis = group_axis(self.granularity) % len(shape)
@@ -189,20 +281,19 @@ class UniformQuantizer(Quantizer):
         meta_shape = tuple(shape[:axis]) + (num_groups,) + tuple(shape[axis + 1 :])
         return axis, meta_shape
 
-    def meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
+    def block_meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
         """float16 ``scale`` (and ``zero`` if asymmetric) of the shape given in the module table."""
         _, meta_shape = self._num_groups(tuple(shape))
         names = ("scale",) if self.symmetric else ("scale", "zero")
         return tuple(MetaField(n, meta_shape, torch.float16) for n in names)
 
-    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """Quantize float32 ``(batch, kv_heads, tokens, head_dim)`` ``x`` to uint8 symbols of the same shape."""
+    def quantize_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """uint8 symbols of ``x.shape`` and float16 ``scale`` (+ ``zero``) per group."""
         shape = tuple(x.shape)
-        axis, meta_shape = self._num_groups(shape)
+        axis, _ = self._num_groups(shape)
         x = x.to(torch.float32)
         if x.numel() == 0:
-            meta = {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.meta_layout(shape)}
-            return QuantizedTensor(torch.zeros(shape, dtype=torch.uint8), self.bits, meta, shape)
+            return torch.zeros(shape, dtype=torch.uint8), {f.name: torch.zeros(f.shape, dtype=f.dtype) for f in self.block_meta_layout(shape)}
         xg = group(x, axis, self.group_size)  # (..., G, g, ...): members on axis + 1
         red = axis + 1
         if self.symmetric:
@@ -216,30 +307,26 @@ class UniformQuantizer(Quantizer):
             scale, zero = scale16.to(torch.float32), zero16.to(torch.float32)
             meta = {"scale": scale16, "zero": zero16}
         q = quantize_affine(xg, scale.unsqueeze(red), zero.unsqueeze(red), self.bits)
-        symbols = ungroup(q, axis, shape[axis]).contiguous()
-        return QuantizedTensor(symbols, self.bits, {k: v.contiguous() for k, v in meta.items()}, shape)
+        return ungroup(q, axis, shape[axis]).contiguous(), meta
 
-    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
-        """Float32 reconstruction of shape ``q.shape`` from uint8 symbols and float16 metadata."""
-        shape = tuple(q.shape)
+    def dequantize_block(self, symbols: torch.Tensor, meta, shape: tuple[int, ...]) -> torch.Tensor:
+        """Float32 reconstruction of ``shape`` from uint8 symbols and float16 metadata."""
+        shape = tuple(shape)
         if math.prod(shape) == 0:
             return torch.zeros(shape, dtype=torch.float32)
         axis, _ = self._num_groups(shape)
         red = axis + 1
-        scale = q.meta["scale"].to(torch.float32)
-        if self.symmetric:
-            zero = scale * (-(2**self.bits - 1) / 2.0)
-        else:
-            zero = q.meta["zero"].to(torch.float32)
-        qg = group(q.symbols.reshape(shape), axis, self.group_size)
+        scale = meta["scale"].to(torch.float32)
+        zero = scale * (-(2**self.bits - 1) / 2.0) if self.symmetric else meta["zero"].to(torch.float32)
+        qg = group(symbols.reshape(shape), axis, self.group_size)
         xg = dequantize_affine(qg, scale.unsqueeze(red), zero.unsqueeze(red))
         return ungroup(xg, axis, shape[axis]).contiguous()
 
     def short_label(self) -> str:
-        """``u{bits}{a|s}/{tok|ch}[/g{group_size}]``, e.g. ``u2a/ch/g32``."""
-        gran = "tok" if self.granularity == "per_token" else "ch"
-        grp = f"/g{self.group_size}" if self.group_size else ""
-        return f"u{self.bits}{'s' if self.symmetric else 'a'}/{gran}{grp}"
+        """``u{bits}{a|s}/{tok|ch}[/g{group_size}][/s{sink}][/r{recent}][/L{n}:{bits}]``,
+        e.g. ``u2a/ch/g32/r128`` or ``u4s/tok/L10:5``."""
+        sched = f"/L{self.shallow_layers}:{self.shallow_bits}" if self.shallow_layers else ""
+        return f"u{self.bits}{self._grouping_label()}{sched}"
 
 
 @register_quantizer("none")
@@ -249,25 +336,25 @@ class NoQuantizer(Quantizer):
 
     Symbols are the raw bfloat16 bit patterns as ``torch.uint16`` of the input's shape,
     ``bits = 16``; a codec stores them as raw little-endian 16-bit words. Reconstruction is
-    the input rounded to bfloat16 (exact for bfloat16 inputs). The "no compression" baseline.
+    the input rounded to bfloat16 (exact for bfloat16 inputs). The "no compression" baseline,
+    and the block kernel of every bfloat16 segment (sink/recent windows, 16-bit anchors).
     """
 
     @property
     def symbol_bits(self) -> int:
-        return 16
+        return BF16_BITS
 
-    def meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
+    def block_meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
         """No metadata."""
         return ()
 
-    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """bfloat16 bit patterns (uint16, same shape as ``x``)."""
-        symbols = x.to(torch.bfloat16).contiguous().view(torch.uint16)
-        return QuantizedTensor(symbols, 16, {}, tuple(x.shape))
+    def quantize_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """bfloat16 bit patterns (uint16, same shape as ``x``), no metadata."""
+        return x.to(torch.bfloat16).contiguous().view(torch.uint16), {}
 
-    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
-        """Float32 values of the bfloat16 patterns, shape ``q.shape``."""
-        return q.symbols.reshape(q.shape).contiguous().view(torch.bfloat16).to(torch.float32)
+    def dequantize_block(self, symbols: torch.Tensor, meta, shape: tuple[int, ...]) -> torch.Tensor:
+        """Float32 values of the bfloat16 patterns, shape ``shape``."""
+        return symbols.reshape(shape).contiguous().view(torch.bfloat16).to(torch.float32)
 
     def short_label(self) -> str:
         return "bf16"

@@ -14,10 +14,33 @@ little-endian::
                     "layer_offset" absolute index of the first layer
                     "dtype"        original dtype: "float32" | "bfloat16" | "float16"
                     "shapes"       per layer [K shape, V shape], each [batch, kv_heads, tokens, head_dim]
-                    "sections"     per layer [K meta, K payload, V meta, V payload] byte lengths
+                    "sections"     per layer [K lengths, V lengths]; each lengths list is
+                                   [state, meta_0, payload_0, meta_1, payload_1, ...]
+                                   (byte lengths; 1 + 2 * segments entries)
     10+H    4     header checksum: BLAKE2b-32 (4-byte digest) of bytes [0, 10+H)
-    14+H    ...   sections, per layer in order: K metadata, K payload, V metadata, V payload
+    14+H    ...   sections, per layer in order: the K tensor's sections, then the V tensor's,
+                  each: transform state, then per segment its metadata and its payload
     end-4   4     CRC32 (zlib.crc32) of every byte before it
+
+Sections of one K or V tensor::
+
+    state        the transforms' state (e.g. ``affine``'s float16 scales), in transform order,
+                 each transform's fields in its ``state_layout`` order; empty when no transform
+                 carries state
+    meta_i       segment i's quantizer metadata (e.g. float16 scale, zero), raw little-endian,
+                 fields in the segment coder's ``block_meta_layout`` order
+    payload_i    segment i's symbols packed by the policy's codec (``codec.pack(symbols, bits)``
+                 with the segment's width and shape)
+
+A segment is a rectangular slice (a set of KV heads x a set of tokens) coded with one symbol
+width: e.g. bfloat16 sink/recent tokens, 8-bit delta anchors, high- and low-precision heads of
+``mixhq``, or a layer's scheduled width (:class:`kvtune.codecs.base.Segment`). Which segments a
+tensor has, their order, shapes, widths and metadata layouts are *not* stored: the decoder
+re-derives them from the policy, the tensor shape and the layer index
+(:meth:`kvtune.codecs.base.Quantizer.plan`: token classes ordered by their first token, and
+inside a class the heads of one width ordered by their first head), then checks that the
+recorded lengths agree. A plain one-width tensor has exactly one segment; an empty tensor has
+none.
 
 The header checksum is an addition to the minimal layout: it lets a decoder trust the
 recorded lengths before using them, so a stream that is merely cut short is reported as
@@ -25,11 +48,17 @@ truncated while a stream whose header was altered is reported as corrupt. It is 
 not a CRC32: a CRC32 over a message followed by that message's own CRC32 is a constant, so
 the final CRC would then be blind to the header.
 
+The section lists changed from the Step-1 layout (``[K meta, K payload, V meta, V payload]``)
+before any release, so the format version stays 1.
+
 Decoding checks, in order: length of the fixed prefix (:class:`TruncatedStreamError`), magic
 (:class:`CorruptStreamError`), version (:class:`StreamVersionError`), header length and
 header checksum, JSON structure, total length (shorter: truncated; longer: corrupt), final
-checksum, then the expected policy (:class:`PolicyMismatchError`). No tensor is produced
-from a stream that fails any check. Streams are deterministic: the same input and policy give
+checksum, then the expected policy (:class:`PolicyMismatchError`); then, per tensor
+(:func:`kvtune.codecs.decode_kv`), the state length, the number of segments, each segment's
+metadata length and its payload against the plan (:class:`CorruptStreamError`), and whether
+the policy applies to the recorded shapes at all (:class:`KVStreamError`, e.g. ``mixhq``
+scores for another head count). No tensor is produced from a stream that fails any check. Streams are deterministic: the same input and policy give
 the same bytes.
 """
 
@@ -41,7 +70,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from kvtune.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
@@ -50,6 +79,7 @@ __all__ = [
     "FORMAT_VERSION",
     "DTYPES",
     "StreamHeader",
+    "TensorSections",
     "canonical_json",
     "write_stream",
     "read_stream",
@@ -62,7 +92,35 @@ DTYPES = ("float32", "bfloat16", "float16")
 _PREFIX = struct.Struct("<4sHI")
 _CRC = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 26  # 64 MiB: a longer recorded header length is treated as corruption
-SECTIONS_PER_LAYER = 4  # K meta, K payload, V meta, V payload
+
+
+class TensorSections(NamedTuple):
+    """The sections of one K or V tensor: byte lengths (in :class:`StreamHeader`) or zero-copy
+    memoryviews (from :func:`read_stream`).
+
+    Attributes:
+        state: the transforms' state.
+        meta: per segment, the quantizer metadata.
+        payload: per segment, the packed symbols.
+    """
+
+    state: Any
+    meta: tuple[Any, ...]
+    payload: tuple[Any, ...]
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments."""
+        return len(self.meta)
+
+    def flat(self) -> list[Any]:
+        """``[state, meta_0, payload_0, meta_1, payload_1, ...]`` (wire order)."""
+        return [self.state, *(x for pair in zip(self.meta, self.payload) for x in pair)]
+
+    @classmethod
+    def from_flat(cls, items: Sequence[Any]) -> "TensorSections":
+        """Inverse of :meth:`flat` (``items`` has odd length)."""
+        return cls(items[0], tuple(items[1::2]), tuple(items[2::2]))
 
 
 def _header_digest(data: bytes | memoryview) -> bytes:
@@ -86,7 +144,7 @@ class StreamHeader:
         layer_offset: absolute index of the stream's first layer.
         dtype: original dtype name (``"float32"``, ``"bfloat16"`` or ``"float16"``).
         shapes: per layer ``(K shape, V shape)``, each ``(batch, kv_heads, tokens, head_dim)``.
-        sections: per layer ``(K meta, K payload, V meta, V payload)`` lengths in bytes.
+        sections: per layer ``(K, V)`` :class:`TensorSections` of byte lengths.
         header_nbytes: bytes before the first section (prefix + JSON + header checksum).
     """
 
@@ -96,7 +154,7 @@ class StreamHeader:
     layer_offset: int
     dtype: str
     shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-    sections: tuple[tuple[int, int, int, int], ...]
+    sections: tuple[tuple[TensorSections, TensorSections], ...]
     header_nbytes: int
 
     checksum_nbytes: int = _CRC.size
@@ -106,20 +164,28 @@ class StreamHeader:
         """Number of layers in the stream."""
         return len(self.shapes)
 
+    def _tensors(self) -> list[TensorSections]:
+        return [t for pair in self.sections for t in pair]
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of transform state (e.g. ``affine`` scales) over all tensors."""
+        return sum(t.state for t in self._tensors())
+
     @property
     def meta_nbytes(self) -> int:
-        """Bytes of quantizer metadata (scales, zero points) over all sections."""
-        return sum(s[0] + s[2] for s in self.sections)
+        """Bytes of quantizer metadata (scales, zero points) over all segments."""
+        return sum(sum(t.meta) for t in self._tensors())
 
     @property
     def payload_nbytes(self) -> int:
-        """Bytes of packed symbols over all sections."""
-        return sum(s[1] + s[3] for s in self.sections)
+        """Bytes of packed symbols over all segments."""
+        return sum(sum(t.payload) for t in self._tensors())
 
     @property
     def total_nbytes(self) -> int:
-        """Total stream length in bytes: header + metadata + payload + final checksum."""
-        return self.header_nbytes + self.meta_nbytes + self.payload_nbytes + self.checksum_nbytes
+        """Total stream length in bytes: header + state + metadata + payload + final checksum."""
+        return self.header_nbytes + self.state_nbytes + self.meta_nbytes + self.payload_nbytes + self.checksum_nbytes
 
     @property
     def num_elements(self) -> int:
@@ -134,7 +200,7 @@ def write_stream(
     layer_offset: int,
     dtype: str,
     shapes: Sequence[tuple[Sequence[int], Sequence[int]]],
-    sections: Sequence[Sequence[bytes]],
+    sections: Sequence[tuple[Sequence[bytes], Sequence[bytes]]],
 ) -> bytes:
     """Assemble a version-1 stream (see the module docstring for the layout).
 
@@ -144,27 +210,30 @@ def write_stream(
         layer_offset: absolute index of the first layer.
         dtype: original dtype name, one of :data:`DTYPES`.
         shapes: per layer ``(K shape, V shape)``.
-        sections: per layer the four byte strings ``(K meta, K payload, V meta, V payload)``.
+        sections: per layer ``(K parts, V parts)``, each a sequence of byte strings
+            ``[state, meta_0, payload_0, meta_1, payload_1, ...]`` (odd length).
 
     Returns:
         The stream bytes.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if len(shapes) != len(sections) or any(len(s) != SECTIONS_PER_LAYER for s in sections):
-        raise ValueError("need one (K meta, K payload, V meta, V payload) section group per layer")
+    if len(shapes) != len(sections) or any(
+        len(pair) != 2 or any(len(parts) % 2 != 1 for parts in pair) for pair in sections
+    ):
+        raise ValueError("need per layer (K parts, V parts), each [state, meta_0, payload_0, ...]")
     header = {
         "policy": policy,
         "policy_id": policy_id,
         "layer_offset": int(layer_offset),
         "dtype": dtype,
         "shapes": [[list(map(int, k)), list(map(int, v))] for k, v in shapes],
-        "sections": [[len(b) for b in group] for group in sections],
+        "sections": [[[len(b) for b in parts] for parts in pair] for pair in sections],
     }
     hjson = canonical_json(header).encode("ascii")
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hjson)) + hjson
     head += _header_digest(head)
-    parts = [head, *(b for group in sections for b in group)]
+    parts = [head, *(b for pair in sections for tensor in pair for b in tensor)]
     crc = 0
     for p in parts:
         crc = zlib.crc32(p, crc)
@@ -204,14 +273,17 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
             raise _bad(f"bad per-layer shapes {pair!r}")
         out_shapes.append((_shape(pair[0]), _shape(pair[1])))
     out_sections = []
-    for group in sections:
+    for pair in sections:
         if not (
-            isinstance(group, list)
-            and len(group) == SECTIONS_PER_LAYER
-            and all(type(n) is int and n >= 0 for n in group)
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(
+                isinstance(lengths, list) and len(lengths) % 2 == 1 and all(type(n) is int and n >= 0 for n in lengths)
+                for lengths in pair
+            )
         ):
-            raise _bad(f"bad section lengths {group!r}")
-        out_sections.append(tuple(group))
+            raise _bad(f"bad section lengths {pair!r}")
+        out_sections.append((TensorSections.from_flat(pair[0]), TensorSections.from_flat(pair[1])))
     return StreamHeader(
         version=version,
         policy=h["policy"],
@@ -226,7 +298,7 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
 
 def read_stream(
     data: bytes | bytearray | memoryview, *, expect_policy_id: str | None = None
-) -> tuple[StreamHeader, list[tuple[memoryview, memoryview, memoryview, memoryview]]]:
+) -> tuple[StreamHeader, list[tuple[TensorSections, TensorSections]]]:
     """Validate a stream and split it into its header and per-layer sections.
 
     Args:
@@ -234,8 +306,8 @@ def read_stream(
         expect_policy_id: when given, the policy id the caller expects.
 
     Returns:
-        ``(header, sections)``; ``sections[i]`` is ``(K meta, K payload, V meta, V payload)``
-        as zero-copy memoryviews into ``data``.
+        ``(header, sections)``; ``sections[i]`` is ``(K, V)`` :class:`TensorSections` of
+        zero-copy memoryviews into ``data``.
 
     Raises:
         TruncatedStreamError: the stream is shorter than its prefix, header or recorded
@@ -279,19 +351,22 @@ def read_stream(
         )
     sections = []
     pos = header_nbytes
-    for group in header.sections:
-        views = []
-        for length in group:
-            views.append(mv[pos : pos + length])
-            pos += length
-        sections.append(tuple(views))
-    return header, sections  # type: ignore[return-value]
+    for pair in header.sections:
+        tensors = []
+        for lengths in pair:
+            views = []
+            for length in lengths.flat():
+                views.append(mv[pos : pos + length])
+                pos += length
+            tensors.append(TensorSections.from_flat(views))
+        sections.append((tensors[0], tensors[1]))
+    return header, sections
 
 
 def read_header(data: bytes | bytearray | memoryview) -> StreamHeader:
     """Validate a stream (all checks of :func:`read_stream`) and return its header.
 
-    Useful for byte accounting: ``len(data) == h.header_nbytes + h.meta_nbytes +
-    h.payload_nbytes + h.checksum_nbytes``.
+    Useful for byte accounting: ``len(data) == h.header_nbytes + h.state_nbytes +
+    h.meta_nbytes + h.payload_nbytes + h.checksum_nbytes``.
     """
     return read_stream(data)[0]

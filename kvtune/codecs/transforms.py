@@ -6,6 +6,17 @@
   sec. 3) and QuIP# (Tseng et al., 2024): ``y = (x * s) @ H`` with random +-1 signs ``s``
   and the Sylvester Hadamard matrix ``H`` scaled by ``1/sqrt(n)``. The rotation spreads
   outlier channels over all channels, which makes per-token quantization far more accurate.
+* ``delta``: delta coding along tokens in groups (CacheGen, Liu et al., SIGCOMM'24, sec. 5.1):
+  the first token of each group of ``group_size`` is the anchor, the others are stored as
+  differences from it; nearby tokens are similar, so the deltas have a smaller range. The
+  anchors may be coded with more bits than the deltas (``anchor_bits``).
+* ``affine``: per-(layer, head, channel) scale (and optional shift) calibrated on the tensor
+  being encoded (SmoothQuant, Xiao et al. 2023; KVQuant, Hooper et al. 2024, sec. 3): outlier
+  channels are divided down so they stop dominating per-token quantization ranges. The scale
+  and shift travel in the stream as float16 transform state.
+
+Transforms compose in order (e.g. ``affine`` then ``hadamard``); the decoder inverts them in
+reverse order with the state read from the stream.
 """
 
 from __future__ import annotations
@@ -15,13 +26,22 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from typing import Mapping
+
 import torch
 
-from kvtune.codecs.base import Transform, param, register_transform
+from kvtune.codecs.base import BF16_BITS, MetaField, Transform, param, register_transform
+from kvtune.codecs.quantizers import FP16_MAX
 
 __all__ = [
     "Identity",
     "Hadamard",
+    "Delta",
+    "Affine",
+    "delta_encode",
+    "delta_decode",
+    "anchor_mask",
+    "channel_stats",
     "power_of_two_blocks",
     "hadamard_matrix",
     "block_hadamard_matrix",
@@ -36,11 +56,11 @@ _KINDS = ("key", "value")
 class Identity(Transform):
     """The identity transform: ``forward(x) = inverse(x) = x`` (no parameters)."""
 
-    def forward(self, x: torch.Tensor, *, layer: int, kind: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
         """Return ``x`` unchanged (float32 ``(batch, kv_heads, tokens, head_dim)``)."""
         return x
 
-    def inverse(self, y: torch.Tensor, *, layer: int, kind: str) -> torch.Tensor:
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
         """Return ``y`` unchanged."""
         return y
 
@@ -149,16 +169,178 @@ class Hadamard(Transform):
         heads, dim = x.shape[1], x.shape[3]
         return random_signs(self.seed, int(layer), kind, heads, dim), block_hadamard_matrix(dim)
 
-    def forward(self, x: torch.Tensor, *, layer: int, kind: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
         """Rotate float32 ``(batch, kv_heads, tokens, head_dim)`` ``x``; returns the same shape."""
         if x.shape[-1] == 0:
             return x
         signs, matrix = self._parts(x, layer, kind)
         return rotate(x, signs, matrix)
 
-    def inverse(self, y: torch.Tensor, *, layer: int, kind: str) -> torch.Tensor:
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
         """Undo :meth:`forward` (``H`` is symmetric and orthonormal, signs square to one)."""
         if y.shape[-1] == 0:
             return y
         signs, matrix = self._parts(y, layer, kind)
         return unrotate(y, signs, matrix)
+
+
+# ----------------------------------------------------------------------------- delta coding
+
+
+def anchor_mask(tokens: int, group_size: int) -> torch.Tensor:
+    """bool ``(tokens,)``: True on anchors, the first token of each group (``t % group_size == 0``)."""
+    return torch.arange(tokens) % group_size == 0
+
+
+def delta_encode(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Delta coding along tokens (axis 2) of ``(batch, heads, tokens, dim)`` ``x``.
+
+    ``y[t] = x[t] - x[a(t)]`` with ``a(t) = (t // g) * g`` the group's anchor, and
+    ``y[a] = x[a]`` on anchors. Vectorized: one gather, one subtraction, one strided copy.
+    """
+    t = x.shape[2]
+    anchors = x.index_select(2, torch.arange(t) // group_size * group_size)
+    y = x - anchors
+    y[:, :, ::group_size] = x[:, :, ::group_size]
+    return y
+
+
+def delta_decode(y: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`delta_encode`: ``x[t] = y[t] + y[a(t)]``, ``x[a] = y[a]``."""
+    t = y.shape[2]
+    x = y + y.index_select(2, torch.arange(t) // group_size * group_size)
+    x[:, :, ::group_size] = y[:, :, ::group_size]
+    return x
+
+
+@register_transform("delta")
+@dataclass(frozen=True)
+class Delta(Transform):
+    """Delta coding along tokens in groups, anchors optionally finer (CacheGen, sec. 5.1).
+
+    Tokens ``0, g, 2g, ...`` (``g = group_size``) are anchors and pass unchanged; every other
+    token ``t`` becomes ``x[t] - x[anchor(t)]``. With ``anchor_bits > 0`` the transform asks
+    the quantizer for at least that many bits on anchor tokens (16 = bfloat16, exact for
+    bfloat16 input): the quantizer codes them as a separate segment
+    (:meth:`~kvtune.codecs.base.Transform.token_min_bits`). With ``anchor_bits = 0`` anchors
+    use the same bits as the deltas.
+
+    Note on error: the decoder adds the *decoded* anchor to each decoded delta, so a token's
+    error is its delta's error plus its anchor's error; finer anchors bound the second term.
+
+    Args:
+        group_size: tokens per group (CacheGen uses 10), >= 2.
+        anchor_bits: 0 (same as the deltas), 1..8, or 16 (bfloat16).
+    """
+
+    group_size: int = param(10, low=2, doc="tokens per delta group (the first is the anchor)")
+    anchor_bits: int = param(0, choices=(0, *range(1, 9), BF16_BITS), doc="min bits of anchor tokens, 0 = as deltas")
+
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
+        """Anchors unchanged, other tokens minus their group's anchor (same shape)."""
+        return delta_encode(x, self.group_size)
+
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
+        """Add each group's anchor back."""
+        return delta_decode(y, self.group_size)
+
+    def token_min_bits(self, tokens: int) -> torch.Tensor | None:
+        """``anchor_bits`` on anchors, 0 elsewhere (``None`` when ``anchor_bits == 0``)."""
+        if not self.anchor_bits:
+            return None
+        return anchor_mask(tokens, self.group_size).to(torch.int64) * self.anchor_bits
+
+    def min_bits_values(self) -> tuple[int, ...]:
+        return (self.anchor_bits,) if self.anchor_bits else ()
+
+    def short_label(self) -> str:
+        """``delta:g{group_size}[/a{anchor_bits}]``, e.g. ``delta:g10/a8``."""
+        return f"delta:g{self.group_size}" + (f"/a{self.anchor_bits}" if self.anchor_bits else "")
+
+
+# ----------------------------------------------------------------------------- affine scaling
+
+
+def channel_stats(x: torch.Tensor, statistic: str, shift: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float16 per-(head, channel) ``(scale, shift)`` of ``(batch, heads, tokens, dim)`` ``x``.
+
+    ``shift`` (if requested) is the channel mean over batch and tokens; ``scale`` is the RMS or
+    the absmax of the shifted channel. Channels whose statistic is 0, not finite or below the
+    float16 range (all-zero channels, empty tensors) get ``scale = 1``; scales saturate at the
+    float16 maximum.
+
+    Returns:
+        ``(scale, shift)`` float16 ``(heads, dim)``; ``shift`` is ``None`` when not requested.
+    """
+    b, h, t, d = x.shape
+    n = b * t
+    mean = None
+    if shift:
+        mean = (x.sum(dim=(0, 2)) / max(n, 1)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        x = x - mean.to(torch.float32)[None, :, None, :]
+    if statistic == "rms":
+        stat = (x.square().sum(dim=(0, 2)) / max(n, 1)).sqrt()
+    else:
+        stat = x.abs().amax(dim=(0, 2)) if n else torch.zeros(h, d)
+    scale = stat.clamp(max=FP16_MAX).to(torch.float16)
+    scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+    return scale, mean
+
+
+@register_transform("affine")
+@dataclass(frozen=True)
+class Affine(Transform):
+    """Per-(layer, head, channel) affine normalization calibrated on the data being encoded.
+
+    ``forward(x)[b, h, t, c] = (x[b, h, t, c] - shift[h, c]) / scale[h, c]`` with ``scale`` the
+    channel's RMS (or absmax) and ``shift`` its mean (when ``shift = True``), computed over
+    batch and tokens of this layer's K or V tensor (:func:`channel_stats`) and rounded to
+    float16. Outlier channels (keys have a few channels x10-x100 larger, KVQuant sec. 3.1) are
+    scaled down, so they no longer set the range of per-token quantization groups.
+
+    State (in the stream, counted in its size): float16 ``scale`` and, if ``shift``, ``shift``,
+    each ``(kv_heads, head_dim)``: ``2 * kv_heads * head_dim`` bytes per tensor and statistic
+    (384 bytes for 3 heads x 64 channels). Encoder and decoder use the float16 values, so
+    ``inverse(forward(x))`` is ``x`` up to float32 rounding.
+
+    Args:
+        statistic: ``"rms"`` or ``"absmax"``.
+        shift: also subtract the per-channel mean.
+    """
+
+    statistic: str = param("rms", choices=("rms", "absmax"), doc="per-channel scale statistic")
+    shift: bool = param(False, doc="also subtract the per-channel mean")
+
+    def state_layout(self, shape, *, layer: int, kind: str) -> tuple[MetaField, ...]:
+        """float16 ``scale`` (and ``shift``) of shape ``(kv_heads, head_dim)``."""
+        hd = (int(shape[1]), int(shape[3]))
+        names = ("scale", "shift") if self.shift else ("scale",)
+        return tuple(MetaField(n, hd, torch.float16) for n in names)
+
+    def fit(self, x: torch.Tensor, *, layer: int, kind: str) -> dict[str, torch.Tensor]:
+        """Float16 ``scale`` (and ``shift``) of ``x`` (:func:`channel_stats`)."""
+        scale, mean = channel_stats(x.to(torch.float32), self.statistic, self.shift)
+        return {"scale": scale} if mean is None else {"scale": scale, "shift": mean}
+
+    @staticmethod
+    def _parts(state: Mapping[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if state is None or "scale" not in state:
+            raise ValueError("affine needs its state: call fit() on the encoder, read it from the stream on the decoder")
+        scale = state["scale"].to(torch.float32)[None, :, None, :]
+        shift = state.get("shift")
+        return scale, None if shift is None else shift.to(torch.float32)[None, :, None, :]
+
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
+        """``(x - shift) / scale`` per (head, channel)."""
+        scale, shift = self._parts(state)
+        return (x if shift is None else x - shift) / scale
+
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
+        """``y * scale + shift`` per (head, channel)."""
+        scale, shift = self._parts(state)
+        x = y * scale
+        return x if shift is None else x + shift
+
+    def short_label(self) -> str:
+        """``affine:{rms|absmax}[/shift]``."""
+        return f"affine:{self.statistic}" + ("/shift" if self.shift else "")

@@ -1,0 +1,124 @@
+"""General-purpose lossless baseline codec C ``zstd``: dense bit-packing, then Zstandard.
+
+The brief (sec. 2) lists general-purpose compressors as the baseline that entropy coders with
+KV-specific models (``range``) must beat. The symbols are first bit-packed exactly as the
+``bitpack`` codec does (:func:`kvtune.codecs.bitpack.pack_bits`; ``bits == 16`` raw patterns as
+little-endian 16-bit words), then compressed as one Zstandard frame (python-zstandard,
+single-threaded, so the output is deterministic for a given zstd library version and level).
+
+Wire layout: exactly one zstd frame with the content size in its header, no zstd checksum
+(the outer stream has a CRC32). Decoding first reads the frame's content size and requires
+it to equal the packed size implied by ``count`` and ``bits`` (``ceil(count * bits / 8)``, or
+``2 * count``) before decompressing with that size as the output bound and no trailing data
+allowed; every failure raises :class:`~kvtune.errors.CorruptStreamError`.
+
+Zstandard works on bytes: it finds repeated byte strings and entropy-codes literals with
+Huffman tables built per block, but it has no notion of channels or heads, so on sub-byte
+symbols of noisy KV it usually gains little over ``bitpack`` (it may even add the ~10-byte
+frame header); it shines only on redundant data (constant groups, repeated rows).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from kvtune.codecs.base import Codec, param, register_codec
+from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
+from kvtune.errors import CorruptStreamError
+
+__all__ = ["ZstdCodec"]
+
+_local = threading.local()  # zstd contexts are not thread-safe: one per thread and level
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False, threads=0)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
+
+
+@register_codec("zstd")
+@dataclass(frozen=True)
+class ZstdCodec(Codec):
+    """Bit-pack the symbols, then compress them with Zstandard at ``level``.
+
+    Args:
+        level: zstd compression level; 1..22 trade speed for ratio (19+ are slow), negative
+            levels (down to -7) are zstd's fast modes. Default 3 (zstd's default).
+
+    Example::
+
+        >>> import numpy as np
+        >>> x = np.zeros((1, 2, 256, 64), dtype=np.uint8)
+        >>> data = ZstdCodec().pack(x, 2)
+        >>> len(data) < x.size * 2 // 8
+        True
+        >>> bool((ZstdCodec().unpack(data, 2, x.size) == 0).all())
+        True
+    """
+
+    level: int = param(3, low=-7, high=22, doc="zstd compression level")
+
+    def supports(self, bits: int) -> bool:
+        """Widths 1..8 and 16 (the packed bytes of :mod:`kvtune.codecs.bitpack`)."""
+        return 1 <= bits <= 8 or bits == RAW16
+
+    def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
+        """Bit-pack ``symbols`` (any shape, C order) and compress them into one zstd frame.
+
+        Raises:
+            ValueError: wrong dtype, a symbol ``>= 2**bits``, or an unsupported width.
+        """
+        if isinstance(symbols, torch.Tensor):
+            symbols = symbols.detach().cpu().contiguous().numpy()
+        a = np.ascontiguousarray(symbols).reshape(-1)
+        if bits == RAW16:
+            raw = a.astype("<u2", copy=False).tobytes()
+        elif 1 <= bits <= 8:
+            if a.dtype != np.uint8:
+                raise ValueError(f"{bits}-bit symbols must be uint8, got {a.dtype}")
+            raw = pack_bits(a, bits)
+        else:
+            raise ValueError(f"zstd codec: bit width must be 1..8 or 16, got {bits}")
+        return _compressor(self.level).compress(raw)
+
+    def unpack(self, data, bits: int, count: int, *, shape=None) -> np.ndarray:
+        """Decompress and unpack ``count`` symbols: flat uint8 (uint16 when ``bits == 16``).
+
+        Raises:
+            CorruptStreamError: not one valid zstd frame, a frame content size other than the
+                packed size of ``count`` symbols, trailing bytes, or a frame that does not
+                decompress to exactly that size.
+        """
+        if not self.supports(bits):
+            raise ValueError(f"zstd codec: bit width must be 1..8 or 16, got {bits}")
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        expected = 2 * count if bits == RAW16 else packed_nbytes(count, bits)
+        try:
+            size = zstandard.frame_content_size(data)
+        except zstandard.ZstdError as exc:
+            raise CorruptStreamError(f"zstd codec: not a zstd frame ({exc})") from None
+        if size != expected:
+            raise CorruptStreamError(f"zstd codec: frame holds {size} bytes, {count} symbols of {bits} bits need {expected}")
+        try:
+            raw = _decompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise CorruptStreamError(f"zstd codec: frame does not decompress ({exc})") from None
+        if len(raw) != expected:
+            raise CorruptStreamError(f"zstd codec: frame decompressed to {len(raw)} bytes, expected {expected}")
+        if bits == RAW16:
+            return np.frombuffer(raw, dtype="<u2", count=count).astype(np.uint16)
+        return unpack_bits(raw, bits, count)
