@@ -28,9 +28,11 @@ import torch
 from kvtune import __version__
 from kvtune.assets import read_texts
 from kvtune.errors import KvtuneError
+from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
 from kvtune.evaluate.capture import build_contexts, capture
 from kvtune.evaluate.evaluator import ContinuationEvaluator
 from kvtune.evaluate.model import load_model
+from kvtune.evaluate.ratio import estimate_ratios
 from kvtune.optimize import make_optimizer
 from kvtune.pareto import pareto_front
 from kvtune.settings import ProfileSettings
@@ -108,6 +110,9 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     on_stage("prefill + baseline", settings.contexts)
     cap = capture(lm, ids, settings.context_tokens, progress=lambda n: on_progress(n))
     evaluator = ContinuationEvaluator(lm, cap)
+    space = _calibrated(space, lm, cap.input_ids[:2, : min(settings.context_tokens, 1024)], run_dir, on_stage, on_progress)
+    on_stage("estimate ratios", len(space))
+    ratios = estimate_ratios([c.config for c in space.candidates], cap.context_kv(0), progress=on_progress)
     t_capture = time.perf_counter() - t_start
 
     run_info = {
@@ -120,7 +125,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     }
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
 
-    optimizer = make_optimizer(settings.optimizer, space, seed=settings.seed)
+    optimizer = make_optimizer(settings.optimizer, space, seed=settings.seed, ratios=ratios)
     for cand in space.candidates:
         if cand.policy_id in done:
             optimizer.tell(cand, done[cand.policy_id])
@@ -138,7 +143,9 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
             "label": cand.config.label,
             "method": "tqc",
             "config_json": cand.config.to_json(),
+            "preset": cand.params.get("preset"),
             **{f"param.{k}": v for k, v in cand.params.items()},
+            "ratio_estimate": float(ratios[cand.index]),
             **result,
         }
         store.append(record)
@@ -151,6 +158,25 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     result = finalize_run(run_dir, run_info=run_info)
     on_progress(1)
     return result
+
+
+def _calibrated(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook):
+    """Fill MixHQ head scores into the space from ``calibration.json`` or a new calibration pass.
+
+    The scores are stored with the run, so a resumed run (and a serving system reading the
+    tables) uses the same heads; they also travel inside every MixHQ policy's configuration.
+    """
+    if not space.needs_head_scores:
+        return space
+    path = run_dir / "calibration.json"
+    if path.is_file():
+        scores = HeadScores.from_dict(json.loads(path.read_text())["head_scores"])
+    else:
+        on_stage("calibrate MixHQ heads", 1)
+        scores = calibrate_head_scores(lm, calibration_ids)
+        atomic_write_text(path, json.dumps({"head_scores": scores.to_dict()}, indent=1))
+        on_progress(1)
+    return space.with_head_scores(scores.scores)
 
 
 def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> ProfileResult:
