@@ -130,6 +130,70 @@ def assets(fetch: bool = typer.Option(False, help="Download and verify every nam
     console.print(table)
 
 
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., help="A run folder, e.g. profiles/<run>."),
+    fmt: str = typer.Option("parquet", "--format", help="parquet or json."),
+    out: Optional[Path] = typer.Option(None, help="Destination file (default ./<run>.policy_table.<format>)."),
+    floors: str = typer.Option("", help="Comma-separated accuracy floors to recompile for, e.g. 0.99,0.97 "
+                                        "(default: the run's stored table)."),
+    recompile: bool = typer.Option(False, help="Recompile from pareto.parquet even if the run has a table."),
+) -> None:
+    """Write a run's policy table (schema v1) as Parquet or JSON, with the run's metadata."""
+    from kvtune.tables.run import export_run_table
+
+    try:
+        try:
+            fl = [float(f) for f in floors.split(",") if f.strip()] or None
+        except ValueError:
+            raise KvtuneError(f"--floors {floors!r}: expected comma-separated fractions such as 0.99,0.97") from None
+        path, table = export_run_table(run_dir, fmt, out, floors=fl, recompile=recompile)
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    console.print(f"wrote {path} ({fmt}, schema v{table.schema_version}, {len(table)} intervals, floors "
+                  f"{', '.join(f'{100 * f:g} %' for f in table.floors)}); re-loaded and validated", markup=False, soft_wrap=True)
+
+
+@app.command()
+def select(
+    table: Path = typer.Argument(..., help="A policy table (.parquet / .json) or a run folder."),
+    bandwidth: str = typer.Option(..., help="Link bandwidth with unit: 10Gbps, 500Mbps, 1.25GB/s."),
+    q_min: float = typer.Option(..., "--q-min", help="Minimum relative accuracy (fraction), e.g. 0.97."),
+    workload: Optional[str] = typer.Option(None, help="Workload; must match the table's."),
+    slo: Optional[str] = typer.Option(None, help="Transfer-time SLO with unit: 200ms, 1.5s."),
+    kv_bytes: Optional[str] = typer.Option(None, "--kv-bytes", help="KV volume with unit: 24MB, 1GiB (default: the "
+                                           "profiled per-request KV size from the table metadata, else 1GB)."),
+    key: str = typer.Option("", help="Extra table key (e.g. a prefix-ratio bucket); default none."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of text."),
+) -> None:
+    """Pick the policy for a bandwidth, accuracy floor and SLO from a policy table, and say why."""
+    import json as _json
+
+    from kvtune.tables.run import resolve_table, selection_summary, selection_text
+    from kvtune.tables.units import parse_bandwidth_gbps, parse_bytes, parse_duration_s
+
+    try:
+        bw = parse_bandwidth_gbps(bandwidth)
+        slo_s = parse_duration_s(slo) if slo is not None else None
+        volume = parse_bytes(kv_bytes) if kv_bytes is not None else None
+        tab = resolve_table(table)
+        if volume is not None:
+            source = "--kv-bytes"
+        elif tab.kv_bytes_per_request is not None:
+            source = "profiled per-request KV size, from the table metadata"
+        else:
+            source = "default 1 GB (the table has no kv_bytes_per_request)"
+        sel = tab.select(bw, q_min, workload=workload, slo_s=slo_s, kv_bytes=volume, key=key)
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        print(_json.dumps(selection_summary(sel, source), indent=2))
+        return
+    console.print(selection_text(sel, tab, source), markup=False, highlight=False, soft_wrap=True)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

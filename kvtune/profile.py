@@ -41,6 +41,7 @@ from kvtune.space import load_space
 from kvtune.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import compile_policy_table
+from kvtune.tables.run import run_table_metadata
 
 @dataclass
 class ProfileResult:
@@ -203,7 +204,8 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
     files["pareto"] = atomic_write_parquet(pareto, run_dir / "pareto.parquet")
     table = compile_policy_table(pareto, floors=settings.floors, model=settings.model,
                                  workload=run_info.get("workload", "continuation"),
-                                 device=run_info.get("model_info", {}).get("device", "cpu"))
+                                 device=run_info.get("model_info", {}).get("device", "cpu"),
+                                 metadata=run_table_metadata(run_dir, run_info))
     files["policy_table"] = run_dir / "policy_table.parquet"
     files["policy_table_json"] = run_dir / "policy_table.json"
     table.to_parquet(files["policy_table"])

@@ -59,13 +59,16 @@ def test_write_report_single_self_contained_file(tmp_path, inputs):
     assert page.count(bundle) == 1  # plotly.js inline, exactly once
     assert not re.search(r"<script[^>]+src=", page)  # nothing fetched from a CDN
 
-    n_figures = 3 + len(table.floors)
+    n_figures = 4 + len(table.floors)
     assert page.count('class="plotly-graph-div"') == n_figures
     ids = re.findall(r'<div id="(kvtune-[a-z0-9-]+)" class="plotly-graph-div"', page)
     assert ids == [
-        "kvtune-trials-3d", "kvtune-ratio-vs-accuracy", "kvtune-ratio-vs-latency",
+        "kvtune-trials-3d", "kvtune-ratio-vs-accuracy", "kvtune-ratio-vs-latency", "kvtune-convergence",
         *(f"kvtune-envelope-{k}" for k in range(len(table.floors))),
     ]
+    assert '<table class="kvtune sortable" id="kvtune-pareto-table">' in page
+    assert page.count('table.sortable') >= 1 and "querySelectorAll(\"table.sortable\")" in page
+    assert '"name":"presets' not in page  # no preset rows in these trials
     # 3-D scatter and both projections highlight exactly the Pareto points
     n_front, n_other = len(pareto), len(trials) - len(pareto)
     assert page.count(f'"name":"Pareto front ({n_front})"') == 1
@@ -97,3 +100,81 @@ def test_plot_data_layer(inputs):
     np.testing.assert_allclose(ends[:-1, 0], ends[1:, 1], rtol=1e-9)  # segments meet
     unc = plot_data.uncompressed_curve()
     np.testing.assert_allclose(unc["seconds_per_gb"], 8.0 / unc["bandwidth_gbps"])
+
+
+def test_presets_are_marked(tmp_path):
+    trials = synthetic_trials()
+    trials["preset"] = None
+    trials.loc[[2, 5], "preset"] = ["kivi-2", "kivi-4"]
+    extra = trials.iloc[[0]].assign(policy_id="feedfacecafe", method="preset", label="cachegen", preset=None)
+    trials = pd.concat([trials, extra], ignore_index=True)
+    names = plot_data.preset_names(trials)
+    assert names.tolist().count("") == len(trials) - 3
+    assert names.iloc[2] == "kivi-2" and names.iloc[5] == "kivi-4" and names.iloc[-1] == "cachegen"
+    pareto = pareto_front(trials)
+    pts = plot_data.trial_points(trials, pareto)
+    assert sorted(pts.loc[pts["preset"] != "", "preset"]) == ["cachegen", "kivi-2", "kivi-4"]
+    assert "preset <b>kivi-2</b>" in pts.loc[pts["preset"] == "kivi-2", "hover"].iloc[0]
+    table = compile_policy_table(pareto, model="m", workload="qa", device="cpu")
+    page = write_report(trials, pareto, table, tmp_path / "r.html", title="t", run_config={}).read_text()
+    # one preset trace in the 3-D plot and in each projection, diamonds with text labels
+    assert page.count('"name":"presets (3)"') == 3
+    assert page.count('"symbol":"diamond"') == 1 and page.count('"symbol":"diamond-open"') == 2
+    assert '"text":["kivi-2","kivi-4","cachegen"]' in page
+    assert "3 presets (diamonds)" in page
+
+
+def test_hover_shows_components_and_threshold():
+    trials = synthetic_trials(8)
+    trials["param.key.bits"] = [2, 3, 4, 8, 2, 3, 4, 8]
+    trials["param.transforms"] = "hadamard"
+    pts = plot_data.trial_points(trials, pareto_front(trials))
+    hover = pts["hover"].iloc[0]
+    assert "key.bits=2, transforms=hadamard" in hover and "pays below B* =" in hover
+    assert np.isfinite(pts["threshold_gbps"]).all()
+
+
+def test_convergence_hypervolume():
+    from kvtune.pareto import hypervolume
+
+    trials = synthetic_trials(40, seed=3).sample(frac=1.0, random_state=0)  # rows out of trial order
+    conv = plot_data.convergence(trials)
+    assert conv["trial"].tolist() == list(range(40))
+    hv = conv["hypervolume"].to_numpy()
+    assert (np.diff(hv) >= -1e-15).all() and 0 < hv[-1] <= 1
+    assert conv["front_size"].iloc[-1] == len(pareto_front(trials))
+    assert conv["improved"].iloc[0] and (np.diff(hv)[~conv["improved"].to_numpy()[1:]] == 0).all()
+    # final value == hypervolume of all trials in the documented normalized loss space
+    f = trials.sort_values("trial")
+    acc, cr = f["relative_accuracy"].to_numpy(), f["compression_ratio"].to_numpy()
+    lat = (1 / f["encode_gbps"] + 1 / f["decode_gbps"]).to_numpy()
+    loss = np.column_stack([
+        (acc.max() - acc) / (acc.max() - acc.min()),
+        (cr.max() - cr) / (cr.max() - cr.min()),
+        (lat - lat.min()) / (lat.max() - lat.min()),
+    ])
+    assert hv[-1] == pytest.approx(hypervolume(loss, [1.1] * 3, [False] * 3) / 1.1**3, rel=1e-12)
+    # a closed-form case: one trial at the best corner of every objective -> 1.0 after it
+    corner = trials.iloc[[0]].assign(
+        relative_accuracy=acc.max(), compression_ratio=cr.max(), encode_gbps=1e9, decode_gbps=1e9, trial=99
+    )
+    bounds = {
+        "relative_accuracy": (acc.min(), acc.max()),
+        "compression_ratio": (cr.min(), cr.max()),
+        "codec_seconds_per_gb": (lat.max(), 2e-9),
+    }
+    conv2 = plot_data.convergence(pd.concat([trials, corner]), bounds=bounds)
+    assert conv2["hypervolume"].iloc[-1] == pytest.approx(1.0)
+    # failed trials (NaN) count as trials but add nothing
+    failed = trials.iloc[[1]].assign(relative_accuracy=np.nan, trial=100)
+    conv3 = plot_data.convergence(pd.concat([trials, failed]))
+    assert len(conv3) == 41 and conv3["hypervolume"].iloc[-1] == conv3["hypervolume"].iloc[-2]
+
+
+def test_pareto_rows_preset_column_only_when_presets():
+    trials = synthetic_trials()
+    pareto = pareto_front(trials)
+    assert "preset" not in plot_data.pareto_rows(pareto).columns
+    pareto = pareto.assign(preset=[None] * (len(pareto) - 1) + ["kivi-4"])
+    rows = plot_data.pareto_rows(pareto)
+    assert list(rows.columns[:4]) == ["policy", "method", "policy_id", "preset"] and rows["preset"].iloc[-1] == "kivi-4"

@@ -394,3 +394,326 @@ def test_atomic_path_leaves_original_on_failure(tmp_path):
             raise RuntimeError("crash mid-write")
     assert dest.read_text() == "old"
     assert os.listdir(tmp_path) == ["t.json"]
+
+
+# ------------------------------------------------------------------------------ latency, Gbps view
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ratio=st.floats(0.5, 32.0),
+    enc_gb_s=st.floats(0.01, 100.0),
+    dec_gb_s=st.floats(0.01, 100.0),
+    bandwidth_gbps=st.floats(0.001, 1000.0),
+)
+def test_policy_entry_pays_exactly_below_threshold_gbps(ratio, enc_gb_s, dec_gb_s, bandwidth_gbps):
+    """Same property in the units of a table row: a + b x < x  iff  Gbps < threshold_gbps."""
+    from kvtune.tables import PolicyEntry
+
+    a, b = line_coefficients(ratio, enc_gb_s, dec_gb_s)
+    entry = PolicyEntry("p", "tqc", "p", "{}", a, b, ratio, 0.99, enc_gb_s, dec_gb_s,
+                        threshold_gbps(ratio, enc_gb_s, dec_gb_s))
+    assume(abs(bandwidth_gbps - entry.threshold_gbps) > 1e-7 * bandwidth_gbps)
+    faster = entry.seconds_per_gb(bandwidth_gbps) < 8.0 / bandwidth_gbps
+    assert faster == entry.pays_at(bandwidth_gbps) == (bandwidth_gbps < entry.threshold_gbps)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ratio=st.floats(1.01, 32.0), enc_gb_s=st.floats(0.01, 100.0), dec_gb_s=st.floats(0.01, 100.0),
+       factor=st.floats(0.01, 100.0))
+def test_one_policy_table_compresses_exactly_below_threshold(ratio, enc_gb_s, dec_gb_s, factor):
+    """A one-policy table switches from "none" to the policy exactly at B*."""
+    df = pd.DataFrame([("p", 0.99, ratio, enc_gb_s, dec_gb_s)],
+                      columns=["policy_id", "relative_accuracy", "compression_ratio", "encode_gbps", "decode_gbps"])
+    df["label"], df["method"], df["config_json"] = "p", "tqc", "{}"
+    table = compile_policy_table(df, floors=[0.99], model="m", workload="w", device="d")
+    bstar = threshold_gbps(ratio, enc_gb_s, dec_gb_s)
+    bw = bstar * factor
+    assume(abs(factor - 1.0) > 1e-6)
+    assert (table.select(bw, 0.99).policy_id == "p") == (bw < bstar)
+
+
+# ------------------------------------------------------------------------------ floors, keys, metadata
+
+
+def test_floors_are_configurable(hand_table):
+    t = compile_policy_table(hand_pareto(), floors=[0.9, 0.9995], model="m", workload="w", device="d")
+    assert t.floors == (0.9995, 0.9)
+    assert t.intervals(0.9995)["policy_id"].tolist() == ["none"]  # only "none" reaches 99.95 %
+    assert t.select(1.0, 0.95).accuracy_floor == 0.9995  # smallest floor >= q_min
+    for bad in ([], [0.9, 0.9], [float("nan")], [-0.1], ["x"]):
+        with pytest.raises(TableError):
+            compile_policy_table(hand_pareto(), floors=bad, model="m", workload="w", device="d")
+
+
+def test_extra_key_column_is_optional_and_keys_tables(tmp_path, hand_table):
+    assert hand_table.keys == ("",) and (hand_table.frame["key"] == "").all()
+    # a file written before the column existed loads with key ""
+    legacy = hand_table.frame.drop(columns=["key"])
+    legacy.to_parquet(tmp_path / "legacy.parquet")
+    assert PolicyTable.load(tmp_path / "legacy.parquet").keys == ("",)
+    # two prefix-ratio buckets in one table: same format, selected by key
+    low = compile_policy_table(hand_pareto(), model="m", workload="w", device="d", key="prefix_ratio=[0,0.5)")
+    front = hand_pareto()
+    front["compression_ratio"] *= 2  # the other bucket compresses better
+    high = compile_policy_table(front, floors=[0.95], model="m", workload="w", device="d", key="prefix_ratio=[0.5,1]")
+    both = PolicyTable.combine([low, high])
+    assert both.keys == ("prefix_ratio=[0,0.5)", "prefix_ratio=[0.5,1]") and both.floors == (0.99, 0.97, 0.95, 0.9)
+    for path in (both.to_parquet(tmp_path / "k.parquet"), both.to_json(tmp_path / "k.json")):
+        loaded = PolicyTable.load(path)
+        pd.testing.assert_frame_equal(loaded.frame, both.frame)
+        for key, table in (("prefix_ratio=[0,0.5)", low), ("prefix_ratio=[0.5,1]", high)):
+            for bw in (1.0, 10.0, 30.0, 100.0):
+                assert loaded.select(bw, 0.95, key=key).policy_id == table.select(bw, 0.95, key=key).policy_id
+    # 3 Gbps (x = 8/3 s/GB): p3 (0.4 + x/8) in the low bucket, p2 (0.2 + x/8) with doubled ratios
+    assert both.select(3.0, 0.95, key="prefix_ratio=[0,0.5)").policy_id == "p3"
+    assert both.select(3.0, 0.95, key="prefix_ratio=[0.5,1]").policy_id == "p2"
+    with pytest.raises(TableError, match="table key 'nope' not in"):
+        both.select(10.0, 0.95, key="nope")
+    with pytest.raises(TableError, match="no accuracy floor"):
+        both.select(10.0, 0.99, key="prefix_ratio=[0.5,1]")  # that bucket has only 95 %
+    with pytest.raises(TableError, match="appears in two tables"):
+        PolicyTable.combine([low, low])
+    doc = json.loads((tmp_path / "k.json").read_text())
+    assert [t["key"] for t in doc["tables"]] == ["prefix_ratio=[0,0.5)"] * 4 + ["prefix_ratio=[0.5,1]"]
+
+
+def test_select_slo_workload_and_volume(hand_table):
+    # 10 Gbps, floor 0.90: p2 (a 0.2, b 0.25) optimal; x = 0.8 -> 0.4 s/GB
+    sel = hand_table.select(10.0, 0.9)
+    assert sel.kv_bytes == 1e9 and sel.predicted_seconds == pytest.approx(0.4)
+    assert sel.uncompressed_seconds == pytest.approx(0.8)
+    assert sel.slo_s is None and not sel.slo_violated
+    assert [c.status for c in sel.candidates][0] == "chosen"
+    # runners-up p3 (0.4 + 0.1 = 0.5 s/GB) and p1 (0.1 + 0.4 = 0.5): admissible, slower
+    assert {c.policy_id: round(c.predicted_s, 9) for c in sel.candidates} == {"p2": 0.4, "p3": 0.5, "p1": 0.5}
+    # SLO between the optimal and the runners-up: runners-up dropped, optimal met
+    sel = hand_table.select(10.0, 0.9, slo_s=0.045, kv_bytes=100e6)
+    assert sel.policy_id == "p2" and sel.predicted_seconds == pytest.approx(0.04) and not sel.slo_violated
+    assert [c.status for c in sel.candidates] == ["chosen", "over_slo", "over_slo"]
+    # SLO no one meets: fastest returned, flagged
+    sel = hand_table.select(10.0, 0.9, slo_s=0.01, kv_bytes=100e6)
+    assert sel.policy_id == "p2" and sel.slo_violated
+    assert "VIOLATED" in sel.reason() and "over the SLO" in sel.reason()
+    # a runner-up at B >= its B* is dropped as no_gain: at 100 Gbps "none" wins; p1's B* is 40
+    sel = hand_table.select(100.0, 0.99)
+    assert sel.policy_id == "none" and [c.status for c in sel.candidates] == ["chosen", "no_gain", "no_gain"]
+    assert "B >= B*" in sel.reason()
+    # workload must match
+    assert hand_table.select(10.0, 0.9, workload="qa").policy_id == "p2"
+    with pytest.raises(TableError, match="workload 'math' does not match the table's workload 'qa'"):
+        hand_table.select(10.0, 0.9, workload="math")
+    with pytest.raises(KvtuneError, match="kv_bytes"):
+        hand_table.select(10.0, 0.9, kv_bytes=0)
+    with pytest.raises(KvtuneError, match="slo_s"):
+        hand_table.select(10.0, 0.9, slo_s=-1)
+
+
+def test_kv_bytes_metadata_is_the_default_volume(tmp_path):
+    t = compile_policy_table(hand_pareto(), model="m", workload="w", device="d",
+                             metadata={"kv_bytes_per_request": 24e6})
+    assert t.kv_bytes_per_request == 24e6 and t.select(10.0, 0.9).kv_bytes == 24e6
+    assert PolicyTable.load(t.to_json(tmp_path / "t.json")).default_kv_bytes == 24e6
+    with pytest.raises(TableError, match="kv_bytes_per_request"):
+        compile_policy_table(hand_pareto(), model="m", workload="w", device="d",
+                             metadata={"kv_bytes_per_request": "24MB"})
+
+
+def test_malformed_key_in_json(tmp_path, hand_table):
+    good = hand_table.to_json(tmp_path / "good.json")
+
+    def numeric_key(doc):
+        doc["tables"][0]["key"] = 3
+
+    def duplicate_table(doc):  # same (key, floor) twice: breakpoints overlap
+        doc["tables"].append(doc["tables"][0])
+
+    for edit, message in [(numeric_key, "'key' must be a string"), (duplicate_table, "duplicate table")]:
+        bad = _rewrite_json(good, tmp_path / f"bad_{edit.__name__}.json", edit)
+        with pytest.raises(TableError, match=message):
+            PolicyTable.load(bad)
+    # the same in a frame (Parquet): rows of one floor stored twice
+    frame = hand_table.frame
+    doubled = pd.concat([frame, frame[frame["accuracy_floor"] == 0.99]])
+    doubled.to_parquet(tmp_path / "doubled.parquet")
+    with pytest.raises(TableError, match="duplicate rows"):
+        PolicyTable.load(tmp_path / "doubled.parquet")
+
+
+# ------------------------------------------------------------------------------ units
+
+from kvtune.tables.units import UnitError, parse_bandwidth_gbps, parse_bytes, parse_duration_s  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("text", "gbps"),
+    [("10Gbps", 10.0), ("10 gbps", 10.0), ("10Gb/s", 10.0), ("500Mbps", 0.5), ("1.25GB/s", 10.0),
+     ("1.25GBps", 10.0), ("100MB/s", 0.8), ("2Tbps", 2000.0), ("1e3Mbps", 1.0), ("1GiB/s", 8 * 2**30 / 1e9)],
+)
+def test_parse_bandwidth(text, gbps):
+    assert parse_bandwidth_gbps(text) == pytest.approx(gbps)
+
+
+def test_parse_durations_and_bytes():
+    assert parse_duration_s("200ms") == pytest.approx(0.2)
+    assert parse_duration_s("1.5s") == 1.5 and parse_duration_s("250us") == pytest.approx(250e-6)
+    assert parse_bytes("24MB") == 24e6 and parse_bytes("1GB") == 1e9 and parse_bytes("512B") == 512
+    assert parse_bytes("1KiB") == 1024 and parse_bytes("2MiB") == 2 * 2**20 and parse_bytes("1GiB") == 2**30
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "message"),
+    [
+        (parse_bandwidth_gbps, "10", "has no unit"),
+        (parse_bandwidth_gbps, "10GB", r"GB is a volume; did you mean GB/s"),
+        (parse_bandwidth_gbps, "fast", "cannot parse bandwidth"),
+        (parse_bandwidth_gbps, "0Gbps", "must be > 0"),
+        (parse_bandwidth_gbps, "10 furlongs", "unknown bandwidth unit 'furlongs'"),
+        (parse_duration_s, "200", "has no unit"),
+        (parse_duration_s, "3h", "unknown duration unit 'h'"),
+        (parse_duration_s, "-1s", "must be > 0"),
+        (parse_bytes, "24Mb", r"bits\? volumes are in bytes"),
+        (parse_bytes, "24", "has no unit"),
+        (parse_bytes, "0MB", "must be > 0"),
+    ],
+)
+def test_unit_parsing_errors(parser, text, message):
+    with pytest.raises(UnitError, match=message):
+        parser(text)
+    assert issubclass(UnitError, KvtuneError)
+
+
+# ------------------------------------------------------------------------------ the real run: export, select, CLI
+
+from pathlib import Path  # noqa: E402
+
+from typer.testing import CliRunner  # noqa: E402
+
+from kvtune.cli import app  # noqa: E402
+from kvtune.tables.run import export_run_table, load_run_table  # noqa: E402
+
+REAL_RUN = Path(__file__).parent / "data" / "smollm2-default"  # frozen copy of profiles/smollm2-default
+cli = CliRunner()
+
+
+def test_real_run_table_loads_with_run_metadata():
+    table = load_run_table(REAL_RUN)
+    assert table.model == "smollm2-135m-instruct" and table.workload == "continuation"
+    # 2 (K, V) x 30 layers x 3 KV heads x 64 head_dim x 1024 tokens x 2 bytes
+    assert table.kv_bytes_per_request == 2 * 30 * 3 * 64 * 1024 * 2 == 23_592_960
+    stored = PolicyTable.load(REAL_RUN / "policy_table.parquet")
+    pd.testing.assert_frame_equal(table.frame, stored.frame)
+    recompiled = load_run_table(REAL_RUN, recompile=True)
+    pd.testing.assert_frame_equal(recompiled.frame, stored.frame)  # same envelope from pareto.parquet
+    custom = load_run_table(REAL_RUN, floors=[0.98, 0.9])
+    assert custom.floors == (0.98, 0.9)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json"])
+def test_cli_export_both_formats_and_reload(tmp_path, fmt):
+    out = tmp_path / f"table.{fmt}"
+    res = cli.invoke(app, ["export", str(REAL_RUN), "--format", fmt, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert f"wrote {out}" in res.output and "re-loaded and validated" in res.output
+    loaded = PolicyTable.load(out)
+    pd.testing.assert_frame_equal(loaded.frame, PolicyTable.load(REAL_RUN / "policy_table.parquet").frame)
+    assert loaded.kv_bytes_per_request == 23_592_960 and loaded.metadata["extra"]["run"] == "smollm2-default"
+    # floors from the CLI recompile
+    res = cli.invoke(app, ["export", str(REAL_RUN), "--format", fmt, "--out", str(out), "--floors", "0.98,0.9"])
+    assert res.exit_code == 0, res.output
+    assert PolicyTable.load(out).floors == (0.98, 0.9)
+
+
+def test_cli_export_errors(tmp_path):
+    res = cli.invoke(app, ["export", str(REAL_RUN), "--format", "csv"])
+    assert res.exit_code == 2 and "unknown format 'csv'" in res.output
+    res = cli.invoke(app, ["export", str(REAL_RUN), "--format", "json", "--out", str(tmp_path / "t.parquet")])
+    assert res.exit_code == 2 and "suffix must be .json" in res.output
+    res = cli.invoke(app, ["export", str(tmp_path), "--format", "json"])
+    assert res.exit_code == 2 and "no run.json" in res.output
+    res = cli.invoke(app, ["export", str(REAL_RUN), "--floors", "high"])
+    assert res.exit_code == 2 and "--floors" in res.output
+
+
+def test_default_export_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path, table = export_run_table(REAL_RUN, "json")
+    assert path == Path("smollm2-default.policy_table.json") and (tmp_path / path).is_file()
+
+
+# On this CPU the real codecs run at 0.14-0.77 GB/s, so compression pays only below ~0.9-1.06 Gbps:
+# at every bandwidth >= 1 Gbps the table says "none", and the reason lists why the compressed
+# runners-up were dropped (B >= B*).
+@pytest.mark.parametrize("gbps", [1, 5, 10, 25, 50, 100])
+def test_cli_select_real_table(gbps):
+    res = cli.invoke(app, ["select", str(REAL_RUN / "policy_table.parquet"), "--bandwidth", f"{gbps}Gbps",
+                           "--q-min", "0.97"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "policy     none (uncompressed)  [none, method none]" in out
+    # default volume: 1 GB (that file has no kv_bytes_per_request); time = 8 / Gbps seconds
+    expected = 8.0 / gbps
+    assert "default 1 GB" in out
+    assert f"{gbps:.4g} Gbps lies in the interval (0.9919, inf] Gbps" in out
+    assert "compression pays only below 0.9919 Gbps" in out
+    assert out.count("dropped: B >= B*, slower than uncompressed") == 2
+    sel = PolicyTable.load(REAL_RUN / "policy_table.parquet").select(gbps, 0.97)
+    assert sel.predicted_seconds == pytest.approx(expected)
+    from kvtune.tables.units import format_seconds
+
+    assert f"predicted  {format_seconds(expected)} for 1 GB of KV" in out
+
+
+def test_cli_select_real_run_low_bandwidth_slo_and_json():
+    # a run folder: volume = the profiled request (23.6 MB); below B* a compressed policy wins
+    res = cli.invoke(app, ["select", str(REAL_RUN), "--bandwidth", "500Mbps", "--q-min", "0.97", "--slo", "200ms"])
+    assert res.exit_code == 0, res.output
+    assert "[5cb123e71e13, method tqc]" in res.output and "23.6 MB of KV" in res.output
+    assert "B*         0.9919 Gbps" in res.output and "VIOLATED" in res.output  # 234 ms > 200 ms
+    res = cli.invoke(app, ["select", str(REAL_RUN), "--bandwidth", "0.5Gbps", "--q-min", "0.97", "--slo", "1s",
+                           "--kv-bytes", "24MB", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["policy_id"] == "5cb123e71e13" and doc["kv_bytes"] == 24e6 and doc["kv_bytes_source"] == "--kv-bytes"
+    assert doc["slo_violated"] is False and doc["candidates"][0]["status"] == "chosen"
+    assert doc["predicted_s"] < doc["uncompressed_s"] == pytest.approx(24e6 * 8 / 0.5e9)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bandwidth", "10", "--q-min", "0.97"], "bandwidth '10' has no unit"),
+        (["--bandwidth", "10GB", "--q-min", "0.97"], "did you mean GB/s"),
+        (["--bandwidth", "10Gbps", "--q-min", "0.97", "--slo", "fast"], "cannot parse duration 'fast'"),
+        (["--bandwidth", "10Gbps", "--q-min", "0.97", "--kv-bytes", "24Mb"], "volumes are in bytes"),
+        (["--bandwidth", "10Gbps", "--q-min", "0.97", "--workload", "qa"],
+         "workload 'qa' does not match the table's workload 'continuation'"),
+        (["--bandwidth", "10Gbps", "--q-min", "0.999"], "no accuracy floor >= q_min=0.999"),
+    ],
+)
+def test_cli_select_errors(args, message):
+    res = cli.invoke(app, ["select", str(REAL_RUN / "policy_table.parquet"), *args])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split())  # rich may wrap long lines
+
+
+def test_codec_speedup_what_if_equals_recompiling_a_faster_front():
+    pareto = pareto_front(random_trials(5))
+    base = compile_policy_table(pareto, model="m", workload="w", device="cpu")
+    fast = base.with_codec_speedup(20.0)
+    ref = compile_policy_table(
+        pareto.assign(encode_gbps=pareto["encode_gbps"] * 20, decode_gbps=pareto["decode_gbps"] * 20),
+        model="m", workload="w", device="cpu",
+    )
+    assert fast.device == "cpu x20 codec speed (hypothetical)" and fast.metadata["extra"]["codec_speedup"] == 20.0
+    cols = ["accuracy_floor", "policy_id", "x_lo_s_per_gb", "x_hi_s_per_gb", "bandwidth_lo_gbps", "a_s_per_gb",
+            "threshold_gbps", "encode_gbps"]
+    pd.testing.assert_frame_equal(fast.frame[cols], ref.frame[cols], rtol=1e-12)
+    for bw in (1.0, 5.0, 20.0, 50.0, 100.0, 400.0):
+        for q in fast.floors:
+            a, b = fast.select(bw, q), ref.select(bw, q)
+            assert a.policy_id == b.policy_id and a.predicted_seconds == pytest.approx(b.predicted_seconds)
+            slow = base.select(bw / 20, q)  # the same interval of the original table
+            assert a.runners_up == slow.runners_up and a.policy_id == slow.policy_id
+            assert [p.a_s_per_gb * 20 for p in a.alternatives] == pytest.approx([p.a_s_per_gb for p in slow.alternatives])
+    with pytest.raises(KvtuneError):
+        base.with_codec_speedup(0.0)

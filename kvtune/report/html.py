@@ -3,14 +3,19 @@
 Rendering only: every number drawn comes from :mod:`kvtune.report.plot_data`. The page holds
 
 1. a 3-D scatter of all trials (accuracy %, compression ratio, codec s/GB), Pareto points
-   highlighted, hover text with label and numbers;
-2. two 2-D projections (ratio vs accuracy, ratio vs codec latency);
-3. per accuracy floor, predicted transfer time per GB of KV vs link bandwidth (Gbps, log x
-   from 1 to 400, widened downwards to show every breakpoint) along the policy-table envelope, colored by the chosen policy, with the
-   uncompressed line and the breakpoints (KVServe latency model and piecewise table,
-   ``BRIEF.md`` Sec. 2);
-4. the Pareto policies and each floor's intervals as plain HTML tables;
-5. the run configuration.
+   highlighted, presets marked with a diamond and their name, hover text with label,
+   components (``param.*``) and numbers;
+2. two 2-D projections (ratio vs accuracy, ratio vs codec latency), presets marked too;
+3. search convergence: normalized hypervolume of the front found so far vs trial number
+   (:func:`kvtune.report.plot_data.convergence`);
+4. per accuracy floor, predicted transfer time per GB of KV vs link bandwidth (Gbps, log x
+   from 1 to 400, widened downwards to show every breakpoint) along the policy-table
+   envelope, colored by the chosen policy, with the uncompressed line and the breakpoints
+   (KVServe latency model and piecewise table, ``BRIEF.md`` Sec. 2), and the floor's
+   intervals as an HTML table;
+5. the Pareto policies as a table sortable by clicking a header (a few lines of inline
+   JavaScript, no dependency);
+6. the run configuration.
 
 plotly.js is embedded inline exactly once (first figure, ``include_plotlyjs=True``); the
 others use ``include_plotlyjs=False``. Figure div ids are fixed, so the same inputs give the
@@ -34,6 +39,7 @@ from kvtune.atomic import atomic_write_text
 from kvtune.tables.policy_table import PolicyTable
 
 __all__ = [
+    "figure_convergence",
     "figure_envelope",
     "figure_projection",
     "figure_trials_3d",
@@ -44,6 +50,7 @@ __all__ = [
 _TEMPLATE = "plotly_white"
 _FRONT_COLOR = "#d62728"
 _OTHER_COLOR = "#9aa5b1"
+_PRESET_COLOR = "#1d3557"
 
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto;
@@ -54,6 +61,9 @@ table.kvtune { border-collapse: collapse; font-size: 0.85rem; margin: 0.6rem 0; 
 table.kvtune th, table.kvtune td { border: 1px solid #d9e2ec; padding: 0.25rem 0.5rem;
        text-align: left; white-space: nowrap; }
 table.kvtune th { background: #f0f4f8; }
+table.sortable th { cursor: pointer; user-select: none; }
+table.sortable th[data-dir="asc"]::after { content: " \\25B2"; }
+table.sortable th[data-dir="desc"]::after { content: " \\25BC"; }
 .fig { margin: 0.5rem 0 1rem 0; }
 .note { color: #52606d; font-size: 0.85rem; }
 pre { background: #f5f7fa; padding: 0.8rem; overflow-x: auto; font-size: 0.8rem; }
@@ -85,6 +95,22 @@ def figure_trials_3d(points: pd.DataFrame) -> go.Figure:
                 marker={"size": size, "color": color, "opacity": 0.95 if on_front else 0.5},
                 text=sub["hover"],
                 hovertemplate="%{text}<extra></extra>",
+            )
+        )
+    presets = points[points["preset"] != ""]
+    if len(presets):
+        fig.add_trace(
+            go.Scatter3d(
+                x=presets["accuracy_pct"],
+                y=presets["compression_ratio"],
+                z=presets["codec_seconds_per_gb"],
+                mode="markers+text",
+                name=f"presets ({len(presets)})",
+                marker={"size": 7, "color": _PRESET_COLOR, "symbol": "diamond"},
+                text=[html.escape(p) for p in presets["preset"]],
+                textposition="top center",
+                hovertext=presets["hover"],
+                hovertemplate="%{hovertext}<extra></extra>",
             )
         )
     fig.update_layout(
@@ -134,12 +160,68 @@ def figure_projection(points: pd.DataFrame, x: str, y: str, *, title: str) -> go
                 hovertemplate="%{text}<extra></extra>",
             )
         )
+    presets = points[points["preset"] != ""]
+    if len(presets):
+        fig.add_trace(
+            go.Scatter(
+                x=presets[x],
+                y=presets[y],
+                mode="markers+text",
+                name=f"presets ({len(presets)})",
+                marker={"size": 12, "color": "rgba(0,0,0,0)", "symbol": "diamond-open",
+                        "line": {"color": _PRESET_COLOR, "width": 2}},
+                text=[html.escape(p) for p in presets["preset"]],
+                textposition="top center",
+                hovertext=presets["hover"],
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+        )
     fig.update_layout(
         template=_TEMPLATE,
         title=title,
         height=460,
         xaxis_title=_AXIS_TITLES.get(x, x),
         yaxis_title=_AXIS_TITLES.get(y, y),
+    )
+    return fig
+
+
+def figure_convergence(conv: pd.DataFrame) -> go.Figure:
+    """Normalized hypervolume of the front found so far vs trial number.
+
+    Args:
+        conv: output of :func:`kvtune.report.plot_data.convergence`.
+    """
+    fig = go.Figure()
+    fig.add_trace(
+        go.Scatter(
+            x=conv["trial"],
+            y=conv["hypervolume"],
+            mode="lines",
+            line={"shape": "hv", "color": "#1f77b4", "width": 2},
+            name="hypervolume so far",
+            customdata=conv["front_size"],
+            hovertemplate="trial %{x}: hypervolume %{y:.4f}, front %{customdata} points<extra></extra>",
+        )
+    )
+    up = conv[conv["improved"]]
+    fig.add_trace(
+        go.Scatter(
+            x=up["trial"],
+            y=up["hypervolume"],
+            mode="markers",
+            marker={"size": 7, "color": _FRONT_COLOR},
+            name=f"trial enlarged the front ({len(up)})",
+            customdata=up["front_size"],
+            hovertemplate="trial %{x}: hypervolume %{y:.4f}, front %{customdata} points<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        template=_TEMPLATE,
+        title="Search convergence: hypervolume of the Pareto front found so far",
+        height=420,
+        xaxis_title="trial",
+        yaxis={"title": "normalized hypervolume (0-1)", "rangemode": "tozero"},
     )
     return fig
 
@@ -207,13 +289,50 @@ def figure_envelope(
 # ------------------------------------------------------------------------------ page
 
 
-def _html_table(frame: pd.DataFrame) -> str:
+_SORT_JS = """
+(function () {
+  function key(cell) {
+    var s = cell.textContent.trim();
+    var n = s === "inf" ? Infinity : s === "-inf" ? -Infinity : s === "" ? NaN : Number(s);
+    return isNaN(n) ? s : n;
+  }
+  function cmp(x, y) {
+    var nx = typeof x === "number", ny = typeof y === "number";
+    if (nx && ny) { return x < y ? -1 : x > y ? 1 : 0; }
+    if (nx !== ny) { return nx ? -1 : 1; }
+    return String(x).localeCompare(String(y));
+  }
+  document.querySelectorAll("table.sortable").forEach(function (table) {
+    var heads = table.tHead.rows[0].cells;
+    Array.prototype.forEach.call(heads, function (th, i) {
+      th.title = "click to sort";
+      th.addEventListener("click", function () {
+        var asc = th.getAttribute("data-dir") !== "asc";
+        Array.prototype.forEach.call(heads, function (h) { h.removeAttribute("data-dir"); });
+        th.setAttribute("data-dir", asc ? "asc" : "desc");
+        var body = table.tBodies[0];
+        var rows = Array.prototype.slice.call(body.rows);
+        rows.sort(function (a, b) {
+          var c = cmp(key(a.cells[i]), key(b.cells[i]));
+          return asc ? c : -c;
+        });
+        rows.forEach(function (r) { body.appendChild(r); });
+      });
+    });
+  });
+})();
+"""
+
+
+def _html_table(frame: pd.DataFrame, *, sortable: bool = False, table_id: str | None = None) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
     body = "\n".join(
         "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
         for row in frame.itertuples(index=False, name=None)
     )
-    return f'<table class="kvtune">\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>'
+    cls = "kvtune sortable" if sortable else "kvtune"
+    ident = f' id="{html.escape(table_id)}"' if table_id else ""
+    return f'<table class="{cls}"{ident}>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}\n</tbody>\n</table>'
 
 
 def _fig_div(fig: go.Figure, div_id: str, *, first: bool) -> str:
@@ -256,6 +375,7 @@ def render_report(
                 points, "codec_seconds_per_gb", "compression_ratio", title="Compression ratio vs codec latency"
             ),
         ),
+        ("kvtune-convergence", "", figure_convergence(pdl.convergence(trials))),
     ]
     bw_range = pdl.bandwidth_range_for(table)
     unc = pdl.uncompressed_curve(bandwidth_range_gbps=bw_range)
@@ -272,6 +392,8 @@ def render_report(
 
     divs = [_fig_div(fig, div_id, first=(i == 0)) for i, (div_id, _, fig) in enumerate(figures)]
     n_front = int(points["on_front"].sum())
+    n_presets = int((points["preset"] != "").sum())
+    n_fixed = 4  # 3-D, two projections, convergence; then one envelope chart per floor
     esc = html.escape
     parts = [
         "<!DOCTYPE html>",
@@ -287,7 +409,9 @@ def render_report(
         (
             f'<p>Model <b>{esc(table.model)}</b>, workload <b>{esc(table.workload)}</b>, device '
             f"<b>{esc(table.device)}</b>. {len(trials)} trials, {len(points)} plotted, "
-            f"{n_front} on the 3-D Pareto front (accuracy up, ratio up, codec latency down). "
+            f"{n_front} on the 3-D Pareto front (accuracy up, ratio up, codec latency down)"
+            + (f", {n_presets} presets (diamonds)" if n_presets else "")
+            + ". "
             f"Accuracy floors: {esc(', '.join(f'{100 * f:g} %' for f in table.floors))}.</p>"
         ),
         '<p class="note">Codec latency = 1/encode_gbps + 1/decode_gbps seconds per GB (1e9 bytes) '
@@ -299,13 +423,21 @@ def render_report(
         "<h2>Projections</h2>",
         divs[1],
         divs[2],
+        "<h2>Search convergence</h2>",
+        '<p class="note">Hypervolume of the Pareto front of trials 0..t, objectives mapped to '
+        "losses in [0, 1] (0 = the run's best accuracy / ratio / codec latency, 1 = its worst), "
+        "reference point (1.1, 1.1, 1.1), divided by the reference box 1.1&sup3;. It compares "
+        "trials within this run.</p>",
+        divs[3],
         "<h2>Policy table: transfer time vs bandwidth</h2>",
     ]
-    for (div_id, intervals, _), div, floor in zip(figures[3:], divs[3:], table.floors, strict=True):
+    for (_, intervals, _), div, floor in zip(figures[n_fixed:], divs[n_fixed:], table.floors, strict=True):
         parts += [f"<h3>Accuracy floor {100 * floor:g} %</h3>", div, intervals]
     parts += [
         f"<h2>Pareto policies ({len(pareto)})</h2>",
-        _html_table(pdl.pareto_rows(pareto)),
+        '<p class="note">Click a column header to sort.</p>',
+        _html_table(pdl.pareto_rows(pareto), sortable=True, table_id="kvtune-pareto-table"),
+        f"<script>{_SORT_JS}</script>",
         "<h2>Run configuration</h2>",
         f"<pre>{esc(json.dumps(dict(run_config), indent=2, sort_keys=True, default=str))}</pre>",
         "</body>",
@@ -326,13 +458,17 @@ def write_report(
     """Write the self-contained HTML report of a profiling run, atomically.
 
     The file embeds plotly.js once (about 5 MB) and opens offline in any browser. Figures:
-    a 3-D trials scatter, two 2-D projections, and one transfer-time-vs-bandwidth chart per
-    accuracy floor of ``table`` (3 + len(table.floors) plotly divs); plus HTML tables of the
-    Pareto policies and of each floor's intervals, and the run configuration as JSON.
+    a 3-D trials scatter, two 2-D projections, the search convergence (hypervolume vs trial),
+    and one transfer-time-vs-bandwidth chart per accuracy floor of ``table``
+    (4 + len(table.floors) plotly divs); plus HTML tables of the Pareto policies (sortable by
+    header click) and of each floor's intervals, and the run configuration as JSON.
 
     Args:
         trials: all evaluated policies (``relative_accuracy`` fraction, ``compression_ratio``,
-            ``encode_gbps``/``decode_gbps`` GB/s; ``policy_id``, ``label``, ``method``).
+            ``encode_gbps``/``decode_gbps`` GB/s; ``policy_id``, ``label``, ``method``;
+            optional ``trial`` (order of the convergence plot), ``param.*`` (shown on hover)
+            and ``preset`` (preset name, null for searched policies; rows with
+            ``method == "preset"`` count as presets too).
         pareto: the Pareto rows (:func:`kvtune.pareto.pareto_front`).
         table: the compiled :class:`~kvtune.tables.policy_table.PolicyTable`.
         path: destination ``.html`` file (parent directories are created).

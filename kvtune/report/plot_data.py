@@ -18,13 +18,16 @@ import math
 import numpy as np
 import pandas as pd
 
-from kvtune.pareto import add_codec_latency
+from kvtune.pareto import OBJECTIVE_COLUMNS, OBJECTIVE_MAXIMIZE, add_codec_latency, hypervolume, non_dominated_mask
 from kvtune.tables.latency import gbps_to_x_s_per_gb, threshold_gbps
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
 
 __all__ = [
     "BANDWIDTH_RANGE_GBPS",
+    "HV_REFERENCE_LOSS",
     "breakpoints_gbps",
+    "convergence",
+    "preset_names",
     "envelope_curve",
     "interval_rows",
     "pareto_rows",
@@ -62,6 +65,42 @@ def _text_col(frame: pd.DataFrame, col: str, default: str = "") -> pd.Series:
     return pd.Series([default] * len(frame), index=frame.index, dtype=object)
 
 
+def preset_names(trials: pd.DataFrame) -> pd.Series:
+    """Preset name of each trial, ``""`` for searched (non-preset) policies.
+
+    A trial is a preset when its ``preset`` column (optional, string, null for non-presets)
+    holds a name, or when its ``method`` is ``"preset"`` (then the name is its ``label``).
+
+    Returns:
+        str Series aligned with ``trials.index``.
+    """
+    out = pd.Series([""] * len(trials), index=trials.index, dtype=object)
+    if "preset" in trials.columns:
+        col = trials["preset"]
+        named = col.notna() & (col.astype(str).str.strip() != "")
+        out[named] = col[named].astype(str)
+    if "method" in trials.columns:
+        by_method = (trials["method"].astype(str) == "preset") & (out == "")
+        out[by_method] = _text_col(trials, "label")[by_method]
+    return out
+
+
+def _components(frame: pd.DataFrame) -> list[str]:
+    """Hover lines listing each trial's ``param.*`` components (method-agnostic), escaped."""
+    cols = [c for c in frame.columns if c.startswith("param.")]
+    if not cols:
+        return [""] * len(frame)
+    out = []
+    for values in frame[cols].itertuples(index=False, name=None):
+        items = [
+            f"{html.escape(c[len('param.'):])}={html.escape(str(v))}"
+            for c, v in zip(cols, values, strict=True)
+            if v is not None and not (isinstance(v, float) and math.isnan(v))
+        ]
+        out.append("<br>".join(", ".join(items[k : k + 3]) for k in range(0, len(items), 3)))
+    return out
+
+
 def trial_points(trials: pd.DataFrame, pareto: pd.DataFrame) -> pd.DataFrame:
     """One row per plottable trial, flagged when it is on the Pareto front.
 
@@ -77,8 +116,10 @@ def trial_points(trials: pd.DataFrame, pareto: pd.DataFrame) -> pd.DataFrame:
     Returns:
         DataFrame with columns ``policy_id``, ``label``, ``method`` (str), ``accuracy_pct``
         (float, %), ``compression_ratio`` (float), ``codec_seconds_per_gb`` (float, s/GB),
-        ``encode_gbps``, ``decode_gbps`` (float, GB/s), ``on_front`` (bool), ``hover``
-        (str, HTML-escaped multi-line text for tooltips).
+        ``encode_gbps``, ``decode_gbps`` (float, GB/s), ``threshold_gbps`` (float, link Gbps
+        B*), ``on_front`` (bool), ``preset`` (str, ``""`` unless a preset, see
+        :func:`preset_names`), ``hover`` (str, HTML-escaped multi-line text for tooltips:
+        label, id, method, preset, ``param.*`` components, numbers, front membership).
     """
     frame = trials if "codec_seconds_per_gb" in trials.columns else add_codec_latency(trials)
     if "policy_id" in frame.columns and "policy_id" in pareto.columns:
@@ -96,26 +137,38 @@ def trial_points(trials: pd.DataFrame, pareto: pd.DataFrame) -> pd.DataFrame:
             "encode_gbps": pd.to_numeric(frame["encode_gbps"], errors="coerce"),
             "decode_gbps": pd.to_numeric(frame["decode_gbps"], errors="coerce"),
             "on_front": on_front.to_numpy(dtype=bool),
+            "preset": preset_names(frame),
+            "components": _components(frame),
         },
         index=frame.index,
     )
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["threshold_gbps"] = np.atleast_1d(
+            threshold_gbps(out["compression_ratio"].to_numpy(float), out["encode_gbps"].to_numpy(float),
+                           out["decode_gbps"].to_numpy(float))
+        ) if len(out) else np.empty(0)
     finite = np.isfinite(out[["accuracy_pct", "compression_ratio", "codec_seconds_per_gb"]]).all(axis=1)
     out = out[finite].copy()
     out["hover"] = [
         "<br>".join(
-            [
+            line
+            for line in [
                 f"<b>{html.escape(r.label)}</b>",
+                f"preset <b>{html.escape(r.preset)}</b>" if r.preset else "",
                 f"id {html.escape(r.policy_id)} ({html.escape(r.method)})",
+                r.components,
                 f"accuracy {r.accuracy_pct:.2f} %",
                 f"ratio {r.compression_ratio:.3g}x",
                 f"codec {r.codec_seconds_per_gb:.3g} s/GB "
                 f"(enc {_fmt(r.encode_gbps, 3)} GB/s, dec {_fmt(r.decode_gbps, 3)} GB/s)",
+                f"pays below B* = {_fmt(r.threshold_gbps, 3)} Gbps",
                 "Pareto front" if r.on_front else "dominated",
             ]
+            if line
         )
         for r in out.itertuples()
     ]
-    return out.reset_index(drop=True)
+    return out.drop(columns=["components"]).reset_index(drop=True)
 
 
 def policy_colors(table: PolicyTable) -> dict[str, str]:
@@ -225,8 +278,8 @@ def breakpoints_gbps(
 def pareto_rows(pareto: pd.DataFrame) -> pd.DataFrame:
     """Display table of Pareto policies (strings, already formatted, not escaped).
 
-    Columns: policy, method, policy_id, accuracy %, ratio, encode GB/s, decode GB/s,
-    codec s/GB, B* Gbps (bandwidth threshold, ``8 (1 - 1/cr) / (1/enc + 1/dec)``), and
+    Columns: policy, method, policy_id, preset (only when some row is a preset), accuracy %,
+    ratio, encode GB/s, decode GB/s, codec s/GB, B* Gbps (bandwidth threshold, ``8 (1 - 1/cr) / (1/enc + 1/dec)``), and
     ``kl_mean``, ``top1_agreement``, ``ppl_ratio``, ``trial`` when present. Order: as given.
     """
     frame = pareto if "codec_seconds_per_gb" in pareto.columns else add_codec_latency(pareto)
@@ -247,12 +300,95 @@ def pareto_rows(pareto: pd.DataFrame) -> pd.DataFrame:
             "B* Gbps": [_fmt(v) for v in bstar],
         }
     )
+    presets = preset_names(frame)
+    if (presets != "").any():
+        out.insert(3, "preset", presets.to_numpy())
     for col in ("kl_mean", "top1_agreement", "ppl_ratio"):
         if col in frame.columns:
             out[col] = [_fmt(v) for v in frame[col]]
     if "trial" in frame.columns:
         out["trial"] = frame["trial"].astype(str).to_numpy()
     return out
+
+
+#: Reference point of :func:`convergence` in normalized loss space (0 = best value seen in the
+#: run, 1 = worst), one entry per objective: the nadir plus 10 % of each range.
+HV_REFERENCE_LOSS: tuple[float, float, float] = (1.1, 1.1, 1.1)
+
+
+def convergence(
+    trials: pd.DataFrame,
+    *,
+    bounds: dict[str, tuple[float, float]] | None = None,
+) -> pd.DataFrame:
+    """Search convergence: hypervolume of the Pareto front found so far vs trial number.
+
+    Objectives (:data:`kvtune.pareto.OBJECTIVE_COLUMNS`): relative accuracy up, compression
+    ratio up, codec seconds per GB down. Each is mapped to a *loss* in [0, 1]:
+    ``(best - v) / (best - worst)`` with ``best``/``worst`` the best and worst finite values
+    over all trials of the run (or ``bounds[col] = (worst, best)``), so 0 is the run's best and
+    1 its worst. The hypervolume (:func:`kvtune.pareto.hypervolume`, exact) of the losses of
+    trials ``0..t`` w.r.t. the reference point :data:`HV_REFERENCE_LOSS` = (1.1, 1.1, 1.1) is
+    divided by the reference box ``1.1^3``, so it lies in [0, 1]; it never decreases. With
+    run-specific bounds, values compare trials of one run; pass the same ``bounds`` to
+    compare runs. Failed trials (NaN objective) count as trials but add nothing.
+
+    Args:
+        trials: trials frame; order by ``trial`` when present, else row order.
+        bounds: optional ``{column: (worst, best)}`` per objective column.
+
+    Returns:
+        DataFrame, one row per trial in order: ``trial`` (int), ``hypervolume`` (float,
+        normalized, in [0, 1]), ``front_size`` (int, Pareto points so far), ``improved``
+        (bool, this trial enlarged the front).
+    """
+    frame = trials if "codec_seconds_per_gb" in trials.columns else add_codec_latency(trials)
+    if "trial" in frame.columns:
+        frame = frame.sort_values("trial", kind="mergesort")
+    pts = np.column_stack(
+        [pd.to_numeric(frame[c], errors="coerce").to_numpy(dtype=np.float64) for c in OBJECTIVE_COLUMNS]
+    ) if len(frame) else np.empty((0, 3))
+    loss = np.empty_like(pts)
+    for j, (col, maximize) in enumerate(zip(OBJECTIVE_COLUMNS, OBJECTIVE_MAXIMIZE, strict=True)):
+        v = pts[:, j]
+        fin = v[np.isfinite(v)]
+        if bounds and col in bounds:
+            worst, best = (float(b) for b in bounds[col])
+        elif fin.size:
+            best, worst = (fin.max(), fin.min()) if maximize else (fin.min(), fin.max())
+        else:
+            best = worst = 0.0
+        span = best - worst
+        loss[:, j] = (best - v) / span if span != 0 else np.where(np.isfinite(v), 0.0, np.nan)
+    ref = np.asarray(HV_REFERENCE_LOSS, dtype=np.float64)
+    box = float(np.prod(ref))
+    trial_ids = (
+        frame["trial"].to_numpy() if "trial" in frame.columns else np.arange(len(frame))
+    )
+    hv, sizes, improved = [], [], []
+    front = np.empty((0, 3))
+    current = 0.0
+    for k in range(len(frame)):
+        p = loss[k]
+        grew = False
+        if np.isfinite(p).all():
+            cand = np.vstack([front, p[None, :]])
+            mask = non_dominated_mask(cand, [False, False, False])
+            if mask[-1]:
+                grew = True
+                front = cand[mask]
+                current = hypervolume(front, ref, [False, False, False]) / box
+        hv.append(current)
+        sizes.append(len(front))
+        improved.append(grew)
+    return pd.DataFrame(
+        {
+            "trial": np.asarray(trial_ids, dtype=np.int64),
+            "hypervolume": np.asarray(hv, dtype=np.float64),
+            "front_size": np.asarray(sizes, dtype=np.int64),
+            "improved": np.asarray(improved, dtype=bool),
+        }
+    )
 
 
 def interval_rows(table: PolicyTable, accuracy_floor: float) -> pd.DataFrame:

@@ -3,8 +3,13 @@
 * :mod:`kvtune.tables.latency` -- transfer-time model and bandwidth threshold B*.
 * :mod:`kvtune.tables.envelope` -- lower envelope of the lines ``a + b * x`` (x = 1/B).
 * :mod:`kvtune.tables.policy_table` -- compile, save, load and query the versioned table.
+* :mod:`kvtune.tables.controller` -- online controller: residual EWMA, epsilon-greedy,
+  SLO fallback, bandwidth estimation and per-chunk re-selection.
+* :mod:`kvtune.tables.run` -- compile / export the table of a profiling run folder.
+* :mod:`kvtune.tables.units` -- parse ``10Gbps``, ``200ms``, ``24MB``.
 """
 
+from kvtune.tables.controller import ChunkedTransfer, Controller, ControllerConfig, Decision, Feedback, Observation
 from kvtune.tables.envelope import Interval, locate_interval, lower_envelope
 from kvtune.tables.latency import (
     bytes_per_s_to_gbps,
@@ -21,23 +26,39 @@ from kvtune.tables.latency import (
 from kvtune.tables.policy_table import (
     COLUMNS,
     DEFAULT_FLOORS,
+    DEFAULT_KEY,
+    DEFAULT_KV_BYTES,
     NONE_POLICY_ID,
+    OPTIONAL_COLUMNS,
     SCHEMA_VERSION,
+    CandidateTime,
     PolicyEntry,
     PolicyTable,
     SelectedPolicy,
     compile_policy_table,
 )
+from kvtune.tables.units import UnitError, parse_bandwidth_gbps, parse_bytes, parse_duration_s
 
 __all__ = [
     "COLUMNS",
     "DEFAULT_FLOORS",
+    "DEFAULT_KEY",
+    "DEFAULT_KV_BYTES",
     "NONE_POLICY_ID",
+    "OPTIONAL_COLUMNS",
     "SCHEMA_VERSION",
+    "CandidateTime",
+    "ChunkedTransfer",
+    "Controller",
+    "ControllerConfig",
+    "Decision",
+    "Feedback",
     "Interval",
+    "Observation",
     "PolicyEntry",
     "PolicyTable",
     "SelectedPolicy",
+    "UnitError",
     "bytes_per_s_to_gbps",
     "compile_policy_table",
     "gb_per_s_to_bytes_per_s",
@@ -46,6 +67,9 @@ __all__ = [
     "line_coefficients",
     "locate_interval",
     "lower_envelope",
+    "parse_bandwidth_gbps",
+    "parse_bytes",
+    "parse_duration_s",
     "threshold_bandwidth",
     "threshold_gbps",
     "transfer_seconds",

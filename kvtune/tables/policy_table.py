@@ -20,6 +20,8 @@ model              str       model the table was profiled for
 workload           str       workload (qa, math, code, summarization, ...)
 device             str       device the codec throughputs were measured on
 accuracy_floor     float     minimum relative accuracy of every policy in this bucket
+key                str       optional extra table key (default ``""`` = no extra key); see
+                             "Extra table keys" below
 x_lo_s_per_gb      float     interval start, x = 1/B in seconds per GB (inclusive); 0 first
 x_hi_s_per_gb      float     interval end (exclusive); inf for the last interval
 bandwidth_hi_gbps  float     link Gbps at x_lo (8 / x_lo; inf when x_lo = 0)
@@ -44,6 +46,20 @@ runner_up_policies str       JSON list of objects with the same numbers for each
 
 Gbps is 1e9 *bits* per second (links); GB/s is 1e9 *bytes* per second (throughputs,
 ``x``). Non-finite numbers are written to JSON as the strings ``"inf"``/``"-inf"``.
+
+**Extra table keys.** One file can hold several tables of the same model, workload and
+device that differ in one more dimension, e.g. BiCache's shared-prefix-ratio bucket. Each
+row then carries a ``key`` string, and the intervals of every ``(key, accuracy_floor)`` pair
+form one partition of ``[0, inf)`` in x. The key is opaque to kvtune and matched exactly by
+:meth:`PolicyTable.select`; the convention is ``"<dimension>=<bucket>"``, e.g.
+``"prefix_ratio=[0.25,0.5)"``. ``""`` (the default) means "no extra key"; TQC tables use only
+that. The column is optional on load (files written before it existed read as ``key = ""``),
+so adding keyed rows needs no new schema version. In JSON, each entry of ``tables`` has an
+optional ``"key"`` next to ``"accuracy_floor"``.
+
+**Metadata.** The header's ``extra`` object is free-form; kvtune reads one entry:
+``kv_bytes_per_request`` (bytes of original bf16 KV of one profiled request), the default
+volume of ``kvtune select`` (:data:`DEFAULT_KV_BYTES` = 1 GB when absent).
 """
 
 from __future__ import annotations
@@ -55,7 +71,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -76,6 +92,10 @@ __all__ = [
     "NONE_POLICY_ID",
     "SCHEMA_VERSION",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "DEFAULT_KV_BYTES",
+    "DEFAULT_KEY",
+    "OPTIONAL_COLUMNS",
+    "CandidateTime",
     "PolicyEntry",
     "PolicyTable",
     "SelectedPolicy",
@@ -86,6 +106,11 @@ SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
 DEFAULT_FLOORS: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
 NONE_POLICY_ID = "none"
+#: Default KV volume (bytes) of a selection when neither the caller nor the table's
+#: ``kv_bytes_per_request`` metadata gives one: 1 GB.
+DEFAULT_KV_BYTES = 1e9
+#: Value of the optional ``key`` column meaning "no extra table key".
+DEFAULT_KEY = ""
 _FORMAT = "kvtune.policy_table"
 _PARQUET_META_KEY = b"kvtune.policy_table"
 _FLOOR_TOL = 1e-12  # q_min this close above a floor still maps to that floor
@@ -107,8 +132,12 @@ _RUNNER_COLUMNS = ("runners_up", "runner_up_policies")
 COLUMNS: tuple[str, ...] = (
     _META_COLUMNS + _INTERVAL_COLUMNS + _POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS + _RUNNER_COLUMNS
 )
+#: Optional columns with the default used when a file lacks them.
+OPTIONAL_COLUMNS: dict[str, Any] = {"key": DEFAULT_KEY}
 _FLOAT_COLUMNS = ("accuracy_floor",) + _INTERVAL_COLUMNS + _POLICY_FLOAT_COLUMNS
-_STR_COLUMNS = ("model", "workload", "device") + _POLICY_STR_COLUMNS + _RUNNER_COLUMNS
+_STR_COLUMNS = ("model", "workload", "device", "key") + _POLICY_STR_COLUMNS + _RUNNER_COLUMNS
+#: Canonical column order of a table's frame (extras follow).
+_ORDER: tuple[str, ...] = _META_COLUMNS + ("key",) + COLUMNS[len(_META_COLUMNS):]
 _PARETO_REQUIRED = (
     "policy_id",
     "label",
@@ -231,12 +260,41 @@ def _none_entry() -> PolicyEntry:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class SelectedPolicy:
+#: Status of a candidate in :attr:`SelectedPolicy.candidates` / a controller decision.
+STATUS_CHOSEN = "chosen"  # the returned policy
+STATUS_OK = "ok"  # admissible and within the SLO, but slower than the chosen one
+STATUS_OVER_SLO = "over_slo"  # predicted time > SLO
+STATUS_NO_GAIN = "no_gain"  # a runner-up with bandwidth >= its B*: slower than uncompressed
+
+
+class CandidateTime(NamedTuple):
+    """One candidate policy of a selection with its predicted time and verdict.
+
+    Attributes:
+        policy: the candidate.
+        predicted_s: predicted seconds to encode + send + decode the selection's KV volume.
+        status: ``"chosen"``, ``"ok"`` (admissible, slower), ``"over_slo"`` (predicted time
+            above the SLO) or ``"no_gain"`` (a runner-up at a bandwidth >= its threshold B*,
+            i.e. predicted slower than sending uncompressed; KVServe drops those).
+    """
+
+    policy: PolicyEntry
+    predicted_s: float
+    status: str
+
+    @property
+    def policy_id(self) -> str:
+        """Id of the candidate policy."""
+        return self.policy.policy_id
+
+
+class SelectedPolicy(NamedTuple):
     """Result of :meth:`PolicyTable.select`.
 
     Attributes:
-        policy: the envelope's policy at this bandwidth and accuracy floor.
+        policy: the chosen policy: the fastest predicted candidate that meets the SLO, or the
+            fastest one when none does (then ``slo_violated`` is True). Without an SLO this is
+            the envelope's policy at this bandwidth and accuracy floor.
         accuracy_floor: the bucket used (smallest configured floor >= ``q_min``).
         q_min: the requested minimum relative accuracy (fraction).
         bandwidth_gbps: the queried link bandwidth (Gbps).
@@ -246,6 +304,17 @@ class SelectedPolicy:
             (``bandwidth_lo_gbps < bandwidth_gbps <= bandwidth_hi_gbps``).
         runners_up: policy ids of the next-best candidates in this interval (best first).
         alternatives: the same runners-up as :class:`PolicyEntry` objects.
+        kv_bytes: KV volume V (bytes of original bf16 KV) the times are predicted for.
+        slo_s: the transfer-time SLO in seconds, or None.
+        slo_violated: True when even the chosen policy is predicted over ``slo_s``.
+        key: the extra table key used (``""`` = none).
+        envelope_policy: the interval's envelope (model-optimal) policy.
+        predicted_times_s: predicted seconds for ``kv_bytes`` of the envelope policy then each
+            runner-up (same order as :attr:`candidates`).
+        statuses: status of each of them (see :class:`CandidateTime`).
+
+    An immutable named tuple (cheap to build: :meth:`PolicyTable.select` runs in a few
+    microseconds); :attr:`candidates` assembles the per-candidate view on access.
     """
 
     policy: PolicyEntry
@@ -259,6 +328,23 @@ class SelectedPolicy:
     bandwidth_hi_gbps: float
     runners_up: tuple[str, ...]
     alternatives: tuple[PolicyEntry, ...]
+    kv_bytes: float = DEFAULT_KV_BYTES
+    slo_s: float | None = None
+    slo_violated: bool = False
+    key: str = DEFAULT_KEY
+    envelope_policy: PolicyEntry | None = None
+    predicted_times_s: tuple[float, ...] = ()
+    statuses: tuple[str, ...] = ()
+
+    @property
+    def candidates(self) -> tuple[CandidateTime, ...]:
+        """The envelope policy then its runners-up, each with its predicted time for
+        ``kv_bytes`` and its status (see :class:`CandidateTime`)."""
+        env = self.envelope_policy if self.envelope_policy is not None else self.policy
+        return tuple(
+            CandidateTime(p, t, st)
+            for p, t, st in zip((env, *self.alternatives), self.predicted_times_s, self.statuses, strict=True)
+        )
 
     @property
     def policy_id(self) -> str:
@@ -284,6 +370,58 @@ class SelectedPolicy:
     def predicted_seconds_per_gb(self) -> float:
         """Predicted transfer seconds per GB of original KV at the queried bandwidth."""
         return self.policy.a_s_per_gb + self.policy.b * self.x_s_per_gb
+
+    @property
+    def predicted_seconds(self) -> float:
+        """Predicted seconds to encode + send + decode ``kv_bytes`` with the chosen policy."""
+        return self.kv_bytes * 1e-9 * self.predicted_seconds_per_gb
+
+    @property
+    def uncompressed_seconds(self) -> float:
+        """Seconds to send ``kv_bytes`` uncompressed at the queried bandwidth (``V / B``)."""
+        return self.kv_bytes * 1e-9 * self.x_s_per_gb
+
+    @property
+    def threshold_gbps(self) -> float:
+        """B* of the chosen policy (link Gbps; inf for ``"none"``)."""
+        return self.policy.threshold_gbps
+
+    def reason(self) -> str:
+        """Why this policy: the interval, the candidates and why others were dropped
+        (multi-line plain text, used by ``kvtune select``)."""
+        from kvtune.tables.units import format_bytes, format_seconds
+
+        lines = [
+            f"accuracy floor {100 * self.accuracy_floor:g} % (smallest configured floor >= "
+            f"q_min {100 * self.q_min:g} %)" + (f", table key {self.key!r}" if self.key else ""),
+            f"{self.bandwidth_gbps:.4g} Gbps lies in the interval ({self.bandwidth_lo_gbps:.4g}, "
+            f"{self.bandwidth_hi_gbps:.4g}] Gbps (x = 1/B in [{self.x_lo_s_per_gb:.4g}, "
+            f"{self.x_hi_s_per_gb:.4g}) s/GB), where the envelope policy is {self.candidates[0].policy.label}"
+            if self.candidates else "",
+        ]
+        what = {
+            STATUS_CHOSEN: "chosen",
+            STATUS_OK: "admissible, slower",
+            STATUS_OVER_SLO: "dropped: predicted over the SLO",
+            STATUS_NO_GAIN: "dropped: B >= B*, slower than uncompressed",
+        }
+        for k, c in enumerate(self.candidates):
+            role = "optimal " if k == 0 else f"runner-up {k}"
+            bstar = "inf" if math.isinf(c.policy.threshold_gbps) else f"{c.policy.threshold_gbps:.4g}"
+            lines.append(
+                f"  {role:<11} {c.policy.label} [{c.policy_id}]: {format_seconds(c.predicted_s)} for "
+                f"{format_bytes(self.kv_bytes)}, B* {bstar} Gbps -> {what.get(c.status, c.status)}"
+            )
+        if self.slo_s is not None:
+            lines.append(
+                f"SLO {format_seconds(self.slo_s)}: "
+                + ("VIOLATED - no candidate meets it; returning the fastest" if self.slo_violated else "met")
+            )
+        lines.append(
+            f"uncompressed would take {format_seconds(self.uncompressed_seconds)}; chosen "
+            f"{format_seconds(self.predicted_seconds)}"
+        )
+        return "\n".join(line for line in lines if line)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,6 +504,7 @@ def compile_policy_table(
     device: str,
     n_runners_up: int = 2,
     metadata: Mapping[str, Any] | None = None,
+    key: str = DEFAULT_KEY,
 ) -> PolicyTable:
     """Compile the piecewise policy table from a Pareto front (KVServe, piecewise table).
 
@@ -384,7 +523,10 @@ def compile_policy_table(
         floors: accuracy floors (fractions), e.g. ``(0.99, 0.97, 0.95, 0.90)``.
         model, workload, device: what the table was profiled for (stored in every row).
         n_runners_up: next-best policies listed per interval (KVServe uses 1-2).
-        metadata: extra JSON-serializable key/values stored with the table.
+        metadata: extra JSON-serializable key/values stored with the table (kvtune reads
+            ``kv_bytes_per_request``, see the module docstring).
+        key: extra table key of every row (``""`` = none; see "Extra table keys"). Tables
+            compiled with different keys are merged with :meth:`PolicyTable.combine`.
 
     Returns:
         :class:`PolicyTable` with rows sorted by floor (descending), then ``x_lo_s_per_gb``.
@@ -397,6 +539,8 @@ def compile_policy_table(
         if not isinstance(value, str) or not value:
             raise TableError(f"cannot compile policy table: {name} must be a non-empty string")
     fl = _check_floors(floors)
+    if not isinstance(key, str):
+        raise TableError(f"cannot compile policy table: key must be a string, got {key!r}")
     entries = [_none_entry(), *_candidate_entries(pareto)]
     a = np.array([e.a_s_per_gb for e in entries])
     b = np.array([e.b for e in entries])
@@ -414,6 +558,7 @@ def compile_policy_table(
                     "workload": workload,
                     "device": device,
                     "accuracy_floor": floor,
+                    "key": key,
                     "x_lo_s_per_gb": iv.x_lo,
                     "x_hi_s_per_gb": iv.x_hi,
                     "bandwidth_hi_gbps": float(x_s_per_gb_to_gbps(iv.x_lo)),
@@ -423,7 +568,7 @@ def compile_policy_table(
                     "runner_up_policies": _dumps([r.to_json_dict() for r in runners]),
                 }
             )
-    return PolicyTable(pd.DataFrame(rows, columns=list(COLUMNS)), metadata=metadata)
+    return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,6 +601,9 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     if len(frame) == 0:
         raise _fail(source, "table has no rows")
     out = frame.reset_index(drop=True).copy()
+    for c, default in OPTIONAL_COLUMNS.items():
+        if c not in out.columns:
+            out[c] = default
     out["schema_version"] = out["schema_version"].astype("int64")
     for c in _FLOAT_COLUMNS:
         vals = pd.to_numeric(out[c], errors="coerce")
@@ -476,14 +624,21 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     if not (np.isfinite(floors) & (floors > 0)).all():
         raise _fail(source, "accuracy_floor must be finite and > 0")
 
-    for floor, grp in out.groupby("accuracy_floor", sort=False):
+    for (key, floor), grp in out.groupby(["key", "accuracy_floor"], sort=False):
         lo = grp["x_lo_s_per_gb"].to_numpy()
         hi = grp["x_hi_s_per_gb"].to_numpy()
-        where = f"accuracy_floor {floor:g}"
+        where = f"accuracy_floor {floor:g}" + (f", key {key!r}" if key else "")
         if lo[0] != 0.0:
             raise _fail(source, f"{where}: first interval starts at x={lo[0]} s/GB, not 0")
         if hi[-1] != np.inf:
             raise _fail(source, f"{where}: last interval ends at x={hi[-1]} s/GB, not inf")
+        if np.isinf(hi[:-1]).any():
+            k = int(np.flatnonzero(np.isinf(hi[:-1]))[0])
+            raise _fail(
+                source,
+                f"{where}: interval {k} ends at x=inf but is not the last one "
+                "(is the table for this floor stored twice? duplicate rows)",
+            )
         if not (lo < hi).all():
             k = int(np.flatnonzero(~(lo < hi))[0])
             raise _fail(
@@ -526,25 +681,51 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
         if not isinstance(ids, list) or ids != [p.policy_id for p in pols]:
             raise _fail(source, f"row {r}: runners_up does not match runner_up_policies")
 
-    order = np.lexsort((np.arange(len(out)), -out["accuracy_floor"].to_numpy()))
+    # Canonical order: key ascending ("" first), floor descending, then stored order (x).
+    key_rank = {k: i for i, k in enumerate(sorted(out["key"].unique()))}
+    order = np.lexsort(
+        (np.arange(len(out)), -out["accuracy_floor"].to_numpy(), out["key"].map(key_rank).to_numpy())
+    )
     out = out.iloc[order].reset_index(drop=True)
-    extras = [c for c in out.columns if c not in COLUMNS]
-    return out[list(COLUMNS) + extras]
+    extras = [c for c in out.columns if c not in _ORDER]
+    return out[list(_ORDER) + extras]
 
 
-_Record = tuple[dict[str, Any], PolicyEntry, tuple[PolicyEntry, ...]]  # row, policy, runners-up
+class _Interval:
+    """Precomputed lookup record of one table row (plain Python floats: fastest to bisect)."""
+
+    __slots__ = ("x_lo", "x_hi", "bw_lo", "bw_hi", "policy", "alts", "runner_ids", "cands")
+
+    def __init__(self, row: Mapping[str, Any]) -> None:
+        self.x_lo = float(row["x_lo_s_per_gb"])
+        self.x_hi = float(row["x_hi_s_per_gb"])
+        self.bw_lo = float(row["bandwidth_lo_gbps"])
+        self.bw_hi = float(row["bandwidth_hi_gbps"])
+        self.policy = PolicyEntry(
+            **{c: str(row[c]) for c in _POLICY_STR_COLUMNS},
+            **{c: float(row[c]) for c in _POLICY_FLOAT_COLUMNS},
+        )
+        self.alts = tuple(PolicyEntry.from_json_dict(p) for p in json.loads(row["runner_up_policies"]))
+        self.runner_ids = tuple(p.policy_id for p in self.alts)
+        # (entry, a, b, threshold_gbps) of the envelope policy then its runners-up
+        self.cands = tuple((e, e.a_s_per_gb, e.b, e.threshold_gbps) for e in (self.policy, *self.alts))
 
 
 class PolicyTable:
     """A compiled, versioned policy table (KVServe piecewise table) plus its metadata.
 
     Build it with :func:`compile_policy_table` or :meth:`PolicyTable.load`. Construction
-    validates the frame (see :meth:`load` for the checks) and precomputes per-floor arrays so
-    that :meth:`select` is a dictionary lookup plus a bisect (microseconds).
+    validates the frame (see :meth:`load` for the checks) and precomputes, per
+    ``(key, accuracy floor)``, the list of interval starts in x and one record per interval
+    with its policy and runners-up as Python floats, so that :meth:`select` is a dictionary
+    lookup, a bisect and a few float operations (about 2-4 us on a 2-core CPU; see
+    ``benchmarks/selector.py``).
 
     Args:
-        frame: a schema-1 table (columns :data:`COLUMNS`, extra columns are kept).
-        metadata: extra JSON-serializable key/values (stored in files, not interpreted).
+        frame: a schema-1 table (columns :data:`COLUMNS`, optional ``key``, extra columns are
+            kept).
+        metadata: extra JSON-serializable key/values (stored in files; kvtune reads only
+            ``kv_bytes_per_request``).
         source: name used in error messages (a file path when loaded).
 
     Raises:
@@ -564,29 +745,32 @@ class PolicyTable:
             _dumps(self._metadata)
         except (TypeError, ValueError) as exc:
             raise _fail(source, f"metadata is not JSON-serializable: {exc}") from None
+        kvb = self._metadata.get("kv_bytes_per_request")
+        if kvb is not None:
+            if isinstance(kvb, bool) or not isinstance(kvb, (int, float)) or not (math.isfinite(kvb) and kvb > 0):
+                raise _fail(source, f"metadata kv_bytes_per_request must be a number > 0, got {kvb!r}")
+        self._kv_default = float(kvb) if kvb is not None else DEFAULT_KV_BYTES
         first = self._frame.iloc[0]
         self._model = str(first["model"])
         self._workload = str(first["workload"])
         self._device = str(first["device"])
-        self._floors = tuple(float(f) for f in self._frame["accuracy_floor"].unique())
-        self._lookup: dict[float, tuple[list[float], list[_Record]]] = {}
-        for floor, grp in self._frame.groupby("accuracy_floor", sort=False):
-            los = grp["x_lo_s_per_gb"].astype(float).tolist()
-            recs = []
-            for row in grp.to_dict("records"):
-                entry = PolicyEntry(
-                    **{c: str(row[c]) for c in _POLICY_STR_COLUMNS},
-                    **{c: float(row[c]) for c in _POLICY_FLOAT_COLUMNS},
-                )
-                alts = tuple(PolicyEntry.from_json_dict(p) for p in json.loads(row["runner_up_policies"]))
-                recs.append((row, entry, alts))
-            self._lookup[float(floor)] = (los, recs)
+        self._floors = tuple(sorted({float(f) for f in self._frame["accuracy_floor"]}, reverse=True))
+        self._keys = tuple(dict.fromkeys(self._frame["key"].astype(str)))
+        self._key_floors: dict[str, tuple[float, ...]] = {}
+        self._floor_cache: dict[tuple[str, float], float] = {}
+        self._lookup: dict[tuple[str, float], tuple[list[float], list[_Interval]]] = {}
+        for (key, floor), grp in self._frame.groupby(["key", "accuracy_floor"], sort=False):
+            recs = [_Interval(row) for row in grp.to_dict("records")]
+            self._lookup[(str(key), float(floor))] = ([r.x_lo for r in recs], recs)
+            self._key_floors.setdefault(str(key), ())
+            self._key_floors[str(key)] += (float(floor),)
 
     # ---------------------------------------------------------------- properties
 
     @property
     def frame(self) -> pd.DataFrame:
-        """A copy of the rows (one per floor x interval), columns :data:`COLUMNS` + extras."""
+        """A copy of the rows (one per key x floor x interval), columns ``COLUMNS`` + ``key``
+        + extras."""
         return self._frame.copy()
 
     @property
@@ -611,8 +795,25 @@ class PolicyTable:
 
     @property
     def floors(self) -> tuple[float, ...]:
-        """Configured accuracy floors (fractions), descending."""
+        """Configured accuracy floors (fractions, union over keys), descending."""
         return self._floors
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Extra table keys present (``("",)`` for an unkeyed table), sorted."""
+        return self._keys
+
+    @property
+    def kv_bytes_per_request(self) -> float | None:
+        """Bytes of original KV of one profiled request (metadata), or None if unknown."""
+        v = self._metadata.get("kv_bytes_per_request")
+        return None if v is None else float(v)
+
+    @property
+    def default_kv_bytes(self) -> float:
+        """KV volume (bytes) used by :meth:`select` when none is given:
+        :attr:`kv_bytes_per_request` if known, else :data:`DEFAULT_KV_BYTES` (1 GB)."""
+        return self._kv_default
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -632,85 +833,244 @@ class PolicyTable:
         return len(self._frame)
 
     def __repr__(self) -> str:
+        keys = "" if self._keys == (DEFAULT_KEY,) else f", keys={list(self._keys)}"
         return (
             f"PolicyTable(model={self._model!r}, workload={self._workload!r}, "
-            f"device={self._device!r}, floors={list(self._floors)}, rows={len(self)})"
+            f"device={self._device!r}, floors={list(self._floors)}{keys}, rows={len(self)})"
         )
 
-    def intervals(self, accuracy_floor: float) -> pd.DataFrame:
-        """Rows of one floor, left to right in x (i.e. from high to low bandwidth).
+    def with_metadata(self, **extra: Any) -> PolicyTable:
+        """A copy of the table with ``extra`` merged into its metadata (same rows)."""
+        return PolicyTable(self._frame, metadata={**self._metadata, **extra})
+
+    def with_codec_speedup(self, factor: float) -> PolicyTable:
+        """What-if table: the same policies with encode and decode throughputs x ``factor``
+        (e.g. GPU codecs instead of the profiling CPU). **Hypothetical**: the device name
+        gains ``"x<factor> codec speed (hypothetical)"`` and the metadata
+        ``codec_speedup``.
+
+        Exact for the envelope: every line ``a + b x`` becomes ``a / f + b x``, whose
+        minimum at x is the original minimum at ``f x``, so breakpoints in x are divided by f
+        (bandwidths multiplied by f), ``a`` divided, throughputs and B* multiplied. The
+        runners-up of each interval are kept.
+
+        Args:
+            factor: throughput multiplier (> 0).
 
         Raises:
-            TableError: the floor is not configured.
+            KvtuneError: factor not > 0 or not finite.
         """
-        floor = self._exact_floor(accuracy_floor)
-        return self._frame[self._frame["accuracy_floor"] == floor].reset_index(drop=True)
+        f = float(factor)
+        if not (math.isfinite(f) and f > 0):
+            raise KvtuneError(f"codec speedup factor must be finite and > 0, got {factor}")
+        out = self._frame.copy()
+        for c in ("x_lo_s_per_gb", "x_hi_s_per_gb", "a_s_per_gb"):
+            out[c] = out[c] / f
+        for c in ("bandwidth_lo_gbps", "bandwidth_hi_gbps", "encode_gbps", "decode_gbps", "threshold_gbps"):
+            out[c] = out[c] * f
 
-    def floor_for(self, q_min: float) -> float:
+        def scale(js: str) -> str:
+            pols = json.loads(js)
+            for p in pols:
+                p["a_s_per_gb"] = _enc_float(_dec_float(p["a_s_per_gb"], "a_s_per_gb") / f)
+                for c in ("encode_gbps", "decode_gbps", "threshold_gbps"):
+                    p[c] = _enc_float(_dec_float(p[c], c) * f)
+            return _dumps(pols)
+
+        out["runner_up_policies"] = out["runner_up_policies"].map(scale)
+        out["device"] = f"{self._device} x{f:g} codec speed (hypothetical)"
+        return PolicyTable(out, metadata={**self._metadata, "codec_speedup": f})
+
+    @classmethod
+    def combine(cls, tables: Sequence[PolicyTable]) -> PolicyTable:
+        """Merge tables that differ only in their extra ``key`` into one table.
+
+        Args:
+            tables: tables of the same model, workload and device, with disjoint
+                ``(key, accuracy_floor)`` pairs.
+
+        Returns:
+            One table; metadata merged left to right.
+
+        Raises:
+            TableError: different model/workload/device, or a repeated (key, floor).
+        """
+        if not tables:
+            raise TableError("combine needs at least one table")
+        frames, meta = [], {}
+        for t in tables:
+            frames.append(t._frame)
+            meta.update(t._metadata)
+        seen: set[tuple[str, float]] = set()
+        for t in tables:
+            dup = seen & set(t._lookup)
+            if dup:
+                raise TableError(f"combine: (key, accuracy_floor) {sorted(dup)[0]} appears in two tables")
+            seen |= set(t._lookup)
+        return cls(pd.concat(frames, ignore_index=True), metadata=meta, source="<combined policy table>")
+
+    def _check_key(self, key: str) -> str:
+        if key not in self._key_floors:
+            raise TableError(f"table key {key!r} not in the policy table (keys: {list(self._keys)})")
+        return key
+
+    def intervals(self, accuracy_floor: float, *, key: str = DEFAULT_KEY) -> pd.DataFrame:
+        """Rows of one floor (and table key), left to right in x (high to low bandwidth).
+
+        Raises:
+            TableError: the key or the floor is not in the table.
+        """
+        self._check_key(key)
+        floor = self._exact_floor(accuracy_floor, key)
+        f = self._frame
+        return f[(f["accuracy_floor"] == floor) & (f["key"] == key)].reset_index(drop=True)
+
+    def floor_for(self, q_min: float, *, key: str = DEFAULT_KEY) -> float:
         """The accuracy bucket for a requested minimum accuracy: the smallest configured floor
         >= ``q_min`` (with a 1e-12 tolerance).
 
         Raises:
-            TableError: every configured floor is below ``q_min``.
+            TableError: q_min is NaN, the key is unknown, or every floor is below ``q_min``.
         """
+        cached = self._floor_cache.get((key, q_min))
+        if cached is not None:
+            return cached
         q = float(q_min)
         if math.isnan(q):
             raise TableError("q_min is NaN")
-        ok = [f for f in self._floors if f >= q - _FLOOR_TOL]
-        if not ok:
+        floors = self._key_floors.get(key)
+        if floors is None:
+            self._check_key(key)
+        best = None
+        for f in floors:  # few floors: a loop beats min() over a generator
+            if f >= q - _FLOOR_TOL and (best is None or f < best):
+                best = f
+        if best is None:
             raise TableError(
                 f"no accuracy floor >= q_min={q:g} in the policy table for {self._model}/"
-                f"{self._workload}/{self._device} (floors: {list(self._floors)})"
+                f"{self._workload}/{self._device} (floors: {list(floors)})"
             )
-        return min(ok)
+        if len(self._floor_cache) < 4096:  # q_min values repeat: memoize (bounded)
+            self._floor_cache[(key, q_min)] = best
+        return best
 
-    def _exact_floor(self, accuracy_floor: float) -> float:
-        for f in self._floors:
+    def _exact_floor(self, accuracy_floor: float, key: str = DEFAULT_KEY) -> float:
+        for f in self._key_floors.get(key, ()):
             if abs(f - float(accuracy_floor)) <= _FLOOR_TOL:
                 return f
         raise TableError(f"accuracy floor {accuracy_floor} not in table (floors: {list(self._floors)})")
 
     # ---------------------------------------------------------------- selection
 
-    def select(self, bandwidth_gbps: float, q_min: float) -> SelectedPolicy:
-        """The fastest policy predicted at link bandwidth ``bandwidth_gbps`` with accuracy >=
-        the bucket of ``q_min`` (KVServe: bucket, then binary search on x = 1/B).
+    def select(
+        self,
+        bandwidth_gbps: float,
+        q_min: float,
+        *,
+        workload: str | None = None,
+        slo_s: float | None = None,
+        kv_bytes: float | None = None,
+        key: str = DEFAULT_KEY,
+    ) -> SelectedPolicy:
+        """The policy to use at link bandwidth ``bandwidth_gbps`` with accuracy >= ``q_min``
+        (KVServe online step without feedback: bucket, binary search on x = 1/B, screen the
+        envelope policy and its runners-up).
+
+        Steps: bucket = smallest floor >= ``q_min``; interval = bisect of ``x = 8 /
+        bandwidth_gbps`` among the interval starts; candidates = the interval's envelope
+        policy then its runners-up; a runner-up with ``bandwidth_gbps >= B*`` is dropped
+        (``"no_gain"``: slower than uncompressed; the envelope policy is never dropped); a
+        candidate whose predicted time ``(a + b x) V`` exceeds ``slo_s`` is dropped
+        (``"over_slo"``); the fastest remaining one is chosen. When none meets the SLO the
+        fastest admissible one is returned with ``slo_violated=True``. With the static model
+        the envelope policy is always the fastest, so the SLO only sets the flag and the
+        statuses; :class:`kvtune.tables.controller.Controller` adds measured residuals.
 
         Intervals are half-open in x, ``[x_lo, x_hi)``, i.e. ``(bandwidth_lo, bandwidth_hi]``
         in Gbps: a bandwidth exactly at a breakpoint selects the interval on its
         lower-bandwidth side (both policies predict the same time there).
 
         Args:
-            bandwidth_gbps: measured link bandwidth in Gbps (1e9 bits/s), > 0; inf allowed.
+            bandwidth_gbps: link bandwidth in Gbps (1e9 bits/s), > 0; inf allowed.
             q_min: minimum relative accuracy (fraction, e.g. 0.97).
+            workload: if given, must equal :attr:`workload` (guards against using a table
+                profiled for another workload).
+            slo_s: transfer-time SLO in seconds for ``kv_bytes`` (None = no SLO).
+            kv_bytes: KV volume V in bytes of original bf16 KV; default
+                :attr:`default_kv_bytes`.
+            key: extra table key (``""`` = none).
 
         Returns:
             :class:`SelectedPolicy`.
 
         Raises:
-            TableError: no configured floor >= ``q_min``.
-            KvtuneError: bandwidth is NaN or <= 0.
+            TableError: workload mismatch, unknown key, or no configured floor >= ``q_min``.
+            KvtuneError: bandwidth is NaN or <= 0, or kv_bytes / slo_s not > 0.
         """
         bw = float(bandwidth_gbps)
-        if math.isnan(bw) or bw <= 0:
+        if not bw > 0:
             raise KvtuneError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps}")
-        floor = self.floor_for(q_min)
-        los, recs = self._lookup[floor]
-        x = float(gbps_to_x_s_per_gb(bw))
-        k = max(0, bisect.bisect_right(los, x) - 1)
-        row, entry, alts = recs[k]
-        return SelectedPolicy(
-            policy=entry,
-            accuracy_floor=floor,
-            q_min=float(q_min),
-            bandwidth_gbps=bw,
-            x_s_per_gb=x,
-            x_lo_s_per_gb=float(row["x_lo_s_per_gb"]),
-            x_hi_s_per_gb=float(row["x_hi_s_per_gb"]),
-            bandwidth_lo_gbps=float(row["bandwidth_lo_gbps"]),
-            bandwidth_hi_gbps=float(row["bandwidth_hi_gbps"]),
-            runners_up=tuple(a.policy_id for a in alts),
-            alternatives=alts,
+        if workload is not None and workload != self._workload:
+            raise TableError(
+                f"workload {workload!r} does not match the table's workload {self._workload!r} "
+                f"(model {self._model}); profile that workload or drop the workload filter"
+            )
+        floor = self.floor_for(q_min, key=key)
+        los, recs = self._lookup[(key, floor)]
+        x = 8.0 / bw
+        iv = recs[bisect.bisect_right(los, x) - 1]
+        v = self._kv_default if kv_bytes is None else float(kv_bytes)
+        if not v > 0:
+            raise KvtuneError(f"kv_bytes must be > 0, got {kv_bytes}")
+        if slo_s is not None and not float(slo_s) > 0:
+            raise KvtuneError(f"slo_s must be > 0 seconds, got {slo_s}")
+        gb = v * 1e-9
+        times = []
+        best = -1
+        best_t = math.inf
+        fallback = 0  # fastest admissible when nothing meets the SLO
+        fallback_t = math.inf
+        statuses = []
+        for k, (e, a, b, thr) in enumerate(iv.cands):
+            t = (a + b * x) * gb
+            times.append(t)
+            if k and bw >= thr:
+                statuses.append(STATUS_NO_GAIN)
+                continue
+            if t < fallback_t:
+                fallback, fallback_t = k, t
+            if slo_s is not None and t > slo_s:
+                statuses.append(STATUS_OVER_SLO)
+                continue
+            statuses.append(STATUS_OK)
+            if t < best_t:
+                best, best_t = k, t
+        violated = best < 0
+        if violated:
+            best = fallback
+        statuses[best] = STATUS_CHOSEN
+        return tuple.__new__(
+            SelectedPolicy,
+            (
+                iv.cands[best][0],
+                floor,
+                float(q_min),
+                bw,
+                x,
+                iv.x_lo,
+                iv.x_hi,
+                iv.bw_lo,
+                iv.bw_hi,
+                iv.runner_ids,
+                iv.alts,
+                v,
+                None if slo_s is None else float(slo_s),
+                violated,
+                key,
+                iv.policy,
+                tuple(times),
+                tuple(statuses),
+            ),
         )
 
     # ---------------------------------------------------------------- files
@@ -733,7 +1093,7 @@ class PolicyTable:
         """Write a human-readable, strict-JSON file atomically; returns the path.
 
         Layout: the header (:attr:`metadata` plus ``units``), then ``tables``: one object per
-        accuracy floor with its ``intervals`` left to right in x, each with breakpoints both
+        (extra ``key``, accuracy floor) with its ``intervals`` left to right in x, each with breakpoints both
         as ``x_*_s_per_gb`` (1/B) and ``bandwidth_*_gbps``, the policy's numbers, and its
         runners-up as a list of ids and a list of objects. Non-finite numbers are the strings
         ``"inf"``/``"-inf"``.
@@ -748,10 +1108,9 @@ class PolicyTable:
             "threshold_gbps": "compression pays iff link Gbps < threshold_gbps",
             "relative_accuracy, accuracy_floor": "fraction, 1.0 == 100 %",
         }
-        per_row = [c for c in self._frame.columns if c not in _META_COLUMNS]
+        per_row = [c for c in self._frame.columns if c not in _META_COLUMNS and c != "key"]
         tables = []
-        for floor in self._floors:
-            grp = self._frame[self._frame["accuracy_floor"] == floor]
+        for (key, floor), grp in self._frame.groupby(["key", "accuracy_floor"], sort=False):
             intervals = []
             for row in grp.to_dict("records"):
                 item: dict[str, Any] = {}
@@ -764,7 +1123,7 @@ class PolicyTable:
                     else:
                         item[c] = _json_value(v)
                 intervals.append(item)
-            tables.append({"accuracy_floor": floor, "intervals": intervals})
+            tables.append({"accuracy_floor": float(floor), "key": str(key), "intervals": intervals})
         doc["tables"] = tables
         return atomic_write_text(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
@@ -853,9 +1212,16 @@ def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]
     if not isinstance(doc["tables"], list) or not doc["tables"]:
         raise _fail(src, "'tables' must be a non-empty list")
     rows: list[dict[str, Any]] = []
+    seen: set[tuple[Any, Any]] = set()
     for t in doc["tables"]:
         if not isinstance(t, dict) or "accuracy_floor" not in t or not isinstance(t.get("intervals"), list):
             raise _fail(src, "each entry of 'tables' needs 'accuracy_floor' and a list 'intervals'")
+        if not isinstance(t.get("key", DEFAULT_KEY), str):
+            raise _fail(src, f"table 'key' must be a string, got {t.get('key')!r}")
+        ident = (t.get("key", DEFAULT_KEY), t["accuracy_floor"])
+        if ident in seen:
+            raise _fail(src, f"duplicate table for accuracy_floor {ident[1]} and key {ident[0]!r}")
+        seen.add(ident)
         for k, item in enumerate(t["intervals"]):
             if not isinstance(item, dict):
                 raise _fail(src, "each interval must be a JSON object")
@@ -872,6 +1238,7 @@ def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]
                 "workload": doc["workload"],
                 "device": doc["device"],
                 "accuracy_floor": t["accuracy_floor"],
+                "key": t.get("key", DEFAULT_KEY),
             }
             for c, v in item.items():
                 if c in _RUNNER_COLUMNS:

@@ -1,0 +1,243 @@
+"""The policy table of a profiling run folder: load, (re)compile with run metadata, export.
+
+A run folder (``profiles/<run>/``, written by :mod:`kvtune.profile`) holds ``run.json``,
+``trials.parquet``, ``pareto.parquet`` and ``policy_table.parquet``/``.json``. This module
+turns it into a :class:`~kvtune.tables.policy_table.PolicyTable` whose metadata records the
+run name and the KV volume of one profiled request (``kv_bytes_per_request``, the default
+volume of ``kvtune select``), and writes it in either format (``kvtune export``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvtune.errors import KvtuneError
+from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable, compile_policy_table
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "export_run_table",
+    "kv_bytes_per_request",
+    "load_run_table",
+    "resolve_table",
+    "run_table_metadata",
+    "selection_summary",
+    "selection_text",
+]
+
+#: ``kvtune export --format`` choices -> file suffix.
+EXPORT_FORMATS: dict[str, str] = {"parquet": ".parquet", "json": ".json"}
+
+
+def _read_run_info(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "run.json"
+    if not path.is_file():
+        raise KvtuneError(f"{run_dir}: no run.json; is it a kvtune run folder?")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KvtuneError(f"{path}: cannot read run.json ({exc})") from None
+    if not isinstance(info, dict):
+        raise KvtuneError(f"{path}: run.json must hold a JSON object")
+    return info
+
+
+def kv_bytes_per_request(run_info: dict[str, Any]) -> float | None:
+    """Bytes of original bf16 KV of one profiled request (one context), from ``run.json``.
+
+    ``2 (K and V) x num_layers x kv_heads x head_dim x context_tokens x 2 bytes`` (BRIEF
+    Sec. 1); for SmolLM2-135M at 1,024 tokens: 2 x 30 x 3 x 64 x 1024 x 2 = 23,592,960 B.
+
+    Returns:
+        bytes (float), or None when the geometry or the context length is missing.
+    """
+    mi = run_info.get("model_info") or {}
+    st = run_info.get("settings") or {}
+    dims = [mi.get("num_layers"), mi.get("kv_heads"), mi.get("head_dim"), st.get("context_tokens")]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        return None
+    layers, kv_heads, head_dim, tokens = dims
+    return float(2 * layers * kv_heads * head_dim * tokens * 2)
+
+
+def run_table_metadata(run_dir: str | os.PathLike[str], run_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Metadata a run's table should carry: ``run`` (folder name), ``kv_bytes_per_request``
+    and ``context_tokens`` when known."""
+    run_dir = Path(run_dir)
+    info = _read_run_info(run_dir) if run_info is None else run_info
+    meta: dict[str, Any] = {"run": run_dir.name}
+    kvb = kv_bytes_per_request(info)
+    if kvb is not None:
+        meta["kv_bytes_per_request"] = kvb
+        meta["context_tokens"] = int(info["settings"]["context_tokens"])
+    return meta
+
+
+def load_run_table(
+    run_dir: str | os.PathLike[str],
+    *,
+    floors: Sequence[float] | None = None,
+    recompile: bool = False,
+) -> PolicyTable:
+    """The policy table of a run folder, with the run's metadata.
+
+    Without ``floors`` and ``recompile``, reads ``policy_table.parquet`` (rows unchanged;
+    run metadata added where the file lacks it). Otherwise (or when that file is missing)
+    compiles it again from ``pareto.parquet`` (or, if that is missing too, the Pareto front
+    of ``trials.parquet``) with :func:`~kvtune.tables.policy_table.compile_policy_table`, for
+    ``floors`` (default: the run's configured floors, else 99/97/95/90 %).
+
+    Args:
+        run_dir: a run folder, e.g. ``profiles/smollm2-default``.
+        floors: accuracy floors (fractions) to compile for; implies recompilation.
+        recompile: recompile even if ``policy_table.parquet`` exists.
+
+    Raises:
+        KvtuneError: not a run folder, or it has neither a table, a Pareto front nor trials.
+        TableError: the stored table is malformed, or the floors are invalid.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise KvtuneError(f"{run_dir}: not a folder (expected a run folder such as profiles/<run>)")
+    info = _read_run_info(run_dir)
+    meta = run_table_metadata(run_dir, info)
+    stored = run_dir / "policy_table.parquet"
+    if floors is None and not recompile and stored.is_file():
+        table = PolicyTable.load(stored)
+        missing = {k: v for k, v in meta.items() if k not in table.metadata["extra"]}
+        return table.with_metadata(**missing) if missing else table
+    settings = info.get("settings") or {}
+    use_floors = tuple(floors) if floors is not None else tuple(settings.get("floors") or DEFAULT_FLOORS)
+    if (run_dir / "pareto.parquet").is_file():
+        pareto = pd.read_parquet(run_dir / "pareto.parquet")
+    elif (run_dir / "trials.parquet").is_file():
+        from kvtune.pareto import pareto_front
+
+        pareto = pareto_front(pd.read_parquet(run_dir / "trials.parquet"))
+    else:
+        raise KvtuneError(f"{run_dir}: no policy_table.parquet, pareto.parquet or trials.parquet")
+    return compile_policy_table(
+        pareto,
+        floors=use_floors,
+        model=str(settings.get("model") or "unknown"),
+        workload=str(info.get("workload") or "continuation"),
+        device=str((info.get("model_info") or {}).get("device") or "cpu"),
+        metadata=meta,
+    )
+
+
+def export_run_table(
+    run_dir: str | os.PathLike[str],
+    fmt: str,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    floors: Sequence[float] | None = None,
+    recompile: bool = False,
+) -> tuple[Path, PolicyTable]:
+    """Write a run's policy table as Parquet or JSON, then re-load the file to check it.
+
+    Args:
+        run_dir: the run folder.
+        fmt: ``"parquet"`` or ``"json"``.
+        out: destination file; default ``<run name>.policy_table.<parquet|json>`` in the
+            current directory. Its suffix must match ``fmt``.
+        floors, recompile: see :func:`load_run_table`.
+
+    Returns:
+        ``(path written, the re-loaded table)``.
+
+    Raises:
+        KvtuneError: unknown format, suffix mismatch, or any error of :func:`load_run_table`.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise KvtuneError(f"unknown format {fmt!r}; use one of {sorted(EXPORT_FORMATS)}")
+    run_dir = Path(run_dir)
+    suffix = EXPORT_FORMATS[fmt]
+    path = Path(out) if out is not None else Path(f"{run_dir.resolve().name}.policy_table{suffix}")
+    if path.suffix.lower() != suffix and not (fmt == "parquet" and path.suffix.lower() == ".pq"):
+        raise KvtuneError(f"--out {path}: suffix must be {suffix} for --format {fmt}")
+    table = load_run_table(run_dir, floors=floors, recompile=recompile)
+    written = table.to_parquet(path) if fmt == "parquet" else table.to_json(path)
+    return written, PolicyTable.load(written)
+
+
+def resolve_table(spec: str | os.PathLike[str]) -> PolicyTable:
+    """A policy table from a ``.parquet``/``.json`` file or a run folder (its table with the
+    run's metadata, see :func:`load_run_table`).
+
+    Raises:
+        KvtuneError / TableError: not found or malformed.
+    """
+    p = Path(spec)
+    if p.is_dir():
+        return load_run_table(p)
+    return PolicyTable.load(p)
+
+
+def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
+    """A JSON-ready summary of a :class:`~kvtune.tables.policy_table.SelectedPolicy`
+    (``kvtune select --json``): chosen policy, predicted seconds, B*, interval, candidates."""
+    from kvtune.tables.policy_table import _enc_float
+
+    return {
+        "policy_id": sel.policy_id,
+        "method": sel.method,
+        "label": sel.label,
+        "config": json.loads(sel.config_json),
+        "accuracy_floor": sel.accuracy_floor,
+        "q_min": sel.q_min,
+        "key": sel.key,
+        "bandwidth_gbps": _enc_float(sel.bandwidth_gbps),
+        "interval_gbps": [_enc_float(sel.bandwidth_lo_gbps), _enc_float(sel.bandwidth_hi_gbps)],
+        "kv_bytes": sel.kv_bytes,
+        "kv_bytes_source": volume_source,
+        "predicted_s": sel.predicted_seconds,
+        "uncompressed_s": sel.uncompressed_seconds,
+        "threshold_gbps": _enc_float(sel.threshold_gbps),
+        "slo_s": sel.slo_s,
+        "slo_violated": sel.slo_violated,
+        "candidates": [
+            {
+                "policy_id": c.policy_id,
+                "label": c.policy.label,
+                "predicted_s": c.predicted_s,
+                "threshold_gbps": _enc_float(c.policy.threshold_gbps),
+                "status": c.status,
+            }
+            for c in sel.candidates
+        ],
+    }
+
+
+def selection_text(sel: Any, table: PolicyTable, volume_source: str) -> str:
+    """Plain-text answer of ``kvtune select``: the chosen policy, its predicted time for the
+    KV volume (and where that volume came from), B*, the SLO verdict and the reason
+    (:meth:`~kvtune.tables.policy_table.SelectedPolicy.reason`)."""
+    from kvtune.tables.units import format_bytes, format_seconds
+
+    if sel.policy_id == "none":
+        bstar = (
+            f"n/a for uncompressed; at this floor compression pays only below {sel.bandwidth_lo_gbps:.4g} Gbps"
+            if sel.bandwidth_lo_gbps > 0
+            else "n/a for uncompressed; no compressed policy at this floor"
+        )
+    else:
+        bstar = f"{sel.threshold_gbps:.4g} Gbps (compression pays iff bandwidth < B*)"
+    lines = [
+        f"table      {table.model} / {table.workload} / {table.device}",
+        f"policy     {sel.label}  [{sel.policy_id}, method {sel.method}]",
+        f"predicted  {format_seconds(sel.predicted_seconds)} for {format_bytes(sel.kv_bytes)} of KV at "
+        f"{sel.bandwidth_gbps:.4g} Gbps ({volume_source}); uncompressed {format_seconds(sel.uncompressed_seconds)}",
+        f"B*         {bstar}",
+    ]
+    if sel.slo_s is not None:
+        verdict = "VIOLATED (no candidate meets it; fastest returned)" if sel.slo_violated else "met"
+        lines.append(f"SLO        {format_seconds(sel.slo_s)}: {verdict}")
+    lines += ["reason", *("  " + line for line in sel.reason().splitlines())]
+    return "\n".join(lines)
