@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -61,6 +63,19 @@ def profile(
                 context_tokens=context_tokens, continuation_tokens=continuation_tokens, out=str(out),
                 reports=str(reports), run=run, device=device, seed=seed,
             )
+        with _progress_hooks() as (on_stage, on_progress):
+            result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    _print_summary(result)
+
+
+@contextlib.contextmanager
+def _progress_hooks():
+    """``(on_stage, on_progress)`` callbacks: live bars on a terminal, plain log lines otherwise
+    (CI logs, redirected output), one line per finished trial and per 10 % of other stages."""
+    if console.is_terminal:
         columns = (TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TimeRemainingColumn(), TextColumn("[dim]{task.fields[info]}"))
         with Progress(*columns, console=console, transient=False) as bar:
@@ -72,11 +87,23 @@ def profile(
             def on_progress(n: int = 1, info: str = "") -> None:
                 bar.update(state["task"], advance=n, info=info)
 
-            result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)
-    except KvtuneError as exc:
-        _fail(exc)
+            yield on_stage, on_progress
         return
-    _print_summary(result)
+    state = {"name": "", "total": 0, "done": 0, "t0": time.perf_counter()}
+
+    def on_stage(name: str, total: int) -> None:
+        state.update(name=name, total=total, done=0, t0=time.perf_counter())
+        console.print(f"[{time.strftime('%H:%M:%S')}] {name} ({total})", markup=False)
+
+    def on_progress(n: int = 1, info: str = "") -> None:
+        before = state["done"]
+        state["done"] += n
+        total = max(state["total"], 1)
+        if info or state["done"] * 10 // total > before * 10 // total:
+            elapsed = time.perf_counter() - state["t0"]
+            console.print(f"  {state['name']} {state['done']}/{state['total']} {elapsed:.0f}s {info}", markup=False)
+
+    yield on_stage, on_progress
 
 
 def _print_summary(result) -> None:
