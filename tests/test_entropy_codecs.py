@@ -35,7 +35,18 @@ from kvtune.codecs.zstd_codec import ZstdCodec
 from kvtune.errors import ConfigError, CorruptStreamError
 
 MODELS = ("per_channel", "per_head", "global")
+# odd counts and head dims (7, 9, 5: unfused remainders), 1-D and 2-D inputs (one head), one symbol
 SHAPES = [(1, 3, 100, 64), (2, 3, 17, 7), (5,), (3, 5), (1, 1, 1, 1), (2, 2, 3, 3, 5), (1, 2, 1, 9)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread is faster and immune to CPU contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # ----------------------------------------------------------------------------- data
 
@@ -130,23 +141,26 @@ def test_fusion_is_exhaustively_exact(bits):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    counts=st.lists(st.lists(st.integers(0, 5000), min_size=2, max_size=256), min_size=1, max_size=3),
+    seed=st.integers(0, 2**32 - 1),
+    k=st.sampled_from([2, 4, 16, 256]),
+    groups=st.integers(1, 3),
+    n=st.sampled_from([1, 7, 100, 3072, 100_000]),
     precision=st.integers(1, MAX_PRECISION),
 )
-def test_quantize_counts_invariants(counts, precision):
-    k = max(len(r) for r in counts)
-    c = np.zeros((len(counts), k), dtype=np.int64)
-    for i, r in enumerate(counts):
-        c[i, : len(r)] = r
-    c[:, 0] += 1  # every group non-empty
-    c[:, 0] += c.sum(axis=1).max() - c.sum(axis=1)  # every group the same size n
+def test_quantize_counts_invariants(seed, k, groups, n, precision):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(k, 0.3), size=groups)  # skewed, many near-empty symbols
+    c = np.stack([rng.multinomial(n, row) for row in p]).astype(np.int64)
     f = quantize_counts(c, precision)
     if precision == MAX_PRECISION:
         assert f is not None  # the floor variant always fits <= 256 symbols at P = 15
-    if f is None:
+    if f is None:  # only when 2**P < n: otherwise no symbol needs raising to 1 and floor fits
+        assert n > 1 << precision
         return
     assert (f.sum(axis=1) == 1 << precision).all()
-    assert ((f >= 1) == (c > 0)).all() and (f >= 0).all()
+    assert ((f >= 1) == (c > 0)).all()
+    if (1 << precision) % n == 0:  # counts scale exactly: the table is the empirical distribution
+        assert np.array_equal(f, c * ((1 << precision) // n))
 
 
 def test_table_nbytes_formula():
@@ -185,8 +199,9 @@ def test_range_compresses_skewed_and_constant_data(model):
     assert len(data) < 1.02 * entropy_bytes(x, model, 4) + 400
     const = np.full((1, 3, 512, 64), 5, dtype=np.uint8)
     data = codec.pack(const, 4)
-    assert data[0] == KIND_RANGE and len(data) < 40 + 3 * 64 * 16 / 8 / {"per_channel": 1, "per_head": 64, "global": 192}[model]
-    # ~0 payload bits: a header, a 1-bit presence bitmap per (group, symbol), one value of w = 1 per group
+    groups = {"per_channel": 64, "per_head": 3, "global": 1}[model]
+    # ~0 payload bits: header, a presence bit per (group, symbol), P = 1 so one 1-bit value per group
+    assert data[0] == KIND_RANGE and len(data) <= 8 + table_nbytes(groups, 4, groups, 1) + 8
     assert np.array_equal(codec.unpack(data, 4, const.size, shape=const.shape), const.reshape(-1))
 
 
@@ -371,7 +386,7 @@ def test_range_mismatched_model_shape_or_count_raises():
         RangeCodec().unpack(data, 2, x.size, shape=(1, 2, 32, 15))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     garbage=st.binary(max_size=120),
     model=st.sampled_from(MODELS),
@@ -385,7 +400,7 @@ def test_range_random_garbage_raises_or_decodes_count_symbols(garbage, model, pr
     _decodes_or_raises(codec, prefix + garbage, 16, 3)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(data=st.data(), model=st.sampled_from(MODELS), bits=st.sampled_from([1, 2, 3, 5]))
 def test_range_random_mutations_raise_or_decode_count_symbols(data, model, bits):
     x, coded = _coded(model, bits, shape=(1, 2, 12, 8), seed=bits)
@@ -437,7 +452,7 @@ def test_zstd_corruption_raises():
         _decodes_or_raises(codec, bytes(bad), 4, x.size)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(garbage=st.binary(max_size=200), bits=st.sampled_from([1, 4, 8, 16]))
 def test_zstd_random_garbage_raises_or_decodes_count_symbols(garbage, bits):
     _decodes_or_raises(ZstdCodec(), garbage, bits, 100)

@@ -12,10 +12,13 @@ it to equal the packed size implied by ``count`` and ``bits`` (``ceil(count * bi
 ``2 * count``) before decompressing with that size as the output bound and no trailing data
 allowed; every failure raises :class:`~kvtune.errors.CorruptStreamError`.
 
-Zstandard works on bytes: it finds repeated byte strings and entropy-codes literals with
-Huffman tables built per block, but it has no notion of channels or heads, so on sub-byte
-symbols of noisy KV it usually gains little over ``bitpack`` (it may even add the ~10-byte
-frame header); it shines only on redundant data (constant groups, repeated rows).
+Zstandard works on bytes: it finds repeated byte strings (LZ matches) and Huffman-codes
+literals with tables built per block; it has no notion of channels or heads. Still, on real
+SmolLM2-135M KIVI symbols (keys per channel, values per token, groups of 32;
+``(1, 3, 1024, 64)`` x 30 layers) level 3 reaches 1.72 bits per 2-bit symbol and 3.84 per
+4-bit symbol, slightly better than the order-0 ``range`` models (1.73 / 3.88), because the
+values contain repeats an order-0 model cannot see (the keys do not: there ``range`` wins), at
+4-10x the speed. On tiny tensors the ~10-byte frame header can make it larger than ``bitpack``.
 """
 
 from __future__ import annotations
