@@ -33,7 +33,7 @@ from kvtune.evaluate.capture import build_contexts, capture
 from kvtune.evaluate.evaluator import ContinuationEvaluator
 from kvtune.evaluate.model import load_model
 from kvtune.evaluate.ratio import estimate_ratios
-from kvtune.optimize import make_optimizer
+from kvtune.optimize import OPTIMIZERS, make_optimizer
 from kvtune.pareto import pareto_front
 from kvtune.settings import ProfileSettings
 from kvtune.report.html import write_report
@@ -112,8 +112,10 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     cap = capture(lm, ids, settings.context_tokens, progress=lambda n: on_progress(n))
     evaluator = ContinuationEvaluator(lm, cap)
     space = _calibrated(space, lm, cap.input_ids[:2, : min(settings.context_tokens, 1024)], run_dir, on_stage, on_progress)
-    on_stage("estimate ratios", len(space))
-    ratios = estimate_ratios([c.config for c in space.candidates], cap.context_kv(0), progress=on_progress)
+    ratios = None
+    if getattr(OPTIMIZERS.get(settings.optimizer), "needs_ratios", True):  # model-based optimizers use them
+        on_stage("estimate ratios", len(space))
+        ratios = estimate_ratios([c.config for c in space.candidates], cap.context_kv(0), progress=on_progress)
     t_capture = time.perf_counter() - t_start
 
     run_info = {
@@ -146,7 +148,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
             "config_json": cand.config.to_json(),
             "preset": cand.params.get("preset"),
             **{f"param.{k}": v for k, v in cand.params.items()},
-            "ratio_estimate": float(ratios[cand.index]),
+            "ratio_estimate": None if ratios is None else float(ratios[cand.index]),
             **result,
         }
         store.append(record)

@@ -12,6 +12,8 @@ from kvtune.space import Candidate
 class ExhaustiveOptimizer(Optimizer):
     """Every candidate, in enumeration order (the ground truth for benchmarks)."""
 
+    needs_ratios = False
+
     def ask(self) -> Candidate | None:
         pending = self.pending
         return pending[0] if pending else None
@@ -20,6 +22,8 @@ class ExhaustiveOptimizer(Optimizer):
 @register_optimizer("random")
 class RandomOptimizer(Optimizer):
     """Uniform sampling without replacement; the order is a fixed permutation of the seed."""
+
+    needs_ratios = False
 
     def __init__(self, space, **kwargs) -> None:
         super().__init__(space, **kwargs)
