@@ -36,7 +36,7 @@ class ProfileSettings:
     model: str = DEFAULT_MODEL
     text: str = DEFAULT_TEXT
     space: str = "default"
-    budget: int = 64
+    budget: int = 40
     contexts: int = 8
     context_tokens: int = 1024
     continuation_tokens: int = 128
