@@ -9,6 +9,7 @@ stored results through :meth:`tell` before asking again.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,19 @@ class Optimizer(ABC):
         """Record a finished evaluation (a trials row: ratio, relative accuracy, speeds...)."""
         self.told[candidate.index] = result
 
+    def chronology(self) -> list[int]:
+        """Indices of the told candidates in the order they were evaluated.
+
+        That is the order of the results' ``trial`` numbers when every result has one (the
+        profile loop writes them, so a resumed run that replays its trials in another order
+        recovers the original order), else the order of :meth:`tell` calls.
+        """
+        order = list(self.told)
+        trials = [self.told[i].get("trial") if isinstance(self.told[i], dict) else None for i in order]
+        if order and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in trials):
+            return [i for _, _, i in sorted(zip(trials, range(len(order)), order))]
+        return order
+
     @property
     def pending(self) -> list[Candidate]:
         """Candidates not yet told, in enumeration order."""
@@ -72,12 +86,31 @@ class Optimizer(ABC):
 
 
 def make_optimizer(name: str, space: SearchSpace, *, seed: int = 0, q_min: float = 0.97,
-                   ratios: np.ndarray | None = None) -> Optimizer:
+                   ratios: np.ndarray | None = None, **options: Any) -> Optimizer:
     """Instantiate a registered optimizer (arguments as in :class:`Optimizer`).
 
+    ``options`` are passed on as keyword arguments of the optimizer's constructor (its tuning
+    knobs, e.g. ``n_init`` of ``mobo``); an option the optimizer does not take is a
+    :class:`ConfigError`.
+
     Raises:
-        ConfigError: unknown optimizer name (the message lists the known ones).
+        ConfigError: unknown optimizer name (the message lists the known ones), or an option
+            the optimizer does not take.
     """
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZERS))}")
-    return OPTIMIZERS[name](space, seed=seed, q_min=q_min, ratios=ratios)
+    cls = OPTIMIZERS[name]
+    if options:
+        accepted: set[str] = set()
+        for klass in cls.__mro__:  # follow **kwargs up to the first constructor without them
+            if "__init__" not in vars(klass):
+                continue
+            params = inspect.signature(klass.__init__).parameters
+            accepted |= {k for k, p in params.items() if p.kind is not p.VAR_KEYWORD} - {"self", "space"}
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                break
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            known = sorted(accepted - {"seed", "q_min", "ratios"})
+            raise ConfigError(f"optimizer {name!r} takes no option(s) {unknown}; its options: {known}")
+    return cls(space, seed=seed, q_min=q_min, ratios=ratios, **options)
