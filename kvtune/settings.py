@@ -13,7 +13,11 @@ from typing import Any
 from kvtune.assets import DEFAULT_MODEL, DEFAULT_TEXT
 from kvtune.errors import KvtuneError
 
-SETTINGS_VERSION = 1
+SETTINGS_VERSION = 2
+"""Version 2 added the workload fields (``workload``, ``data``, ``samples``, ``cheap_samples``,
+``max_new_tokens``, ``kv_dtype``, ``prompt_format``); version-1 settings load with their
+defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -22,10 +26,26 @@ class ProfileSettings:
 
     Attributes:
         model: ``--model`` spec (asset name, ``.gguf`` path, HF folder or id).
-        text: ``--text`` spec (asset name, ``.txt`` file or folder).
+        text: ``--text`` spec (asset name, ``.txt`` file or folder): the essays of the
+            ``continuation`` and ``needle`` workloads.
         space: ``--space`` name or YAML path.
         budget: maximum number of policies evaluated (0 = the whole space).
-        contexts: N contexts; context_tokens: T tokens each; continuation_tokens: C tokens scored.
+        contexts: N contexts of the ``continuation`` workload (its full-fidelity sample count
+            unless ``samples`` is set); context_tokens: T tokens per context (``continuation``,
+            ``needle``: exactly; ``qa``, ``boolq``, ``summarize``: at most, longer passages
+            are not used); continuation_tokens: C tokens scored (``continuation``).
+        workload: ``--workload``, a name in :data:`kvtune.evaluate.workloads.WORKLOADS`.
+        data: ``--data``, the dataset of ``qa``/``boolq``/``summarize``: a named data asset or
+            a JSONL file ("" = the workload's default asset).
+        samples: samples evaluated at full fidelity (0 = the workload's default).
+        cheap_samples: samples evaluated at cheap fidelity, the first ones of the full set
+            (0 = the workload's default).
+        max_new_tokens: generation budget at full fidelity (0 = the workload's default).
+        kv_dtype: ``model`` (captured KV as the model computes it, float32 on CPU) or
+            ``bfloat16`` (rounded to bf16 first, as a bf16 server would hold it, so the
+            uncompressed policy is exactly lossless).
+        prompt_format: ``auto`` (the chat template when the tokenizer has one), ``chat`` or
+            ``plain``.
         optimizer: registered optimizer name.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: seeds the optimizer (and anything random) so runs reproduce.
@@ -37,13 +57,20 @@ class ProfileSettings:
     text: str = DEFAULT_TEXT
     space: str = "default"
     budget: int = 40
-    contexts: int = 8
+    contexts: int = 24
     context_tokens: int = 1024
     continuation_tokens: int = 128
     optimizer: str = "random"
     device: str = "auto"
     seed: int = 0
     floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
+    workload: str = "continuation"
+    data: str = ""
+    samples: int = 0
+    cheap_samples: int = 0
+    max_new_tokens: int = 0
+    kv_dtype: str = "model"
+    prompt_format: str = "auto"
     run: str = ""
     out: str = "profiles"
     reports: str = "reports"
@@ -58,16 +85,21 @@ class ProfileSettings:
     def from_dict(cls, d: dict[str, Any]) -> "ProfileSettings":
         """Rebuild settings saved by :meth:`to_dict`.
 
+        Version-1 settings (before workloads) are upgraded: the new fields take their
+        defaults, i.e. the ``continuation`` workload the run used.
+
         Raises:
-            KvtuneError: another settings version, or unknown keys.
+            KvtuneError: an unreadable settings version, or unknown keys.
         """
-        if d.get("version") != SETTINGS_VERSION:
-            raise KvtuneError(f"run settings version {d.get('version')!r} is not {SETTINGS_VERSION}; re-run the profile")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise KvtuneError(f"run settings version {d.get('version')!r} is not one of {READABLE_VERSIONS}; "
+                              "re-run the profile")
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise KvtuneError(f"run settings have unknown keys {sorted(unknown)}")
         d = dict(d)
         d["floors"] = tuple(d.get("floors", cls.floors))
+        d["version"] = SETTINGS_VERSION
         return cls(**d)
 
     @property

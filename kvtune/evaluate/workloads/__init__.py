@@ -1,0 +1,97 @@
+"""Workloads: real tasks whose context KV crosses the wire compressed (``--workload``).
+
+Each workload is one small class in :data:`WORKLOADS` (kvpress-style registry):
+
+============== =============================== ============================ =========================================
+name           data (default)                  full-fidelity score          cheap-fidelity score (teacher-forced)
+============== =============================== ============================ =========================================
+continuation   essays (``--text``)             perplexity ratio             same, fewer contexts
+qa             NarrativeQA (``narrativeqa``)   generated answer F1          likelihood of the original run's answer
+boolq          BoolQ (``boolq``)               yes/no accuracy              p(the original run's yes/no decision)
+needle         essays + random 5-digit key     passkey retrieval accuracy   likelihood of the passkey
+summarize      XSum (``xsum``)                 ROUGE-L of generated summary likelihood of the original run's summary
+============== =============================== ============================ =========================================
+
+Cheap scores of generative tasks use the original run's own output, not the reference:
+on SmolLM2-135M the references' likelihood rose with a broken cache (see
+:class:`~kvtune.evaluate.workloads.base.OwnAnswerMixin`); references are still reported.
+
+Example::
+
+    >>> from kvtune.settings import ProfileSettings
+    >>> wl = make_workload("qa", lm, settings=ProfileSettings(workload="qa"))  # doctest: +SKIP
+    >>> row = wl.evaluate(PolicyConfig.kivi(4), fidelity="cheap")               # doctest: +SKIP
+    >>> row["relative_accuracy_lo"], row["compression_ratio"]                   # doctest: +SKIP
+
+See :mod:`kvtune.evaluate.workloads.base` for what one evaluation does and
+:mod:`kvtune.evaluate.workloads.data` for the JSONL format of user data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kvtune.errors import KvtuneError
+from kvtune.evaluate.metrics import spearman
+from kvtune.evaluate.model import LoadedModel
+from kvtune.evaluate.workloads.base import FIDELITIES, PROMPT_FORMATS, WORKLOADS, Sample, Workload, register
+from kvtune.evaluate.workloads.data import DataError, Field, read_jsonl
+
+# imported in the order the registry lists them (``--workload`` help, error messages)
+from kvtune.evaluate.workloads.continuation import ContinuationWorkload  # isort: skip
+from kvtune.evaluate.workloads.qa import QAWorkload  # isort: skip
+from kvtune.evaluate.workloads.boolq import BoolQWorkload  # isort: skip
+from kvtune.evaluate.workloads.needle import NeedleWorkload  # isort: skip
+from kvtune.evaluate.workloads.summarize import SummarizeWorkload  # isort: skip
+
+__all__ = [
+    "WORKLOADS",
+    "FIDELITIES",
+    "PROMPT_FORMATS",
+    "Workload",
+    "Sample",
+    "register",
+    "make_workload",
+    "workload_sample_counts",
+    "spearman",
+    "DataError",
+    "Field",
+    "read_jsonl",
+    "ContinuationWorkload",
+    "QAWorkload",
+    "BoolQWorkload",
+    "NeedleWorkload",
+    "SummarizeWorkload",
+]
+
+
+def _workload_class(name: str) -> type[Workload]:
+    if name not in WORKLOADS:
+        raise KvtuneError(f"unknown workload {name!r}; known workloads: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]
+
+
+def workload_sample_counts(name: str, settings: Any) -> tuple[int, int]:
+    """``(full, cheap)`` sample counts the workload will use with these settings (for progress bars).
+
+    Raises:
+        KvtuneError: unknown workload or invalid counts.
+    """
+    return _workload_class(name).sample_counts(settings)
+
+
+def make_workload(name: str, lm: LoadedModel, *, settings: Any,
+                  progress: Callable[[int], None] | None = None) -> Workload:
+    """Build a workload: load its data, prefill every sample, compute the cheap baseline.
+
+    Args:
+        name: a key of :data:`WORKLOADS`.
+        lm: the loaded model.
+        settings: a :class:`~kvtune.settings.ProfileSettings`.
+        progress: optional ``progress(n)`` called after each prefilled sample
+            (``workload_sample_counts(name, settings)[0]`` calls in total).
+
+    Raises:
+        KvtuneError: unknown workload, bad settings; DataError: bad data; AssetError: assets.
+    """
+    return _workload_class(name)(lm, settings=settings, progress=progress)
