@@ -505,6 +505,7 @@ def compile_policy_table(
     n_runners_up: int = 2,
     metadata: Mapping[str, Any] | None = None,
     key: str = DEFAULT_KEY,
+    include_none: bool = True,
 ) -> PolicyTable:
     """Compile the piecewise policy table from a Pareto front (KVServe, piecewise table).
 
@@ -527,6 +528,11 @@ def compile_policy_table(
             ``kv_bytes_per_request``, see the module docstring).
         key: extra table key of every row (``""`` = none; see "Extra table keys"). Tables
             compiled with different keys are merged with :meth:`PolicyTable.combine`.
+        include_none: add the implicit ``"none"`` policy (send the original KV as it is,
+            relative accuracy 1.0). False for tables whose reference is not the original KV
+            sent uncompressed, e.g. SCD, where the consumer cannot receive its own KV and the
+            full-quality candidate is ``recompute`` (a row of ``pareto``); every floor must
+            then be reached by some row of ``pareto``.
 
     Returns:
         :class:`PolicyTable` with rows sorted by floor (descending), then ``x_lo_s_per_gb``.
@@ -541,13 +547,17 @@ def compile_policy_table(
     fl = _check_floors(floors)
     if not isinstance(key, str):
         raise TableError(f"cannot compile policy table: key must be a string, got {key!r}")
-    entries = [_none_entry(), *_candidate_entries(pareto)]
+    entries = [_none_entry()] if include_none else []
+    entries += _candidate_entries(pareto)
     a = np.array([e.a_s_per_gb for e in entries])
     b = np.array([e.b for e in entries])
     acc = np.array([e.relative_accuracy for e in entries])
     rows: list[dict[str, Any]] = []
     for floor in fl:
-        sel = np.flatnonzero((acc >= floor) | (np.arange(len(entries)) == 0))
+        sel = np.flatnonzero((acc >= floor) | ((np.arange(len(entries)) == 0) & include_none))
+        if not len(sel):
+            raise TableError(f"cannot compile policy table: no policy reaches accuracy floor {floor} "
+                             "(and include_none is False)")
         for iv in lower_envelope(a[sel], b[sel], n_runners_up=n_runners_up):
             e = entries[int(sel[iv.index])]
             runners = [entries[int(sel[r])] for r in iv.runners_up]

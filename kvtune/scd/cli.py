@@ -1,0 +1,117 @@
+"""``kvtune scd ...``: thin Typer commands over :mod:`kvtune.scd`.
+
+Mounted by the main CLI with ``app.add_typer(kvtune.scd.cli.app, name="scd")``; also
+runnable alone: ``python -m kvtune.scd.cli make-consumer``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from kvtune.errors import KvtuneError
+
+app = typer.Typer(help="Semantic Cache Distillation: cross-model KV transfer (producer -> fine-tuned consumer).",
+                  no_args_is_help=True, add_completion=False)
+console = Console(width=None if Console().is_terminal else 160)
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(code=2)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise KvtuneError(f"{what} {text!r}: expected comma-separated integers, e.g. 16,32,64") from None
+
+
+@app.command("make-consumer")
+def make_consumer_cmd(
+    producer: str = typer.Option("smollm2-135m-instruct", help="Producer model (asset, .gguf, HF folder or id)."),
+    data: str = typer.Option("xsum", help="Domain data: data asset or JSONL file with a 'document' field."),
+    steps: int = typer.Option(60, min=1, help="LoRA optimizer steps."),
+    batch_size: int = typer.Option(4, min=1, help="Sequences per step."),
+    seq_tokens: int = typer.Option(128, min=8, help="Tokens per training sequence."),
+    lora_rank: int = typer.Option(32, min=1, help="LoRA rank."),
+    lora_alpha: float = typer.Option(64.0, help="LoRA alpha (scale alpha / rank)."),
+    learning_rate: float = typer.Option(2e-3, "--lr", help="Peak AdamW learning rate."),
+    target_modules: str = typer.Option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                       help="Comma-separated module names that get LoRA adapters."),
+    holdout_fraction: float = typer.Option(0.2, help="Fraction of records held out for evaluation."),
+    seed: int = typer.Option(0, help="Seed of the LoRA init and the window order."),
+    heldout_windows: int = typer.Option(16, min=1, help="Held-out windows for the perplexity comparison."),
+    force: bool = typer.Option(False, help="Retrain even if the cached consumer exists."),
+    device: str = typer.Option("cpu", help="auto, cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print the consumer info as JSON."),
+) -> None:
+    """Fine-tune the producer with LoRA on domain text, merge, cache it; print its path and perplexities."""
+    from kvtune.scd.consumer import ConsumerRecipe, make_consumer
+
+    try:
+        recipe = ConsumerRecipe(producer=producer, data=data, holdout_fraction=holdout_fraction, steps=steps,
+                                batch_size=batch_size, seq_tokens=seq_tokens, lora_rank=lora_rank,
+                                lora_alpha=lora_alpha, learning_rate=learning_rate, seed=seed,
+                                target_modules=tuple(t.strip() for t in target_modules.split(",") if t.strip()))
+        t0 = time.perf_counter()
+        with console.status("fine-tuning the consumer") as status:
+            info = make_consumer(recipe, device=device, heldout_windows=heldout_windows, force=force,
+                                 progress=lambda s, loss: status.update(f"step {s + 1}/{steps}: loss {loss:.3f}"))
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    if as_json:
+        console.print_json(json.dumps({k: v for k, v in info.to_json_dict().items() if k != "losses"}))
+        return
+    console.print(f"consumer: {info.path}" + (" (cached)" if info.cached else
+                                               f" (trained in {info.train_seconds:.0f} s, "
+                                               f"{time.perf_counter() - t0:.0f} s in all)"))
+    console.print(f"held-out perplexity: producer {info.producer_ppl:.2f}, consumer {info.consumer_ppl:.2f} "
+                  f"({info.heldout_windows} windows of {recipe.seq_tokens} tokens)")
+
+
+@app.command("profile")
+def profile_cmd(
+    consumer: str = typer.Option(..., help="Consumer model (e.g. the folder make-consumer printed)."),
+    producer: str = typer.Option("smollm2-135m-instruct", help="Producer model, same architecture."),
+    out: Path = typer.Option(Path("profiles/scd"), help="Run folder for tables, trials and calibration maps."),
+    data: str = typer.Option("xsum", help="Domain data (must match the consumer's split)."),
+    contexts: int = typer.Option(16, min=2, help="Evaluation prefixes (held-out split)."),
+    context_tokens: int = typer.Option(256, min=8, help="Tokens per prefix."),
+    continuation_tokens: int = typer.Option(64, min=2, help="Teacher-forced continuation tokens scored."),
+    calib_windows: int = typer.Option(16, min=1, help="Calibration prefixes (training split)."),
+    calib_tokens: int = typer.Option(256, min=8, help="Tokens per calibration prefix."),
+    ranks: str = typer.Option("16,32,64,128", help="SCD ranks searched."),
+    patch_counts: str = typer.Option("0,2", help="Numbers of patched transition layers searched."),
+    droidspeak_lengths: str = typer.Option("2,4,8", help="DroidSpeak block lengths searched."),
+    tqc_presets: str = typer.Option("kivi-4,kivi-2", help="T/Q/C presets for raw+tqc."),
+    device: str = typer.Option("cpu", help="auto, cpu or cuda."),
+) -> None:
+    """Profile recompute / raw / raw+tqc / droidspeak / scd and write one policy table."""
+    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+
+    try:
+        st = SCDProfileSettings(
+            data=data, contexts=contexts, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
+            calib_windows=calib_windows, calib_tokens=calib_tokens, ranks=_ints(ranks, "--ranks"),
+            patch_counts=_ints(patch_counts, "--patch-counts"),
+            droidspeak_lengths=_ints(droidspeak_lengths, "--droidspeak-lengths"),
+            tqc_presets=tuple(t.strip() for t in tqc_presets.split(",") if t.strip()), device=device)
+        with console.status("profiling") as status:
+            res = run_scd_profile(producer, consumer, out, settings=st, progress=lambda m: status.update(m))
+    except KvtuneError as exc:
+        _fail(exc)
+        return
+    console.print((out / "scd_summary.md").read_text())
+    console.print(f"table: {res.paths['table']}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,306 @@
+"""Ways a consumer gets its KV for a prefix the producer has prefilled (SCD and its baselines).
+
+``BRIEF.md`` sec. 3 and the SCD paper's baselines. Every method is a small frozen dataclass
+registered in :data:`METHODS` by name; :meth:`TransferMethod.transfer` turns one context's
+:class:`PrefixContext` (the producer's states, the token ids) into a :class:`Transfer`: the
+consumer-side cache, the bytes that crossed the wire and the seconds of extra work on each
+side. Latency of a transfer over a link of B bytes/s is then the line
+
+    T(B) = a + b / B,    a = producer_seconds + consumer_seconds,  b = payload_bytes
+
+(:func:`ttft_seconds`); recompute sends only the token ids (int32, 4 bytes per token).
+
+========== ===========================================================================
+method     what crosses the wire / what the consumer does
+========== ===========================================================================
+recompute  token ids; the consumer prefills the prefix itself (quality reference)
+raw        the producer's KV in bf16; used as-is (payload = full KV)
+raw+tqc    the producer's KV through a T/Q/C policy (:mod:`kvtune.codecs`)
+droidspeak the producer's KV (bf16) of every layer outside a contiguous block
+           [start, start + length), plus the producer's residual stream (bf16) at the
+           block's entry; the consumer runs its own layers of the block from it
+scd        per layer a rank-r_l code (bf16) of the producer's normalized input (Reuse), or
+           at patched layers a rank-r code of its residual stream (Patch); the consumer
+           decodes with the calibration maps and applies RoPE / its own norm + projections
+========== ===========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvtune.codecs import PolicyConfig, original_nbytes
+from kvtune.errors import ConfigError
+from kvtune.evaluate.model import KVLayers, LoadedModel, round_kv
+from kvtune.scd.calibration import SCDCalibration
+from kvtune.scd.states import LayerStates, capture_states, kv_from_hidden, kv_from_pre, rotary, run_layers
+
+TOKEN_ID_BYTES = 4
+"""Bytes per token id on the wire (int32)."""
+
+CODE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+"""dtype of SCD codes and DroidSpeak hidden states on the wire."""
+
+METHODS: dict[str, type["TransferMethod"]] = {}
+"""Registry of transfer methods by name (the ``method`` column of tables)."""
+
+
+def register_method(cls: type["TransferMethod"]) -> type["TransferMethod"]:
+    """Class decorator adding a method to :data:`METHODS` under ``cls.name``."""
+    if not cls.name or cls.name in METHODS:
+        raise ValueError(f"method name {cls.name!r} is empty or already registered")
+    METHODS[cls.name] = cls
+    return cls
+
+
+@dataclass
+class PrefixContext:
+    """One prefix as both sides see it.
+
+    Attributes:
+        ids: the prefix token ids (T).
+        producer: the producer's :class:`LayerStates` of its own prefill (it has them anyway).
+    """
+
+    ids: list[int]
+    producer: LayerStates
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class Transfer:
+    """Result of moving one prefix to the consumer.
+
+    Attributes:
+        kv: the consumer's cache, per layer ``(1, kv_heads, T, head_dim)``.
+        payload_bytes: bytes that crossed the wire.
+        producer_seconds: producer work beyond its own prefill (encoding), seconds.
+        consumer_seconds: consumer work before the cache is usable (decode / recompute), seconds.
+    """
+
+    kv: KVLayers
+    payload_bytes: int
+    producer_seconds: float = 0.0
+    consumer_seconds: float = 0.0
+
+
+def ttft_seconds(producer_seconds: float, consumer_seconds: float, payload_bytes: float, bandwidth_gbps: float) -> float:
+    """Predicted seconds until the consumer's cache is ready: ``a + b / B``.
+
+    Args:
+        producer_seconds, consumer_seconds: measured compute on each side (seconds).
+        payload_bytes: bytes sent.
+        bandwidth_gbps: link bandwidth in Gbps (1e9 bits/s).
+    """
+    return producer_seconds + consumer_seconds + payload_bytes * 8.0 / (bandwidth_gbps * 1e9)
+
+
+@dataclass
+class Pair:
+    """The producer/consumer pair and what the methods need from calibration."""
+
+    producer: LoadedModel
+    consumer: LoadedModel
+    calibration: SCDCalibration | None = None
+
+
+class TransferMethod(ABC):
+    """A way to give the consumer its KV for a prefix (one row of a policy table)."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
+        """Move one prefix; see :class:`Transfer`."""
+
+    def config_dict(self) -> dict[str, Any]:
+        """JSON-able configuration (``method`` plus the dataclass fields)."""
+        return {"method": self.name, **{k: _jsonable(v) for k, v in asdict(self).items()}}
+
+    def config_json(self) -> str:
+        return json.dumps(self.config_dict(), sort_keys=True)
+
+    def label(self) -> str:
+        return self.name
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def _bf16(kv: KVLayers) -> KVLayers:
+    return round_kv(kv, "bfloat16")
+
+
+@register_method
+@dataclass(frozen=True)
+class Recompute(TransferMethod):
+    """The consumer prefills the prefix itself; only token ids cross the wire."""
+
+    name: ClassVar[str] = "recompute"
+
+    def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
+        from kvtune.evaluate.workloads.base import prefill_kv
+
+        t0 = time.perf_counter()
+        kv = prefill_kv(pair.consumer, ctx.ids)
+        return Transfer(kv=kv, payload_bytes=TOKEN_ID_BYTES * ctx.tokens, consumer_seconds=time.perf_counter() - t0)
+
+
+@register_method
+@dataclass(frozen=True)
+class Raw(TransferMethod):
+    """The producer's KV in bf16, used as-is by the consumer."""
+
+    name: ClassVar[str] = "raw"
+
+    def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
+        kv = ctx.producer.kv
+        return Transfer(kv=_bf16(kv), payload_bytes=original_nbytes(kv))
+
+
+@register_method
+@dataclass(frozen=True)
+class RawTQC(TransferMethod):
+    """The producer's KV through a T/Q/C compression policy (``kvtune.codecs``).
+
+    Attributes:
+        policy: the policy as a ``PolicyConfig.to_dict()`` dict.
+        policy_name: a short name for labels (preset name or policy id).
+    """
+
+    name: ClassVar[str] = "raw+tqc"
+    policy: dict = field(default_factory=dict)
+    policy_name: str = ""
+
+    def __hash__(self) -> int:
+        return hash((self.name, json.dumps(self.policy, sort_keys=True)))
+
+    def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
+        from kvtune.evaluate.workloads.base import encode_decode
+
+        cfg = PolicyConfig.from_dict(self.policy)
+        decoded, stream, t_enc, t_dec = encode_decode(pair.consumer, _bf16(ctx.producer.kv), cfg)
+        return Transfer(kv=decoded, payload_bytes=len(stream), producer_seconds=t_enc, consumer_seconds=t_dec)
+
+    def label(self) -> str:
+        return f"raw+tqc {self.policy_name}"
+
+
+@register_method
+@dataclass(frozen=True)
+class DroidSpeak(TransferMethod):
+    """Reuse the producer's KV except a contiguous block of layers the consumer recomputes.
+
+    The producer sends its residual stream entering layer ``start`` (``(T, hidden)`` in
+    ``wire_dtype``); the consumer runs its own layers ``start .. start + length - 1`` from it.
+
+    Attributes:
+        start, length: the recomputed block.
+        wire_dtype: dtype of the hidden state on the wire (``bfloat16``).
+    """
+
+    name: ClassVar[str] = "droidspeak"
+    start: int = 0
+    length: int = 4
+    wire_dtype: str = "bfloat16"
+
+    def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
+        n = pair.consumer.num_layers
+        if not (0 <= self.start and self.length >= 1 and self.start + self.length <= n):
+            raise ConfigError(f"droidspeak block [{self.start}, {self.start + self.length}) is outside 0..{n}")
+        stop = self.start + self.length
+        kept = [kv for i, kv in enumerate(ctx.producer.kv) if not self.start <= i < stop]
+        dt = CODE_DTYPES[self.wire_dtype]
+        h = ctx.producer.hidden[self.start].to(dt)
+        payload = original_nbytes(kept) + h.numel() * h.element_size()
+        t0 = time.perf_counter()
+        block = run_layers(pair.consumer, h.float(), self.start, stop)
+        secs = time.perf_counter() - t0
+        raw = _bf16(ctx.producer.kv)
+        kv = raw[: self.start] + block + raw[stop:]
+        return Transfer(kv=kv, payload_bytes=payload, consumer_seconds=secs)
+
+    def label(self) -> str:
+        return f"droidspeak layers {self.start}-{self.start + self.length - 1}"
+
+
+@register_method
+@dataclass(frozen=True)
+class SCD(TransferMethod):
+    """Semantic Cache Distillation: Reuse codes per layer, Patch codes at transition layers.
+
+    Attributes:
+        ranks: per-layer Reuse rank r_l (``len == num_layers``), code ``(T, r_l)``.
+        patch_layers: layers that are patched instead (rank ``patch_rank``).
+        patch_rank: rank of the Patch code.
+        code_dtype: dtype of codes on the wire (``bfloat16``; ``float32`` for exactness tests).
+    """
+
+    name: ClassVar[str] = "scd"
+    ranks: tuple[int, ...] = ()
+    patch_layers: tuple[int, ...] = ()
+    patch_rank: int = 64
+    code_dtype: str = "bfloat16"
+
+    @classmethod
+    def uniform(cls, num_layers: int, rank: int, patch_layers: tuple[int, ...] = (), *, patch_rank: int | None = None,
+                code_dtype: str = "bfloat16") -> "SCD":
+        """Every layer at ``rank``; patched layers at ``patch_rank`` (default ``rank``)."""
+        return cls(ranks=(rank,) * num_layers, patch_layers=tuple(sorted(patch_layers)),
+                   patch_rank=rank if patch_rank is None else patch_rank, code_dtype=code_dtype)
+
+    def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
+        cal = pair.calibration
+        if cal is None:
+            raise ConfigError("the scd method needs calibration maps (run calibrate first)")
+        if len(self.ranks) != cal.num_layers:
+            raise ConfigError(f"scd config has {len(self.ranks)} ranks for {cal.num_layers} layers")
+        dt = CODE_DTYPES[self.code_dtype]
+        cons = pair.consumer
+        half = cons.kv_heads * cons.head_dim
+        t_enc = t_dec = 0.0
+        payload = 0
+        rope = rotary(cons, ctx.tokens)
+        kv: KVLayers = []
+        patched = set(self.patch_layers)
+        for layer in range(cal.num_layers):
+            is_patch = layer in patched
+            m = (cal.patch[layer] if is_patch else cal.reuse[layer]).truncate(
+                self.patch_rank if is_patch else self.ranks[layer])
+            x = ctx.producer.hidden[layer] if is_patch else ctx.producer.normed[layer]
+            t0 = time.perf_counter()
+            code = m.encode(x).to(dt)
+            t1 = time.perf_counter()
+            y = m.decode(code.float())
+            if is_patch:
+                kv.append(kv_from_hidden(cons, layer, y, rope))
+            else:
+                kv.append(kv_from_pre(cons, layer, y[:, :half], y[:, half:], rope))
+            t2 = time.perf_counter()
+            t_enc += t1 - t0
+            t_dec += t2 - t1
+            payload += code.numel() * code.element_size()
+        return Transfer(kv=kv, payload_bytes=payload, producer_seconds=t_enc, consumer_seconds=t_dec)
+
+    def label(self) -> str:
+        rs = sorted(set(self.ranks))
+        r = str(rs[0]) if len(rs) == 1 else f"{min(rs)}-{max(rs)}"
+        patch = f", patch {list(self.patch_layers)}@{self.patch_rank}" if self.patch_layers else ""
+        return f"scd r={r}{patch}"
+
+
+def prefix_context(producer: LoadedModel, ids: list[int]) -> PrefixContext:
+    """The producer's prefill of ``ids`` with every layer's states (:func:`capture_states`)."""
+    return PrefixContext(ids=list(ids), producer=capture_states(producer, list(ids)))

@@ -1,0 +1,457 @@
+"""Profile SCD and its baselines on a producer/consumer pair and write one policy table.
+
+:func:`run_scd_profile` is the Python API behind ``kvtune profile --method scd`` and
+``kvtune scd profile``. Steps:
+
+1. Load the pair (same architecture), split the domain data (:func:`domain_split`):
+   calibration windows from the training split, evaluation windows (prefix + continuation)
+   from the held-out split; both cut by :func:`kvtune.evaluate.capture.build_contexts`.
+2. Calibrate the SCD maps (:func:`kvtune.scd.calibration.calibrate`) on the calibration
+   prefixes; choose the DroidSpeak block of each length by offline profiling on the first
+   ``profile_contexts`` calibration windows (the start with the best relative accuracy).
+3. Evaluate every configuration (:func:`candidate_methods`): for each evaluation prefix the
+   method's :class:`~kvtune.scd.methods.Transfer`, then the consumer's teacher-forced
+   continuation on that cache. Quality = relative accuracy vs ``recompute``
+   (``ppl_recompute / ppl_method``, paired bootstrap 95 % interval over prefixes,
+   :mod:`kvtune.evaluate.metrics`).
+4. Latency of a request = ``a + b / B`` with ``a`` = median producer + consumer seconds per
+   prefix (after a warm-up prefix) and ``b`` = mean payload bytes. In the policy table
+   (per volume V = bytes of the consumer's KV in bf16): ``compression_ratio = V / payload``,
+   ``encode_gbps = V / producer_seconds / 1e9``, ``decode_gbps = V / consumer_seconds / 1e9``
+   (inf when the side does no work), so ``T/V = a_s_per_gb + x / compression_ratio`` with
+   ``x = 8 / bandwidth_gbps`` is the same line. The table has no implicit ``"none"`` policy
+   (the consumer cannot receive its own KV; ``recompute`` is the full-quality candidate).
+
+Outputs in ``out_dir`` (all written atomically): ``scd_trials.parquet`` and ``.csv`` (one row
+per configuration), ``scd_policy_table.parquet`` and ``.json``, ``scd_maps.pt`` and
+``scd_calibration.json`` (calibration artifacts), ``scd_run.json`` (settings, pair, timings,
+artifact bytes, TTFT at the report bandwidths) and ``scd_summary.md`` (the README table).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+
+from kvtune.atomic import atomic_write_parquet, atomic_write_text
+from kvtune.codecs import original_nbytes
+from kvtune.errors import KvtuneError
+from kvtune.evaluate.capture import build_contexts
+from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores, report_relative_accuracy
+from kvtune.evaluate.model import KVLayers, LoadedModel, kv_to_cache, load_model
+from kvtune.scd.calibration import SCDCalibration, calibrate
+from kvtune.scd.consumer import domain_split
+from kvtune.scd.methods import (
+    SCD,
+    DroidSpeak,
+    Pair,
+    PrefixContext,
+    Raw,
+    RawTQC,
+    Recompute,
+    TransferMethod,
+    prefix_context,
+    ttft_seconds,
+)
+from kvtune.scd.states import check_same_architecture
+
+REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
+
+
+@dataclass
+class SCDProfileSettings:
+    """Sizes and search grid of an SCD profile (defaults: the small real-pair run).
+
+    Attributes:
+        data: data asset / JSONL with ``document`` (domain text; split as the consumer's).
+        holdout_fraction: must match the consumer recipe's, so evaluation text is unseen.
+        calib_windows, calib_tokens: calibration prefixes (training split).
+        contexts, context_tokens, continuation_tokens: evaluation prefixes (held-out split)
+            and the teacher-forced continuation scored on the consumer.
+        profile_contexts: calibration windows used to pick the DroidSpeak block.
+        ranks: uniform SCD ranks searched.
+        patch_counts: numbers of patched transition layers searched.
+        droidspeak_lengths: recomputed block lengths searched.
+        tqc_presets: preset names (``search_spaces/presets.yaml``) for ``raw+tqc``.
+        tqc_policies: extra T/Q/C policies as ``PolicyConfig.to_dict()`` dicts (e.g. a
+            profile's Pareto set), labelled by policy id.
+        ridge: relative ridge of the maps.
+        floors: accuracy floors of the table.
+        device: ``cpu`` / ``cuda`` / ``auto``.
+    """
+
+    data: str = "xsum"
+    holdout_fraction: float = 0.2
+    calib_windows: int = 16
+    calib_tokens: int = 256
+    contexts: int = 16
+    context_tokens: int = 256
+    continuation_tokens: int = 64
+    profile_contexts: int = 4
+    ranks: tuple[int, ...] = (16, 32, 64, 128)
+    patch_counts: tuple[int, ...] = (0, 2)
+    droidspeak_lengths: tuple[int, ...] = (2, 4, 8)
+    tqc_presets: tuple[str, ...] = ("kivi-4", "kivi-2")
+    tqc_policies: tuple[dict, ...] = ()
+    ridge: float = 1e-4
+    floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
+    device: str = "cpu"
+
+
+@dataclass
+class SCDProfileResult:
+    """What :func:`run_scd_profile` returns.
+
+    Attributes:
+        trials: one row per configuration (see :func:`trial_row`).
+        table: the compiled :class:`~kvtune.tables.policy_table.PolicyTable`.
+        calibration: the fitted maps.
+        run: the ``scd_run.json`` dict.
+        paths: written files by role.
+    """
+
+    trials: pd.DataFrame
+    table: Any
+    calibration: SCDCalibration
+    run: dict[str, Any]
+    paths: dict[str, Path] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def _stack(kvs: list[KVLayers]) -> KVLayers:
+    """Per-context caches ``(1, h, T, d)`` -> one batched cache ``(N, h, T, d)``."""
+    return [(torch.cat([kv[l][0] for kv in kvs]), torch.cat([kv[l][1] for kv in kvs])) for l in range(len(kvs[0]))]
+
+
+@torch.inference_mode()
+def continuation_logits(lm: LoadedModel, kv: KVLayers, continuation: torch.Tensor, context_tokens: int,
+                        *, batch_size: int = 8) -> torch.Tensor:
+    """``(N, C, vocab)`` float32 logits of the continuation ``(N, C)`` run on cache ``kv`` (N contexts)."""
+    outs = []
+    for s in range(0, continuation.shape[0], batch_size):
+        part = [(k[s: s + batch_size], v[s: s + batch_size]) for k, v in kv]
+        cache = kv_to_cache(part, lm.model.config, context_tokens=context_tokens)
+        outs.append(lm.model(input_ids=continuation[s: s + batch_size].to(lm.device), cache=cache,
+                             use_cache=True).logits.float().cpu())
+    return torch.cat(outs)
+
+
+def median_after_warmup(values: list[float]) -> float:
+    """Median after dropping the first (warm-up) value when there are several."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+@dataclass
+class MethodResult:
+    """Measured numbers of one configuration on the evaluation prefixes."""
+
+    method: TransferMethod
+    scores: dict[str, Any]
+    payload_bytes: float
+    kv_bytes: float
+    producer_seconds: float
+    consumer_seconds: float
+    eval_seconds: float
+
+
+def evaluate_method(pair: Pair, method: TransferMethod, contexts: list[PrefixContext], continuation: torch.Tensor,
+                    base_logits: torch.Tensor | None) -> tuple[MethodResult, torch.Tensor]:
+    """Run ``method`` on every prefix and score the consumer's continuation against ``base_logits``.
+
+    Returns:
+        ``(MethodResult, logits)``; with ``base_logits=None`` the method's own logits are
+        the reference (used for ``recompute``).
+    """
+    t0 = time.perf_counter()
+    transfers = [method.transfer(pair, c) for c in contexts]
+    kv = _stack([t.kv for t in transfers])
+    logits = continuation_logits(pair.consumer, kv, continuation, contexts[0].tokens)
+    scores = continuation_scores(base_logits if base_logits is not None else logits, logits, continuation)
+    res = MethodResult(
+        method=method, scores=scores,
+        payload_bytes=statistics.mean(t.payload_bytes for t in transfers),
+        kv_bytes=statistics.mean(original_nbytes(c.producer.kv) for c in contexts),
+        producer_seconds=median_after_warmup([t.producer_seconds for t in transfers]),
+        consumer_seconds=median_after_warmup([t.consumer_seconds for t in transfers]),
+        eval_seconds=time.perf_counter() - t0,
+    )
+    return res, logits
+
+
+def _gbps(kv_bytes: float, seconds: float) -> float:
+    return math.inf if seconds <= 0 else kv_bytes / seconds / 1e9
+
+
+def trial_row(res: MethodResult, bandwidths: tuple[float, ...] = REPORT_BANDWIDTHS_GBPS) -> dict[str, Any]:
+    """One trials row (policy-table columns plus SCD details and TTFT at ``bandwidths``).
+
+    Units: bytes, seconds, GB/s (1e9 bytes/s) for throughputs, Gbps (1e9 bits/s) for links.
+    """
+    sc = res.scores
+    raw = float(sc["relative_accuracy"])
+    lo, hi = bootstrap_relative_accuracy(sc["per_context_nll_delta"])
+    cfg = res.method.config_json()
+    row = {
+        "policy_id": hashlib.sha256(cfg.encode()).hexdigest()[:12],
+        "method": res.method.name,
+        "label": res.method.label(),
+        "config_json": cfg,
+        "relative_accuracy": report_relative_accuracy(raw),
+        "relative_accuracy_raw": raw,
+        "relative_accuracy_lo": lo,
+        "relative_accuracy_hi": hi,
+        "ppl_ratio": float(sc["ppl_ratio"]),
+        "kl_mean": float(sc["kl_mean"]),
+        "top1_agreement": float(sc["top1_agreement"]),
+        "nll": float(sc["nll"]),
+        "nll_recompute": float(sc["nll_base"]),
+        "payload_bytes": res.payload_bytes,
+        "kv_bytes": res.kv_bytes,
+        "compression_ratio": res.kv_bytes / res.payload_bytes,
+        "producer_seconds": res.producer_seconds,
+        "consumer_seconds": res.consumer_seconds,
+        "latency_a_s": res.producer_seconds + res.consumer_seconds,
+        "latency_b_bytes": res.payload_bytes,
+        "encode_gbps": _gbps(res.kv_bytes, res.producer_seconds),
+        "decode_gbps": _gbps(res.kv_bytes, res.consumer_seconds),
+        "eval_seconds": res.eval_seconds,
+    }
+    for bw in bandwidths:
+        row[f"ttft_s_at_{bw:g}gbps"] = ttft_seconds(res.producer_seconds, res.consumer_seconds, res.payload_bytes, bw)
+    return row
+
+
+# ---------------------------------------------------------------------------- the search
+
+
+def tqc_methods(settings: SCDProfileSettings) -> list[RawTQC]:
+    """``raw+tqc`` configurations: the named presets, then the extra policies."""
+    from kvtune.codecs import PolicyConfig
+    from kvtune.codecs.presets import load_presets
+
+    out: list[RawTQC] = []
+    if settings.tqc_presets:
+        presets = load_presets(skip_unavailable=True)
+        for name in settings.tqc_presets:
+            if name not in presets:
+                raise KvtuneError(f"unknown T/Q/C preset {name!r}; known: {', '.join(presets)}")
+            out.append(RawTQC(policy=presets[name].to_dict(), policy_name=name))
+    for d in settings.tqc_policies:
+        cfg = PolicyConfig.from_dict(d)
+        out.append(RawTQC(policy=cfg.to_dict(), policy_name=cfg.policy_id))
+    return out
+
+
+def scd_methods(cal: SCDCalibration, settings: SCDProfileSettings) -> list[SCD]:
+    """SCD grid: every uniform rank x every patch count (patched = the rank's transition layers)."""
+    out = []
+    d_out = cal.reuse[0].rank
+    for r in settings.ranks:
+        if r > d_out:
+            continue
+        for n in settings.patch_counts:
+            if n and r not in cal.reuse_error:
+                continue
+            out.append(SCD.uniform(cal.num_layers, r, cal.transition_layers(r, n) if n else ()))
+    return out
+
+
+def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continuation: torch.Tensor,
+                             lengths: tuple[int, ...], progress: Callable[[str], None] | None = None
+                             ) -> tuple[list[DroidSpeak], dict[str, Any]]:
+    """DroidSpeak's offline profiling: for each block length, the start with the best relative accuracy.
+
+    Returns:
+        ``(chosen configurations, {length: {start: relative accuracy}})``.
+    """
+    base, base_logits = evaluate_method(pair, Recompute(), contexts, continuation, None)
+    n = pair.consumer.num_layers
+    chosen, profile = [], {}
+    for length in lengths:
+        if length > n:
+            continue
+        acc = {}
+        for start in range(0, n - length + 1):
+            res, _ = evaluate_method(pair, DroidSpeak(start=start, length=length), contexts, continuation, base_logits)
+            acc[start] = float(res.scores["relative_accuracy"])
+        best = max(acc, key=lambda s: (acc[s], -s))
+        chosen.append(DroidSpeak(start=best, length=length))
+        profile[str(length)] = {"best_start": best, "relative_accuracy_by_start": acc}
+        if progress:
+            progress(f"droidspeak length {length}: best start {best} ({acc[best]:.4f})")
+    return chosen, profile
+
+
+def _split_windows(ids: torch.Tensor, context_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    return [r[:context_tokens].tolist() for r in ids], ids[:, context_tokens:]
+
+
+def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, out_dir: str | Path, *,
+                    settings: SCDProfileSettings | None = None,
+                    progress: Callable[[str], None] | None = None) -> SCDProfileResult:
+    """Profile recompute, raw, raw+tqc, droidspeak and scd on a pair and write the policy table.
+
+    Args:
+        producer, consumer: ``--model`` specs (or loaded models) with the same architecture;
+            the consumer is typically :func:`kvtune.scd.consumer.make_consumer`'s folder.
+        out_dir: run folder (created); see the module docstring for the files.
+        settings: :class:`SCDProfileSettings`.
+        progress: optional ``progress(message)``.
+
+    Returns:
+        :class:`SCDProfileResult`.
+
+    Raises:
+        ModelLayoutError: the models differ in architecture or are not Llama-style.
+        KvtuneError: data too short, unknown preset, ...
+    """
+    from kvtune.tables.policy_table import compile_policy_table
+
+    st = settings or SCDProfileSettings()
+    say = progress or (lambda _m: None)
+    out = Path(out_dir)
+    t_start = time.perf_counter()
+    prod = producer if isinstance(producer, LoadedModel) else load_model(producer, st.device)
+    cons = consumer if isinstance(consumer, LoadedModel) else load_model(consumer, st.device)
+    check_same_architecture(prod, cons)
+    train_docs, held_docs, source = domain_split(st.data, st.holdout_fraction)
+    tok = prod.tokenizer
+    calib_ids = build_contexts(tok, [(str(i), d) for i, d in enumerate(train_docs)], n_contexts=st.calib_windows,
+                               context_tokens=st.calib_tokens, continuation_tokens=st.continuation_tokens)
+    eval_ids = build_contexts(tok, [(str(i), d) for i, d in enumerate(held_docs)], n_contexts=st.contexts,
+                              context_tokens=st.context_tokens, continuation_tokens=st.continuation_tokens)
+    calib_prefixes, calib_cont = _split_windows(calib_ids, st.calib_tokens)
+    eval_prefixes, eval_cont = _split_windows(eval_ids, st.context_tokens)
+
+    say(f"calibrating on {len(calib_prefixes)} x {st.calib_tokens} tokens")
+    t0 = time.perf_counter()
+    cal = calibrate(prod, cons, calib_prefixes, ranks=tuple(sorted(set(st.ranks))), ridge=st.ridge)
+    calib_seconds = time.perf_counter() - t0
+    pair = Pair(producer=prod, consumer=cons, calibration=cal)
+
+    t0 = time.perf_counter()
+    k = max(1, min(st.profile_contexts, len(calib_prefixes)))
+    prof_ctx = [prefix_context(prod, p) for p in calib_prefixes[:k]]
+    ds_methods, ds_profile = choose_droidspeak_blocks(pair, prof_ctx, calib_cont[:k], st.droidspeak_lengths, say)
+    droidspeak_seconds = time.perf_counter() - t0
+
+    contexts = [prefix_context(prod, p) for p in eval_prefixes]
+    methods: list[TransferMethod] = [Raw(), *tqc_methods(st), *ds_methods, *scd_methods(cal, st)]
+    base, base_logits = evaluate_method(pair, Recompute(), contexts, eval_cont, None)
+    results = [base]
+    for m in methods:
+        res, _ = evaluate_method(pair, m, contexts, eval_cont, base_logits)
+        results.append(res)
+        say(f"{m.label()}: relative accuracy {res.scores['relative_accuracy']:.4f}, "
+            f"payload {res.payload_bytes / 1e6:.3f} MB")
+    trials = pd.DataFrame([trial_row(r) for r in results])
+
+    out.mkdir(parents=True, exist_ok=True)
+    artifact_files = cal.save(out)
+    model_name = f"{prod.name} -> {cons.name}"
+    kv_bytes = float(trials["kv_bytes"].iloc[0])
+    table = compile_policy_table(trials, floors=st.floors, model=model_name, workload=f"continuation:{st.data}",
+                                 device=str(cons.device), include_none=False,
+                                 metadata={"kv_bytes_per_request": kv_bytes, "method": "scd",
+                                           "producer": prod.name, "consumer": cons.name})
+    paths = {
+        "trials": atomic_write_parquet(trials, out / "scd_trials.parquet"),
+        "trials_csv": atomic_write_text(out / "scd_trials.csv", trials.to_csv(index=False)),
+        "table": table.to_parquet(out / "scd_policy_table.parquet"),
+        "table_json": table.to_json(out / "scd_policy_table.json"),
+        "maps": out / "scd_maps.pt",
+        "calibration": out / "scd_calibration.json",
+    }
+    run = {
+        "producer": prod.describe(),
+        "consumer": cons.describe(),
+        "settings": {k2: (list(v) if isinstance(v, tuple) else v) for k2, v in asdict(st).items()},
+        "data": source.describe(),
+        "calibration_tokens": cal.tokens,
+        "calibration_seconds": calib_seconds,
+        "calibration_artifact_bytes": cal.artifact_bytes(),
+        "calibration_files_bytes": artifact_files,
+        "droidspeak_profile": ds_profile,
+        "droidspeak_profile_seconds": droidspeak_seconds,
+        "kv_bytes_per_request": kv_bytes,
+        "report_bandwidths_gbps": list(REPORT_BANDWIDTHS_GBPS),
+        "front": front_summary(trials),
+        "total_seconds": time.perf_counter() - t_start,
+    }
+    paths["run"] = atomic_write_text(out / "scd_run.json", json.dumps(run, indent=2, default=str))
+    paths["summary"] = atomic_write_text(out / "scd_summary.md", summary_markdown(trials, run))
+    return SCDProfileResult(trials=trials, table=table, calibration=cal, run=run, paths=paths)
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def front_summary(trials: pd.DataFrame, floors: tuple[float, ...] = (0.99, 0.95, 0.90),
+                  bandwidths: tuple[float, ...] = REPORT_BANDWIDTHS_GBPS) -> list[dict[str, Any]]:
+    """At each (bandwidth, floor): the fastest configuration whose interval's upper end
+    reaches the floor... no: whose point estimate reaches it, the fastest of another method,
+    and the speed-up over recompute and over that best alternative.
+
+    A configuration qualifies at floor q when ``relative_accuracy >= q``. Returns one dict per
+    (bandwidth, floor) with ``best_label``, ``best_method``, ``ttft_s``, ``speedup_vs_recompute``,
+    ``best_non_scd_label``, ``speedup_vs_best_non_scd`` (>1 when SCD wins), etc.
+    """
+    rows = []
+    rec = trials[trials["method"] == "recompute"]
+    for bw in bandwidths:
+        col = f"ttft_s_at_{bw:g}gbps"
+        for q in floors:
+            ok = trials[trials["relative_accuracy"] >= q]
+            if ok.empty:
+                continue
+            best = ok.loc[ok[col].idxmin()]
+            other = ok[ok["method"] != "scd"]
+            scd = ok[ok["method"] == "scd"]
+            alt = other.loc[other[col].idxmin()] if not other.empty else None
+            best_scd = scd.loc[scd[col].idxmin()] if not scd.empty else None
+            rows.append({
+                "bandwidth_gbps": bw, "floor": q, "best_label": best["label"], "best_method": best["method"],
+                "ttft_s": float(best[col]),
+                "speedup_vs_recompute": float(rec[col].iloc[0] / best[col]) if not rec.empty else math.nan,
+                "best_non_scd_label": None if alt is None else alt["label"],
+                "best_non_scd_ttft_s": math.nan if alt is None else float(alt[col]),
+                "best_scd_label": None if best_scd is None else best_scd["label"],
+                "best_scd_ttft_s": math.nan if best_scd is None else float(best_scd[col]),
+                "scd_speedup_vs_best_non_scd": (math.nan if alt is None or best_scd is None
+                                                else float(alt[col] / best_scd[col])),
+            })
+    return rows
+
+
+def summary_markdown(trials: pd.DataFrame, run: dict[str, Any]) -> str:
+    """The README/closing-note table: per configuration quality (interval), payload, TTFT at 1/10/100 Gbps."""
+    bws = run.get("report_bandwidths_gbps", list(REPORT_BANDWIDTHS_GBPS))
+    head = ("| method | configuration | relative accuracy [95 % CI] | payload bytes | ratio | a (s) | "
+            + " | ".join(f"TTFT @ {b:g} Gbps (ms)" for b in bws) + " |")
+    lines = [head, "|" + "---|" * (6 + len(bws))]
+    for _, r in trials.iterrows():
+        lines.append(
+            f"| {r['method']} | {r['label']} | {100 * r['relative_accuracy_raw']:.2f} % "
+            f"[{100 * r['relative_accuracy_lo']:.2f}, {100 * r['relative_accuracy_hi']:.2f}] | "
+            f"{r['payload_bytes']:,.0f} | {r['compression_ratio']:.1f} | {r['latency_a_s']:.4f} | "
+            + " | ".join(f"{1e3 * r[f'ttft_s_at_{b:g}gbps']:.2f}" for b in bws) + " |")
+    lines.append("")
+    lines.append("| bandwidth (Gbps) | floor | fastest | TTFT (ms) | x recompute | best non-SCD | best SCD | SCD gain |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for f in run.get("front", []):
+        lines.append(
+            f"| {f['bandwidth_gbps']:g} | {f['floor']:.2f} | {f['best_label']} | {1e3 * f['ttft_s']:.2f} | "
+            f"{f['speedup_vs_recompute']:.2f} | {f['best_non_scd_label']} | {f['best_scd_label']} | "
+            f"{f['scd_speedup_vs_best_non_scd']:.2f} |")
+    return "\n".join(lines) + "\n"

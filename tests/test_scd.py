@@ -1,0 +1,338 @@
+"""Tests of kvtune.scd: low-rank maps, state capture and rebuild, transfer methods, mixed-method tables."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from kvtune.errors import ConfigError, ModelLayoutError, TableError
+from kvtune.evaluate.model import LoadedModel, load_model
+from kvtune.scd.calibration import calibrate
+from kvtune.scd.consumer import ConsumerRecipe, consumer_dir, is_held_out, lr_at, token_windows
+from kvtune.scd.lowrank import fit_low_rank_map, relative_error
+from kvtune.scd.methods import (
+    METHODS,
+    SCD,
+    DroidSpeak,
+    Pair,
+    Raw,
+    Recompute,
+    prefix_context,
+    ttft_seconds,
+)
+from kvtune.scd.states import capture_states, check_same_architecture, run_layers
+from kvtune.tables import PolicyTable, compile_policy_table
+
+# ------------------------------------------------------------------------------ low-rank maps
+
+
+def test_low_rank_map_recovers_known_linear_map():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 12, generator=g, dtype=torch.float64)
+    a = torch.randn(12, 3, generator=g, dtype=torch.float64) @ torch.randn(3, 8, generator=g, dtype=torch.float64)
+    bias = torch.randn(8, generator=g, dtype=torch.float64)
+    y = x @ a + bias
+    m = fit_low_rank_map(x, y, rank=3, ridge=0.0)
+    assert m.rank == 3
+    torch.testing.assert_close((m.encoder @ m.decoder).double(), a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m(x.float()).double(), y, atol=1e-4, rtol=1e-5)
+    # a lower rank loses exactly the energy of the dropped directions; the full rank is exact too
+    assert relative_error(m.truncate(2)(x.float()), y) > 1e-3
+    full = fit_low_rank_map(x, y, ridge=0.0)
+    assert full.rank == 8
+    torch.testing.assert_close(full(x.float()).double(), y, atol=1e-4, rtol=1e-5)
+
+
+def test_low_rank_map_ridge_shrinks_and_rejects_bad_input():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50, 6, generator=g)
+    y = x @ torch.randn(6, 4, generator=g)
+    strong = fit_low_rank_map(x, y, ridge=10.0)
+    exact = fit_low_rank_map(x, y, ridge=0.0)
+    assert strong.encoder.norm() < exact.encoder.norm()
+    with pytest.raises(ConfigError):
+        fit_low_rank_map(x, y, rank=5)
+    with pytest.raises(ConfigError):
+        fit_low_rank_map(x, y[:10])
+    with pytest.raises(ConfigError):
+        exact.truncate(0)
+
+
+def test_low_rank_bytes():
+    m = fit_low_rank_map(torch.randn(40, 10), torch.randn(40, 6), rank=4)
+    assert m.producer_nbytes() == 4 * (10 + 10 * 4)
+    assert m.consumer_nbytes() == 4 * (4 * 6 + 6)
+
+
+# ------------------------------------------------------------------------------ tiny pair
+
+
+def _with_new_last_kv_projections(lm: LoadedModel, seed: int) -> LoadedModel:
+    """A consumer that differs from ``lm`` only in the last layer's k_proj / v_proj weights.
+
+    Its residual stream equals the producer's (the last layer's K/V change nothing the
+    prefix's own states depend on), so its pre-RoPE K/V are an exact linear function of the
+    producer's normalized inputs in every layer.
+    """
+    model = copy.deepcopy(lm.model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        attn = model.model.layers[-1].self_attn
+        for proj in (attn.k_proj, attn.v_proj):
+            proj.weight.add_(0.5 * torch.randn(proj.weight.shape, generator=g))
+    return LoadedModel(name="consumer-kv", model=model, tokenizer=lm.tokenizer, device=lm.device)
+
+
+def _finetuned(lm: LoadedModel, seed: int, scale: float = 0.05) -> LoadedModel:
+    """A consumer with every weight matrix perturbed (a stand-in for a fine-tune)."""
+    model = copy.deepcopy(lm.model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+    return LoadedModel(name="consumer-ft", model=model, tokenizer=lm.tokenizer, device=lm.device)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir):
+    return load_model(str(tiny_model_dir), "cpu")
+
+
+def _windows(n: int, tokens: int, seed: int = 0, vocab: int = 200) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (n, tokens), generator=g).tolist()
+
+
+def test_capture_states_and_run_layers_rebuild_the_models_own_cache(tiny_lm):
+    ids = _windows(1, 20)[0]
+    s = capture_states(tiny_lm, ids)
+    n = tiny_lm.num_layers
+    assert len(s.hidden) == len(s.normed) == len(s.k_pre) == n
+    assert s.k_pre[0].shape == (20, tiny_lm.kv_heads * tiny_lm.head_dim)
+    rebuilt = run_layers(tiny_lm, s.hidden[0], 0, n)
+    for (k, v), (k2, v2) in zip(s.kv, rebuilt):
+        torch.testing.assert_close(k2, k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v2, v, atol=1e-5, rtol=1e-5)
+
+
+def _assert_same_kv(got, want, atol=1e-4):
+    for (k, v), (k2, v2) in zip(want, got):
+        torch.testing.assert_close(k2, k, atol=atol, rtol=1e-4)
+        torch.testing.assert_close(v2, v, atol=atol, rtol=1e-4)
+
+
+def test_full_rank_scd_reproduces_consumer_kv_on_calibration_data(tiny_lm):
+    # A genuinely different consumer (every weight matrix perturbed); with no more calibration
+    # tokens than input dimensions (hidden 64), the full-rank affine map interpolates them.
+    consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
+    windows = _windows(2, 30)
+    cal = calibrate(tiny_lm, consumer, windows, ranks=(8,), ridge=0.0)
+    d_out = 2 * tiny_lm.kv_heads * tiny_lm.head_dim
+    assert cal.reuse[0].rank == d_out
+    assert min(cal.kv_drift) > 0.01  # the producer's raw KV is not the consumer's
+    pair = Pair(tiny_lm, consumer, cal)
+    method = SCD.uniform(tiny_lm.num_layers, d_out, code_dtype="float32")
+    for ids in windows:
+        got = method.transfer(pair, prefix_context(tiny_lm, ids))
+        _assert_same_kv(got.kv, capture_states(consumer, ids).kv)
+        assert got.payload_bytes == 4 * d_out * len(ids) * tiny_lm.num_layers
+    # and the raw transfer is far from it
+    raw = Raw().transfer(pair, prefix_context(tiny_lm, windows[0])).kv
+    assert (raw[0][0] - capture_states(consumer, windows[0]).kv[0][0]).abs().max() > 1e-2
+
+
+def test_full_rank_scd_generalizes_when_the_consumer_kv_is_linear(tiny_lm):
+    consumer = _with_new_last_kv_projections(tiny_lm, seed=3)
+    cal = calibrate(tiny_lm, consumer, _windows(4, 40), ranks=(8,), ridge=0.0)
+    pair = Pair(tiny_lm, consumer, cal)
+    method = SCD.uniform(tiny_lm.num_layers, 2 * tiny_lm.kv_heads * tiny_lm.head_dim, code_dtype="float32")
+    ids = _windows(1, 25, seed=9)[0]  # not a calibration window
+    _assert_same_kv(method.transfer(pair, prefix_context(tiny_lm, ids)).kv, capture_states(consumer, ids).kv)
+
+
+def test_patch_of_identical_models_is_exact_and_droidspeak_full_block_is_recompute(tiny_lm):
+    windows = _windows(3, 40, seed=5)
+    cal = calibrate(tiny_lm, tiny_lm, windows, ranks=(8,), ridge=0.0)
+    pair = Pair(tiny_lm, tiny_lm, cal)
+    n = tiny_lm.num_layers
+    hidden = tiny_lm.config.hidden_size
+    ctx = prefix_context(tiny_lm, windows[0])
+    patched = SCD.uniform(n, 2 * tiny_lm.kv_heads * tiny_lm.head_dim, tuple(range(n)), patch_rank=hidden,
+                          code_dtype="float32").transfer(pair, ctx)
+    block = DroidSpeak(start=0, length=n, wire_dtype="float32").transfer(pair, ctx)
+    for (k, v), (kp, vp), (kd, vd) in zip(ctx.producer.kv, patched.kv, block.kv):
+        torch.testing.assert_close(kp, k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kd, k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(vd, v, atol=1e-4, rtol=1e-4)
+    assert patched.payload_bytes == 4 * hidden * 40 * n
+    assert block.payload_bytes == 4 * hidden * 40
+
+
+def test_methods_payloads_and_registry(tiny_lm):
+    consumer = _finetuned(tiny_lm, seed=1)
+    ids = _windows(1, 32, seed=2)[0]
+    pair = Pair(tiny_lm, consumer)
+    ctx = prefix_context(tiny_lm, ids)
+    kv_bytes = sum(2 * (k.numel() + v.numel()) for k, v in ctx.producer.kv)
+    rec = Recompute().transfer(pair, ctx)
+    assert rec.payload_bytes == 4 * 32 and rec.consumer_seconds > 0
+    for (k, _), (k2, _) in zip(capture_states(consumer, ids).kv, rec.kv):
+        torch.testing.assert_close(k2, k)
+    assert Raw().transfer(pair, ctx).payload_bytes == kv_bytes
+    ds = DroidSpeak(start=1, length=1).transfer(pair, ctx)
+    per_layer = kv_bytes // tiny_lm.num_layers
+    assert ds.payload_bytes == kv_bytes - per_layer + 2 * 32 * tiny_lm.config.hidden_size
+    with pytest.raises(ConfigError):
+        DroidSpeak(start=1, length=5).transfer(pair, ctx)
+    with pytest.raises(ConfigError):
+        SCD.uniform(tiny_lm.num_layers, 4).transfer(pair, ctx)  # no calibration
+    assert set(METHODS) == {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
+    assert json.loads(SCD.uniform(2, 8, (1,)).config_json())["patch_layers"] == [1]
+    assert ttft_seconds(0.1, 0.2, 1.25e9, 10.0) == pytest.approx(1.3)
+
+
+def test_architecture_mismatch_is_a_typed_error(tiny_lm, tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    other = load_model(str(make_tiny_llama(tmp_path / "m", layers=3)), "cpu")
+    with pytest.raises(ModelLayoutError):
+        check_same_architecture(tiny_lm, other)
+
+
+def test_tiny_gemma_is_rejected(tiny_gemma_dir):
+    lm = load_model(str(tiny_gemma_dir), "cpu")
+    with pytest.raises(ModelLayoutError):
+        capture_states(lm, [2, 3, 4])
+
+
+def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
+    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 200, 120))})
+                              for _ in range(60)))
+    consumer = _finetuned(tiny_lm, seed=4, scale=0.2)
+    st = SCDProfileSettings(data=str(data), calib_windows=4, calib_tokens=32, contexts=4, context_tokens=32,
+                            continuation_tokens=8, profile_contexts=2, ranks=(8, 64), patch_counts=(0, 1),
+                            droidspeak_lengths=(1,), tqc_presets=("kivi-4",))
+    res = run_scd_profile(tiny_lm, consumer, tmp_path / "run", settings=st)
+    methods = set(res.trials["method"])
+    assert methods == {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
+    rec = res.trials[res.trials["method"] == "recompute"].iloc[0]
+    assert rec["relative_accuracy_raw"] == pytest.approx(1.0)
+    assert (res.trials["relative_accuracy_lo"] <= res.trials["relative_accuracy_raw"] + 1e-12).all()
+    for name in ("scd_trials.parquet", "scd_policy_table.parquet", "scd_policy_table.json", "scd_maps.pt",
+                 "scd_calibration.json", "scd_run.json", "scd_summary.md"):
+        assert (tmp_path / "run" / name).is_file()
+    assert res.run["calibration_artifact_bytes"]["total"] > 0
+    table = PolicyTable.load(tmp_path / "run" / "scd_policy_table.parquet")
+    assert "none" not in set(table.frame["policy_id"]) if hasattr(table, "frame") else True
+    sel = table.select(1000.0, 0.99)
+    assert sel.method in methods
+
+
+# ------------------------------------------------------------------------------ mixed-method tables
+
+
+def _mixed_front() -> pd.DataFrame:
+    """Hand-made SCD-style front (per volume V = 1 GB): recompute (slow, exact, token ids only),
+    raw (free, 90 %), kivi-4 over raw (92 %), droidspeak (96 %), scd (97.5 %, 12x)."""
+    inf = math.inf
+    rows = [
+        # policy_id, method, accuracy, ratio, encode GB/s, decode GB/s
+        ("rec000000000", "recompute", 1.0, 5760.0, inf, 2.0),   # a = 0.5 s/GB
+        ("raw000000000", "raw", 0.90, 1.0, inf, inf),           # a = 0, b = 1
+        ("tqc000000000", "raw+tqc", 0.92, 3.5, 20.0, 20.0),      # a = 0.1, b = 0.286
+        ("ds0000000000", "droidspeak", 0.96, 1.1, inf, 10.0),    # a = 0.1, b = 0.909
+        ("scd000000000", "scd", 0.975, 12.0, 10.0, 10.0),        # a = 0.2, b = 0.083
+    ]
+    return pd.DataFrame([
+        {"policy_id": p, "method": m, "label": m, "config_json": json.dumps({"method": m}),
+         "relative_accuracy": acc, "compression_ratio": cr, "encode_gbps": e, "decode_gbps": d}
+        for p, m, acc, cr, e, d in rows
+    ])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json"])
+def test_mixed_method_table_loads_and_selects(tmp_path, fmt):
+    table = compile_policy_table(_mixed_front(), floors=(0.99, 0.97, 0.95, 0.90), model="A -> B",
+                                 workload="continuation:xsum", device="cpu", include_none=False,
+                                 metadata={"kv_bytes_per_request": 1e9})
+    path = tmp_path / f"t.{fmt}"
+    (table.to_parquet if fmt == "parquet" else table.to_json)(path)
+    loaded = PolicyTable.load(path)
+    # floor 0.99: only recompute qualifies, at every bandwidth
+    for gbps in (0.1, 10.0, 1e4):
+        assert loaded.select(gbps, 0.99).method == "recompute"
+    # floor 0.97: scd (a=0.2 + 0.083 x) vs recompute (a=0.5 + 0.0002 x): scd until x ~ 3.6 s/GB
+    assert loaded.select(100.0, 0.97).method == "scd"   # x = 0.08
+    assert loaded.select(1.0, 0.97).method == "recompute"  # x = 8
+    # floor 0.90: raw (free) at high bandwidth, tqc in the middle, scd at low bandwidth
+    assert loaded.select(1e4, 0.90).method == "raw"
+    assert loaded.select(8.0 / 0.3, 0.90).method == "raw+tqc"  # x = 0.3: raw 0.3, tqc 0.186, scd 0.225
+    assert loaded.select(8.0 / 2.0, 0.90).method == "scd"   # x = 2: scd 0.367, tqc 0.671, recompute 0.5003
+    assert "none" not in {loaded.select(b, q).policy_id for b in (0.1, 1.0, 10.0, 1e4) for q in (0.9, 0.99)}
+    t = loaded.select(1.0, 0.99, kv_bytes=2e9)
+    assert t.predicted_seconds == pytest.approx((0.5 + 8.0 / 5760.0) * 2.0)
+
+
+def test_table_without_none_needs_a_candidate_per_floor():
+    front = _mixed_front()
+    front = front[front["method"] != "recompute"]
+    with pytest.raises(TableError):
+        compile_policy_table(front, floors=(0.99,), model="m", workload="w", device="cpu", include_none=False)
+    # the default keeps the implicit uncompressed policy, as before
+    t = compile_policy_table(front, floors=(0.99,), model="m", workload="w", device="cpu")
+    assert t.select(1e4, 0.99).policy_id == "none"
+
+
+# ------------------------------------------------------------------------------ consumer recipe
+
+
+def test_consumer_recipe_digest_split_and_schedule(tmp_path):
+    a, b = ConsumerRecipe(), ConsumerRecipe(steps=61)
+    assert a.digest() == ConsumerRecipe().digest() and a.digest() != b.digest()
+    assert consumer_dir(a, tmp_path).name.endswith(a.digest()[:16])
+    assert consumer_dir(a, tmp_path) != consumer_dir(b, tmp_path)
+    held = [is_held_out(i, 0.2) for i in range(1, 2001)]
+    assert 0.15 < sum(held) / len(held) < 0.25
+    assert held == [is_held_out(i, 0.2) for i in range(1, 2001)]
+    assert lr_at(0, 100, 1.0) == pytest.approx(0.1)
+    assert lr_at(10, 100, 1.0) == pytest.approx(1.0)
+    assert lr_at(99, 100, 1.0) == pytest.approx(0.1, abs=0.01)
+    with pytest.raises(ConfigError):
+        ConsumerRecipe(holdout_fraction=1.5)
+    with pytest.raises(ConfigError):
+        ConsumerRecipe(steps=0)
+
+
+def test_token_windows(tiny_lm):
+    w = token_windows(tiny_lm.tokenizer, ["w1 w2 w3", "w4 w5"], 3, 10)
+    assert w.shape == (2, 3)  # 3 + 1 EOS + 2 + 1 EOS = 7 tokens -> two windows of 3
+
+
+def test_make_consumer_on_tiny_model(tiny_model_dir, tmp_path):
+    pytest.importorskip("peft")
+    from kvtune.scd.consumer import make_consumer
+
+    rng = np.random.default_rng(1)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 20, 80))})
+                              for _ in range(40)))
+    recipe = ConsumerRecipe(producer=str(tiny_model_dir), data=str(data), steps=8, batch_size=2, seq_tokens=16,
+                            lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
+    info = make_consumer(recipe, root=tmp_path / "consumers", heldout_windows=4)
+    assert not info.cached and info.path.is_dir() and (info.path / "config.json").is_file()
+    assert info.consumer_ppl < info.producer_ppl  # a skewed word distribution is learnable
+    again = make_consumer(recipe, root=tmp_path / "consumers")
+    assert again.cached and again.consumer_ppl == info.consumer_ppl
+    consumer = load_model(str(info.path), "cpu")
+    check_same_architecture(load_model(str(tiny_model_dir), "cpu"), consumer)
