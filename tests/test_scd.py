@@ -328,7 +328,7 @@ def test_make_consumer_on_tiny_model(tiny_model_dir, tmp_path):
     data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 20, 80))})
                               for _ in range(40)))
     recipe = ConsumerRecipe(producer=str(tiny_model_dir), data=str(data), steps=8, batch_size=2, seq_tokens=16,
-                            lora_rank=4, lora_alpha=8.0, learning_rate=1e-2)
+                            lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, first_layer=0)
     info = make_consumer(recipe, root=tmp_path / "consumers", heldout_windows=4)
     assert not info.cached and info.path.is_dir() and (info.path / "config.json").is_file()
     assert info.consumer_ppl < info.producer_ppl  # a skewed word distribution is learnable

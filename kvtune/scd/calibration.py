@@ -19,8 +19,8 @@ map per layer (relative squared error on the calibration tokens, :func:`relative
 its increase over the previous layer; :meth:`SCDCalibration.transition_layers` ranks layers
 by that jump.
 
-Artifacts (:meth:`SCDCalibration.save`): one safetensors-like ``torch.save`` file with every
-map in float32, plus a JSON summary; :meth:`SCDCalibration.artifact_bytes` gives the bytes
+Artifacts (:meth:`SCDCalibration.save`): ``scd_maps.pt`` (``torch.save`` of every map in
+float32, loaded back with ``weights_only=True``) plus a JSON summary; :meth:`SCDCalibration.artifact_bytes` gives the bytes
 each side must store (producer: encoders; consumer: decoders).
 """
 

@@ -37,12 +37,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def make_consumer_cmd(
     producer: str = typer.Option("smollm2-135m-instruct", help="Producer model (asset, .gguf, HF folder or id)."),
     data: str = typer.Option("xsum", help="Domain data: data asset or JSONL file with a 'document' field."),
-    steps: int = typer.Option(60, min=1, help="LoRA optimizer steps."),
-    batch_size: int = typer.Option(4, min=1, help="Sequences per step."),
+    steps: int = typer.Option(16, min=1, help="LoRA optimizer steps."),
+    batch_size: int = typer.Option(2, min=1, help="Sequences per step."),
     seq_tokens: int = typer.Option(128, min=8, help="Tokens per training sequence."),
     lora_rank: int = typer.Option(32, min=1, help="LoRA rank."),
     lora_alpha: float = typer.Option(64.0, help="LoRA alpha (scale alpha / rank)."),
-    learning_rate: float = typer.Option(2e-3, "--lr", help="Peak AdamW learning rate."),
+    learning_rate: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate."),
+    first_layer: int = typer.Option(10, min=0, help="Only layers from this one up get adapters (0 = all)."),
     target_modules: str = typer.Option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                        help="Comma-separated module names that get LoRA adapters."),
     holdout_fraction: float = typer.Option(0.2, help="Fraction of records held out for evaluation."),
@@ -59,6 +60,7 @@ def make_consumer_cmd(
         recipe = ConsumerRecipe(producer=producer, data=data, holdout_fraction=holdout_fraction, steps=steps,
                                 batch_size=batch_size, seq_tokens=seq_tokens, lora_rank=lora_rank,
                                 lora_alpha=lora_alpha, learning_rate=learning_rate, seed=seed,
+                                first_layer=first_layer,
                                 target_modules=tuple(t.strip() for t in target_modules.split(",") if t.strip()))
         t0 = time.perf_counter()
         with console.status("fine-tuning the consumer") as status:

@@ -55,6 +55,10 @@ class ConsumerRecipe:
             the EOS token, and cut into windows of this length).
         lora_rank, lora_alpha: LoRA rank r and scale alpha (update = alpha / r * B A).
         target_modules: module names that get LoRA adapters.
+        first_layer: only layers ``first_layer ..`` get adapters (0 = all). Back-propagation
+            stops at the first adapted layer, so this sets most of the cost of a step; the
+            consumer's layers below it equal the producer's, as in fine-tunes that change
+            mostly the upper layers.
         learning_rate: AdamW peak learning rate (linear warm-up over 10 % of the steps, then
             cosine decay to 10 %).
         seed: seed of the LoRA initialisation and the window order.
@@ -64,19 +68,22 @@ class ConsumerRecipe:
     producer: str = "smollm2-135m-instruct"
     data: str = "xsum"
     holdout_fraction: float = 0.2
-    steps: int = 60
-    batch_size: int = 4
+    steps: int = 16
+    batch_size: int = 2
     seq_tokens: int = 128
     lora_rank: int = 32
     lora_alpha: float = 64.0
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    learning_rate: float = 2e-3
+    first_layer: int = 10
+    learning_rate: float = 3e-3
     seed: int = 0
     version: int = RECIPE_VERSION
 
     def __post_init__(self) -> None:
         if not 0.0 < self.holdout_fraction < 1.0:
             raise ConfigError(f"holdout_fraction must be in (0, 1), not {self.holdout_fraction}")
+        if self.first_layer < 0:
+            raise ConfigError(f"consumer recipe: first_layer must be >= 0, not {self.first_layer}")
         for name in ("steps", "batch_size", "seq_tokens", "lora_rank"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"consumer recipe: {name} must be >= 1, not {getattr(self, name)}")
@@ -194,8 +201,13 @@ def train_lora(model: Any, windows: torch.Tensor, recipe: ConsumerRecipe,
     """
     peft = _require_peft()
     torch.manual_seed(recipe.seed)
+    n_layers = int(model.config.num_hidden_layers)
+    if recipe.first_layer >= n_layers:
+        raise ConsumerError(f"first_layer {recipe.first_layer} >= the model's {n_layers} layers")
+    layers = list(range(recipe.first_layer, n_layers)) if recipe.first_layer else None
     cfg = peft.LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=0.0,
-                          target_modules=list(recipe.target_modules), bias="none", task_type="CAUSAL_LM")
+                          target_modules=list(recipe.target_modules), layers_to_transform=layers, bias="none",
+                          task_type="CAUSAL_LM")
     pm = peft.get_peft_model(model, cfg)
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]

@@ -81,6 +81,7 @@ class SCDProfileSettings:
         ranks: uniform SCD ranks searched.
         patch_counts: numbers of patched transition layers searched.
         droidspeak_lengths: recomputed block lengths searched.
+        droidspeak_stride: step between candidate block starts in the offline profiling.
         tqc_presets: preset names (``search_spaces/presets.yaml``) for ``raw+tqc``.
         tqc_policies: extra T/Q/C policies as ``PolicyConfig.to_dict()`` dicts (e.g. a
             profile's Pareto set), labelled by policy id.
@@ -100,6 +101,7 @@ class SCDProfileSettings:
     ranks: tuple[int, ...] = (16, 32, 64, 128)
     patch_counts: tuple[int, ...] = (0, 2)
     droidspeak_lengths: tuple[int, ...] = (2, 4, 8)
+    droidspeak_stride: int = 1
     tqc_presets: tuple[str, ...] = ("kivi-4", "kivi-2")
     tqc_policies: tuple[dict, ...] = ()
     ridge: float = 1e-4
@@ -268,9 +270,11 @@ def scd_methods(cal: SCDCalibration, settings: SCDProfileSettings) -> list[SCD]:
 
 
 def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continuation: torch.Tensor,
-                             lengths: tuple[int, ...], progress: Callable[[str], None] | None = None
-                             ) -> tuple[list[DroidSpeak], dict[str, Any]]:
+                             lengths: tuple[int, ...], progress: Callable[[str], None] | None = None,
+                             *, stride: int = 1) -> tuple[list[DroidSpeak], dict[str, Any]]:
     """DroidSpeak's offline profiling: for each block length, the start with the best relative accuracy.
+
+    Candidate starts are ``0, stride, 2 * stride, ...`` (and the last possible start).
 
     Returns:
         ``(chosen configurations, {length: {start: relative accuracy}})``.
@@ -282,7 +286,7 @@ def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continua
         if length > n:
             continue
         acc = {}
-        for start in range(0, n - length + 1):
+        for start in sorted(set(range(0, n - length + 1, max(1, stride))) | {n - length}):
             res, _ = evaluate_method(pair, DroidSpeak(start=start, length=length), contexts, continuation, base_logits)
             acc[start] = float(res.scores["relative_accuracy"])
         best = max(acc, key=lambda s: (acc[s], -s))
@@ -291,6 +295,30 @@ def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continua
         if progress:
             progress(f"droidspeak length {length}: best start {best} ({acc[best]:.4f})")
     return chosen, profile
+
+
+def _enough_documents(docs: list[str], tokens: int, chars_per_token: float = 6.0) -> list[tuple[str, str]]:
+    """The first documents holding about ``tokens`` tokens (assuming at most ``chars_per_token``
+    characters per token, so there are enough), as ``(name, text)`` pairs for build_contexts."""
+    out, chars = [], 0
+    for i, d in enumerate(docs):
+        out.append((f"{i:06d}", d))
+        chars += len(d)
+        if chars >= tokens * chars_per_token:
+            break
+    return out
+
+
+def _windows(tok: Any, docs: list[str], need: int, n: int, context_tokens: int, continuation_tokens: int
+             ) -> torch.Tensor:
+    """``(n, context_tokens + continuation_tokens)`` windows from the first documents that suffice
+    (all documents when the estimate falls short)."""
+    try:
+        return build_contexts(tok, _enough_documents(docs, need), n_contexts=n, context_tokens=context_tokens,
+                              continuation_tokens=continuation_tokens)
+    except KvtuneError:
+        return build_contexts(tok, _enough_documents(docs, 10 ** 12), n_contexts=n, context_tokens=context_tokens,
+                              continuation_tokens=continuation_tokens)
 
 
 def _split_windows(ids: torch.Tensor, context_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -327,10 +355,10 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
     check_same_architecture(prod, cons)
     train_docs, held_docs, source = domain_split(st.data, st.holdout_fraction)
     tok = prod.tokenizer
-    calib_ids = build_contexts(tok, [(str(i), d) for i, d in enumerate(train_docs)], n_contexts=st.calib_windows,
-                               context_tokens=st.calib_tokens, continuation_tokens=st.continuation_tokens)
-    eval_ids = build_contexts(tok, [(str(i), d) for i, d in enumerate(held_docs)], n_contexts=st.contexts,
-                              context_tokens=st.context_tokens, continuation_tokens=st.continuation_tokens)
+    calib_need = st.calib_windows * (st.calib_tokens + st.continuation_tokens)
+    eval_need = st.contexts * (st.context_tokens + st.continuation_tokens)
+    calib_ids = _windows(tok, train_docs, calib_need, st.calib_windows, st.calib_tokens, st.continuation_tokens)
+    eval_ids = _windows(tok, held_docs, eval_need, st.contexts, st.context_tokens, st.continuation_tokens)
     calib_prefixes, calib_cont = _split_windows(calib_ids, st.calib_tokens)
     eval_prefixes, eval_cont = _split_windows(eval_ids, st.context_tokens)
 
@@ -343,7 +371,8 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
     t0 = time.perf_counter()
     k = max(1, min(st.profile_contexts, len(calib_prefixes)))
     prof_ctx = [prefix_context(prod, p) for p in calib_prefixes[:k]]
-    ds_methods, ds_profile = choose_droidspeak_blocks(pair, prof_ctx, calib_cont[:k], st.droidspeak_lengths, say)
+    ds_methods, ds_profile = choose_droidspeak_blocks(pair, prof_ctx, calib_cont[:k], st.droidspeak_lengths, say,
+                                                      stride=st.droidspeak_stride)
     droidspeak_seconds = time.perf_counter() - t0
 
     contexts = [prefix_context(prod, p) for p in eval_prefixes]
@@ -399,11 +428,11 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
 
 def front_summary(trials: pd.DataFrame, floors: tuple[float, ...] = (0.99, 0.95, 0.90),
                   bandwidths: tuple[float, ...] = REPORT_BANDWIDTHS_GBPS) -> list[dict[str, Any]]:
-    """At each (bandwidth, floor): the fastest configuration whose interval's upper end
-    reaches the floor... no: whose point estimate reaches it, the fastest of another method,
-    and the speed-up over recompute and over that best alternative.
+    """At each (bandwidth, floor): the fastest qualifying configuration, the fastest SCD and
+    non-SCD ones, and the speed-ups over recompute and of SCD over the best alternative.
 
-    A configuration qualifies at floor q when ``relative_accuracy >= q``. Returns one dict per
+    A configuration qualifies at floor q when ``relative_accuracy >= q`` (the point estimate,
+    as the policy table uses it; the intervals are in the trials). Returns one dict per
     (bandwidth, floor) with ``best_label``, ``best_method``, ``ttft_s``, ``speedup_vs_recompute``,
     ``best_non_scd_label``, ``speedup_vs_best_non_scd`` (>1 when SCD wins), etc.
     """
