@@ -336,3 +336,28 @@ def test_make_consumer_on_tiny_model(tiny_model_dir, tmp_path):
     assert again.cached and again.consumer_ppl == info.consumer_ppl
     consumer = load_model(str(info.path), "cpu")
     check_same_architecture(load_model(str(tiny_model_dir), "cpu"), consumer)
+
+
+def test_scd_cli_help_and_typed_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtune.scd.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0 and "make-consumer" in res.output and "profile" in res.output
+    res = runner.invoke(app, ["profile", "--consumer", str(tmp_path), "--ranks", "a,b"])
+    assert res.exit_code == 2 and "--ranks" in res.output
+    res = runner.invoke(app, ["profile", "--consumer", str(tmp_path / "missing"), "--producer", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "error" in res.output
+
+
+def test_scd_artifact_bytes_count_the_truncated_maps(tiny_lm):
+    cal = calibrate(tiny_lm, _finetuned(tiny_lm, seed=2), _windows(2, 40), ranks=(8,))
+    pair = Pair(tiny_lm, tiny_lm, cal)
+    hidden, d_out, n = tiny_lm.config.hidden_size, 2 * tiny_lm.kv_heads * tiny_lm.head_dim, tiny_lm.num_layers
+    reuse = 4 * (hidden + hidden * 8 + 8 * d_out + d_out)
+    patch = 4 * (hidden + hidden * 8 + 8 * hidden + hidden)
+    assert SCD.uniform(n, 8).artifact_bytes(pair) == n * reuse
+    assert SCD.uniform(n, 8, (1,)).artifact_bytes(pair) == (n - 1) * reuse + patch
+    assert Raw().artifact_bytes(pair) == 0

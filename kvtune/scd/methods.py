@@ -122,6 +122,10 @@ class TransferMethod(ABC):
     def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
         """Move one prefix; see :class:`Transfer`."""
 
+    def artifact_bytes(self, pair: Pair) -> int:
+        """Bytes of calibration artifacts this configuration needs on both sides (0 for most)."""
+        return 0
+
     def config_dict(self) -> dict[str, Any]:
         """JSON-able configuration (``method`` plus the dataclass fields)."""
         return {"method": self.name, **{k: _jsonable(v) for k, v in asdict(self).items()}}
@@ -293,6 +297,19 @@ class SCD(TransferMethod):
             t_dec += t2 - t1
             payload += code.numel() * code.element_size()
         return Transfer(kv=kv, payload_bytes=payload, producer_seconds=t_enc, consumer_seconds=t_dec)
+
+    def artifact_bytes(self, pair: Pair) -> int:
+        """Bytes of the truncated maps this configuration uses (float32, producer + consumer side)."""
+        cal = pair.calibration
+        if cal is None:
+            return 0
+        total = 0
+        for layer in range(cal.num_layers):
+            patch = layer in self.patch_layers
+            m = (cal.patch[layer] if patch else cal.reuse[layer]).truncate(
+                self.patch_rank if patch else self.ranks[layer])
+            total += m.producer_nbytes() + m.consumer_nbytes()
+        return total
 
     def label(self) -> str:
         rs = sorted(set(self.ranks))

@@ -165,6 +165,7 @@ class MethodResult:
     producer_seconds: float
     consumer_seconds: float
     eval_seconds: float
+    artifact_bytes: int = 0
 
 
 def evaluate_method(pair: Pair, method: TransferMethod, contexts: list[PrefixContext], continuation: torch.Tensor,
@@ -187,6 +188,7 @@ def evaluate_method(pair: Pair, method: TransferMethod, contexts: list[PrefixCon
         producer_seconds=median_after_warmup([t.producer_seconds for t in transfers]),
         consumer_seconds=median_after_warmup([t.consumer_seconds for t in transfers]),
         eval_seconds=time.perf_counter() - t0,
+        artifact_bytes=method.artifact_bytes(pair),
     )
     return res, logits
 
@@ -227,6 +229,7 @@ def trial_row(res: MethodResult, bandwidths: tuple[float, ...] = REPORT_BANDWIDT
         "latency_b_bytes": res.payload_bytes,
         "encode_gbps": _gbps(res.kv_bytes, res.producer_seconds),
         "decode_gbps": _gbps(res.kv_bytes, res.consumer_seconds),
+        "artifact_bytes": res.artifact_bytes,
         "eval_seconds": res.eval_seconds,
     }
     for bw in bandwidths:
