@@ -5,7 +5,8 @@ from a low-rank projection of the producer's states, through a linear map fitted
 least squares on calibration data. kvtune fits it as reduced-rank ridge regression:
 
     W     = argmin_W ||Xc W - Yc||^2 + lam ||W||^2 = (Xc^T Xc + lam I)^-1 Xc^T Yc
-    V_r   = top-r right singular vectors of the fitted values Xc W      (d_out x r)
+    V_r   = top-r right singular vectors of the fitted values Xc W      (d_out x r;
+            eigenvectors of the d_out x d_out Gram matrix, so N does not enter the cost)
     code  = (x - mu_x) W V_r                                            (what is sent, r per token)
     y_hat = code V_r^T + mu_y                                           (consumer side)
 
@@ -116,11 +117,11 @@ def fit_low_rank_map(x: torch.Tensor, y: torch.Tensor, rank: int | None = None, 
     mx, my = x.double().mean(0), y.double().mean(0)
     xc, yc = x.double() - mx, y.double() - my
     w = ridge_solution(xc, yc, ridge)
-    _, _, vh = torch.linalg.svd(xc @ w, full_matrices=False)
-    vr = vh[:r].T  # (d_out, r)
-    if vr.shape[1] < r:  # fewer samples than d_out: complete the basis (unused directions)
-        q, _ = torch.linalg.qr(torch.cat([vr, torch.eye(d_out, dtype=vr.dtype)], dim=1))
-        vr = q[:, :r]
+    # right singular vectors of the fitted values Xc W = eigenvectors of the small
+    # (d_out, d_out) Gram matrix W^T Xc^T Xc W, by decreasing eigenvalue
+    fitted = xc @ w
+    _, vecs = torch.linalg.eigh(fitted.T @ fitted)
+    vr = vecs.flip(-1)[:, :r]  # (d_out, r)
     return LowRankMap(mean_in=mx.float(), encoder=(w @ vr).float(), decoder=vr.T.contiguous().float(),
                       mean_out=my.float())
 
