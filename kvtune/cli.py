@@ -35,11 +35,23 @@ _D = ProfileSettings()  # the defaults live in one place
 @app.command()
 def profile(
     model: str = typer.Option(_D.model, help="Named model asset, local .gguf file, Hugging Face folder or model id."),
-    text: str = typer.Option(_D.text, help="Named text asset, a .txt file or a folder of .txt files."),
+    text: str = typer.Option(_D.text, help="Named text asset, a .txt file or a folder of .txt files (continuation, needle)."),
+    workload: str = typer.Option(_D.workload, help="continuation, qa, boolq, needle or summarize."),
+    data: str = typer.Option(_D.data, help="Dataset of qa/boolq/summarize: a named data asset or a JSONL file "
+                                           "(default: the workload's asset)."),
+    samples: int = typer.Option(_D.samples, min=0, help="Samples at full fidelity (0 = the workload's default)."),
+    cheap_samples: int = typer.Option(_D.cheap_samples, min=0, help="Samples at cheap fidelity (0 = default)."),
+    max_new_tokens: int = typer.Option(_D.max_new_tokens, min=0, help="Generation budget of generative workloads "
+                                                                     "(0 = default)."),
+    search_fidelity: str = typer.Option(_D.search_fidelity, help="Fidelity the search sees: cheap or full."),
+    refine: bool = typer.Option(_D.refine, help="Re-evaluate the search's Pareto set at full fidelity."),
+    kv_dtype: str = typer.Option(_D.kv_dtype, help="model (KV as computed) or bfloat16 (rounded first, as a bf16 server)."),
+    prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
     space: str = typer.Option(_D.space, help="Search space: a name in search_spaces/ or a YAML path."),
     budget: int = typer.Option(_D.budget, min=0, help="Maximum policies to evaluate (0 = the whole space)."),
-    optimizer: str = typer.Option(_D.optimizer, help="Search strategy: random or exhaustive."),
-    contexts: int = typer.Option(_D.contexts, min=1, help="Number of real text contexts (N)."),
+    optimizer: str = typer.Option(_D.optimizer, help="Search strategy: mobo, kvserve, random, exhaustive, "
+                                                     "optuna-tpe, optuna-nsga2 or optuna-gp."),
+    contexts: int = typer.Option(_D.contexts, min=1, help="Contexts of the continuation workload (its full-fidelity samples)."),
     context_tokens: int = typer.Option(_D.context_tokens, min=1, help="Tokens per context whose KV is compressed (T)."),
     continuation_tokens: int = typer.Option(_D.continuation_tokens, min=2, help="Held-out continuation tokens scored per context (C)."),
     out: Path = typer.Option(Path(_D.out), help="Folder that receives the run folder."),
@@ -61,7 +73,9 @@ def profile(
             settings = ProfileSettings(
                 model=model, text=text, space=space, budget=budget, optimizer=optimizer, contexts=contexts,
                 context_tokens=context_tokens, continuation_tokens=continuation_tokens, out=str(out),
-                reports=str(reports), run=run, device=device, seed=seed,
+                reports=str(reports), run=run, device=device, seed=seed, workload=workload, data=data,
+                samples=samples, cheap_samples=cheap_samples, max_new_tokens=max_new_tokens,
+                search_fidelity=search_fidelity, refine=refine, kv_dtype=kv_dtype, prompt_format=prompt_format,
             )
         with _progress_hooks() as (on_stage, on_progress):
             result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)
@@ -108,13 +122,14 @@ def _progress_hooks():
 
 def _print_summary(result) -> None:
     trials, pareto = result.trials, result.pareto
-    table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} policies)")
-    for col in ("policy", "ratio", "rel. acc. %", "95% CI", "KL (nats)", "enc GB/s", "dec GB/s"):
+    fidelity = f", {pareto['fidelity'].iloc[0]} fidelity" if "fidelity" in pareto and len(pareto) else ""
+    table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} trials{fidelity})")
+    for col in ("policy", "ratio", "rel. acc. %", "95% CI", "enc GB/s", "dec GB/s"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for _, r in pareto.sort_values("compression_ratio", ascending=False).iterrows():
         table.add_row(
             r["label"], f"{r['compression_ratio']:.2f}x", f"{100 * r['relative_accuracy']:.2f}",
-            f"{100 * r['relative_accuracy_lo']:.1f}-{100 * r['relative_accuracy_hi']:.1f}", f"{r['kl_mean']:.4f}",
+            f"{100 * r['relative_accuracy_lo']:.1f}-{100 * r['relative_accuracy_hi']:.1f}",
             f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
         )
     console.print(table)
