@@ -45,6 +45,8 @@ def profile(
                                                                      "(0 = default)."),
     search_fidelity: str = typer.Option(_D.search_fidelity, help="Fidelity the search sees: cheap or full."),
     refine: bool = typer.Option(_D.refine, help="Re-evaluate the search's Pareto set at full fidelity."),
+    refine_budget: int = typer.Option(_D.refine_budget, min=0, help="At most this many Pareto policies are "
+                                      "re-evaluated, 2-D accuracy/ratio front first (0 = all)."),
     kv_dtype: str = typer.Option(_D.kv_dtype, help="model (KV as computed) or bfloat16 (rounded first, as a bf16 server)."),
     prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
     space: str = typer.Option(_D.space, help="Search space: a name in search_spaces/ or a YAML path."),
@@ -75,7 +77,7 @@ def profile(
                 context_tokens=context_tokens, continuation_tokens=continuation_tokens, out=str(out),
                 reports=str(reports), run=run, device=device, seed=seed, workload=workload, data=data,
                 samples=samples, cheap_samples=cheap_samples, max_new_tokens=max_new_tokens,
-                search_fidelity=search_fidelity, refine=refine, kv_dtype=kv_dtype, prompt_format=prompt_format,
+                search_fidelity=search_fidelity, refine=refine, refine_budget=refine_budget, kv_dtype=kv_dtype, prompt_format=prompt_format,
             )
         with _progress_hooks() as (on_stage, on_progress):
             result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)

@@ -33,7 +33,7 @@ from kvtune.evaluate.workloads import FIDELITIES, make_workload, workload_sample
 from kvtune.evaluate.model import load_model
 from kvtune.evaluate.ratio import estimate_ratios
 from kvtune.optimize import OPTIMIZERS, make_optimizer
-from kvtune.pareto import pareto_front
+from kvtune.pareto import non_dominated_mask, pareto_front
 from kvtune.settings import ProfileSettings
 from kvtune.report.html import write_report
 from kvtune.space import load_space
@@ -162,7 +162,8 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     if settings.refine and fid != "full":
         front = pareto_front(pd.DataFrame(list(optimizer.told.values())))
         by_id = {c.policy_id: c for c in space.candidates}
-        todo = [pid for pid in front["policy_id"] if pid not in done.get("full", {})]
+        chosen = refinement_order(front, settings.refine_budget)
+        todo = [pid for pid in chosen if pid not in done.get("full", {})]
         on_stage("re-evaluate Pareto set (full)", len(todo))
         for pid in todo:
             cand = by_id[pid]
@@ -177,6 +178,27 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     result = finalize_run(run_dir, run_info=run_info)
     on_progress(1)
     return result
+
+
+def refinement_order(front: pd.DataFrame, limit: int) -> list[str]:
+    """Which search-fidelity Pareto policies to re-evaluate at full fidelity, most useful first.
+
+    First the policies on the 2-D accuracy / compression-ratio front (the ones a policy table
+    can pick at some floor when codec speeds are alike), then the rest of the 3-D front (kept
+    there by a faster codec); each group by compression ratio, highest first. At most
+    ``limit`` ids (``limit <= 0``: all).
+
+    Args:
+        front: the search's 3-D Pareto front (``policy_id``, ``relative_accuracy``,
+            ``compression_ratio``).
+    """
+    if front.empty:
+        return []
+    pts = front[["relative_accuracy", "compression_ratio"]].to_numpy(dtype=float)
+    on_2d = non_dominated_mask(pts, maximize=[True, True])
+    ordered = front.assign(_2d=on_2d).sort_values(["_2d", "compression_ratio"], ascending=[False, False], kind="stable")
+    ids = ordered["policy_id"].astype(str).tolist()
+    return ids if limit <= 0 else ids[:limit]
 
 
 def _done_by_fidelity(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
