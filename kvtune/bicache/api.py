@@ -46,7 +46,7 @@ from kvtune.bicache.quality import EXACT, POOLINGS, encode_queries, measure_buck
 from kvtune.bicache.state import prefix_state_bf16_bytes
 from kvtune.bicache.stats import CRITERIA, choose_depth
 from kvtune.bicache.table import bicache_candidate, compile_bicache_table
-from kvtune.bicache.throughput import measure_throughput
+from kvtune.bicache.throughput import measure_throughput, token_layer_fraction
 from kvtune.bicache.workload import (
     DEFAULT_BUCKETS,
     DEFAULT_INSTRUCTION,
@@ -254,13 +254,15 @@ def run_bicache_profile(
         on_stage(f"{b.key}: throughput at depths {depths} (batch {settings.throughput_batch}, {settings.repeats} repeats)")
         thr = measure_throughput(adapter, prefix, state, reqs, depths=depths, batch_size=settings.throughput_batch,
                                  repeats=settings.repeats)
+        for r in thr:
+            r["token_layer_fraction"] = token_layer_fraction(P, summary["suffix_tokens_mean"], r["depth"], L)
         thr_rows += [{**common, **r} for r in thr]
         by_depth = {r["depth"]: r for r in thr}
 
         # ratio -> depth (exact cache, lower bounds)
         exact = {r["depth"]: r for r in bq.rows if r["policy"] in (EXACT, "recompute")}
-        stats = {c: [exact[d][f"{c}_lo"] for d in depths] for c in settings.floors}
-        chosen = choose_depth(depths, stats, settings.floors, use="lower 95 % bound")
+        stats = {c: [exact[d][CRITERIA[c].column()] for d in depths] for c in settings.floors}
+        chosen = choose_depth(depths, stats, settings.floors, use="criterion statistic")
         at = exact[chosen]
         drow = {**common, "chosen_depth": chosen, "num_layers": L, "requests": len(reqs)}
         for c in CRITERIA:
@@ -272,6 +274,8 @@ def run_bicache_profile(
             "requests_per_s_recompute": by_depth[0]["requests_per_s"],
             "requests_per_s_reuse": by_depth[chosen]["requests_per_s"],
             "speedup": by_depth[chosen]["speedup"],
+            "speedup_min_time": by_depth[chosen]["speedup_min_time"],
+            "token_layer_fraction": by_depth[chosen]["token_layer_fraction"],
         })
         depth_rows.append(drow)
 
@@ -360,14 +364,17 @@ def _fmt_iv(m: float, lo: float, hi: float, digits: int = 3) -> str:
 def summary_markdown(depth_table: pd.DataFrame, quality: pd.DataFrame, throughput: pd.DataFrame,
                      layer_cos: pd.DataFrame, settings: BiCacheSettings) -> str:
     """Human-readable Markdown of a run: ratio -> depth, throughput, per-layer cosines."""
-    floors = ", ".join(f"{k} >= {v:g}" for k, v in settings.floors.items())
+    floors = ", ".join(f"{CRITERIA[k].column()} >= {v:g}" for k, v in settings.floors.items())
     lines = [
         "# BiCache profile", "",
         f"model `{settings.model}`, data `{settings.data}`, {settings.requests_per_bucket} requests per bucket, "
-        f"floors on the lower 95 % bootstrap bound: {floors}.", "",
+        f"floors (`_lo` = lower end of the 95 % bootstrap interval): {floors}. "
+        "Intervals: 95 % bootstrap over requests. Gain: median requests/s at the depth / at full "
+        "recompute (one thread, batch of 8 real requests); 'token-layers' = share of full recompute's "
+        "token x layer evaluations.", "",
         "## Prefix ratio -> reuse depth", "",
-        "| prefix ratio | mean ratio | depth | KV cosine | embedding cosine | relative retrieval | req/s recompute | req/s reuse | gain |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| prefix ratio | mean ratio | depth | KV cosine | embedding cosine | relative retrieval | req/s recompute | req/s reuse | gain | token-layers |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in depth_table.to_dict("records"):
         lines.append(
@@ -375,7 +382,8 @@ def summary_markdown(depth_table: pd.DataFrame, quality: pd.DataFrame, throughpu
             f"| {_fmt_iv(r['kv_cosine'], r['kv_cosine_lo'], r['kv_cosine_hi'])} "
             f"| {_fmt_iv(r['embedding_cosine'], r['embedding_cosine_lo'], r['embedding_cosine_hi'], 4)} "
             f"| {_fmt_iv(r['relative_retrieval'], r['relative_retrieval_lo'], r['relative_retrieval_hi'])} "
-            f"| {r['requests_per_s_recompute']:.1f} | {r['requests_per_s_reuse']:.1f} | {r['speedup']:.2f}x |"
+            f"| {r['requests_per_s_recompute']:.1f} | {r['requests_per_s_reuse']:.1f} | {r['speedup']:.2f}x "
+            f"| {r['token_layer_fraction']:.2f} |"
         )
     lines += ["", "## Throughput gain by depth (requests/s with reuse / full recompute)", ""]
     pivot = throughput.pivot(index="key", columns="depth", values="speedup")

@@ -4,10 +4,13 @@ BiCache paper, Sec. 3 (profiling the reuse depth; ``BRIEF.md`` Sec. 4). For ever
 bucket and every reuse depth ``d`` (and, for table rows, every codec policy the cached prefix
 state is sent with), three numbers against full recompute of the same request:
 
-(a) ``kv_cosine``: for each reused layer ``l <= d``, the mean over prefix tokens of the cosine
-    between the cached prefix K (and V) -- computed with the prefix alone, after the codec
-    round trip if any -- and the prefix K (V) of full recompute; the request's value is the
-    minimum over the reused layers and over K/V (1.0 at ``d = 0``).
+(a) ``kv_cosine``: for each layer whose prefix K/V the suffix sees stale, the mean over
+    prefix tokens of the cosine between the cached prefix K (and V) -- computed with the
+    prefix alone, after the codec round trip if any -- and the prefix K (V) of full
+    recompute; the request's value is the minimum over those layers and over K/V (1.0 at
+    ``d = 0``). The stale layers are ``1..min(d + 1, L)``: layer ``d + 1`` is recomputed from
+    the cached hidden state leaving layer d, so its prefix K/V equal the cached ones too
+    (hence depth ``L - 1`` and ``L`` give the suffix identical outputs).
 (b) ``embedding_cosine``: cosine of the final embedding (masked mean pooling, L2-normalized,
     as sentence-transformers does for all-MiniLM-L6-v2) with full recompute's.
 (c) ``relative_retrieval``: top-1 retrieval accuracy of the bucket's questions against the
@@ -190,9 +193,11 @@ def measure_bucket_quality(
                 embs.append(mean_pool(r.hidden, _pool_mask(r.attention_mask, P, pooling)))
                 B = ids.shape[0]
                 worst = torch.full((B,), 1.0, dtype=torch.float64)
-                for l in range(d):
-                    kc = per_token_cosine(used.keys[l].expand(B, -1, -1, -1), kv.keys[l]).mean(1)
-                    vc = per_token_cosine(used.values[l].expand(B, -1, -1, -1), kv.values[l]).mean(1)
+                for l in range(min(d + 1, state.num_layers)):
+                    k_used = used.keys[l] if l < d else state.keys[l]  # layer d+1: K/V of the cached h_d
+                    v_used = used.values[l] if l < d else state.values[l]
+                    kc = per_token_cosine(k_used.expand(B, -1, -1, -1), kv.keys[l]).mean(1)
+                    vc = per_token_cosine(v_used.expand(B, -1, -1, -1), kv.values[l]).mean(1)
                     worst = torch.minimum(worst, torch.minimum(kc, vc))
                 kv_req.append(worst.numpy())
             emb = torch.cat(embs)
