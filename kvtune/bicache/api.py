@@ -207,11 +207,19 @@ def run_bicache_profile(
     Raises:
         BiCacheError, AssetError, DataError: bad settings, model or data.
     """
-    t_start = time.perf_counter()
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    threads_before = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(int(settings.threads))
+    try:
+        return _run(settings, Path(run_dir), adapter, tokenizer, on_stage)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | None, tokenizer: Any,
+         on_stage: Callable[[str], None]) -> BiCacheResult:
+    t_start = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
     if adapter is None:
         on_stage(f"loading encoder {settings.model}")
         adapter, tokenizer = load_encoder(settings.model, device=settings.device)

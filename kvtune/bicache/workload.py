@@ -170,7 +170,7 @@ def build_requests(
 
     def pieces(sid: int) -> tuple[list[int], list[str]]:
         if sid not in piece_cache:
-            ids = tokenizer(passages[sid], add_special_tokens=False)["input_ids"]
+            ids = tokenizer(passages[sid], add_special_tokens=False, verbose=False)["input_ids"]  # windowed below
             piece_cache[sid] = (ids, tokenizer.convert_ids_to_tokens(ids))
         return piece_cache[sid]
 
