@@ -431,8 +431,22 @@ def test_profile_table_rows_load_and_select(tiny_run):
         slow = table.select(1e-6, 0.9, key=key)  # a crawling link: fetching never pays
         assert slow.policy.label == "bicache d=0 (full recompute)"
         fast = table.select(1e9, 0.9, key=key)
-        cands = res.candidates[(res.candidates["key"] == key) & (res.candidates["relative_accuracy"] >= 0.9)]
+        c = res.candidates
+        cands = c[(c["key"] == key) & (c["relative_accuracy"] >= 0.9) & c["admissible"]]
+        chosen = int(res.depth_table.set_index("key").loc[key, "chosen_depth"])
+        assert cands["reuse_depth"].max() <= chosen  # deeper than the safe depth never enters the table
         assert fast.policy.a_s_per_gb == pytest.approx(cands["a_s_per_gb"].min())
+
+
+def test_compile_run_table_recompiles_from_saved_frames(tiny_run):
+    from kvtune.bicache.api import compile_run_table
+
+    res, _ = tiny_run
+    before = PolicyTable.load(res.run_dir / "policy_table.parquet")
+    again = compile_run_table(res.run_dir)
+    pd.testing.assert_frame_equal(before.frame, again.frame)
+    with pytest.raises(BiCacheError):
+        compile_run_table(res.run_dir / "missing")
 
 
 def test_cli_profile_on_tiny_model(tiny_folder, tiny_data, tmp_path):

@@ -9,7 +9,9 @@ Steps (BiCache paper, Sec. 3-4; ``BRIEF.md`` Sec. 4):
 3. per bucket: requests/s at every depth (:mod:`kvtune.bicache.throughput`);
 4. the ratio -> depth table: per bucket the deepest d whose lower bootstrap bounds stay above
    every floor (:func:`kvtune.bicache.stats.choose_depth`);
-5. ``method = "bicache"`` policy-table rows keyed by bucket (:mod:`kvtune.bicache.table`).
+5. ``method = "bicache"`` policy-table rows keyed by bucket (:mod:`kvtune.bicache.table`), from
+   the admissible lines only (:func:`mark_admissible`: depth <= the bucket's chosen depth and
+   the codec's own quality above the floors).
 
 Files of the run folder (each written atomically):
 
@@ -59,7 +61,8 @@ from kvtune.codecs import PolicyConfig
 from kvtune.errors import BiCacheError
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
 
-__all__ = ["CODEC_POLICIES", "BiCacheResult", "BiCacheSettings", "run_bicache_profile"]
+__all__ = ["CODEC_POLICIES", "BiCacheResult", "BiCacheSettings", "compile_run_table", "mark_admissible",
+           "run_bicache_profile"]
 
 SETTINGS_VERSION = 1
 
@@ -316,8 +319,10 @@ def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | Non
         "reference_volume": "bf16 bytes of the full-depth prefix state (L layers of K/V + final hidden)",
         "run": run_dir.name,
     }
-    table = compile_bicache_table(candidates, model=settings.model, workload=settings.workload,
-                                  device=settings.device, floors=settings.table_floors, metadata=meta)
+    candidates = mark_admissible(candidates, quality, depth_table, settings.floors)
+    table = compile_bicache_table(candidates[candidates["admissible"]], model=settings.model,
+                                  workload=settings.workload, device=settings.device, floors=settings.table_floors,
+                                  metadata=meta)
     on_stage("writing run folder")
     atomic_write_parquet(quality, run_dir / "quality.parquet")
     atomic_write_parquet(layer_cos, run_dir / "layer_cosine.parquet")
@@ -346,6 +351,66 @@ def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | Non
     atomic_write_text(run_dir / "summary.md", summary_markdown(depth_table, quality, throughput, layer_cos, settings))
     atomic_write_text(run_dir / "run.json", json.dumps(_clean(info), indent=2, allow_nan=False))
     return BiCacheResult(run_dir, depth_table, quality, layer_cos, throughput, candidates, table)
+
+
+def mark_admissible(candidates: pd.DataFrame, quality: pd.DataFrame, depth_table: pd.DataFrame,
+                    floors: Mapping[str, float]) -> pd.DataFrame:
+    """Add the bool column ``admissible``: a (bucket, depth, codec) line may enter the table iff
+    its depth is at most the bucket's chosen depth and its own quality (after the codec round
+    trip) passes the same floors as the depth choice (:data:`~kvtune.bicache.stats.CRITERIA`
+    statistics). Full recompute is always admissible.
+
+    The table's accuracy axis (relative retrieval accuracy) alone is too coarse to keep deep
+    reuse out: on all-MiniLM-L6-v2 top-1 retrieval stayed at 100 % of full recompute at depths
+    whose embedding cosine fell to 0.98.
+    """
+    chosen = dict(zip(depth_table["key"], depth_table["chosen_depth"], strict=True))
+    q = quality.set_index(["key", "depth", "policy"])
+    ok = []
+    for r in candidates.to_dict("records"):
+        d = int(r["reuse_depth"])
+        if d == 0:
+            ok.append(True)
+            continue
+        row = q.loc[(r["key"], d, r["codec"])]
+        passes = all(float(row[CRITERIA[c].column()]) >= f for c, f in floors.items())
+        ok.append(bool(passes and d <= chosen[r["key"]]))
+    return candidates.assign(admissible=ok)
+
+
+def compile_run_table(run_dir: str | Path) -> PolicyTable:
+    """Recompile ``policy_table.{parquet,json}`` of a BiCache run folder from its saved
+    candidates, quality and depth table (no re-measurement), with :func:`mark_admissible`.
+
+    Raises:
+        BiCacheError: the folder is not a BiCache run.
+    """
+    run_dir = Path(run_dir)
+    try:
+        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        candidates = pd.read_parquet(run_dir / "candidates.parquet")
+        quality = pd.read_parquet(run_dir / "quality.parquet")
+        depth_table = pd.read_parquet(run_dir / "depth_table.parquet")
+    except (OSError, ValueError) as exc:
+        raise BiCacheError(f"{run_dir}: not a readable BiCache run folder ({exc})") from None
+    if info.get("method") != "bicache":
+        raise BiCacheError(f"{run_dir}: run.json is not a BiCache run")
+    settings = BiCacheSettings.from_dict(info["settings"])
+    candidates = mark_admissible(candidates.drop(columns="admissible", errors="ignore"), quality, depth_table,
+                                 settings.floors)
+    meta = {
+        "kv_bytes_per_request": float(info["kv_bytes_per_request"]), "method": "bicache",
+        "prefix_tokens": int(info["prefix"]["tokens"]),
+        "reference_volume": "bf16 bytes of the full-depth prefix state (L layers of K/V + final hidden)",
+        "run": run_dir.name,
+    }
+    table = compile_bicache_table(candidates[candidates["admissible"]], model=settings.model,
+                                  workload=settings.workload, device=settings.device,
+                                  floors=settings.table_floors, metadata=meta)
+    atomic_write_parquet(candidates, run_dir / "candidates.parquet")
+    table.to_parquet(run_dir / "policy_table.parquet")
+    table.to_json(run_dir / "policy_table.json")
+    return table
 
 
 def _clean(obj: Any) -> Any:
