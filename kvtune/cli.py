@@ -62,11 +62,23 @@ def profile(
     resume: Optional[Path] = typer.Option(None, help="Continue an interrupted run folder; its saved settings are used."),
     device: str = typer.Option(_D.device, help="auto (CUDA when present), cpu or cuda."),
     seed: int = typer.Option(_D.seed, help="Seed for the search order."),
+    method: str = typer.Option("tqc", help="tqc: KV compression search (this command's options); "
+                                           "scd: cross-model KV transfer; bicache: shared-prefix reuse depth. "
+                                           "Full options of the last two: kvtune scd / kvtune bicache."),
 ) -> None:
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
     from kvtune.profile import load_settings, run_profile
 
+    if method != "tqc":
+        if method not in _METHOD_PROFILES:
+            _fail(KvtuneError(f"unknown --method {method!r}; known: tqc, {', '.join(sorted(_METHOD_PROFILES))}"))
+        try:
+            _METHOD_PROFILES[method](model=None if model == _D.model else model, out=out, run=run, device=device,
+                                     seed=seed)
+        except KvtuneError as exc:
+            _fail(exc)
+        return
     try:
         if resume is not None:
             settings = load_settings(resume)
@@ -85,6 +97,21 @@ def profile(
         _fail(exc)
         return
     _print_summary(result)
+
+
+def _profile_bicache(*, model: str | None, out: Path, run: str, device: str, seed: int) -> None:
+    """``kvtune profile --method bicache``: BiCache defaults (all-MiniLM-L6-v2, NarrativeQA)."""
+    from kvtune.bicache.api import BiCacheSettings, run_bicache_profile
+
+    bs = BiCacheSettings(seed=seed, device="cpu" if device == "auto" else device,
+                         **({"model": model} if model else {}))
+    result = run_bicache_profile(bs, out / (run or f"bicache-{Path(bs.model).name}"),
+                                 on_stage=lambda m: console.print(m, markup=False))
+    console.print((result.run_dir / "summary.md").read_text(encoding="utf-8"), markup=False)
+
+
+_METHOD_PROFILES = {"bicache": _profile_bicache}
+"""``--method`` values other than ``tqc``: each runs its own profiler with its defaults."""
 
 
 @contextlib.contextmanager
@@ -241,6 +268,10 @@ def select(
 def main() -> None:  # pragma: no cover - console entry point
     app()
 
+
+from kvtune.bicache.cli import app as _bicache_app  # noqa: E402  (sub-apps after the main commands)
+
+app.add_typer(_bicache_app, name="bicache")
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -83,3 +83,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tiny_model_dir, tiny_text):
     assert res.exit_code == 2 and "GGUF file not found" in res.output
     res = _profile(tmp_path, tiny_model_dir, tiny_text, "--context-tokens", "100000")
     assert res.exit_code == 2 and "fewer than 3 contexts" in res.output
+
+
+def test_unknown_method_lists_the_known_ones():
+    res = runner.invoke(app, ["profile", "--method", "nope"])
+    assert res.exit_code == 2 and "unknown --method 'nope'" in res.output and "bicache" in res.output
+
+
+def test_method_subcommands_are_mounted():
+    res = runner.invoke(app, ["bicache", "profile", "--help"])
+    assert res.exit_code == 0 and "--run" in res.output
