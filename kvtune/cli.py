@@ -35,11 +35,25 @@ _D = ProfileSettings()  # the defaults live in one place
 @app.command()
 def profile(
     model: str = typer.Option(_D.model, help="Named model asset, local .gguf file, Hugging Face folder or model id."),
-    text: str = typer.Option(_D.text, help="Named text asset, a .txt file or a folder of .txt files."),
+    text: str = typer.Option(_D.text, help="Named text asset, a .txt file or a folder of .txt files (continuation, needle)."),
+    workload: str = typer.Option(_D.workload, help="continuation, qa, boolq, needle or summarize."),
+    data: str = typer.Option(_D.data, help="Dataset of qa/boolq/summarize: a named data asset or a JSONL file "
+                                           "(default: the workload's asset)."),
+    samples: int = typer.Option(_D.samples, min=0, help="Samples at full fidelity (0 = the workload's default)."),
+    cheap_samples: int = typer.Option(_D.cheap_samples, min=0, help="Samples at cheap fidelity (0 = default)."),
+    max_new_tokens: int = typer.Option(_D.max_new_tokens, min=0, help="Generation budget of generative workloads "
+                                                                     "(0 = default)."),
+    search_fidelity: str = typer.Option(_D.search_fidelity, help="Fidelity the search sees: cheap or full."),
+    refine: bool = typer.Option(_D.refine, help="Re-evaluate the search's Pareto set at full fidelity."),
+    refine_budget: int = typer.Option(_D.refine_budget, min=0, help="At most this many Pareto policies are "
+                                      "re-evaluated, 2-D accuracy/ratio front first (0 = all)."),
+    kv_dtype: str = typer.Option(_D.kv_dtype, help="model (KV as computed) or bfloat16 (rounded first, as a bf16 server)."),
+    prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
     space: str = typer.Option(_D.space, help="Search space: a name in search_spaces/ or a YAML path."),
     budget: int = typer.Option(_D.budget, min=0, help="Maximum policies to evaluate (0 = the whole space)."),
-    optimizer: str = typer.Option(_D.optimizer, help="Search strategy: random or exhaustive."),
-    contexts: int = typer.Option(_D.contexts, min=1, help="Number of real text contexts (N)."),
+    optimizer: str = typer.Option(_D.optimizer, help="Search strategy: mobo, kvserve, random, exhaustive, "
+                                                     "optuna-tpe, optuna-nsga2 or optuna-gp."),
+    contexts: int = typer.Option(_D.contexts, min=1, help="Contexts of the continuation workload (its full-fidelity samples)."),
     context_tokens: int = typer.Option(_D.context_tokens, min=1, help="Tokens per context whose KV is compressed (T)."),
     continuation_tokens: int = typer.Option(_D.continuation_tokens, min=2, help="Held-out continuation tokens scored per context (C)."),
     out: Path = typer.Option(Path(_D.out), help="Folder that receives the run folder."),
@@ -48,11 +62,23 @@ def profile(
     resume: Optional[Path] = typer.Option(None, help="Continue an interrupted run folder; its saved settings are used."),
     device: str = typer.Option(_D.device, help="auto (CUDA when present), cpu or cuda."),
     seed: int = typer.Option(_D.seed, help="Seed for the search order."),
+    method: str = typer.Option("tqc", help="tqc: KV compression search (this command's options); "
+                                           "scd: cross-model KV transfer; bicache: shared-prefix reuse depth. "
+                                           "Full options of the last two: kvtune scd / kvtune bicache."),
 ) -> None:
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
     from kvtune.profile import load_settings, run_profile
 
+    if method != "tqc":
+        if method not in _METHOD_PROFILES:
+            _fail(KvtuneError(f"unknown --method {method!r}; known: tqc, {', '.join(sorted(_METHOD_PROFILES))}"))
+        try:
+            _METHOD_PROFILES[method](model=None if model == _D.model else model, out=out, run=run, device=device,
+                                     seed=seed)
+        except KvtuneError as exc:
+            _fail(exc)
+        return
     try:
         if resume is not None:
             settings = load_settings(resume)
@@ -61,7 +87,9 @@ def profile(
             settings = ProfileSettings(
                 model=model, text=text, space=space, budget=budget, optimizer=optimizer, contexts=contexts,
                 context_tokens=context_tokens, continuation_tokens=continuation_tokens, out=str(out),
-                reports=str(reports), run=run, device=device, seed=seed,
+                reports=str(reports), run=run, device=device, seed=seed, workload=workload, data=data,
+                samples=samples, cheap_samples=cheap_samples, max_new_tokens=max_new_tokens,
+                search_fidelity=search_fidelity, refine=refine, refine_budget=refine_budget, kv_dtype=kv_dtype, prompt_format=prompt_format,
             )
         with _progress_hooks() as (on_stage, on_progress):
             result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)
@@ -69,6 +97,36 @@ def profile(
         _fail(exc)
         return
     _print_summary(result)
+
+
+def _profile_bicache(*, model: str | None, out: Path, run: str, device: str, seed: int) -> None:
+    """``kvtune profile --method bicache``: BiCache defaults (all-MiniLM-L6-v2, NarrativeQA)."""
+    from kvtune.bicache.api import BiCacheSettings, run_bicache_profile
+
+    bs = BiCacheSettings(seed=seed, device="cpu" if device == "auto" else device,
+                         **({"model": model} if model else {}))
+    result = run_bicache_profile(bs, out / (run or f"bicache-{Path(bs.model).name}"),
+                                 on_stage=lambda m: console.print(m, markup=False))
+    console.print((result.run_dir / "summary.md").read_text(encoding="utf-8"), markup=False)
+
+
+def _profile_scd(*, model: str | None, out: Path, run: str, device: str, seed: int) -> None:
+    """``kvtune profile --method scd``: producer ``--model`` (default SmolLM2), the consumer that
+    ``kvtune scd make-consumer`` builds from it (created and cached on first use), SCD defaults."""
+    from kvtune.scd import ConsumerRecipe, SCDProfileSettings, make_consumer, run_scd_profile
+
+    producer = model or _D.model
+    console.print("consumer: LoRA fine-tune of the producer (cached after the first run)", markup=False)
+    consumer = make_consumer(ConsumerRecipe(producer=producer), device="cpu" if device == "auto" else device)
+    run_dir = out / (run or f"scd-{Path(producer).stem}")
+    res = run_scd_profile(producer, str(consumer.path), run_dir, settings=SCDProfileSettings(device=device),
+                          progress=lambda m: console.print(m, markup=False))
+    console.print((run_dir / "scd_summary.md").read_text(encoding="utf-8"), markup=False)
+    console.print(f"table: {res.paths['table']}", markup=False)
+
+
+_METHOD_PROFILES = {"bicache": _profile_bicache, "scd": _profile_scd}
+"""``--method`` values other than ``tqc``: each runs its own profiler with its defaults."""
 
 
 @contextlib.contextmanager
@@ -108,13 +166,14 @@ def _progress_hooks():
 
 def _print_summary(result) -> None:
     trials, pareto = result.trials, result.pareto
-    table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} policies)")
-    for col in ("policy", "ratio", "rel. acc. %", "95% CI", "KL (nats)", "enc GB/s", "dec GB/s"):
+    fidelity = f", {pareto['fidelity'].iloc[0]} fidelity" if "fidelity" in pareto and len(pareto) else ""
+    table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} trials{fidelity})")
+    for col in ("policy", "ratio", "rel. acc. %", "95% CI", "enc GB/s", "dec GB/s"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for _, r in pareto.sort_values("compression_ratio", ascending=False).iterrows():
         table.add_row(
             r["label"], f"{r['compression_ratio']:.2f}x", f"{100 * r['relative_accuracy']:.2f}",
-            f"{100 * r['relative_accuracy_lo']:.1f}-{100 * r['relative_accuracy_hi']:.1f}", f"{r['kl_mean']:.4f}",
+            f"{100 * r['relative_accuracy_lo']:.1f}-{100 * r['relative_accuracy_hi']:.1f}",
             f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
         )
     console.print(table)
@@ -224,6 +283,13 @@ def select(
 def main() -> None:  # pragma: no cover - console entry point
     app()
 
+
+from kvtune.bicache.cli import app as _bicache_app  # noqa: E402  (sub-apps after the main commands)
+
+from kvtune.scd.cli import app as _scd_app  # noqa: E402
+
+app.add_typer(_bicache_app, name="bicache")
+app.add_typer(_scd_app, name="scd")
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -53,3 +53,9 @@ class StreamVersionError(KVStreamError):
 
 class PolicyMismatchError(KVStreamError):
     """The stream was encoded with a different policy than the one the caller expects."""
+
+
+class BiCacheError(KvtuneError):
+    """A BiCache (shared-prefix reuse) request is invalid: a reuse depth outside ``0..L``, a
+    cached prefix state that belongs to another prefix or covers fewer layers, an unsupported
+    encoder family, or a malformed prefix-state payload."""

@@ -26,15 +26,14 @@ import pandas as pd
 import torch
 
 from kvtune import __version__
-from kvtune.assets import read_texts
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
-from kvtune.evaluate.capture import build_contexts, capture
-from kvtune.evaluate.evaluator import ContinuationEvaluator
+from kvtune.evaluate.metrics import spearman
+from kvtune.evaluate.workloads import FIDELITIES, make_workload, workload_sample_counts
 from kvtune.evaluate.model import load_model
 from kvtune.evaluate.ratio import estimate_ratios
 from kvtune.optimize import OPTIMIZERS, make_optimizer
-from kvtune.pareto import pareto_front
+from kvtune.pareto import non_dominated_mask, pareto_front
 from kvtune.settings import ProfileSettings
 from kvtune.report.html import write_report
 from kvtune.space import load_space
@@ -83,84 +82,152 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
                 on_progress: Hook = _noop) -> ProfileResult:
     """Run (or resume) a profile and write all outputs.
 
+    Stages: load the model; build the workload (``settings.workload``: load its real data,
+    prefill every sample, cache the uncompressed baseline); calibrate MixHQ heads when the space
+    needs them; estimate every candidate's compression ratio when the optimizer uses them;
+    search at ``settings.search_fidelity`` (one trials row per policy, written as it finishes);
+    re-evaluate the search's Pareto set at full fidelity (multi-fidelity, issue 6); then
+    :func:`finalize_run`.
+
     Args:
         settings: the run's settings; ``settings.run`` is filled in when empty.
-        resume: continue the trials already in the run folder (never re-evaluating a policy).
+        resume: continue the trials already in the run folder (never re-evaluating a policy at
+            a fidelity it already has).
         on_stage: ``on_stage(name, total)`` when a stage with ``total`` steps starts.
         on_progress: ``on_progress(n=1, info=str)`` after each step of the current stage.
 
     Raises:
-        KvtuneError (and subclasses): bad settings, assets, spaces or models.
+        KvtuneError (and subclasses): bad settings, assets, data, spaces or models.
     """
     settings.run = settings.run or default_run_name(settings)
     run_dir = settings.run_dir
     if not resume and (run_dir / TrialStore.LOG).exists():
         raise KvtuneError(f"run folder {run_dir} already has trials; use --resume {run_dir} or another --run name")
+    if settings.search_fidelity not in FIDELITIES:
+        raise KvtuneError(f"--search-fidelity must be one of {', '.join(FIDELITIES)}, not {settings.search_fidelity!r}")
+    if settings.optimizer not in OPTIMIZERS:
+        raise KvtuneError(f"unknown optimizer {settings.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
     torch.manual_seed(settings.seed)
     t_start = time.perf_counter()
     space = load_space(settings.space)
     store = TrialStore(run_dir)
-    done = {r["policy_id"]: r for r in store.load()}
+    done = _done_by_fidelity(store.load())
 
     on_stage("load model", 1)
     lm = load_model(settings.model, settings.device)
     on_progress(1)
-    docs = read_texts(settings.text)
-    ids = build_contexts(lm.tokenizer, docs, n_contexts=settings.contexts, context_tokens=settings.context_tokens,
-                         continuation_tokens=settings.continuation_tokens)
-    on_stage("prefill + baseline", settings.contexts)
-    cap = capture(lm, ids, settings.context_tokens, progress=lambda n: on_progress(n))
-    evaluator = ContinuationEvaluator(lm, cap)
-    space = _calibrated(space, lm, cap.input_ids[:2, : min(settings.context_tokens, 1024)], run_dir, on_stage, on_progress)
+    n_full, _ = workload_sample_counts(settings.workload, settings)
+    on_stage(f"prefill {settings.workload} samples", n_full)
+    wl = make_workload(settings.workload, lm, settings=settings, progress=lambda n: on_progress(n))
+    if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine
+        settings.search_fidelity = "full"
+    space = _calibrated(space, lm, wl.calibration_ids(), run_dir, on_stage, on_progress)
     ratios = None
-    if getattr(OPTIMIZERS.get(settings.optimizer), "needs_ratios", True):  # model-based optimizers use them
+    if getattr(OPTIMIZERS[settings.optimizer], "needs_ratios", True):  # model-based optimizers use them
         on_stage("estimate ratios", len(space))
-        ratios = estimate_ratios([c.config for c in space.candidates], cap.context_kv(0), progress=on_progress)
+        ratios = estimate_ratios([c.config for c in space.candidates], wl.kv_sample(), progress=on_progress)
     t_capture = time.perf_counter() - t_start
 
     run_info = {
         "settings": settings.to_dict(),
         "space": {"name": space.name, "path": str(space.path), "candidates": len(space)},
         "model_info": lm.describe(),
-        "workload": evaluator.workload,
+        "workload": settings.workload,
+        "workload_info": wl.describe(),
         "versions": {"kvtune": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "host": {"machine": platform.machine(), "threads": torch.get_num_threads()},
     }
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
 
+    fid = settings.search_fidelity
+    searched = done.get(fid, {})
     optimizer = make_optimizer(settings.optimizer, space, seed=settings.seed, ratios=ratios)
     for cand in space.candidates:
-        if cand.policy_id in done:
-            optimizer.tell(cand, done[cand.policy_id])
+        if cand.policy_id in searched:
+            optimizer.tell(cand, searched[cand.policy_id])
     budget = len(space) if settings.budget <= 0 else min(settings.budget, len(space))
-    remaining = max(budget - len(done), 0)
-    on_stage("evaluate policies", remaining)
-    for _ in range(remaining):
+    trial = sum(len(rows) for rows in done.values())
+    on_stage(f"evaluate policies ({fid})", max(budget - len(searched), 0))
+    for _ in range(max(budget - len(searched), 0)):
         cand = optimizer.ask()
         if cand is None:
             break
-        result = evaluator.evaluate(cand.config)
-        record = {
-            "trial": len(optimizer.told),
-            "policy_id": cand.policy_id,
-            "label": cand.config.label,
-            "method": "tqc",
-            "config_json": cand.config.to_json(),
-            "preset": cand.params.get("preset"),
-            **{f"param.{k}": v for k, v in cand.params.items()},
-            "ratio_estimate": None if ratios is None else float(ratios[cand.index]),
-            **result,
-        }
+        record = _record(trial, "search", cand, wl.evaluate(cand.config, fidelity=fid), ratios)
         store.append(record)
         optimizer.tell(cand, record)
-        on_progress(1, info=f"{record['label']}  CR {record['compression_ratio']:.2f}x  "
-                            f"acc {100 * record['relative_accuracy']:.1f}%")
+        trial += 1
+        on_progress(1, info=_info(record))
+    t_search = time.perf_counter() - t_start - t_capture
+
+    if settings.refine and fid != "full":
+        front = pareto_front(pd.DataFrame(list(optimizer.told.values())))
+        by_id = {c.policy_id: c for c in space.candidates}
+        chosen = refinement_order(front, settings.refine_budget)
+        todo = [pid for pid in chosen if pid not in done.get("full", {})]
+        on_stage("re-evaluate Pareto set (full)", len(todo))
+        for pid in todo:
+            cand = by_id[pid]
+            record = _record(trial, "refine", cand, wl.evaluate(cand.config, fidelity="full"), ratios)
+            store.append(record)
+            trial += 1
+            on_progress(1, info=_info(record))
 
     on_stage("pareto + tables + report", 1)
-    run_info["timing_seconds"] = {"load_and_capture": t_capture, "evaluate": time.perf_counter() - t_start - t_capture}
+    run_info["timing_seconds"] = {"load_and_prefill": t_capture, "search": t_search,
+                                  "refine": time.perf_counter() - t_start - t_capture - t_search}
     result = finalize_run(run_dir, run_info=run_info)
     on_progress(1)
     return result
+
+
+def refinement_order(front: pd.DataFrame, limit: int) -> list[str]:
+    """Which search-fidelity Pareto policies to re-evaluate at full fidelity, most useful first.
+
+    First the policies on the 2-D accuracy / compression-ratio front (the ones a policy table
+    can pick at some floor when codec speeds are alike), then the rest of the 3-D front (kept
+    there by a faster codec); each group by compression ratio, highest first. At most
+    ``limit`` ids (``limit <= 0``: all).
+
+    Args:
+        front: the search's 3-D Pareto front (``policy_id``, ``relative_accuracy``,
+            ``compression_ratio``).
+    """
+    if front.empty:
+        return []
+    pts = front[["relative_accuracy", "compression_ratio"]].to_numpy(dtype=float)
+    on_2d = non_dominated_mask(pts, maximize=[True, True])
+    ordered = front.assign(_2d=on_2d).sort_values(["_2d", "compression_ratio"], ascending=[False, False], kind="stable")
+    ids = ordered["policy_id"].astype(str).tolist()
+    return ids if limit <= 0 else ids[:limit]
+
+
+def _done_by_fidelity(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Stored trials as ``{fidelity: {policy_id: row}}`` (rows of version-1 runs are ``full``)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        out.setdefault(r.get("fidelity") or "full", {})[r["policy_id"]] = r
+    return out
+
+
+def _record(trial: int, stage: str, cand, result: dict[str, Any], ratios) -> dict[str, Any]:
+    """One trials row: the candidate's identity and parameters, then the evaluation result."""
+    return {
+        "trial": trial,
+        "stage": stage,
+        "policy_id": cand.policy_id,
+        "label": cand.config.label,
+        "method": "tqc",
+        "config_json": cand.config.to_json(),
+        "preset": cand.params.get("preset"),
+        **{f"param.{k}": v for k, v in cand.params.items()},
+        "ratio_estimate": None if ratios is None else float(ratios[cand.index]),
+        **result,
+    }
+
+
+def _info(record: dict[str, Any]) -> str:
+    return (f"{record['label']}  CR {record['compression_ratio']:.2f}x  "
+            f"acc {100 * record['relative_accuracy']:.1f}% (lo {100 * record['relative_accuracy_lo']:.1f})")
 
 
 def _calibrated(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook):
@@ -180,6 +247,30 @@ def _calibrated(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stag
         atomic_write_text(path, json.dumps({"head_scores": scores.to_dict()}, indent=1))
         on_progress(1)
     return space.with_head_scores(scores.scores)
+
+
+def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    """Split a run's trials into the search rows and the rows the final Pareto front is built on.
+
+    With a cheap search and a refinement, the final rows are the full-fidelity re-evaluations
+    of the search's Pareto set; otherwise they are the search rows themselves.
+
+    Returns:
+        ``(searched, final, info)``; ``info`` has ``search``, ``final`` (fidelity names),
+        ``refined`` (policies evaluated at both) and ``spearman_relative_accuracy``: the rank
+        correlation of the cheap and full relative accuracies over those policies (NaN below 2).
+    """
+    fid = trials["fidelity"].fillna("full") if "fidelity" in trials else pd.Series("full", index=trials.index)
+    searched = trials[fid == search_fidelity]
+    full = trials[fid == "full"]
+    info: dict[str, Any] = {"search": search_fidelity, "final": search_fidelity, "refined": 0,
+                            "spearman_relative_accuracy": None}
+    if search_fidelity == "full" or full.empty:
+        return searched, searched, info
+    both = searched.merge(full, on="policy_id", suffixes=("_cheap", "_full"))
+    rho = spearman(both["relative_accuracy_raw_cheap"].tolist(), both["relative_accuracy_raw_full"].tolist())
+    info.update(final="full", refined=len(both), spearman_relative_accuracy=None if rho != rho else round(rho, 4))
+    return searched, full, info
 
 
 def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> ProfileResult:
@@ -202,12 +293,15 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
     if trials.empty:
         raise KvtuneError(f"{run_dir}: no finished trials yet")
     files = {"run": run_dir / "run.json", "trials": store.write_table()}
-    pareto = pareto_front(trials)
+    searched, final, fidelity_info = split_fidelities(trials, settings.search_fidelity)
+    pareto = pareto_front(final)
     files["pareto"] = atomic_write_parquet(pareto, run_dir / "pareto.parquet")
+    run_info["fidelity"] = fidelity_info
     table = compile_policy_table(pareto, floors=settings.floors, model=settings.model,
                                  workload=run_info.get("workload", "continuation"),
                                  device=run_info.get("model_info", {}).get("device", "cpu"),
-                                 metadata=run_table_metadata(run_dir, run_info))
+                                 metadata=run_table_metadata(run_dir, run_info),
+                                 gate="relative_accuracy_lo" if "relative_accuracy_lo" in pareto else "relative_accuracy")
     files["policy_table"] = run_dir / "policy_table.parquet"
     files["policy_table_json"] = run_dir / "policy_table.json"
     table.to_parquet(files["policy_table"])
@@ -215,6 +309,6 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
     run_info["trials"] = len(trials)
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
     report_path = Path(settings.reports) / f"{run_dir.name}.html"
-    files["report"] = write_report(trials, pareto, table, report_path,
+    files["report"] = write_report(searched, pareto, table, report_path,
                                    title=f"kvtune profile: {run_dir.name}", run_config=run_info)
     return ProfileResult(settings=settings, trials=trials, pareto=pareto, table=table, files=files)

@@ -15,7 +15,7 @@ from kvtune.errors import KvtuneError
 
 SETTINGS_VERSION = 2
 """Version 2 added the workload fields (``workload``, ``data``, ``samples``, ``cheap_samples``,
-``max_new_tokens``, ``kv_dtype``, ``prompt_format``); version-1 settings load with their
+``max_new_tokens``, ``kv_dtype``, ``prompt_format``, ``search_fidelity``, ``refine``, ``refine_budget``); version-1 settings load with their
 defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
 READABLE_VERSIONS = (1, 2)
 
@@ -46,6 +46,12 @@ class ProfileSettings:
             uncompressed policy is exactly lossless).
         prompt_format: ``auto`` (the chat template when the tokenizer has one), ``chat`` or
             ``plain``.
+        search_fidelity: ``cheap`` (the workload's teacher-forced score on ``cheap_samples``)
+            or ``full``: the fidelity the optimizer sees.
+        refine: re-evaluate the search's Pareto set at full fidelity; the tables and the report
+            then use the full-fidelity results (no effect when ``search_fidelity`` is ``full``).
+        refine_budget: at most this many Pareto policies are re-evaluated (0 = all), in the
+            order of :func:`kvtune.profile.refinement_order`.
         optimizer: registered optimizer name.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: seeds the optimizer (and anything random) so runs reproduce.
@@ -60,7 +66,7 @@ class ProfileSettings:
     contexts: int = 24
     context_tokens: int = 1024
     continuation_tokens: int = 128
-    optimizer: str = "random"
+    optimizer: str = "mobo"
     device: str = "auto"
     seed: int = 0
     floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
@@ -71,6 +77,9 @@ class ProfileSettings:
     max_new_tokens: int = 0
     kv_dtype: str = "model"
     prompt_format: str = "auto"
+    search_fidelity: str = "cheap"
+    refine: bool = True
+    refine_budget: int = 12
     run: str = ""
     out: str = "profiles"
     reports: str = "reports"
@@ -98,6 +107,8 @@ class ProfileSettings:
         if unknown:
             raise KvtuneError(f"run settings have unknown keys {sorted(unknown)}")
         d = dict(d)
+        if d.get("version") == 1:  # version-1 runs evaluated every policy on all contexts
+            d.setdefault("search_fidelity", "full")
         d["floors"] = tuple(d.get("floors", cls.floors))
         d["version"] = SETTINGS_VERSION
         return cls(**d)

@@ -38,6 +38,25 @@ def test_profile_writes_all_outputs(tmp_path, tiny_model_dir, tiny_text):
     assert "Pareto front" in res.output
 
 
+def test_cheap_search_then_full_refinement_of_the_pareto_set(tmp_path, tiny_model_dir, tiny_text):
+    res = _profile(tmp_path, tiny_model_dir, tiny_text, "--cheap-samples", "2")
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "profiles" / "tiny"
+    trials = pd.read_parquet(run / "trials.parquet")
+    cheap, full = trials[trials["fidelity"] == "cheap"], trials[trials["fidelity"] == "full"]
+    assert len(cheap) == 6 and (cheap["samples"] == 2).all() and (cheap["stage"] == "search").all()
+    assert len(full) >= 1 and (full["samples"] == 3).all() and (full["stage"] == "refine").all()
+    pareto = pd.read_parquet(run / "pareto.parquet")
+    assert set(pareto["policy_id"]) <= set(full["policy_id"]) <= set(cheap["policy_id"])
+    assert (pareto["fidelity"] == "full").all()
+    info = json.loads((run / "run.json").read_text())["fidelity"]
+    assert info["search"] == "cheap" and info["final"] == "full" and info["refined"] == len(full)
+    assert "Spearman rank correlation" in (tmp_path / "reports" / "tiny.html").read_text()
+    # resuming a finished run evaluates nothing again
+    assert runner.invoke(app, ["profile", "--resume", str(run)]).exit_code == 0
+    assert len(pd.read_parquet(run / "trials.parquet")) == len(trials)
+
+
 def test_resume_continues_without_repeating(tmp_path, tiny_model_dir, tiny_text):
     assert _profile(tmp_path, tiny_model_dir, tiny_text).exit_code == 0
     run = tmp_path / "profiles" / "tiny"
@@ -64,3 +83,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tiny_model_dir, tiny_text):
     assert res.exit_code == 2 and "GGUF file not found" in res.output
     res = _profile(tmp_path, tiny_model_dir, tiny_text, "--context-tokens", "100000")
     assert res.exit_code == 2 and "fewer than 3 contexts" in res.output
+
+
+def test_unknown_method_lists_the_known_ones():
+    res = runner.invoke(app, ["profile", "--method", "nope"])
+    assert res.exit_code == 2 and "unknown --method 'nope'" in res.output and "bicache" in res.output
+
+
+def test_method_subcommands_are_mounted():
+    res = runner.invoke(app, ["bicache", "profile", "--help"])
+    assert res.exit_code == 0 and "--run" in res.output

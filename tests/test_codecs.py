@@ -34,6 +34,7 @@ from kvtune.codecs import (
     original_nbytes,
     read_header,
 )
+from kvtune.codecs import fastpath
 from kvtune.codecs.base import BF16_BITS, plan_segments
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
 from kvtune.codecs.fp8 import FP8Quantizer
@@ -257,6 +258,48 @@ def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtyp
             assert torch.isfinite(dec).all()
             # the codec and the stream are lossless: decode == the in-memory lossy pipeline, bit for bit
             assert torch.equal(dec, reference_pipeline(orig, cfg, quant, MATRIX_OFFSET + i, kind))
+
+
+@pytest.mark.parametrize(
+    "cfg, dtype",
+    [(p, torch.float32) for p in POLICIES] + [(p, torch.bfloat16) for p in BF16_POLICIES],
+    ids=lambda x: x.label if isinstance(x, PolicyConfig) else str(x).removeprefix("torch."),
+)
+def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
+    """The compiled fast path and the torch reference are interchangeable, byte for byte."""
+    assert fastpath.supports(cfg)  # every built-in component has a kernel: nothing falls back silently
+    kv = make_kv(MATRIX_SHAPES, dtype=dtype, seed=7)
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="fast")
+    assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference")
+    fast = decode_kv(stream, expect=cfg, impl="fast")
+    ref = decode_kv(stream, expect=cfg, impl="reference")
+    for (k1, v1), (k2, v2) in zip(fast, ref):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in kv]
+    into = decode_kv(stream, impl="fast", out=out)
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(into, out))  # decoded in place
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fast_path_output_does_not_depend_on_threads(threads):
+    kv = make_kv(MATRIX_SHAPES, seed=3)
+    cfg = PolicyConfig.kivi(2)
+    before = fastpath.num_threads()
+    try:
+        fastpath.set_num_threads(threads)
+        assert encode_kv(kv, cfg, impl="fast") == encode_kv(kv, cfg, impl="reference")
+    finally:
+        fastpath.set_num_threads(before)
+
+
+def test_impl_argument_is_validated():
+    kv = make_kv(MATRIX_SHAPES[:1])
+    with pytest.raises(ValueError, match="impl"):
+        encode_kv(kv, PolicyConfig.kivi(2), impl="turbo")
+    stream = encode_kv(kv, PolicyConfig.kivi(2))
+    with pytest.raises(ValueError, match="out"):
+        decode_kv(stream, out=[(torch.empty(1), torch.empty(1))] * 5)
 
 
 def test_none_quantizer_is_lossless_on_bfloat16_and_rounds_float32_to_bfloat16():
@@ -744,12 +787,13 @@ def test_good_stream_decodes_with_and_without_expectation(good_stream):
     assert len(decode_kv(memoryview(stream))) == 2
 
 
-def test_flipped_payload_byte_is_corrupt(good_stream):
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_flipped_payload_byte_is_corrupt(good_stream, impl):
     _, stream = good_stream
     h = read_header(stream)
     for pos in (h.header_nbytes, h.header_nbytes + (h.state_nbytes + h.meta_nbytes) // 2, len(stream) - 10, len(stream) - 1):
         with pytest.raises(CorruptStreamError):
-            decode_kv(_flip(stream, pos))
+            decode_kv(_flip(stream, pos), impl=impl)
 
 
 def test_flipped_header_byte_is_corrupt(good_stream):

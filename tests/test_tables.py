@@ -445,6 +445,20 @@ def test_floors_are_configurable(hand_table):
             compile_policy_table(hand_pareto(), floors=bad, model="m", workload="w", device="d")
 
 
+def test_floors_can_gate_on_the_interval_lower_bound():
+    pareto = hand_pareto()
+    point = compile_policy_table(pareto, floors=[0.99], model="m", workload="w", device="d")
+    assert set(point.intervals(0.99)["policy_id"]) >= {"p1", "p5"}  # point estimates 99.9 %, 99.5 %
+    pareto["relative_accuracy_lo"] = [0.995, 0.980, 0.950, 0.900, 0.985]  # p5's interval reaches below 99 %
+    lo = compile_policy_table(pareto, floors=[0.99], model="m", workload="w", device="d", gate="relative_accuracy_lo")
+    assert "p5" not in set(lo.intervals(0.99)["policy_id"]) and "p1" in set(lo.intervals(0.99)["policy_id"])
+    with pytest.raises(TableError, match="gate column 'nope'"):
+        compile_policy_table(pareto, model="m", workload="w", device="d", gate="nope")
+    pareto.loc[0, "relative_accuracy_lo"] = float("nan")
+    with pytest.raises(TableError, match="finite"):
+        compile_policy_table(pareto, model="m", workload="w", device="d", gate="relative_accuracy_lo")
+
+
 def test_extra_key_column_is_optional_and_keys_tables(tmp_path, hand_table):
     assert hand_table.keys == ("",) and (hand_table.frame["key"] == "").all()
     # a file written before the column existed loads with key ""

@@ -329,6 +329,10 @@ def test_ratio_of_means_and_its_bootstrap():
     assert lo < 2.5 / 3 < hi <= 1.0
     lo, hi = metrics.bootstrap_ratio_of_means(b, b)
     assert lo == hi == 1.0
+    # gemma-3-270m needle: baseline found 1 passkey of 4, the decoded cache 3 (raw ratio 3.0);
+    # resamples missing the baseline's hit are x / 0: the interval is [1, inf], never NaN
+    lo, hi = metrics.bootstrap_ratio_of_means(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert lo == 1.0 and hi == math.inf
 
 
 def test_relative_accuracy_above_one_is_reported_as_one():

@@ -42,6 +42,7 @@ import torch
 import kvtune.codecs.fp8  # noqa: F401  (registers the "fp8" quantizer)
 import kvtune.codecs.mixhq  # noqa: F401  (registers the "mixhq" quantizer)
 import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
+from kvtune.codecs import fastpath
 from kvtune.codecs.base import (
     Codec,
     MetaField,
@@ -67,6 +68,7 @@ __all__ = [
     "apply_transforms",
     "invert_transforms",
     "transform_min_bits",
+    "IMPLS",
 ]
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -363,7 +365,23 @@ def _decode_tensor(
     return invert_transforms(y, config.transforms, states, layer=layer, kind=kind)
 
 
-def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> bytes:
+IMPLS = ("auto", "fast", "reference")
+"""Values of the ``impl`` argument of :func:`encode_kv` / :func:`decode_kv`."""
+
+
+def _use_fast(impl: str, config: PolicyConfig) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "reference":
+        return False
+    ok = fastpath.supports(config)
+    if impl == "fast" and not ok:
+        reason = "the compiled kernels are not available" if not fastpath.available() else "a component has no kernel"
+        raise ConfigError(f"policy {config.label}: no fast path ({reason}); use impl='auto' or 'reference'")
+    return ok
+
+
+def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl: str = "auto") -> bytes:
     """Compress a KV cache into one self-describing stream.
 
     Args:
@@ -373,6 +391,9 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> b
         config: the policy.
         layer_offset: absolute index of ``kv[0]`` (when the stream carries a layer range);
             seeds of layer-dependent transforms use ``layer_offset + i``.
+        impl: ``"auto"`` (compiled kernels when every component has one, see
+            :mod:`kvtune.codecs.fastpath`), ``"fast"`` (require them) or ``"reference"`` (the
+            torch implementation of each component). All give the same bytes.
 
     Returns:
         The stream bytes (format: :mod:`kvtune.codecs.stream`); deterministic.
@@ -386,11 +407,15 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> b
     dtype = _kv_dtype(kv)
     if layer_offset < 0:
         raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
-    shapes, sections = [], []
-    for i, (k, v) in enumerate(kv):
-        layer = layer_offset + i
-        shapes.append((tuple(k.shape), tuple(v.shape)))
-        sections.append((_encode_tensor(k, config, config.key, layer, "key"), _encode_tensor(v, config, config.value, layer, "value")))
+    shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
+    crcs = None
+    if _use_fast(impl, config):
+        sections, crcs = fastpath.encode_tensors(kv, config, layer_offset)
+    else:
+        sections = []
+        for i, (k, v) in enumerate(kv):
+            layer = layer_offset + i
+            sections.append((_encode_tensor(k, config, config.key, layer, "key"), _encode_tensor(v, config, config.value, layer, "value")))
     return write_stream(
         policy=config.to_dict(),
         policy_id=config.policy_id,
@@ -398,15 +423,27 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0) -> b
         dtype=_DTYPE_NAMES[dtype],
         shapes=shapes,
         sections=sections,
+        crcs=crcs,
     )
 
 
-def decode_kv(stream: bytes | bytearray | memoryview, *, expect: PolicyConfig | None = None) -> KVLayers:
+def decode_kv(
+    stream: bytes | bytearray | memoryview,
+    *,
+    expect: PolicyConfig | None = None,
+    impl: str = "auto",
+    out: KVLayers | None = None,
+) -> KVLayers:
     """Decompress a stream written by :func:`encode_kv`, from its bytes alone.
 
     Args:
         stream: the stream bytes.
         expect: when given, the policy the caller expects the stream to use.
+        impl: ``"auto"``, ``"fast"`` or ``"reference"``, as in :func:`encode_kv`; all give
+            the same tensors.
+        out: optional preallocated ``(K, V)`` tensors to decode into (CPU, contiguous, the
+            stream's shapes and dtype), e.g. the KV cache blocks of a serving engine; saves
+            allocating (and page-faulting) fresh tensors. They are returned.
 
     Returns:
         One ``(K, V)`` pair per layer on the CPU, with the shapes and dtype of the encoded
@@ -426,17 +463,48 @@ def decode_kv(stream: bytes | bytearray | memoryview, *, expect: PolicyConfig | 
     except ConfigError as exc:
         raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {exc}") from None
     dtype = _NAME_DTYPES[header.dtype]
-    out: KVLayers = []
+    if out is not None:
+        _check_out(out, header.shapes, dtype)
+    if _use_fast(impl, config):
+        try:
+            return fastpath.decode_tensors(stream, header, sections, config, out)
+        except fastpath._LayerError as err:
+            _raise_decode_error(header.policy_id, err.layer, err.exc)
+    result: KVLayers = []
     for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):
         layer = header.layer_offset + i
         try:
             k = _decode_tensor(ks, kshape, config, config.key, layer, "key")
             v = _decode_tensor(vs, vshape, config, config.value, layer, "value")
-        except CorruptStreamError:
-            raise
-        except ConfigError as exc:
-            raise KVStreamError(f"KV stream policy {header.policy_id} cannot decode layer {layer}: {exc}") from None
-        except (ValueError, RuntimeError, IndexError, TypeError) as exc:
-            raise CorruptStreamError(f"corrupt KV stream: layer {layer} does not decode ({exc})") from None
-        out.append((k.to(dtype), v.to(dtype)))
-    return out
+        except Exception as exc:
+            _raise_decode_error(header.policy_id, layer, exc)
+        if out is None:
+            result.append((k.to(dtype), v.to(dtype)))
+        else:
+            out[i][0].copy_(k.to(dtype))
+            out[i][1].copy_(v.to(dtype))
+    return result if out is None else out
+
+
+def _check_out(out: KVLayers, shapes, dtype: torch.dtype) -> None:
+    """``decode_kv(out=...)`` needs CPU contiguous tensors of the stream's shapes and dtype."""
+    if not isinstance(out, (list, tuple)) or len(out) != len(shapes):
+        raise ValueError(f"out must be a list of {len(shapes)} (K, V) pairs")
+    for i, (pair, kv_shapes) in enumerate(zip(out, shapes)):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise ValueError(f"out[{i}] must be a (K, V) pair")
+        for name, t, shape in zip("KV", pair, kv_shapes):
+            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+                    and t.device.type == "cpu" and t.is_contiguous()):
+                raise ValueError(f"out[{i}] {name} must be a contiguous CPU {dtype} tensor of shape {tuple(shape)}")
+
+
+def _raise_decode_error(policy_id: str, layer: int, exc: BaseException):
+    """Re-raise a per-layer decode failure as the typed stream error it stands for."""
+    if isinstance(exc, CorruptStreamError):
+        raise exc
+    if isinstance(exc, ConfigError):
+        raise KVStreamError(f"KV stream policy {policy_id} cannot decode layer {layer}: {exc}") from None
+    if isinstance(exc, (ValueError, RuntimeError, IndexError, TypeError)):
+        raise CorruptStreamError(f"corrupt KV stream: layer {layer} does not decode ({exc})") from None
+    raise exc

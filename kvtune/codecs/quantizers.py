@@ -112,6 +112,10 @@ def asymmetric_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[to
     quantize reproduce the same symbols. A constant group gets ``scale = 0`` and decodes to
     ``zero`` (exactly the constant when it is a float16 value, e.g. any bfloat16 input).
 
+    Signed zeros are canonical: a zero point or scale of ``-0`` is written as ``+0``. (A group
+    holding both ``-0.0`` and ``+0.0`` has no well-defined signed minimum -- torch's vectorized
+    and scalar min disagree -- so without this the stream bytes would depend on the kernel.)
+
     Args:
         lo, hi: float32 per-group min and max (same shape).
         bits: 1..8.
@@ -120,7 +124,8 @@ def asymmetric_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[to
         ``(scale, zero)``, float16, same shape as ``lo``.
     """
     zero = fp16_round_up(lo)
-    scale = ((hi - zero.to(torch.float32)) / (2**bits - 1)).clamp(0.0, FP16_MAX).to(torch.float16)
+    zero = torch.where(zero == 0, torch.zeros_like(zero), zero)  # canonical +0 (docstring)
+    scale = _nonnegative((hi - zero.to(torch.float32)) / (2**bits - 1)).to(torch.float16)
     return scale, zero
 
 
@@ -131,7 +136,13 @@ def symmetric_params(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     about zero and spans ``[-absmax, absmax]`` (a mid-rise grid: with an even number of levels
     zero itself is not a level; 1 bit gives ``+-absmax``). An all-zero group gets scale 0.
     """
-    return (2.0 * absmax / (2**bits - 1)).clamp(0.0, FP16_MAX).to(torch.float16)
+    return _nonnegative(2.0 * absmax / (2**bits - 1)).to(torch.float16)
+
+
+def _nonnegative(s: torch.Tensor) -> torch.Tensor:
+    """``clamp(s, 0, 65504)`` with ``-0`` (and NaN) mapped to ``+0``."""
+    s = s.clamp(max=FP16_MAX)
+    return torch.where(s > 0, s, torch.zeros_like(s))
 
 
 def quantize_affine(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
@@ -146,8 +157,13 @@ def quantize_affine(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, b
 
 
 def dequantize_affine(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``zero + q * scale`` in float32 (``scale``/``zero`` float32, broadcast against ``q``)."""
-    return torch.addcmul(zero, q.to(torch.float32), scale)
+    """``zero + q * scale`` in float32 (``scale``/``zero`` float32, broadcast against ``q``).
+
+    A rounded multiply, then a rounded add -- deliberately not ``torch.addcmul``, which fuses
+    them (FMA) on CPUs that have it and not elsewhere, so decoded values would depend on the
+    machine.
+    """
+    return zero + q.to(torch.float32) * scale
 
 
 # ----------------------------------------------------------------------------- shared plan pieces

@@ -201,6 +201,7 @@ def write_stream(
     dtype: str,
     shapes: Sequence[tuple[Sequence[int], Sequence[int]]],
     sections: Sequence[tuple[Sequence[bytes], Sequence[bytes]]],
+    crcs: Sequence[tuple[tuple[int, int], tuple[int, int]]] | None = None,
 ) -> bytes:
     """Assemble a version-1 stream (see the module docstring for the layout).
 
@@ -210,8 +211,11 @@ def write_stream(
         layer_offset: absolute index of the first layer.
         dtype: original dtype name, one of :data:`DTYPES`.
         shapes: per layer ``(K shape, V shape)``.
-        sections: per layer ``(K parts, V parts)``, each a sequence of byte strings
-            ``[state, meta_0, payload_0, meta_1, payload_1, ...]`` (odd length).
+        sections: per layer ``(K parts, V parts)``, each a sequence of byte strings (or 1-D
+            uint8 arrays) ``[state, meta_0, payload_0, meta_1, payload_1, ...]`` (odd length).
+        crcs: optional per layer ``((K crc, K bytes), (V crc, V bytes))``: the CRC32 and the
+            length of the concatenation of each tensor's parts, when the caller computed them
+            already (the fast path does, while the data is in cache); combined, not recomputed.
 
     Returns:
         The stream bytes.
@@ -234,10 +238,33 @@ def write_stream(
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hjson)) + hjson
     head += _header_digest(head)
     parts = [head, *(b for pair in sections for tensor in pair for b in tensor)]
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
+    if crcs is None:
+        crc = 0
+        for p in parts:
+            crc = _crc32(p, crc)
+    else:
+        crc = _crc32(head)
+        for pair in crcs:
+            for tensor_crc, nbytes in pair:
+                crc = _crc32_combine(crc, tensor_crc, nbytes)
     return b"".join(parts + [_CRC.pack(crc)])
+
+
+def _crc32(data: Any, value: int = 0) -> int:
+    """``zlib.crc32`` (computed by the compiled kernel when available: ~2x faster per thread
+    than zlib 1.2's, and split over the codec threads for large inputs)."""
+    from kvtune.codecs import fastpath
+
+    if fastpath.available():
+        return fastpath.crc32(data, value)
+    return zlib.crc32(data, value)
+
+
+def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (needs the compiled kernels)."""
+    from kvtune.codecs import kernels
+
+    return int(kernels.crc32_combine(crc1, crc2, len2))
 
 
 def _bad(msg: str) -> CorruptStreamError:
@@ -343,7 +370,7 @@ def read_stream(
     if n > total:
         raise _bad(f"{n - total} unexpected bytes after the end of the stream ({total} bytes)")
     (crc,) = _CRC.unpack_from(mv, total - _CRC.size)
-    if zlib.crc32(mv[: total - _CRC.size]) != crc:
+    if _crc32(mv[: total - _CRC.size]) != crc:
         raise _bad("checksum mismatch")
     if expect_policy_id is not None and header.policy_id != expect_policy_id:
         raise PolicyMismatchError(

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from typing import Mapping
 
+import numpy as np
 import torch
 
 from kvtune.codecs.base import BF16_BITS, MetaField, Transform, param, register_transform
@@ -46,6 +47,10 @@ __all__ = [
     "hadamard_matrix",
     "block_hadamard_matrix",
     "random_signs",
+    "block_scales",
+    "walsh_hadamard",
+    "rotate",
+    "unrotate",
 ]
 
 _KINDS = ("key", "value")
@@ -127,14 +132,49 @@ def random_signs(seed: int, layer: int, kind: str, heads: int, dim: int) -> torc
     return 1.0 - 2.0 * torch.stack(rows).to(torch.float32)
 
 
-def rotate(x: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """``(x * signs[h]) @ matrix`` for ``x`` ``(batch, heads, tokens, dim)``, signs ``(heads, dim)``."""
-    return torch.matmul(x * signs[None, :, None, :], matrix)
+def block_scales(n: int) -> tuple[float, ...]:
+    """float32 ``1/sqrt(b)`` of every :func:`power_of_two_blocks` block ``b`` of ``n`` (the
+    entries of :func:`block_hadamard_matrix`, so both descriptions give the same constants)."""
+    return tuple(float(np.float32(1.0 / math.sqrt(b))) for b in power_of_two_blocks(n))
 
 
-def unrotate(y: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`rotate` for a symmetric orthonormal ``matrix``: ``(y @ matrix) * signs``."""
-    return torch.matmul(y, matrix) * signs[None, :, None, :]
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal block Walsh-Hadamard transform along the last axis, by butterflies.
+
+    For each :func:`power_of_two_blocks` block of size ``n``: ``log2(n)`` stages with strides
+    1, 2, 4, ..., n/2, each replacing every pair ``(a, b)`` by ``(a + b, a - b)``; then one
+    multiply by float32 ``1/sqrt(n)``. Equal to ``x @ block_hadamard_matrix(d)`` in exact
+    arithmetic; in float32 every element goes through the same fixed sequence of roundings, so
+    the result is identical on every machine (a BLAS matmul sums in an order that depends on
+    the library and the CPU). ``O(d log d)`` per row. The compiled kernel
+    :func:`kvtune.codecs.kernels.hadamard_rows` performs the same operations.
+    """
+    d = x.shape[-1]
+    lead = x.shape[:-1]
+    parts = []
+    offset = 0
+    for n, c in zip(power_of_two_blocks(d), block_scales(d)):
+        y = x[..., offset : offset + n]
+        step = 1
+        while step < n:
+            y = y.reshape(*lead, n // (2 * step), 2, step)
+            a, b = y[..., 0, :], y[..., 1, :]
+            y = torch.stack((a + b, a - b), dim=-2)
+            step *= 2
+        parts.append(y.reshape(*lead, n) * c)
+        offset += n
+    return torch.cat(parts, dim=-1) if len(parts) != 1 else parts[0]
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``walsh_hadamard(x * signs[h])`` for ``x`` ``(batch, heads, tokens, dim)``, signs ``(heads, dim)``."""
+    return walsh_hadamard(x * signs[None, :, None, :])
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`rotate` (the block Hadamard matrix is symmetric and orthonormal):
+    ``walsh_hadamard(y) * signs``."""
+    return walsh_hadamard(y) * signs[None, :, None, :]
 
 
 # ----------------------------------------------------------------------------- component
@@ -151,9 +191,9 @@ class Hadamard(Transform):
     when ``head_dim`` is not one, e.g. 96 = 64 + 32). The map is orthonormal (norms are
     preserved) and ``inverse(forward(x)) == x`` to float32 rounding (~1e-6 relative).
 
-    Implemented as one dense matmul with a cached ``(head_dim, head_dim)`` matrix
-    (``O(head_dim**2)`` per row, but a single BLAS call: ~0.3 ms for a ``(1, 3, 1024, 64)``
-    tensor on a 2-core CPU; fine for ``head_dim <= 256``).
+    Implemented as a fast Walsh-Hadamard transform (butterflies, ``O(head_dim log head_dim)``
+    per row, :func:`walsh_hadamard`), which fixes the order of every float32 operation: the
+    rotated values, hence the stream bytes, are the same on every machine.
 
     Args:
         seed: integer >= 0 selecting the random signs.
@@ -161,27 +201,25 @@ class Hadamard(Transform):
 
     seed: int = param(0, low=0, doc="seed of the random +-1 signs")
 
-    def _parts(self, x: torch.Tensor, layer: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def signs(self, x_shape: tuple[int, ...], layer: int, kind: str) -> torch.Tensor:
+        """The float32 ``(kv_heads, head_dim)`` +-1 signs for a tensor of ``x_shape``."""
         if kind not in _KINDS:
             raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
-        if x.dim() != 4:
-            raise ValueError(f"expected (batch, kv_heads, tokens, head_dim), got shape {tuple(x.shape)}")
-        heads, dim = x.shape[1], x.shape[3]
-        return random_signs(self.seed, int(layer), kind, heads, dim), block_hadamard_matrix(dim)
+        if len(x_shape) != 4:
+            raise ValueError(f"expected (batch, kv_heads, tokens, head_dim), got shape {tuple(x_shape)}")
+        return random_signs(self.seed, int(layer), kind, int(x_shape[1]), int(x_shape[3]))
 
     def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
         """Rotate float32 ``(batch, kv_heads, tokens, head_dim)`` ``x``; returns the same shape."""
         if x.shape[-1] == 0:
             return x
-        signs, matrix = self._parts(x, layer, kind)
-        return rotate(x, signs, matrix)
+        return rotate(x, self.signs(tuple(x.shape), layer, kind))
 
     def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
         """Undo :meth:`forward` (``H`` is symmetric and orthonormal, signs square to one)."""
         if y.shape[-1] == 0:
             return y
-        signs, matrix = self._parts(y, layer, kind)
-        return unrotate(y, signs, matrix)
+        return unrotate(y, self.signs(tuple(y.shape), layer, kind))
 
 
 # ----------------------------------------------------------------------------- delta coding
@@ -265,7 +303,9 @@ def channel_stats(x: torch.Tensor, statistic: str, shift: bool) -> tuple[torch.T
     """Float16 per-(head, channel) ``(scale, shift)`` of ``(batch, heads, tokens, dim)`` ``x``.
 
     ``shift`` (if requested) is the channel mean over batch and tokens; ``scale`` is the RMS or
-    the absmax of the shifted channel. Channels whose statistic is 0, not finite or below the
+    the absmax of the shifted channel. Sums are float64, accumulated in (batch, token) order
+    (:func:`_ordered_sum`), so the float16 results do not depend on how a library vectorizes a
+    reduction (the compiled kernel :func:`kvtune.codecs.kernels.affine_fit` matches them). Channels whose statistic is 0, not finite or below the
     float16 range (all-zero channels, empty tensors) get ``scale = 1``; scales saturate at the
     float16 maximum.
 
@@ -274,17 +314,25 @@ def channel_stats(x: torch.Tensor, statistic: str, shift: bool) -> tuple[torch.T
     """
     b, h, t, d = x.shape
     n = b * t
+    cols = x.permute(1, 3, 0, 2).reshape(h, d, n)  # per (head, channel): values in (batch, token) order
     mean = None
     if shift:
-        mean = (x.sum(dim=(0, 2)) / max(n, 1)).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-        x = x - mean.to(torch.float32)[None, :, None, :]
+        mean = (_ordered_sum(cols) / max(n, 1)).to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        cols = cols - mean.to(torch.float32)[:, :, None]
     if statistic == "rms":
-        stat = (x.square().sum(dim=(0, 2)) / max(n, 1)).sqrt()
+        stat = (_ordered_sum(cols.double().square()) / max(n, 1)).sqrt().to(torch.float32)
     else:
-        stat = x.abs().amax(dim=(0, 2)) if n else torch.zeros(h, d)
+        stat = cols.abs().amax(dim=-1) if n else torch.zeros(h, d)
     scale = stat.clamp(max=FP16_MAX).to(torch.float16)
     scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
     return scale, mean
+
+
+def _ordered_sum(cols: torch.Tensor) -> torch.Tensor:
+    """float64 sums over the last axis, added strictly left to right (``cumsum`` is sequential)."""
+    if cols.shape[-1] == 0:
+        return torch.zeros(cols.shape[:-1], dtype=torch.float64)
+    return cols.double().cumsum(dim=-1)[..., -1]
 
 
 @register_transform("affine")

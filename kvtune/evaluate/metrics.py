@@ -84,6 +84,22 @@ def continuation_scores(base_logits: torch.Tensor, logits: torch.Tensor, continu
     }
 
 
+def percentile_interval(values: torch.Tensor, confidence: float) -> tuple[float, float]:
+    """Two-sided percentile interval of bootstrap replicates ``values`` (``(R,)`` float64).
+
+    Linear interpolation between order statistics, except when some replicates are ``inf``
+    (a ratio over a zero baseline): interpolating with inf gives NaN, so the order statistics
+    on either side are taken instead and ``high`` may be ``inf`` (unbounded). Never NaN.
+    """
+    alpha = (1.0 - confidence) / 2
+    if torch.isinf(values).any():
+        ordered = values.sort().values
+        last = ordered.shape[0] - 1
+        return float(ordered[math.floor(alpha * last)]), float(ordered[math.ceil((1 - alpha) * last)])
+    lo, hi = torch.quantile(values, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
+    return float(lo), float(hi)
+
+
 def bootstrap_relative_accuracy(per_context_nll_delta: torch.Tensor, *, resamples: int = 2000,
                                 confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """Paired bootstrap interval of the relative accuracy over contexts.
@@ -105,9 +121,7 @@ def bootstrap_relative_accuracy(per_context_nll_delta: torch.Tensor, *, resample
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, n, (resamples, n), generator=g)
     ra = torch.exp(-d[idx].mean(dim=1))
-    alpha = (1.0 - confidence) / 2
-    lo, hi = torch.quantile(ra, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
-    return float(lo), float(hi)
+    return percentile_interval(ra, confidence)
 
 
 # ---------------------------------------------------------------------- task-score ratios
@@ -141,7 +155,8 @@ def bootstrap_ratio_of_means(scores: torch.Tensor, base_scores: torch.Tensor, *,
 
     Returns:
         ``(low, high)`` percentile bounds at ``confidence`` (resamples with a zero baseline
-        follow the 0/0 = 1 rule of :func:`ratio_of_means`).
+        follow the 0/0 = 1 rule of :func:`ratio_of_means`; ``high`` is ``inf`` when more
+        than ``(1 - confidence) / 2`` of the resamples have x / 0; never NaN).
     """
     a, b = scores.double().cpu(), base_scores.double().cpu()
     n = a.shape[0]
@@ -152,9 +167,7 @@ def bootstrap_ratio_of_means(scores: torch.Tensor, base_scores: torch.Tensor, *,
     idx = torch.randint(0, n, (resamples, n), generator=g)
     num, den = a[idx].mean(dim=1), b[idx].mean(dim=1)
     ra = torch.where(den == 0, torch.where(num == 0, 1.0, math.inf), num / den.where(den != 0, 1.0))
-    alpha = (1.0 - confidence) / 2
-    lo, hi = torch.quantile(ra, torch.tensor([alpha, 1 - alpha], dtype=torch.float64))
-    return float(lo), float(hi)
+    return percentile_interval(ra, confidence)
 
 
 def report_relative_accuracy(raw: float) -> float:

@@ -418,6 +418,7 @@ def render_report(
         "of original bf16 KV. Link bandwidths are in Gbps (1e9 bits/s). Predicted transfer time "
         "per GB of KV = a + b &middot; 8/B (KVServe latency model); compression pays iff B &lt; B* "
         "= 8 (1 - 1/cr) / a Gbps.</p>",
+        _fidelity_note(run_config.get("fidelity")),
         "<h2>Trials</h2>",
         divs[0],
         "<h2>Projections</h2>",
@@ -444,6 +445,21 @@ def render_report(
         "</html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _fidelity_note(info: Mapping[str, Any] | None) -> str:
+    """One paragraph on multi-fidelity: what the search saw, what the tables use, Spearman rho."""
+    if not info or info.get("search") == info.get("final"):
+        return ""
+    rho = info.get("spearman_relative_accuracy")
+    rho_text = "n/a (fewer than 2 policies)" if rho is None else f"{rho:.3f}"
+    return (
+        f'<p class="note">Multi-fidelity: the search evaluated policies at <b>{html.escape(str(info["search"]))}</b> '
+        f"fidelity (the trial charts show those values); its Pareto set ({int(info.get('refined', 0))} policies) was "
+        f"re-evaluated at <b>{html.escape(str(info['final']))}</b> fidelity, and the Pareto table and policy tables use "
+        f"those results. Spearman rank correlation of cheap vs full relative accuracy over those policies: "
+        f"<b>{rho_text}</b>.</p>"
+    )
 
 
 def write_report(

@@ -481,6 +481,23 @@ def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
     return entries
 
 
+def _gate_values(pareto: pd.DataFrame, entries: list[PolicyEntry], gate: str) -> np.ndarray:
+    """Per entry (``"none"`` first, at 1.0) the value of column ``gate`` compared with the floors.
+
+    Raises:
+        TableError: ``gate`` is missing or not a finite number on some row.
+    """
+    if gate == "relative_accuracy":
+        return np.array([e.relative_accuracy for e in entries])
+    if gate not in pareto.columns:
+        raise TableError(f"cannot compile policy table: gate column {gate!r} is missing")
+    values = pd.to_numeric(pareto[gate], errors="coerce").to_numpy(dtype=float)
+    if not np.isfinite(values).all():
+        raise TableError(f"cannot compile policy table: gate column {gate!r} must be finite numbers")
+    by_id = dict(zip(pareto["policy_id"].astype(str), values))
+    return np.array([1.0 if e.policy_id == NONE_POLICY_ID else by_id[e.policy_id] for e in entries])
+
+
 def _check_floors(floors: Iterable[float]) -> tuple[float, ...]:
     try:
         fl = [float(f) for f in floors]
@@ -506,10 +523,13 @@ def compile_policy_table(
     metadata: Mapping[str, Any] | None = None,
     key: str = DEFAULT_KEY,
     include_none: bool = True,
+    gate: str = "relative_accuracy",
 ) -> PolicyTable:
     """Compile the piecewise policy table from a Pareto front (KVServe, piecewise table).
 
-    For every floor q: candidates are the rows with ``relative_accuracy >= q`` plus the
+    For every floor q: candidates are the rows with ``gate >= q`` (by default the point
+    estimate ``relative_accuracy``; kvtune profiles gate on ``relative_accuracy_lo``, the lower
+    end of the 95 % interval, so a floor holds with confidence) plus the
     implicit ``"none"`` policy (a = 0, b = 1, relative accuracy 1.0); the table rows are the
     intervals of the lower envelope of ``a + b * x`` over ``x = 1/B in [0, inf)`` s/GB.
     Among identical lines the one with higher accuracy (then ratio, then id) wins; "none"
@@ -526,6 +546,7 @@ def compile_policy_table(
         n_runners_up: next-best policies listed per interval (KVServe uses 1-2).
         metadata: extra JSON-serializable key/values stored with the table (kvtune reads
             ``kv_bytes_per_request``, see the module docstring).
+        gate: the column compared with the floors (a fraction, like ``relative_accuracy``).
         key: extra table key of every row (``""`` = none; see "Extra table keys"). Tables
             compiled with different keys are merged with :meth:`PolicyTable.combine`.
         include_none: add the implicit ``"none"`` policy (send the original KV as it is,
@@ -551,7 +572,7 @@ def compile_policy_table(
     entries += _candidate_entries(pareto)
     a = np.array([e.a_s_per_gb for e in entries])
     b = np.array([e.b for e in entries])
-    acc = np.array([e.relative_accuracy for e in entries])
+    acc = _gate_values(pareto, entries, gate)
     rows: list[dict[str, Any]] = []
     for floor in fl:
         sel = np.flatnonzero((acc >= floor) | ((np.arange(len(entries)) == 0) & include_none))

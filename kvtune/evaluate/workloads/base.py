@@ -354,6 +354,11 @@ class Workload(ABC):
         self._check_fidelity(fidelity)
         return self.n_cheap if fidelity == "cheap" else self.n_full
 
+    @property
+    def cheap_is_full(self) -> bool:
+        """True when both fidelities run the same score on the same samples (nothing to refine)."""
+        return self.n_cheap == self.n_full and self.score_names["cheap"] == self.score_names["full"]
+
     @staticmethod
     def _check_fidelity(fidelity: str) -> None:
         if fidelity not in FIDELITIES:

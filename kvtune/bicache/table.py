@@ -1,0 +1,233 @@
+"""BiCache configurations as policy-table rows (``method = "bicache"``), keyed by prefix ratio.
+
+``BRIEF.md`` Sec. 4 ("a fetched prefix cache can itself be compressed; same table machinery,
+different key") and the KVServe latency model of Sec. 2. When the cached prefix state lives
+in a remote store, a request at reuse depth ``d`` with codec policy ``p`` costs
+
+    T(B) = compute_s(d) + decode_s(d, p) + wire_bytes(d, p) / B
+
+(``compute_s``: measured encoder seconds per request at depth d; ``decode_s``: measured
+payload decode seconds; the payload is encoded once when the prefix is stored, so encoding is
+not per request). With the reference volume V = bf16 bytes of the full-depth prefix state
+(``prefix_state_bf16_bytes(P, H, L)``, stored as ``kv_bytes_per_request``) and x = 1/B in s/GB,
+this is the table's line ``T/V = a + b x`` with
+
+    a = (compute_s + decode_s) / (V / 1e9)   [s/GB]      b = wire_bytes / V.
+
+``d = 0`` (full recompute) sends nothing: ``b = 0``, relative accuracy 1.0; it plays the part
+of ``"none"`` in TQC tables and is always a candidate, so every bandwidth has an answer.
+Deeper reuse sends more bytes and saves more compute, so full recompute wins at low
+bandwidth and deep reuse at high bandwidth; codecs move the lines' slopes.
+
+Column conventions for these rows (schema 1, see :mod:`kvtune.tables.policy_table`):
+``compression_ratio = V / wire_bytes`` (= 1/b; inf for d = 0), ``relative_accuracy`` = the
+relative top-1 retrieval accuracy (point estimate, capped at 1.0 as in Sec. 6),
+``encode_gbps``/``decode_gbps`` = payload codec throughputs in GB/s of the bf16 depth-d state
+(inf for d = 0), and ``threshold_gbps = inf``: the TQC rule "pays iff B < B*" does not apply
+(reuse pays *above* a bandwidth); that bandwidth is the extra column ``min_bandwidth_gbps``
+(reuse at depth d beats full recompute iff the link is faster). Extra columns:
+``reuse_depth``, ``codec``, ``prefix_ratio_lo``/``_hi``, ``wire_bytes``,
+``compute_s_per_request``, ``decode_s``, ``kv_cosine``, ``embedding_cosine``,
+``relative_accuracy_lo``/``_hi``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtune.errors import TableError
+from kvtune.evaluate.metrics import report_relative_accuracy
+from kvtune.tables.envelope import lower_envelope
+from kvtune.tables.latency import x_s_per_gb_to_gbps
+from kvtune.tables.policy_table import DEFAULT_FLOORS, SCHEMA_VERSION, PolicyEntry, PolicyTable
+
+__all__ = [
+    "EXTRA_COLUMNS",
+    "bicache_candidate",
+    "bicache_policy_id",
+    "compile_bicache_table",
+    "line_for",
+    "min_bandwidth_gbps",
+]
+
+METHOD = "bicache"
+#: Extra per-row columns of BiCache table rows (kept by PolicyTable, saved in both formats).
+EXTRA_COLUMNS = (
+    "reuse_depth", "codec", "prefix_ratio_lo", "prefix_ratio_hi", "wire_bytes", "compute_s_per_request",
+    "decode_s", "min_bandwidth_gbps", "kv_cosine", "embedding_cosine", "relative_accuracy_lo", "relative_accuracy_hi",
+)
+
+
+def line_for(compute_s: float, decode_s: float, wire_bytes: float, reference_bytes: float) -> tuple[float, float]:
+    """``(a_s_per_gb, b)`` of a reuse configuration: ``a = (compute_s + decode_s) / (V/1e9)``,
+    ``b = wire_bytes / V`` (V = ``reference_bytes``).
+
+    >>> line_for(0.01, 0.0, 0.0, 1e6)
+    (10.0, 0.0)
+    """
+    gb = reference_bytes / 1e9
+    return (compute_s + decode_s) / gb, wire_bytes / reference_bytes
+
+
+def min_bandwidth_gbps(compute_s: float, decode_s: float, wire_bytes: float, recompute_s: float) -> float:
+    """Link Gbps above which reuse beats full recompute: ``8 wire_bytes / 1e9 / (recompute_s -
+    compute_s - decode_s)``; inf when reuse saves no time, 0 when it sends nothing and saves time."""
+    saved = recompute_s - compute_s - decode_s
+    if saved <= 0:
+        return math.inf
+    return 8.0 * wire_bytes / 1e9 / saved
+
+
+def bicache_policy_id(config: Mapping[str, Any]) -> str:
+    """12-hex id of a BiCache configuration (sha256 of its canonical JSON)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def bicache_candidate(
+    *,
+    bucket_key: str,
+    ratio_lo: float,
+    ratio_hi: float,
+    depth: int,
+    codec: str,
+    codec_config: Mapping[str, Any] | None,
+    model: str,
+    prefix_tokens: int,
+    reference_bytes: float,
+    wire_bytes: float,
+    compute_s: float,
+    recompute_s: float,
+    encode_s: float,
+    decode_s: float,
+    bf16_bytes: float,
+    relative_accuracy: float,
+    relative_accuracy_lo: float,
+    relative_accuracy_hi: float,
+    kv_cosine: float,
+    embedding_cosine: float,
+) -> dict[str, Any]:
+    """One candidate row (the ``pareto`` frame of :func:`compile_bicache_table`).
+
+    Args:
+        depth: reuse depth d (0 = full recompute; then ``codec`` is ``"none"``).
+        codec: codec policy name; ``codec_config`` its ``PolicyConfig.to_dict()``.
+        reference_bytes: V, bytes (bf16 full-depth prefix state).
+        wire_bytes: payload bytes sent at this depth and codec (0 for d = 0).
+        compute_s, recompute_s: measured seconds per request at depth d and at d = 0.
+        encode_s, decode_s: measured payload codec seconds (per prefix / per request).
+        bf16_bytes: bf16 bytes of the depth-d state (codec throughputs are per these bytes).
+        relative_accuracy*: relative retrieval accuracy and its interval (fractions).
+        kv_cosine, embedding_cosine: quality (a) and (b), means.
+    """
+    cfg = {
+        "method": METHOD, "model": model, "reuse_depth": int(depth), "codec": codec,
+        "codec_policy": dict(codec_config) if codec_config else None, "prefix_tokens": int(prefix_tokens),
+        "prefix_ratio": [float(ratio_lo), float(ratio_hi)],
+    }
+    a, b = line_for(compute_s, decode_s if depth else 0.0, wire_bytes if depth else 0.0, reference_bytes)
+    label = "bicache d=0 (full recompute)" if depth == 0 else f"bicache d={depth} + {codec}"
+    enc = bf16_bytes / 1e9 / encode_s if depth and encode_s > 0 else math.inf
+    dec = bf16_bytes / 1e9 / decode_s if depth and decode_s > 0 else math.inf
+    return {
+        "policy_id": bicache_policy_id(cfg),
+        "method": METHOD,
+        "label": label,
+        "config_json": json.dumps(cfg, sort_keys=True),
+        "key": bucket_key,
+        "a_s_per_gb": a,
+        "b": b,
+        "compression_ratio": math.inf if b == 0 else 1.0 / b,
+        "relative_accuracy": 1.0 if depth == 0 else report_relative_accuracy(float(relative_accuracy)),
+        "relative_accuracy_lo": 1.0 if depth == 0 else float(relative_accuracy_lo),
+        "relative_accuracy_hi": 1.0 if depth == 0 else float(relative_accuracy_hi),
+        "encode_gbps": enc,
+        "decode_gbps": dec,
+        "threshold_gbps": math.inf,
+        "reuse_depth": int(depth),
+        "codec": codec if depth else "none",
+        "prefix_ratio_lo": float(ratio_lo),
+        "prefix_ratio_hi": float(ratio_hi),
+        "wire_bytes": float(wire_bytes if depth else 0.0),
+        "compute_s_per_request": float(compute_s),
+        "decode_s": float(decode_s if depth else 0.0),
+        "min_bandwidth_gbps": 0.0 if depth == 0 else min_bandwidth_gbps(compute_s, decode_s, wire_bytes, recompute_s),
+        "kv_cosine": float(kv_cosine),
+        "embedding_cosine": float(embedding_cosine),
+    }
+
+
+_ENTRY_FIELDS = ("policy_id", "method", "label", "config_json", "a_s_per_gb", "b", "compression_ratio",
+                 "relative_accuracy", "encode_gbps", "decode_gbps", "threshold_gbps")
+
+
+def _entry(row: Mapping[str, Any]) -> PolicyEntry:
+    return PolicyEntry(**{c: (str(row[c]) if c in ("policy_id", "method", "label", "config_json") else float(row[c]))
+                          for c in _ENTRY_FIELDS})
+
+
+def compile_bicache_table(
+    candidates: pd.DataFrame,
+    *,
+    model: str,
+    workload: str,
+    device: str,
+    floors: Sequence[float] = DEFAULT_FLOORS,
+    n_runners_up: int = 2,
+    metadata: Mapping[str, Any] | None = None,
+) -> PolicyTable:
+    """Lower envelope of the BiCache lines per (prefix-ratio key, accuracy floor).
+
+    For every key and floor, the candidates are that key's rows with ``relative_accuracy >=
+    floor``; the depth-0 row (full recompute, accuracy 1.0, ``b = 0``) is always among them,
+    so there is no implicit ``"none"`` line. Rows follow :mod:`kvtune.tables.policy_table`
+    schema 1 with ``method = "bicache"``, the key, and :data:`EXTRA_COLUMNS`.
+
+    Raises:
+        TableError: a key without its depth-0 row, duplicate ids, or bad floors.
+    """
+    if candidates.empty:
+        raise TableError("no BiCache candidates to compile")
+    fl = sorted({float(f) for f in floors}, reverse=True)
+    if not fl or any(not (math.isfinite(f) and f > 0) for f in fl):
+        raise TableError(f"accuracy floors must be finite and > 0, got {list(floors)}")
+    rows: list[dict[str, Any]] = []
+    for key, grp in candidates.groupby("key", sort=True):
+        grp = grp.sort_values(["reuse_depth", "b", "a_s_per_gb"], kind="stable").reset_index(drop=True)
+        if grp["policy_id"].duplicated().any():
+            raise TableError(f"duplicate BiCache policy ids in key {key!r}")
+        if not (grp["reuse_depth"] == 0).any():
+            raise TableError(f"key {key!r} has no depth-0 (full recompute) row")
+        # order for ties: higher accuracy, then shallower (fewer bytes), then id
+        grp = grp.assign(_acc=-grp["relative_accuracy"]).sort_values(
+            ["_acc", "reuse_depth", "policy_id"], kind="stable").drop(columns="_acc").reset_index(drop=True)
+        recs = grp.to_dict("records")
+        a = grp["a_s_per_gb"].to_numpy(dtype=np.float64)
+        b = grp["b"].to_numpy(dtype=np.float64)
+        acc = grp["relative_accuracy"].to_numpy(dtype=np.float64)
+        depth0 = grp["reuse_depth"].to_numpy() == 0
+        for floor in fl:
+            sel = np.flatnonzero((acc >= floor - 1e-12) | depth0)
+            for iv in lower_envelope(a[sel], b[sel], n_runners_up=n_runners_up):
+                r = recs[int(sel[iv.index])]
+                runners = [_entry(recs[int(sel[j])]) for j in iv.runners_up]
+                row = {
+                    "schema_version": SCHEMA_VERSION, "model": model, "workload": workload, "device": device,
+                    "accuracy_floor": floor, "key": str(key),
+                    "x_lo_s_per_gb": iv.x_lo, "x_hi_s_per_gb": iv.x_hi,
+                    "bandwidth_hi_gbps": float(x_s_per_gb_to_gbps(iv.x_lo)),
+                    "bandwidth_lo_gbps": float(x_s_per_gb_to_gbps(iv.x_hi)),
+                    **{c: r[c] for c in _ENTRY_FIELDS},
+                    "runners_up": json.dumps([e.policy_id for e in runners]),
+                    "runner_up_policies": json.dumps([e.to_json_dict() for e in runners], allow_nan=False),
+                }
+                row.update({c: r[c] for c in EXTRA_COLUMNS})
+                rows.append(row)
+    return PolicyTable(pd.DataFrame(rows), metadata=metadata)

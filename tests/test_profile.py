@@ -1,0 +1,32 @@
+"""Pure helpers of :mod:`kvtune.profile` (the end-to-end runs are in test_cli.py)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvtune.profile import refinement_order, split_fidelities
+
+
+def test_refinement_order_puts_the_2d_front_first_by_ratio():
+    front = pd.DataFrame({
+        "policy_id": ["a", "b", "c", "d", "e"],
+        "relative_accuracy": [0.99, 0.95, 0.90, 0.93, 0.999],
+        "compression_ratio": [3.0, 4.0, 5.0, 3.5, 2.0],
+    })
+    # 2-D front: e (2.0x, 99.9 %), a, b, c; d (3.5x, 93 %) is dominated by b and comes last
+    assert refinement_order(front, 0) == ["c", "b", "a", "e", "d"]
+    assert refinement_order(front, 2) == ["c", "b"]
+    assert refinement_order(front.iloc[:0], 3) == []
+
+
+def test_split_fidelities_pairs_cheap_and_full_rows():
+    trials = pd.DataFrame({
+        "policy_id": ["a", "b", "c", "a", "b"],
+        "fidelity": ["cheap", "cheap", "cheap", "full", "full"],
+        "relative_accuracy_raw": [0.9, 0.8, 0.7, 0.95, 0.85],
+    })
+    searched, final, info = split_fidelities(trials, "cheap")
+    assert searched["policy_id"].tolist() == ["a", "b", "c"] and final["policy_id"].tolist() == ["a", "b"]
+    assert info == {"search": "cheap", "final": "full", "refined": 2, "spearman_relative_accuracy": 1.0}
+    searched, final, info = split_fidelities(trials.iloc[:3], "cheap")  # nothing refined yet
+    assert final is searched and info["final"] == "cheap" and info["spearman_relative_accuracy"] is None
