@@ -53,3 +53,14 @@ def test_bad_shapes_raise():
         retrieval_scores(torch.rand(1, 3, 10, 10), kv_heads=2)
     with pytest.raises(ValueError, match="no distant keys"):
         retrieval_scores(torch.rand(1, 2, 10, 10), kv_heads=2, sink=4, window=8)
+
+
+def test_contexts_too_short_for_calibration_are_a_config_error():
+    from types import SimpleNamespace
+
+    from kvtune.errors import ConfigError
+    from kvtune.evaluate.calibrate import calibrate_head_scores
+
+    lm = SimpleNamespace(model=None)  # the length check comes before any model call
+    with pytest.raises(ConfigError, match="longer than 69 tokens.*--context-tokens"):
+        calibrate_head_scores(lm, torch.zeros(2, 64, dtype=torch.long), sink=4, window=64)

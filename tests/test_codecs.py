@@ -812,6 +812,33 @@ def test_truncated_stream(good_stream):
             decode_kv(stream[:cut])
 
 
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_header_policy_must_hash_to_the_recorded_policy_id(monkeypatch, impl):
+    """A header whose policy was swapped (checksums recomputed) must not decode with the wrong policy."""
+    import kvtune.codecs.policy as policy_module
+
+    real_write = policy_module.write_stream
+    swapped = PolicyConfig.from_dict({**PolicyConfig.kivi(2).to_dict(), "transforms": [{"name": "hadamard"}]})
+
+    def forged_write(**kw):
+        return real_write(**{**kw, "policy": swapped.to_dict()})  # keeps KIVI-2's policy id
+
+    monkeypatch.setattr(policy_module, "write_stream", forged_write)
+    stream = encode_kv(make_kv(MATRIX_SHAPES[:1]), PolicyConfig.kivi(2), impl=impl)
+    monkeypatch.undo()
+    for expect in (None, PolicyConfig.kivi(2)):
+        with pytest.raises(CorruptStreamError, match="policy id"):
+            decode_kv(stream, expect=expect, impl=impl)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_kv_is_refused_at_encode(bad):
+    kv = make_kv(MATRIX_SHAPES[:2])
+    kv[1][1][0, 0, 3, 3] = bad
+    with pytest.raises(ValueError, match=r"kv\[1\] V has non-finite values"):
+        encode_kv(kv, PolicyConfig.kivi(2))
+
+
 def test_trailing_bytes_are_corrupt(good_stream):
     _, stream = good_stream
     with pytest.raises(CorruptStreamError, match="unexpected bytes"):
@@ -844,7 +871,11 @@ def test_no_single_byte_flip_ever_decodes(good_stream):
 
 def _authentic_stream(policy: dict, sections, shapes, dtype="float32") -> bytes:
     """A stream with valid checksums but content chosen by the test."""
-    return write_stream(policy=policy, policy_id="000000000000", layer_offset=0, dtype=dtype, shapes=shapes, sections=sections)
+    try:  # the id a real encoder records: the hash of the policy (decode checks it)
+        policy_id = PolicyConfig.from_dict(policy).policy_id
+    except ConfigError:  # a policy this library cannot build: any id
+        policy_id = "000000000000"
+    return write_stream(policy=policy, policy_id=policy_id, layer_offset=0, dtype=dtype, shapes=shapes, sections=sections)
 
 
 def test_intact_but_inconsistent_streams_never_decode():

@@ -284,6 +284,9 @@ def _kv_dtype(kv: KVLayers) -> torch.dtype:
                 raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"kv[{i}] {name} has non-finite values (NaN or inf); a KV cache with them cannot be "
+                                 "quantized meaningfully")
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
         raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
@@ -443,7 +446,9 @@ def decode_kv(
             the same tensors.
         out: optional preallocated ``(K, V)`` tensors to decode into (CPU, contiguous, the
             stream's shapes and dtype), e.g. the KV cache blocks of a serving engine; saves
-            allocating (and page-faulting) fresh tensors. They are returned.
+            allocating (and page-faulting) fresh tensors. They are returned. Layers are
+            written as they decode: after an error, ``out`` may hold some decoded layers and
+            must not be used.
 
     Returns:
         One ``(K, V)`` pair per layer on the CPU, with the shapes and dtype of the encoded
@@ -462,6 +467,9 @@ def decode_kv(
         config = PolicyConfig.from_dict(header.policy)
     except ConfigError as exc:
         raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {exc}") from None
+    if config.policy_id != header.policy_id:  # the id is the hash of the policy: they must agree
+        raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
+                                 f"{config.policy_id!r} of the policy it carries")
     dtype = _NAME_DTYPES[header.dtype]
     if out is not None:
         _check_out(out, header.shapes, dtype)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtune.errors import ConfigError
 from kvtune.evaluate.model import LoadedModel
 
 DEFAULT_SINK_TOKENS = 4
@@ -101,6 +102,10 @@ def calibrate_head_scores(lm: LoadedModel, input_ids: torch.Tensor, *, sink: int
     Returns:
         :class:`HeadScores` with ``num_layers x kv_heads`` scores.
     """
+    if input_ids.shape[-1] <= sink + window + 1:
+        raise ConfigError(f"MixHQ head calibration needs contexts longer than {sink + window + 1} tokens "
+                          f"(sink {sink} + window {window} + 1), got {input_ids.shape[-1]}; use longer "
+                          "--context-tokens or a space without mixhq policies")
     model = lm.model
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
