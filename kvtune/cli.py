@@ -25,7 +25,8 @@ console = Console(width=None if Console().is_terminal else 160)
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+    console.print("[bold red]error:[/] ", end="")
+    console.print(str(exc), markup=False, highlight=False)  # messages quote values like [nan]
     raise typer.Exit(code=2)
 
 

@@ -113,10 +113,10 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     store = TrialStore(run_dir)
     done = _done_by_fidelity(store.load())
 
+    n_full, _ = workload_sample_counts(settings.workload, settings)  # bad workload/sizes: fail before loading
     on_stage("load model", 1)
     lm = load_model(settings.model, settings.device)
     on_progress(1)
-    n_full, _ = workload_sample_counts(settings.workload, settings)
     on_stage(f"prefill {settings.workload} samples", n_full)
     wl = make_workload(settings.workload, lm, settings=settings, progress=lambda n: on_progress(n))
     if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine

@@ -93,3 +93,16 @@ def test_unknown_method_lists_the_known_ones():
 def test_method_subcommands_are_mounted():
     res = runner.invoke(app, ["bicache", "profile", "--help"])
     assert res.exit_code == 0 and "--run" in res.output
+
+
+def test_unknown_workload_fails_before_loading_the_model(tmp_path):
+    # the model path does not exist: reaching the model loader would give a different error
+    res = runner.invoke(app, ["profile", "--workload", "bogus", "--model", str(tmp_path / "missing.gguf"),
+                              "--run", "x", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "unknown workload 'bogus'" in res.output and "continuation" in res.output
+
+
+def test_error_messages_keep_bracketed_values(tmp_path):
+    res = runner.invoke(app, ["export", "tests/data/smollm2-default", "--floors", "nan", "--out", str(tmp_path / "t.json"),
+                              "--format", "json"])
+    assert res.exit_code == 2 and "got [nan]" in res.output
