@@ -831,12 +831,38 @@ def test_header_policy_must_hash_to_the_recorded_policy_id(monkeypatch, impl):
             decode_kv(stream, expect=expect, impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_kv_is_refused_at_encode(bad):
-    kv = make_kv(MATRIX_SHAPES[:2])
-    kv[1][1][0, 0, 3, 3] = bad
-    with pytest.raises(ValueError, match=r"kv\[1\] V has non-finite values"):
-        encode_kv(kv, PolicyConfig.kivi(2))
+def test_non_finite_kv_is_refused_at_encode(bad, dtype, impl):
+    for policy in (PolicyConfig.kivi(2), PolicyConfig.uncompressed()):  # bfloat16 passes through whole
+        for where in ((0, 0, 3, 3), (-1, -1, -1, -1)):  # the last element: the vector loop's tail
+            kv = make_kv(MATRIX_SHAPES[:2], dtype=dtype)
+            kv[1][1][where] = bad
+            with pytest.raises(ValueError, match=r"kv\[1\] V has non-finite values"):
+                encode_kv(kv, policy, impl=impl)
+            kv[1][1][where] = 0.0
+            encode_kv(kv, policy, impl=impl)  # finite again: accepted
+
+
+def test_finite_check_reads_exponent_bits():
+    from kvtune.codecs import kernels
+
+    x = torch.tensor([0.0, -3.5, 3.3895e38, -3.3895e38, 1e-40], dtype=torch.bfloat16)  # bf16 max, a subnormal
+    assert kernels.all_finite_bf16(x.view(torch.int16).numpy().view(np.uint16))
+    assert kernels.all_finite_f32(x.float().numpy())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = torch.cat([x, torch.tensor([bad]).to(torch.bfloat16)])
+        assert not kernels.all_finite_bf16(y.view(torch.int16).numpy().view(np.uint16))
+        assert not kernels.all_finite_f32(y.float().numpy())
+    assert kernels.all_finite_f32(np.zeros(0, np.float32))
+
+
+def test_layer_offset_must_be_an_int():
+    kv = make_kv(MATRIX_SHAPES[:1])
+    for bad in (1.0, "1", True):
+        with pytest.raises(TypeError, match="layer_offset must be an int"):
+            encode_kv(kv, PolicyConfig.kivi(2), layer_offset=bad)
 
 
 def test_trailing_bytes_are_corrupt(good_stream):

@@ -61,6 +61,9 @@ __all__ = [
 
 _OK_BYTEORDER = sys.byteorder == "little"
 
+NON_FINITE = "has non-finite values (NaN or inf); a KV cache with them cannot be quantized meaningfully"
+"""Tail of the error raised for a KV tensor with NaN / inf (same text on both paths)."""
+
 
 def available() -> bool:
     """Whether the compiled kernels can be used here (numba importable, little-endian host)."""
@@ -429,8 +432,10 @@ def _work(shape: tuple[int, ...]) -> np.ndarray:
 
 def _encode_one(task) -> tuple[list, int, int]:
     """One K or V tensor -> ``(sections, crc32 of their concatenation, total bytes)``."""
-    t, comp, kind, layer = task
+    t, comp, kind, layer, index = task
     x = _input_array(t)
+    if not (K.all_finite_bf16(x) if x.dtype == np.uint16 else K.all_finite_f32(x)):
+        raise ValueError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     plan = comp.plan(kind, x.shape, layer)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
         payload = x.reshape(-1).view(np.uint8)  # a bfloat16 tensor is its own payload
@@ -467,6 +472,12 @@ def _encode_one(task) -> tuple[list, int, int]:
 def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     """Sections of every tensor of ``kv``, with their CRCs.
 
+    Each task first checks its tensor for NaN / inf with one vectorized integer pass over the
+    exponent bits (:func:`kvtune.codecs.kernels.all_finite_bf16`), on the codec threads.
+
+    Raises:
+        ValueError: a tensor has a NaN or inf (the first such tensor in layer order, K before V).
+
     Returns:
         ``(sections, crcs)``: per layer ``(K sections, V sections)`` and per layer
         ``((K crc, K bytes), (V crc, V bytes))``.
@@ -474,8 +485,8 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     comp = _compiled(config)
     tasks = []
     for i, (k, v) in enumerate(kv):
-        tasks.append((k, comp, "key", layer_offset + i))
-        tasks.append((v, comp, "value", layer_offset + i))
+        tasks.append((k, comp, "key", layer_offset + i, i))
+        tasks.append((v, comp, "value", layer_offset + i, i))
     results = _map(_encode_one, tasks)
     sections = [(results[2 * i][0], results[2 * i + 1][0]) for i in range(len(kv))]
     crcs = [((results[2 * i][1], results[2 * i][2]), (results[2 * i + 1][1], results[2 * i + 1][2])) for i in range(len(kv))]

@@ -280,8 +280,9 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _kv_dtype(kv: KVLayers) -> torch.dtype:
-    """Validate the KV structure; return its common dtype."""
+def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
+    """Validate the KV structure (and, with ``check_finite``, that no value is NaN or inf);
+    return its common dtype."""
     if not isinstance(kv, (list, tuple)):
         raise TypeError(f"kv must be a list of (K, V) tensor pairs, got {type(kv).__name__}")
     dtypes = set()
@@ -293,9 +294,8 @@ def _kv_dtype(kv: KVLayers) -> torch.dtype:
                 raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
-            if not _all_finite(t):
-                raise ValueError(f"kv[{i}] {name} has non-finite values (NaN or inf); a KV cache with them cannot be "
-                                 "quantized meaningfully")
+            if check_finite and not _all_finite(t):
+                raise ValueError(f"kv[{i}] {name} {fastpath.NON_FINITE}")
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
         raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
@@ -416,12 +416,15 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         ConfigError: the policy cannot be applied to this cache, e.g. a ``mixhq`` quantizer
             without head scores or with scores for other layers / head counts.
     """
-    dtype = _kv_dtype(kv)
+    fast = _use_fast(impl, config)
+    dtype = _kv_dtype(kv, check_finite=not fast)  # the fast path checks inside its kernels
+    if not isinstance(layer_offset, int) or isinstance(layer_offset, bool):
+        raise TypeError(f"layer_offset must be an int, got {type(layer_offset).__name__}")
     if layer_offset < 0:
         raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
     crcs = None
-    if _use_fast(impl, config):
+    if fast:
         sections, crcs = fastpath.encode_tensors(kv, config, layer_offset)
     else:
         sections = []
