@@ -716,7 +716,7 @@ def _with(slot: str, **changes):
         (_with("key", bits=True), ["'bits'"]),
         (_with("key", bits=2.5), ["'bits'"]),
         (_with("key", granularity="per_head"), ["'granularity'", "'per_token'", "'per_channel'"]),
-        (_with("value", group_size=-1), ["'group_size'", ">= 0"]),
+        (_with("value", group_size=-1), ["'group_size'", "0..2147483647"]),
         (_with("key", symmetric="yes"), ["'symmetric'", "true or false"]),
         (_with("key", bitz=2), ["'bitz'", "allowed", "bits", "group_size"]),
         (_with("key", name="unifrom"), ["'unifrom'", "none", "uniform"]),
@@ -734,7 +734,7 @@ def _with(slot: str, **changes):
         ({**KIVI_HADAMARD, "key": {"name": "mixhq", "head_scores": "high"}}, ["'head_scores'", "list"]),
         ({**KIVI_HADAMARD, "value": {"name": "fp8", "format": "e3m4"}}, ["'fp8'", "'format'", "'e4m3'", "'e5m2'"]),
         ({**KIVI_HADAMARD, "transforms": [{"name": "delta", "anchor_bits": 9}]}, ["'delta'", "'anchor_bits'", "16"]),
-        ({**KIVI_HADAMARD, "transforms": [{"name": "delta", "group_size": 1}]}, ["'group_size'", ">= 2"]),
+        ({**KIVI_HADAMARD, "transforms": [{"name": "delta", "group_size": 1}]}, ["'group_size'", "2..2147483647"]),
         ({**KIVI_HADAMARD, "transforms": [{"name": "affine", "statistic": "std"}]}, ["'affine'", "'statistic'", "'rms'"]),
     ],
 )
@@ -902,6 +902,44 @@ def _authentic_stream(policy: dict, sections, shapes, dtype="float32") -> bytes:
     except ConfigError:  # a policy this library cannot build: any id
         policy_id = "000000000000"
     return write_stream(policy=policy, policy_id=policy_id, layer_offset=0, dtype=dtype, shapes=shapes, sections=sections)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_header_claiming_huge_shapes_fails_before_allocating(impl):
+    """A header whose shapes need terabytes is refused by the section-length checks (the fast
+    path hands such a stream to the reference path instead of allocating from it)."""
+    cfg = PolicyConfig.kivi(2)
+    meta, payload = bytes(2 * 2 * 32), bytes(32 * 32 * 2 // 8)
+    for tokens in (10**12, 2**62):
+        shape = (1, 1, tokens, 32)
+        stream = _authentic_stream(cfg.to_dict(), [([b"", meta, payload], [b"", meta, payload])], [(shape, shape)])
+        with pytest.raises(CorruptStreamError, match="payload|metadata|segments"):
+            decode_kv(stream, impl=impl)
+
+
+def test_decode_argument_types_are_checked(good_stream):
+    _, stream = good_stream
+    with pytest.raises(TypeError, match="expect must be a PolicyConfig"):
+        decode_kv(stream, expect=PolicyConfig.kivi(2).to_dict())
+    kv = decode_kv(stream)
+    out = [(torch.empty_like(k).requires_grad_(), torch.empty_like(v)) for k, v in kv]
+    with pytest.raises(ValueError, match=r"out\[0\] K requires grad"):
+        decode_kv(stream, out=out)
+    with pytest.raises(TypeError, match="config must be a PolicyConfig"):
+        encode_kv(kv, PolicyConfig.kivi(2).to_dict())
+    with pytest.raises(ValueError, match="meta tensor"):
+        encode_kv([(torch.empty(1, 2, 8, 16, device="meta"),) * 2], PolicyConfig.kivi(2))
+
+
+def test_out_of_range_integers_are_config_errors():
+    with pytest.raises(ConfigError, match="version"):
+        PolicyConfig.from_dict({"key": "uniform", "value": "uniform", "version": 1.0})
+    for spec in ({"name": "uniform", "group_size": 2**31}, {"name": "uniform", "group_size": 2**63},
+                 {"name": "uniform", "recent_tokens": 2**64 + 1}, {"name": "mixhq", "group_size": 10**30}):
+        with pytest.raises(ConfigError, match="group_size|recent_tokens"):
+            PolicyConfig.from_dict({"key": spec, "value": "uniform"})
+    with pytest.raises(ConfigError, match="seed"):
+        PolicyConfig.from_dict({"transforms": [{"name": "hadamard", "seed": 2**64 + 5}], "key": "uniform", "value": "uniform"})
 
 
 def test_intact_but_inconsistent_streams_never_decode():

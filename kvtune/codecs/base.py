@@ -143,6 +143,11 @@ def _thaw(value: Any) -> Any:
     return value
 
 
+INT_PARAM_LIMIT = 2**63
+"""Integer parameters lie in ``[-2**63, 2**63)`` (int64, what the kernels and torch index
+with) unless their own ``low`` / ``high`` are tighter."""
+
+
 def _allowed_text(meta: Mapping[str, Any]) -> str:
     """Human-readable description of a parameter's allowed values."""
     if meta["choices"] is not None:
@@ -185,6 +190,8 @@ def _check_value(meta: Mapping[str, Any], value: Any) -> tuple[bool, Any]:
     if meta["low"] is not None and value < meta["low"]:
         return False, value
     if meta["high"] is not None and value > meta["high"]:
+        return False, value
+    if typ is int and not -INT_PARAM_LIMIT <= value < INT_PARAM_LIMIT:
         return False, value
     return True, value
 

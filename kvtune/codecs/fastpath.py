@@ -580,6 +580,23 @@ def _invert_transforms(y: np.ndarray, plan: _Plan, state) -> None:
             K.affine_rows(y, st[0], st[-1], op[2], True)
 
 
+def sizes_plausible(header) -> bool:
+    """Whether every tensor of a stream has at most 8 elements per byte of its sections.
+
+    The fast path allocates its plans (index arrays) and outputs from the header's shapes
+    before it reads the sections, so a corrupt header claiming ``10**12`` tokens would fail
+    with ``MemoryError``. A bit-packed symbol takes at least one bit, so no ``bitpack`` stream
+    breaks this bound; an entropy-coded stream of near-constant data may, and then decodes on
+    the reference path, which checks every section length before it allocates.
+    """
+    for (kshape, vshape), (kl, vl) in zip(header.shapes, header.sections):
+        for shape, lengths in ((kshape, kl), (vshape, vl)):
+            nbytes = lengths.state + sum(lengths.meta) + sum(lengths.payload)
+            if math.prod(shape) > 8 * nbytes:
+                return False
+    return True
+
+
 def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Decode every tensor of a validated stream (see :func:`kvtune.codecs.decode_kv`), into
     the tensors of ``out`` when given (already checked by the caller).

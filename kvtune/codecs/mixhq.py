@@ -115,7 +115,7 @@ class MixHQ(GroupedWindowsMixin, Quantizer):
     low_bits: int = param(2, low=1, high=8, doc="bits of streaming heads")
     symmetric: bool = param(False, doc="symmetric grid (scale only) instead of min/max")
     granularity: str = param("per_token", choices=("per_token", "per_channel"), doc="grouping axis")
-    group_size: int = param(32, low=0, doc="elements per group along the axis, 0 = whole axis")
+    group_size: int = param(32, low=0, high=2**31 - 1, doc="elements per group along the axis, 0 = whole axis")
     sink_tokens: int = param(0, low=0, doc="first tokens kept in bfloat16")
     recent_tokens: int = param(0, low=0, doc="last tokens kept in bfloat16")
     head_scores: tuple = param((), doc="per-layer tuples of per-KV-head retrieval scores (calibration)")

@@ -116,7 +116,7 @@ class PolicyConfig:
         for slot, base in (("key", Quantizer), ("value", Quantizer), ("codec", Codec)):
             if not isinstance(getattr(self, slot), base):
                 raise ConfigError(f"policy {slot!r} must be a {base.__name__}, got {getattr(self, slot)!r}")
-        if self.version not in POLICY_VERSIONS or isinstance(self.version, bool):
+        if type(self.version) is not int or self.version not in POLICY_VERSIONS:  # 1.0 == 1 but is not the schema version
             raise ConfigError(f"policy 'version' = {self.version!r} is not supported; allowed: {POLICY_VERSIONS}")
         floors = tuple(sorted({b for t in self.transforms for b in t.min_bits_values()}))
         for slot in ("key", "value"):
@@ -292,6 +292,8 @@ def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
         for name, t in zip("KV", pair):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+            if t.device.type == "meta":
+                raise ValueError(f"kv[{i}] {name} is a meta tensor (no data)")
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
             if check_finite and not _all_finite(t):
@@ -416,6 +418,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         ConfigError: the policy cannot be applied to this cache, e.g. a ``mixhq`` quantizer
             without head scores or with scores for other layers / head counts.
     """
+    if not isinstance(config, PolicyConfig):
+        raise TypeError(f"config must be a PolicyConfig (PolicyConfig.from_dict for a dict), got {type(config).__name__}")
     fast = _use_fast(impl, config)
     dtype = _kv_dtype(kv, check_finite=not fast)  # the fast path checks inside its kernels
     if not isinstance(layer_offset, int) or isinstance(layer_offset, bool):
@@ -473,7 +477,12 @@ def decode_kv(
         PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
             component that is not registered) or cannot apply to the recorded shapes.
+        TypeError: ``expect`` is not a :class:`PolicyConfig`.
+        ValueError: ``out`` does not match the stream (shapes, dtype, contiguity) or
+            requires grad.
     """
+    if expect is not None and not isinstance(expect, PolicyConfig):
+        raise TypeError(f"expect must be a PolicyConfig or None, got {type(expect).__name__}")
     header, sections = read_stream(stream, expect_policy_id=None if expect is None else expect.policy_id)
     try:
         config = PolicyConfig.from_dict(header.policy)
@@ -485,7 +494,7 @@ def decode_kv(
     dtype = _NAME_DTYPES[header.dtype]
     if out is not None:
         _check_out(out, header.shapes, dtype)
-    if _use_fast(impl, config):
+    if _use_fast(impl, config) and fastpath.sizes_plausible(header):
         try:
             return fastpath.decode_tensors(stream, header, sections, config, out)
         except fastpath._LayerError as err:
@@ -517,6 +526,8 @@ def _check_out(out: KVLayers, shapes, dtype: torch.dtype) -> None:
             if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
                     and t.device.type == "cpu" and t.is_contiguous()):
                 raise ValueError(f"out[{i}] {name} must be a contiguous CPU {dtype} tensor of shape {tuple(shape)}")
+            if t.requires_grad:
+                raise ValueError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
 
 
 def _raise_decode_error(policy_id: str, layer: int, exc: BaseException):

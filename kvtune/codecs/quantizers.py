@@ -268,7 +268,7 @@ class UniformQuantizer(GroupedWindowsMixin, Quantizer):
     bits: int = param(4, low=1, high=8, doc="bits per symbol")
     symmetric: bool = param(False, doc="symmetric grid (scale only) instead of min/max")
     granularity: str = param("per_token", choices=("per_token", "per_channel"), doc="grouping axis")
-    group_size: int = param(32, low=0, doc="elements per group along the axis, 0 = whole axis")
+    group_size: int = param(32, low=0, high=2**31 - 1, doc="elements per group along the axis, 0 = whole axis")
     sink_tokens: int = param(0, low=0, doc="first tokens kept in bfloat16", elide_default=True)
     recent_tokens: int = param(0, low=0, doc="last tokens kept in bfloat16", elide_default=True)
     shallow_layers: int = param(0, low=0, doc="layers with index < this use shallow_bits", elide_default=True)

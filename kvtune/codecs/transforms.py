@@ -271,7 +271,7 @@ class Delta(Transform):
         anchor_bits: 0 (same as the deltas), 1..8, or 16 (bfloat16).
     """
 
-    group_size: int = param(10, low=2, doc="tokens per delta group (the first is the anchor)")
+    group_size: int = param(10, low=2, high=2**31 - 1, doc="tokens per delta group (the first is the anchor)")
     anchor_bits: int = param(0, choices=(0, *range(1, 9), BF16_BITS), doc="min bits of anchor tokens, 0 = as deltas")
 
     def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
