@@ -204,8 +204,9 @@ def _rgba(hex_color: str, alpha: float) -> str:
 
 def write_outputs(results: pd.DataFrame, runs: list[Run], replay: ReplayObjective, out: str, *,
                   title: str, q_mins: Sequence[float] = (0.97, 0.99), notes: str = "") -> dict[str, str]:
-    """Write ``<out>.csv`` (per seed), ``<out>.md`` (summary) and ``<out>.html`` (plotly
-    convergence plot, plotly.js embedded). Returns the paths."""
+    """Write ``<out>.csv`` (per seed), ``<out>.md`` (summary), ``<out>.html`` (plotly
+    convergence plot, plotly.js embedded, ~5 MB), ``<out>_curves.csv`` (the curves) and
+    ``<out>.svg`` (the same plot, static; needs matplotlib). Returns the paths by kind."""
     from pathlib import Path
 
     import plotly.graph_objects as go
@@ -253,4 +254,40 @@ def write_outputs(results: pd.DataFrame, runs: list[Run], replay: ReplayObjectiv
     fig.update_xaxes(title_text="evaluations")
     fig.update_layout(title=title, template="plotly_white", height=480, width=1200)
     fig.write_html(paths["html"], include_plotlyjs=True, div_id="convergence")
+    paths["curves"] = str(base.with_name(base.name + "_curves.csv"))
+    curves.to_csv(paths["curves"], index=False)
+    svg = write_convergence_svg(curves, str(base.with_suffix(".svg")), title=title, q_min=q_mins[0])
+    if svg:
+        paths["svg"] = svg
     return paths
+
+
+def write_convergence_svg(curves: pd.DataFrame, path: str, *, title: str, q_min: float) -> str | None:
+    """The convergence plot of :func:`write_outputs` as a static SVG (for a README), drawn with
+    matplotlib when it is installed (``pip install kvtune[bench]``); ``None`` without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
+    col = f"ratio_q{q_min:g}"
+    for label, g in curves.groupby("optimizer", sort=False):
+        agg = g.groupby("evals")["hv_ratio"].agg(["mean", "min", "max"]).reset_index()
+        (line,) = axes[0].plot(agg["evals"], agg["mean"], label=label, lw=1.6)
+        axes[0].fill_between(agg["evals"], agg["min"], agg["max"], color=line.get_color(), alpha=0.12, lw=0)
+        if col in g and g[col].notna().any():
+            r = g.groupby("evals")[col].mean().reset_index()
+            axes[1].plot(r["evals"], r[col], label=label, lw=1.6, color=line.get_color())
+    axes[0].set_title("hypervolume / exhaustive (mean; band min..max over seeds)", fontsize=10)
+    axes[1].set_title(f"best feasible ratio / exhaustive at q_min = {q_min:g} (mean over seeds)", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("evaluations")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.savefig(path, format="svg", metadata={"Date": None})  # no timestamp: reruns diff cleanly
+    plt.close(fig)
+    return path
