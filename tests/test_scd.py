@@ -157,6 +157,70 @@ def test_full_rank_scd_generalizes_when_the_consumer_kv_is_linear(tiny_lm):
     _assert_same_kv(method.transfer(pair, prefix_context(tiny_lm, ids)).kv, capture_states(consumer, ids).kv)
 
 
+def test_quantized_scd_codes_go_through_the_tqc_pipeline(tiny_lm):
+    from kvtune.codecs import decode_kv
+    from kvtune.scd.methods import code_policy
+
+    consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
+    windows = _windows(2, 40)
+    cal = calibrate(tiny_lm, consumer, windows, ranks=(8,), ridge=0.0)
+    pair = Pair(tiny_lm, consumer, cal)
+    d_out = 2 * tiny_lm.kv_heads * tiny_lm.head_dim
+    ctx = prefix_context(tiny_lm, windows[0])
+    exact = SCD.uniform(tiny_lm.num_layers, d_out, code_dtype="float32").transfer(pair, ctx)
+    bf16 = SCD.uniform(tiny_lm.num_layers, d_out).transfer(pair, ctx)
+    errors = {}
+    for bits in (8, 4):
+        got = SCD.uniform(tiny_lm.num_layers, d_out, code_bits=bits).transfer(pair, ctx)
+        # payload: the T/Q/C stream of every layer's code (bits per coefficient + per-group metadata + header)
+        assert bits * d_out * 40 * tiny_lm.num_layers / 8 < got.payload_bytes < bf16.payload_bytes
+        errors[bits] = max(relative_error(k2.reshape(-1, k.shape[-1]), k.reshape(-1, k.shape[-1]))
+                           for (k, _), (k2, _) in zip(exact.kv, got.kv))
+    # squared relative error; 4 fewer bits = 16x the step, ~256x the squared error (measured 2e-5 vs 5.4e-3)
+    assert errors[8] < 1e-4 and 100 * errors[8] < errors[4] < 0.02
+    with pytest.raises(ConfigError, match="code bits"):
+        SCD.uniform(tiny_lm.num_layers, 8, code_bits=5).transfer(pair, ctx)
+    with pytest.raises(ConfigError, match="code bits"):
+        code_policy(16)
+    # the 16-bit configuration keeps the id it had before code_bits existed
+    assert "code_bits" not in json.loads(SCD.uniform(2, 8).config_json())
+    assert json.loads(SCD.uniform(2, 8, code_bits=4).config_json())["code_bits"] == 4
+    assert "4-bit codes" in SCD.uniform(2, 8, code_bits=4).label()
+
+
+def test_scd_grid_is_searched_by_the_shared_optimizers(tiny_lm):
+    from kvtune.scd.profile import SCDProfileSettings, scd_methods, scd_space, search_scd, evaluate_method
+
+    consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
+    windows = _windows(3, 24)
+    cal = calibrate(tiny_lm, consumer, windows, ranks=(4, 8), ridge=1e-3)
+    pair = Pair(tiny_lm, consumer, cal)
+    st = SCDProfileSettings(ranks=(4, 8), patch_counts=(0,), code_bits=(16, 8))
+    methods = scd_methods(cal, st)
+    assert [(m.ranks[0], m.code_bits) for m in methods] == [(4, 16), (4, 8), (8, 16), (8, 8)]
+    space = scd_space(methods)
+    assert len(space) == 4 and len({c.policy_id for c in space.candidates}) == 4
+    assert space.at_most_as_precise(space.candidates[1], space.candidates[2])  # r4 8-bit <= r8 16-bit
+    contexts = [prefix_context(tiny_lm, w[:16]) for w in windows]
+    cont = torch.tensor([w[16:] for w in windows])
+    _, base_logits = evaluate_method(pair, Recompute(), contexts, cont, None)
+    every = search_scd(pair, methods, contexts, cont, base_logits, st)
+    assert sorted(r.method.label() for r in every) == sorted(m.label() for m in methods)
+    for opt in ("random", "mobo"):
+        some = search_scd(pair, methods, contexts, cont, base_logits,
+                          SCDProfileSettings(ranks=(4, 8), patch_counts=(0,), code_bits=(16, 8), optimizer=opt, budget=2))
+        assert len(some) == 2 and some[0].method != some[1].method
+
+
+@pytest.mark.parametrize("change, match", [({"optimizer": "simplex"}, "unknown optimizer"),
+                                           ({"code_bits": (16, 5)}, "code bits"), ({"budget": -1}, "budget")])
+def test_scd_profile_rejects_bad_settings_before_loading_models(change, match):
+    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+
+    with pytest.raises(ConfigError, match=match):  # model names that do not exist: never loaded
+        run_scd_profile("no-such-model", "no-such-model", "/nonexistent/out", settings=SCDProfileSettings(**change))
+
+
 def test_patch_of_identical_models_is_exact_and_droidspeak_full_block_is_recompute(tiny_lm):
     windows = _windows(3, 40, seed=5)
     cal = calibrate(tiny_lm, tiny_lm, windows, ranks=(8,), ridge=0.0)

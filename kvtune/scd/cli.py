@@ -90,8 +90,12 @@ def profile_cmd(
     continuation_tokens: int = typer.Option(64, min=2, help="Teacher-forced continuation tokens scored."),
     calib_windows: int = typer.Option(16, min=1, help="Calibration prefixes (training split)."),
     calib_tokens: int = typer.Option(256, min=8, help="Tokens per calibration prefix."),
-    ranks: str = typer.Option("16,32,64,128", help="SCD ranks searched."),
+    ranks: str = typer.Option("32,64,128,192,256,384", help="SCD ranks searched."),
     patch_counts: str = typer.Option("0,2", help="Numbers of patched transition layers searched."),
+    code_bits: str = typer.Option("16,8,4", help="SCD code widths searched (16 = bf16, fewer = quantized)."),
+    optimizer: str = typer.Option("exhaustive", help="Optimizer over the SCD grid (mobo, kvserve, random, ...)."),
+    budget: int = typer.Option(0, min=0, help="SCD configurations to evaluate (0 = all the optimizer proposes)."),
+    seed: int = typer.Option(0, help="Optimizer seed."),
     droidspeak_lengths: str = typer.Option("2,4,8", help="DroidSpeak block lengths searched."),
     tqc_presets: str = typer.Option("kivi-4,kivi-2", help="T/Q/C presets for raw+tqc."),
     device: str = typer.Option("cpu", help="auto, cpu or cuda."),
@@ -105,6 +109,7 @@ def profile_cmd(
             calib_windows=calib_windows, calib_tokens=calib_tokens, ranks=_ints(ranks, "--ranks"),
             patch_counts=_ints(patch_counts, "--patch-counts"),
             droidspeak_lengths=_ints(droidspeak_lengths, "--droidspeak-lengths"),
+            code_bits=_ints(code_bits, "--code-bits"), optimizer=optimizer, budget=budget, seed=seed,
             tqc_presets=tuple(t.strip() for t in tqc_presets.split(",") if t.strip()), device=device)
         with console.status("profiling") as status:
             res = run_scd_profile(producer, consumer, out, settings=st, progress=lambda m: status.update(m))

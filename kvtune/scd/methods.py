@@ -19,9 +19,10 @@ raw+tqc    the producer's KV through a T/Q/C policy (:mod:`kvtune.codecs`)
 droidspeak the producer's KV (bf16) of every layer outside a contiguous block
            [start, start + length), plus the producer's residual stream (bf16) at the
            block's entry; the consumer runs its own layers of the block from it
-scd        per layer a rank-r_l code (bf16) of the producer's normalized input (Reuse), or
-           at patched layers a rank-r code of its residual stream (Patch); the consumer
-           decodes with the calibration maps and applies RoPE / its own norm + projections
+scd        per layer a rank-r_l code of the producer's normalized input (Reuse), or at
+           patched layers a rank-r code of its residual stream (Patch), in bf16 or through a
+           T/Q/C policy (:func:`code_policy`); the consumer decodes with the calibration
+           maps and applies RoPE / its own norm + projections
 ========== ===========================================================================
 """
 
@@ -240,6 +241,35 @@ class DroidSpeak(TransferMethod):
         return f"droidspeak layers {self.start}-{self.start + self.length - 1}"
 
 
+CODE_BITS = (16, 8, 6, 4, 3, 2)
+"""Widths of SCD codes on the wire: 16 = bfloat16, else :func:`code_policy`."""
+
+
+def code_policy(bits: int) -> PolicyConfig:
+    """The T/Q/C policy that carries SCD codes at ``bits`` (< 16) bits per coefficient.
+
+    The codes of all layers travel as one KV stream (:func:`kvtune.codecs.encode_kv`): layer
+    l's code ``(T, r_l)`` is split into a "key" half ``(1, 1, T, ceil(r_l/2))`` and a "value"
+    half. Code coefficients are coordinates along the map's principal directions, so their
+    scale differs per coefficient and little per token: asymmetric uniform quantization per
+    channel (one scale and zero per coefficient and group of 32 tokens, as KIVI keys), packed
+    densely (``bitpack``).
+
+    Raises:
+        ConfigError: ``bits`` not in :data:`CODE_BITS`.
+    """
+    if bits not in CODE_BITS or bits == 16:
+        raise ConfigError(f"SCD code bits must be one of {', '.join(map(str, CODE_BITS))}; got {bits}")
+    q = {"name": "uniform", "bits": bits, "granularity": "per_channel", "group_size": 32}
+    return PolicyConfig.from_dict({"key": q, "value": q, "codec": "bitpack"})
+
+
+def _split_code(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(T, r)`` -> the two halves as ``(1, 1, T, .)`` tensors (the KV layout of a stream)."""
+    h = (code.shape[1] + 1) // 2
+    return code[:, :h].reshape(1, 1, code.shape[0], h), code[:, h:].reshape(1, 1, code.shape[0], -1)
+
+
 @register_method
 @dataclass(frozen=True)
 class SCD(TransferMethod):
@@ -249,7 +279,10 @@ class SCD(TransferMethod):
         ranks: per-layer Reuse rank r_l (``len == num_layers``), code ``(T, r_l)``.
         patch_layers: layers that are patched instead (rank ``patch_rank``).
         patch_rank: rank of the Patch code.
-        code_dtype: dtype of codes on the wire (``bfloat16``; ``float32`` for exactness tests).
+        code_dtype: dtype of codes on the wire when ``code_bits == 16`` (``bfloat16``;
+            ``float32`` for exactness tests).
+        code_bits: 16 = codes in ``code_dtype``; fewer = codes quantized by the T/Q/C
+            pipeline with :func:`code_policy` (payload = the stream's bytes).
     """
 
     name: ClassVar[str] = "scd"
@@ -257,13 +290,20 @@ class SCD(TransferMethod):
     patch_layers: tuple[int, ...] = ()
     patch_rank: int = 64
     code_dtype: str = "bfloat16"
+    code_bits: int = 16
 
     @classmethod
     def uniform(cls, num_layers: int, rank: int, patch_layers: tuple[int, ...] = (), *, patch_rank: int | None = None,
-                code_dtype: str = "bfloat16") -> "SCD":
+                code_dtype: str = "bfloat16", code_bits: int = 16) -> "SCD":
         """Every layer at ``rank``; patched layers at ``patch_rank`` (default ``rank``)."""
         return cls(ranks=(rank,) * num_layers, patch_layers=tuple(sorted(patch_layers)),
-                   patch_rank=rank if patch_rank is None else patch_rank, code_dtype=code_dtype)
+                   patch_rank=rank if patch_rank is None else patch_rank, code_dtype=code_dtype, code_bits=code_bits)
+
+    def config_dict(self) -> dict[str, Any]:
+        d = super().config_dict()
+        if self.code_bits == 16:  # configurations from before code_bits keep their ids
+            d.pop("code_bits", None)
+        return d
 
     def transfer(self, pair: Pair, ctx: PrefixContext) -> Transfer:
         cal = pair.calibration
@@ -271,32 +311,38 @@ class SCD(TransferMethod):
             raise ConfigError("the scd method needs calibration maps (run calibrate first)")
         if len(self.ranks) != cal.num_layers:
             raise ConfigError(f"scd config has {len(self.ranks)} ranks for {cal.num_layers} layers")
-        dt = CODE_DTYPES[self.code_dtype]
         cons = pair.consumer
         half = cons.kv_heads * cons.head_dim
-        t_enc = t_dec = 0.0
-        payload = 0
         rope = rotary(cons, ctx.tokens)
-        kv: KVLayers = []
         patched = set(self.patch_layers)
-        for layer in range(cal.num_layers):
-            is_patch = layer in patched
-            m = (cal.patch[layer] if is_patch else cal.reuse[layer]).truncate(
-                self.patch_rank if is_patch else self.ranks[layer])
-            x = ctx.producer.hidden[layer] if is_patch else ctx.producer.normed[layer]
-            t0 = time.perf_counter()
-            code = m.encode(x).to(dt)
-            t1 = time.perf_counter()
+        maps = [(cal.patch[layer] if layer in patched else cal.reuse[layer]).truncate(
+            self.patch_rank if layer in patched else self.ranks[layer]) for layer in range(cal.num_layers)]
+        # producer: one code per layer, then onto the wire
+        t0 = time.perf_counter()
+        codes = [m.encode(ctx.producer.hidden[layer] if layer in patched else ctx.producer.normed[layer])
+                 for layer, m in enumerate(maps)]
+        if self.code_bits == 16:
+            dt = CODE_DTYPES[self.code_dtype]
+            wire = [c.to(dt) for c in codes]
+            payload = sum(c.numel() * c.element_size() for c in wire)
+        else:
+            from kvtune.codecs import decode_kv, encode_kv
+
+            stream = encode_kv([_split_code(c) for c in codes], code_policy(self.code_bits))
+            payload = len(stream)
+        t1 = time.perf_counter()
+        # consumer: codes back, then its KV through the maps
+        if self.code_bits != 16:
+            wire = [torch.cat([k.reshape(k.shape[2], -1), v.reshape(v.shape[2], -1)], dim=1) for k, v in decode_kv(stream)]
+        kv: KVLayers = []
+        for layer, (m, code) in enumerate(zip(maps, wire)):
             y = m.decode(code.float())
-            if is_patch:
+            if layer in patched:
                 kv.append(kv_from_hidden(cons, layer, y, rope))
             else:
                 kv.append(kv_from_pre(cons, layer, y[:, :half], y[:, half:], rope))
-            t2 = time.perf_counter()
-            t_enc += t1 - t0
-            t_dec += t2 - t1
-            payload += code.numel() * code.element_size()
-        return Transfer(kv=kv, payload_bytes=payload, producer_seconds=t_enc, consumer_seconds=t_dec)
+        t2 = time.perf_counter()
+        return Transfer(kv=kv, payload_bytes=payload, producer_seconds=t1 - t0, consumer_seconds=t2 - t1)
 
     def artifact_bytes(self, pair: Pair) -> int:
         """Bytes of the truncated maps this configuration uses (float32, producer + consumer side)."""
@@ -315,7 +361,8 @@ class SCD(TransferMethod):
         rs = sorted(set(self.ranks))
         r = str(rs[0]) if len(rs) == 1 else f"{min(rs)}-{max(rs)}"
         patch = f", patch {list(self.patch_layers)}@{self.patch_rank}" if self.patch_layers else ""
-        return f"scd r={r}{patch}"
+        bits = f", {self.code_bits}-bit codes" if self.code_bits != 16 else ""
+        return f"scd r={r}{patch}{bits}"
 
 
 def prefix_context(producer: LoadedModel, ids: list[int]) -> PrefixContext:

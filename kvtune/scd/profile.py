@@ -80,6 +80,13 @@ class SCDProfileSettings:
         profile_contexts: calibration windows used to pick the DroidSpeak block.
         ranks: uniform SCD ranks searched.
         patch_counts: numbers of patched transition layers searched.
+        code_bits: widths of the SCD codes searched (16 = bfloat16, fewer = quantized by
+            the T/Q/C pipeline, :func:`kvtune.scd.methods.code_policy`).
+        optimizer: registered optimizer (:data:`kvtune.optimize.OPTIMIZERS`) that explores the
+            SCD grid (rank x patch count x code bits); the baselines are always evaluated.
+        budget: SCD configurations to evaluate (0 = as many as the optimizer proposes).
+        q_min: accuracy floor of constrained optimizers (``kvserve``).
+        seed: optimizer seed.
         droidspeak_lengths: recomputed block lengths searched.
         droidspeak_stride: step between candidate block starts in the offline profiling.
         tqc_presets: preset names (``search_spaces/presets.yaml``) for ``raw+tqc``.
@@ -98,10 +105,15 @@ class SCDProfileSettings:
     context_tokens: int = 256
     continuation_tokens: int = 64
     profile_contexts: int = 4
-    ranks: tuple[int, ...] = (16, 32, 64, 128)
+    ranks: tuple[int, ...] = (32, 64, 128, 192, 256, 384)
     patch_counts: tuple[int, ...] = (0, 2)
+    code_bits: tuple[int, ...] = (16, 8, 4)
+    optimizer: str = "exhaustive"
+    budget: int = 0
+    q_min: float = 0.95
+    seed: int = 0
     droidspeak_lengths: tuple[int, ...] = (2, 4, 8)
-    droidspeak_stride: int = 1
+    droidspeak_stride: int = 2
     tqc_presets: tuple[str, ...] = ("kivi-4", "kivi-2")
     tqc_policies: tuple[dict, ...] = ()
     ridge: float = 1e-4
@@ -259,7 +271,8 @@ def tqc_methods(settings: SCDProfileSettings) -> list[RawTQC]:
 
 
 def scd_methods(cal: SCDCalibration, settings: SCDProfileSettings) -> list[SCD]:
-    """SCD grid: every uniform rank x every patch count (patched = the rank's transition layers)."""
+    """SCD grid: every uniform rank x every patch count (patched = the rank's transition
+    layers) x every code width."""
     out = []
     d_out = cal.reuse[0].rank
     for r in settings.ranks:
@@ -268,8 +281,81 @@ def scd_methods(cal: SCDCalibration, settings: SCDProfileSettings) -> list[SCD]:
         for n in settings.patch_counts:
             if n and r not in cal.reuse_error:
                 continue
-            out.append(SCD.uniform(cal.num_layers, r, cal.transition_layers(r, n) if n else ()))
+            for bits in settings.code_bits:
+                out.append(SCD.uniform(cal.num_layers, r, cal.transition_layers(r, n) if n else (), code_bits=bits))
     return out
+
+
+@dataclass(frozen=True)
+class _SCDPolicy:
+    """A candidate's ``config`` in the SCD search space: the method, its id and label."""
+
+    method: SCD
+
+    @property
+    def policy_id(self) -> str:
+        return hashlib.sha256(self.method.config_json().encode()).hexdigest()[:12]
+
+    @property
+    def label(self) -> str:
+        return self.method.label()
+
+    needs_head_scores = False
+
+
+def scd_space(methods: list[SCD]) -> Any:
+    """The SCD grid as a :class:`~kvtune.space.SearchSpace` for the shared optimizers.
+
+    Parameters: ``rank`` (ordinal, more is more precise), ``patches`` (ordinal, number of
+    patched layers, no precision direction), ``code_bits`` (ordinal, more is more precise).
+    """
+    from kvtune.space import Candidate, Parameter, SearchSpace
+
+    def params(m: SCD) -> dict[str, Any]:
+        return {"rank": max(m.ranks), "patches": len(m.patch_layers), "code_bits": m.code_bits}
+
+    values = {k: tuple(sorted({params(m)[k] for m in methods})) for k in ("rank", "patches", "code_bits")}
+    parameters = [Parameter("rank", "ordinal", values["rank"], precision="increasing"),
+                  Parameter("patches", "ordinal", values["patches"], precision="none"),
+                  Parameter("code_bits", "ordinal", values["code_bits"], precision="increasing")]
+    cands = [Candidate(index=i, params=params(m), config=_SCDPolicy(m)) for i, m in enumerate(methods)]
+    return SearchSpace(name="scd", path=Path("<scd grid>"), description="SCD rank x patch count x code bits",
+                       parameters=parameters, fixed={}, candidates=cands)
+
+
+def search_scd(pair: Pair, methods: list[SCD], contexts: list[PrefixContext], continuation: torch.Tensor,
+               base_logits: torch.Tensor, settings: SCDProfileSettings,
+               progress: Callable[[str], None] | None = None) -> list[MethodResult]:
+    """Explore the SCD grid with ``settings.optimizer`` (ask/tell, :mod:`kvtune.optimize`).
+
+    Each proposal is evaluated on every prefix and told back as its trials row
+    (:func:`trial_row`: relative accuracy with interval, ratio, encode/decode GB/s).
+
+    Returns:
+        The evaluated configurations' results, in evaluation order.
+
+    Raises:
+        ConfigError: unknown optimizer.
+    """
+    from kvtune.optimize import make_optimizer
+
+    if not methods:
+        return []
+    space = scd_space(methods)
+    opt = make_optimizer(settings.optimizer, space, seed=settings.seed, q_min=settings.q_min)
+    budget = settings.budget or len(space)
+    results = []
+    for k in range(min(budget, len(space))):
+        cand = opt.ask()
+        if cand is None:
+            break
+        res, _ = evaluate_method(pair, cand.config.method, contexts, continuation, base_logits)
+        results.append(res)
+        opt.tell(cand, {**trial_row(res), "trial": k})
+        if progress:
+            progress(f"[{settings.optimizer} {k + 1}/{min(budget, len(space))}] {cand.config.label}: relative accuracy "
+                     f"{res.scores['relative_accuracy']:.4f}, payload {res.payload_bytes / 1e6:.3f} MB")
+    return results
 
 
 def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continuation: torch.Tensor,
@@ -328,6 +414,21 @@ def _split_windows(ids: torch.Tensor, context_tokens: int) -> tuple[list[list[in
     return [r[:context_tokens].tolist() for r in ids], ids[:, context_tokens:]
 
 
+def _check_settings(st: SCDProfileSettings) -> None:
+    """Fail before any model loads on settings that cannot work."""
+    from kvtune.errors import ConfigError
+    from kvtune.optimize import OPTIMIZERS
+    from kvtune.scd.methods import CODE_BITS
+
+    if st.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {st.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    bad = [b for b in st.code_bits if b not in CODE_BITS]
+    if bad or not st.code_bits:
+        raise ConfigError(f"SCD code bits must be among {', '.join(map(str, CODE_BITS))}; got {list(st.code_bits)}")
+    if st.budget < 0:
+        raise ConfigError(f"budget must be >= 0 (0 = no limit); got {st.budget}")
+
+
 def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, out_dir: str | Path, *,
                     settings: SCDProfileSettings | None = None,
                     progress: Callable[[str], None] | None = None) -> SCDProfileResult:
@@ -345,11 +446,13 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
 
     Raises:
         ModelLayoutError: the models differ in architecture or are not Llama-style.
+        ConfigError: unknown optimizer, bad code bits or budget (before any model loads).
         KvtuneError: data too short, unknown preset, ...
     """
     from kvtune.tables.policy_table import compile_policy_table
 
     st = settings or SCDProfileSettings()
+    _check_settings(st)
     say = progress or (lambda _m: None)
     out = Path(out_dir)
     t_start = time.perf_counter()
@@ -379,14 +482,15 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
     droidspeak_seconds = time.perf_counter() - t0
 
     contexts = [prefix_context(prod, p) for p in eval_prefixes]
-    methods: list[TransferMethod] = [Raw(), *tqc_methods(st), *ds_methods, *scd_methods(cal, st)]
+    baselines: list[TransferMethod] = [Raw(), *tqc_methods(st), *ds_methods]
     base, base_logits = evaluate_method(pair, Recompute(), contexts, eval_cont, None)
     results = [base]
-    for m in methods:
+    for m in baselines:
         res, _ = evaluate_method(pair, m, contexts, eval_cont, base_logits)
         results.append(res)
         say(f"{m.label()}: relative accuracy {res.scores['relative_accuracy']:.4f}, "
             f"payload {res.payload_bytes / 1e6:.3f} MB")
+    results += search_scd(pair, scd_methods(cal, st), contexts, eval_cont, base_logits, st, say)
     trials = pd.DataFrame([trial_row(r) for r in results])
 
     out.mkdir(parents=True, exist_ok=True)
