@@ -64,8 +64,15 @@ def make_consumer_cmd(
                                 target_modules=tuple(t.strip() for t in target_modules.split(",") if t.strip()))
         t0 = time.perf_counter()
         with console.status("fine-tuning the consumer") as status:
+            def step_done(s: int, loss: float) -> None:
+                line = f"step {s + 1}/{steps}: loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)"
+                if console.is_terminal:
+                    status.update(line)
+                elif (s + 1) % 8 == 0 or s + 1 == steps:  # a log file gets a line every 8 steps
+                    console.print(line)
+
             info = make_consumer(recipe, device=device, heldout_windows=heldout_windows, force=force,
-                                 progress=lambda s, loss: status.update(f"step {s + 1}/{steps}: loss {loss:.3f}"))
+                                 progress=step_done)
     except KvtuneError as exc:
         _fail(exc)
         return
