@@ -16,6 +16,8 @@ Real table (once ``search_spaces/full.yaml`` has been evaluated exhaustively)::
         --space search_spaces/full.yaml --seeds 10 --budgets 0.01,0.02,0.05,0.1 \\
         --out benchmarks/results/search
 
+(MixHQ head scores from ``benchmarks/data/full_replay_calibration.json``, next to the table.)
+
 Synthetic problem with a known answer (2,025 candidates, :mod:`kvtune.optimize.synthetic`)::
 
     python benchmarks/search.py --synthetic --seeds 10 --out benchmarks/results/synthetic
@@ -48,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--table", default="benchmarks/data/full_replay.parquet",
                      help="replay table (Parquet: policy_id + trial result columns)")
     src.add_argument("--space", default="search_spaces/full.yaml", help="search space the table was made from")
+    src.add_argument("--calibration", default=None,
+                     help="calibration.json of the run that made the table (MixHQ head scores; their values are "
+                          "part of the policy ids); default: <table stem>_calibration.json when it exists")
     src.add_argument("--synthetic", action="store_true",
                      help="use the generated synthetic problem instead of --table/--space")
     src.add_argument("--synthetic-size", default="full", choices=["full", "medium", "small"])
@@ -76,6 +81,21 @@ def main(argv: list[str] | None = None) -> int:
             from kvtune.space import load_space
 
             space = load_space(args.space)
+            if space.needs_head_scores:
+                import json
+
+                from kvtune.evaluate.calibrate import HeadScores
+
+                cal = Path(args.calibration) if args.calibration else Path(args.table).with_name(
+                    Path(args.table).stem + "_calibration.json")
+                if not cal.is_file():
+                    raise KvtuneError(f"space {space.name} has MixHQ candidates: pass --calibration (the run's "
+                                      f"calibration.json); {cal} does not exist")
+                try:
+                    scores = HeadScores.from_dict(json.loads(cal.read_text(encoding="utf-8"))["head_scores"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise KvtuneError(f"{cal}: not a kvtune calibration.json ({exc})") from None
+                space = space.with_head_scores(scores.scores)
             replay = ReplayObjective.from_parquet(args.table)
             problem = f"{Path(args.table).name} on {space.name} ({len(space)} candidates)"
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
