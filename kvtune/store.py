@@ -111,8 +111,20 @@ class TrialStore:
         """
         return pd.DataFrame(self.load())
 
-    def write_table(self) -> Path:
-        """Rewrite ``trials.parquet`` from the log; returns its path."""
+    def write_table(self, frame: pd.DataFrame | None = None) -> Path:
+        """Rewrite ``trials.parquet`` from the log (or from ``frame``, the log already loaded
+        with :meth:`frame`); returns its path.
+
+        Raises:
+            KvtuneError: see :meth:`load`; or the records cannot form a table (a column whose
+                values mix types, such as a number in one record and text in another).
+        """
+        import pyarrow as pa
+
         path = self.run_dir / self.TABLE
-        atomic_write_parquet(self.frame(), path)
+        try:
+            atomic_write_parquet(self.frame() if frame is None else frame, path)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise KvtuneError(f"{self.log_path}: the trial records cannot form {self.TABLE} "
+                              f"(a column mixes value types?): {exc}") from None
         return path

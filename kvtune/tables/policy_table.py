@@ -451,9 +451,16 @@ def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
             raise TableError(f"cannot compile policy table: column {c} has NaN or non-numeric values")
     cr = num["compression_ratio"]
     if not (np.isfinite(cr) & (cr > 0)).all():
-        raise TableError("cannot compile policy table: compression_ratio must be finite and > 0")
-    if not np.isfinite(num["relative_accuracy"]).all():
+        i = int(np.flatnonzero(~(np.isfinite(cr) & (cr > 0)))[0])
+        raise TableError(f"cannot compile policy table: compression_ratio must be finite and > 0 "
+                         f"(policy {ids.iloc[i]}: {cr[i]})")
+    ra = num["relative_accuracy"]
+    if not np.isfinite(ra).all():
         raise TableError("cannot compile policy table: relative_accuracy must be finite")
+    if not ((ra >= 0) & (ra <= MAX_RELATIVE_ACCURACY)).all():
+        i = int(np.flatnonzero(~((ra >= 0) & (ra <= MAX_RELATIVE_ACCURACY)))[0])
+        raise TableError(f"cannot compile policy table: relative_accuracy must be in [0, {MAX_RELATIVE_ACCURACY:g}] "
+                         f"(policy {ids.iloc[i]}: {ra[i]})")
     for c in ("encode_gbps", "decode_gbps"):
         if not (num[c] > 0).all():
             raise TableError(f"cannot compile policy table: {c} must be > 0 GB/s")
