@@ -29,8 +29,8 @@ from kvtune import __version__
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
 from kvtune.evaluate.metrics import spearman
-from kvtune.evaluate.workloads import FIDELITIES, make_workload, workload_sample_counts
-from kvtune.evaluate.model import load_model
+from kvtune.evaluate.workloads import FIDELITIES, PROMPT_FORMATS, make_workload, workload_sample_counts
+from kvtune.evaluate.model import KV_DTYPES, load_model, resolve_device
 from kvtune.evaluate.ratio import estimate_ratios
 from kvtune.optimize import OPTIMIZERS, make_optimizer
 from kvtune.pareto import non_dominated_mask, pareto_front
@@ -113,7 +113,10 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         on_progress: ``on_progress(n=1, info=str)`` after each step of the current stage.
 
     Raises:
-        KvtuneError (and subclasses): bad settings, assets, data, spaces or models.
+        KvtuneError (and subclasses): bad settings, assets, data, spaces or models. Settings
+            (fidelity, optimizer, ``kv_dtype``, ``prompt_format``, ``device``, workload and
+            sample counts) and the space are checked before the model loads; the run folder
+            is created only when its first file is written.
     """
     settings.run = settings.run or default_run_name(settings)
     run_dir = settings.run_dir
@@ -123,11 +126,17 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         raise KvtuneError(f"--search-fidelity must be one of {', '.join(FIDELITIES)}, not {settings.search_fidelity!r}")
     if settings.optimizer not in OPTIMIZERS:
         raise KvtuneError(f"unknown optimizer {settings.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    if settings.kv_dtype not in KV_DTYPES:
+        raise KvtuneError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {settings.kv_dtype!r}")
+    if settings.prompt_format not in PROMPT_FORMATS:
+        raise KvtuneError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}, not {settings.prompt_format!r}")
+    resolve_device(settings.device)  # unknown --device, or cuda without CUDA: fail before loading
     torch.manual_seed(settings.seed)
     t_start = time.perf_counter()
     space = load_space(settings.space)
-    store = TrialStore(run_dir)
-    done = _done_by_fidelity(store.load())
+    # the run folder appears with its first file (calibration.json or run.json), so a run
+    # rejected before that (bad settings, model, data) leaves no empty folder behind
+    done = _done_by_fidelity(TrialStore(run_dir).load()) if (run_dir / TrialStore.LOG).exists() else {}
 
     n_full, _ = workload_sample_counts(settings.workload, settings)  # bad workload/sizes: fail before loading
     on_stage("load model", 1)
@@ -154,6 +163,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         "host": {"machine": platform.machine(), "threads": torch.get_num_threads()},
     }
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
+    store = TrialStore(run_dir)
 
     fid = settings.search_fidelity
     searched = done.get(fid, {})

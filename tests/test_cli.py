@@ -103,6 +103,29 @@ def test_unknown_workload_fails_before_loading_the_model(tmp_path):
     assert res.exit_code == 2 and "unknown workload 'bogus'" in res.output and "continuation" in res.output
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--kv-dtype", "float8", "--kv-dtype must be one of model, bfloat16, not 'float8'"),
+        ("--device", "tpu", "--device must be auto, cpu or cuda, not 'tpu'"),
+        ("--prompt-format", "fancy", "--prompt-format must be one of auto, chat, plain, not 'fancy'"),
+    ],
+)
+def test_bad_kv_dtype_device_prompt_format_fail_before_loading_and_leave_no_folder(tmp_path, option, value, message):
+    # the model path does not exist: reaching the model loader would give a different error
+    res = runner.invoke(app, ["profile", option, value, "--model", str(tmp_path / "missing.gguf"),
+                              "--run", "x", "--out", str(tmp_path / "profiles")])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "profiles").exists()
+
+
+def test_run_failing_before_its_first_file_leaves_no_empty_folder(tmp_path):
+    res = runner.invoke(app, ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", "x",
+                              "--out", str(tmp_path / "profiles")])
+    assert res.exit_code == 2 and "GGUF file not found" in res.output
+    assert not (tmp_path / "profiles" / "x").exists()
+
+
 def test_error_messages_keep_bracketed_values(tmp_path):
     res = runner.invoke(app, ["export", "tests/data/smollm2-default", "--floors", "nan", "--out", str(tmp_path / "t.json"),
                               "--format", "json"])
