@@ -174,7 +174,7 @@ def _print_summary(result) -> None:
     for _, r in pareto.sort_values("compression_ratio", ascending=False).iterrows():
         table.add_row(
             r["label"], f"{r['compression_ratio']:.2f}x", f"{100 * r['relative_accuracy']:.2f}",
-            f"{100 * r['relative_accuracy_lo']:.1f}-{100 * r['relative_accuracy_hi']:.1f}",
+            f"{100 * r.get('relative_accuracy_lo', float('nan')):.1f}-{100 * r.get('relative_accuracy_hi', float('nan')):.1f}",
             f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
         )
     console.print(table)

@@ -29,8 +29,8 @@ from kvtune import __version__
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
 from kvtune.evaluate.metrics import spearman
-from kvtune.evaluate.workloads import FIDELITIES, make_workload, workload_sample_counts
-from kvtune.evaluate.model import load_model
+from kvtune.evaluate.workloads import FIDELITIES, PROMPT_FORMATS, make_workload, workload_sample_counts
+from kvtune.evaluate.model import KV_DTYPES, load_model, resolve_device
 from kvtune.evaluate.ratio import estimate_ratios
 from kvtune.optimize import OPTIMIZERS, make_optimizer
 from kvtune.pareto import non_dominated_mask, pareto_front
@@ -40,7 +40,7 @@ from kvtune.space import load_space
 from kvtune.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import compile_policy_table
-from kvtune.tables.run import run_table_metadata
+from kvtune.tables.run import _read_run_info, run_table_metadata
 
 @dataclass
 class ProfileResult:
@@ -63,12 +63,28 @@ def load_settings(run_dir: Path) -> ProfileSettings:
     """Settings of an existing run, for ``--resume``.
 
     Raises:
-        KvtuneError: the folder has no readable ``run.json``.
+        KvtuneError: the folder has no readable ``run.json`` (missing, not UTF-8 JSON, no
+            valid ``settings``); the message names the file.
     """
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise KvtuneError(f"--resume {run_dir}: no run.json there; is it a kvtune run folder?")
-    return ProfileSettings.from_dict(json.loads(path.read_text())["settings"])
+    return _run_settings(_read_run_info(Path(run_dir)), path)
+
+
+def _run_settings(run_info: dict[str, Any], path: Path) -> ProfileSettings:
+    """The :class:`ProfileSettings` stored in a run's ``run.json`` (read from ``path``).
+
+    Raises:
+        KvtuneError: no ``settings`` object, or settings :meth:`ProfileSettings.from_dict`
+            rejects; the message names the file.
+    """
+    if not isinstance(run_info.get("settings"), dict):
+        raise KvtuneError(f"{path}: no 'settings' object; is it a kvtune run.json?")
+    try:
+        return ProfileSettings.from_dict(run_info["settings"])
+    except KvtuneError as exc:
+        raise KvtuneError(f"{path}: {exc}") from None
 
 
 Hook = Callable[..., None]
@@ -97,7 +113,10 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         on_progress: ``on_progress(n=1, info=str)`` after each step of the current stage.
 
     Raises:
-        KvtuneError (and subclasses): bad settings, assets, data, spaces or models.
+        KvtuneError (and subclasses): bad settings, assets, data, spaces or models. Settings
+            (fidelity, optimizer, ``kv_dtype``, ``prompt_format``, ``device``, workload and
+            sample counts) and the space are checked before the model loads; the run folder
+            is created only when its first file is written.
     """
     settings.run = settings.run or default_run_name(settings)
     run_dir = settings.run_dir
@@ -107,11 +126,17 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         raise KvtuneError(f"--search-fidelity must be one of {', '.join(FIDELITIES)}, not {settings.search_fidelity!r}")
     if settings.optimizer not in OPTIMIZERS:
         raise KvtuneError(f"unknown optimizer {settings.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    if settings.kv_dtype not in KV_DTYPES:
+        raise KvtuneError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {settings.kv_dtype!r}")
+    if settings.prompt_format not in PROMPT_FORMATS:
+        raise KvtuneError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}, not {settings.prompt_format!r}")
+    resolve_device(settings.device)  # unknown --device, or cuda without CUDA: fail before loading
     torch.manual_seed(settings.seed)
     t_start = time.perf_counter()
     space = load_space(settings.space)
-    store = TrialStore(run_dir)
-    done = _done_by_fidelity(store.load())
+    # the run folder appears with its first file (calibration.json or run.json), so a run
+    # rejected before that (bad settings, model, data) leaves no empty folder behind
+    done = _done_by_fidelity(TrialStore(run_dir).load()) if (run_dir / TrialStore.LOG).exists() else {}
 
     n_full, _ = workload_sample_counts(settings.workload, settings)  # bad workload/sizes: fail before loading
     on_stage("load model", 1)
@@ -138,6 +163,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         "host": {"machine": platform.machine(), "threads": torch.get_num_threads()},
     }
     atomic_write_text(run_dir / "run.json", json.dumps(run_info, indent=2))
+    store = TrialStore(run_dir)
 
     fid = settings.search_fidelity
     searched = done.get(fid, {})
@@ -273,6 +299,37 @@ def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.Dat
     return searched, full, info
 
 
+#: Trial columns every run's outputs are derived from, and those of them that hold numbers.
+_TRIAL_COLUMNS = ("policy_id", "label", "method", "config_json", "relative_accuracy", "compression_ratio",
+                  "encode_gbps", "decode_gbps")
+_TRIAL_NUMBERS = ("relative_accuracy", "relative_accuracy_lo", "relative_accuracy_hi", "relative_accuracy_raw",
+                  "compression_ratio", "encode_gbps", "decode_gbps")
+
+
+def check_trials(trials: pd.DataFrame, source: Path) -> None:
+    """Check the trial records a run's outputs are built from.
+
+    Every record needs ``policy_id``, ``label``, ``method`` and ``config_json`` strings and
+    numbers (NaN allowed: a failed trial, left off the Pareto front) for relative accuracy
+    (and its ``_lo``/``_hi``/``_raw`` variants when present), compression ratio and throughputs.
+
+    Raises:
+        KvtuneError: a column is missing, or a record holds a value of the wrong type; the
+            message names ``source`` (the trial log), the record (1-based) and the column.
+    """
+    missing = [c for c in _TRIAL_COLUMNS if c not in trials.columns]
+    if missing:
+        raise KvtuneError(f"{source}: trial records lack column(s) {missing}")
+    for i, row in enumerate(trials.to_dict("records"), 1):
+        for c in _TRIAL_COLUMNS[:4]:
+            if not isinstance(row[c], str):
+                raise KvtuneError(f"{source}: record {i}: {c} = {row[c]!r} is not a string")
+        for c in _TRIAL_NUMBERS:
+            v = row.get(c)
+            if c in row and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise KvtuneError(f"{source}: record {i} (policy {row['policy_id']}): {c} = {v!r} is not a number")
+
+
 def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> ProfileResult:
     """Derive every output of a run from its trial store: Pareto front, policy tables, report.
 
@@ -280,28 +337,37 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
     an existing run (for example after changing floors or the report). Needs no model.
 
     Raises:
-        KvtuneError: the folder has no ``run.json`` or no trials.
+        KvtuneError: the folder has no readable ``run.json`` (missing, not UTF-8 JSON, bad
+            settings), no trials, or trials that cannot be read or turned into a front and a
+            table (see :meth:`TrialStore.load` and :func:`check_trials`); the message names
+            the file.
     """
     run_dir = Path(run_dir)
     if run_info is None:
-        if not (run_dir / "run.json").is_file():
-            raise KvtuneError(f"{run_dir}: no run.json; is it a kvtune run folder?")
-        run_info = json.loads((run_dir / "run.json").read_text())
-    settings = ProfileSettings.from_dict(run_info["settings"])
+        run_info = _read_run_info(run_dir)
+    settings = _run_settings(run_info, run_dir / "run.json")
     store = TrialStore(run_dir)
     trials = store.frame()
     if trials.empty:
         raise KvtuneError(f"{run_dir}: no finished trials yet")
-    files = {"run": run_dir / "run.json", "trials": store.write_table()}
-    searched, final, fidelity_info = split_fidelities(trials, settings.search_fidelity)
-    pareto = pareto_front(final)
+    check_trials(trials, store.log_path)
+    model_info = run_info.get("model_info")
+    files = {"run": run_dir / "run.json", "trials": store.write_table(trials)}
+    try:
+        searched, final, fidelity_info = split_fidelities(trials, settings.search_fidelity)
+        pareto = pareto_front(final)
+        table = compile_policy_table(pareto, floors=settings.floors, model=settings.model,
+                                     workload=str(run_info.get("workload") or "continuation"),
+                                     device=str((model_info if isinstance(model_info, dict) else {}).get("device")
+                                                or "cpu"),
+                                     metadata=run_table_metadata(run_dir, run_info),
+                                     gate="relative_accuracy_lo" if "relative_accuracy_lo" in pareto else "relative_accuracy")
+    except KeyError as exc:
+        raise KvtuneError(f"{store.log_path}: trial records lack column {exc}") from None
+    except KvtuneError as exc:
+        raise type(exc)(f"{store.log_path}: {exc}") from None
     files["pareto"] = atomic_write_parquet(pareto, run_dir / "pareto.parquet")
     run_info["fidelity"] = fidelity_info
-    table = compile_policy_table(pareto, floors=settings.floors, model=settings.model,
-                                 workload=run_info.get("workload", "continuation"),
-                                 device=run_info.get("model_info", {}).get("device", "cpu"),
-                                 metadata=run_table_metadata(run_dir, run_info),
-                                 gate="relative_accuracy_lo" if "relative_accuracy_lo" in pareto else "relative_accuracy")
     files["policy_table"] = run_dir / "policy_table.parquet"
     files["policy_table_json"] = run_dir / "policy_table.json"
     table.to_parquet(files["policy_table"])

@@ -20,6 +20,17 @@ defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
 READABLE_VERSIONS = (1, 2)
 
 
+def _same_type(value: Any, default: Any) -> bool:
+    """Whether a stored settings value has the type of the field's default (a list of
+    numbers for a tuple of floats; bools and numbers are not interchangeable)."""
+    if isinstance(default, tuple):
+        return isinstance(value, (list, tuple)) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    return isinstance(value, type(default))
+
+
 @dataclass
 class ProfileSettings:
     """Everything that defines a profiling run (saved as ``run.json``; round-trips through JSON).
@@ -98,14 +109,19 @@ class ProfileSettings:
         defaults, i.e. the ``continuation`` workload the run used.
 
         Raises:
-            KvtuneError: an unreadable settings version, or unknown keys.
+            KvtuneError: an unreadable settings version, unknown keys, or a value of the wrong
+                type (e.g. a string budget, floors that are not a list of numbers).
         """
-        if d.get("version") not in READABLE_VERSIONS:
+        if isinstance(d.get("version"), bool) or d.get("version") not in READABLE_VERSIONS:
             raise KvtuneError(f"run settings version {d.get('version')!r} is not one of {READABLE_VERSIONS}; "
                               "re-run the profile")
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise KvtuneError(f"run settings have unknown keys {sorted(unknown)}")
+        for f in dataclasses.fields(cls):
+            if f.name in d and not _same_type(d[f.name], f.default):
+                want = {bool: "true or false", int: "an integer", str: "a string", tuple: "a list of numbers"}
+                raise KvtuneError(f"run settings: {f.name} = {d[f.name]!r} is not {want[type(f.default)]}")
         d = dict(d)
         if d.get("version") == 1:  # version-1 runs evaluated every policy on all contexts
             d.setdefault("search_fidelity", "full")

@@ -36,8 +36,9 @@ Keys are dotted paths into a policy configuration (see :class:`kvtune.codecs.Pol
 other keys (fixed or parameter) with a value or a list of accepted values; a parameter whose
 condition fails is left unset, and candidates that become identical are kept once.
 
-Every mistake — unknown keys, empty value lists, values of the wrong type, conditions on
-unknown keys, values the components reject, an empty space — is a :class:`SpaceError` naming
+Every mistake — unknown or repeated keys, empty value lists, values of the wrong type,
+conditions or forbidden rules on unknown keys or on values the key never takes, values the
+components reject, an empty space, a file that is not UTF-8 — is a :class:`SpaceError` naming
 the file, the line and the key.
 """
 
@@ -257,8 +258,33 @@ def assignment_to_policy_dict(params: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- YAML parsing
 
 
+class _DuplicateKeyError(yaml.YAMLError):
+    """A mapping lists the same key twice (raised by :class:`_UniqueKeyLoader`)."""
+
+    def __init__(self, key: Any, line: int, first: int) -> None:
+        super().__init__(f"duplicate key {key!r} (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML silently keeps the
+    last one, so a pasted parameter would quietly replace another). Keys brought in by a merge
+    (``<<: *anchor``) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKeyError(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 class _Where:
-    """File:line locator for keys of a composed YAML document."""
+    """File:line locator for keys (and list positions) of a composed YAML document."""
 
     def __init__(self, path: Path, root: yaml.Node | None) -> None:
         self.path, self.root = path, root
@@ -271,12 +297,15 @@ class _Where:
                     return v
         return None
 
-    def __call__(self, *keys: str) -> str:
+    def __call__(self, *keys: str | int) -> str:
         node, line = self.root, None
         for key in keys:
-            if isinstance(node, yaml.MappingNode):
+            if isinstance(node, yaml.SequenceNode) and isinstance(key, int) and 0 <= key < len(node.value):
+                node = node.value[key]
+                line = node.start_mark.line + 1
+            elif isinstance(node, yaml.MappingNode):
                 for k, v in node.value:
-                    if getattr(k, "value", None) == key:
+                    if getattr(k, "value", None) == str(key):  # scalar key nodes hold text
                         line, node = k.start_mark.line + 1, v
                         break
                 else:
@@ -290,6 +319,8 @@ def _accepted(value: Any) -> tuple[Any, ...]:
 
 def _parse_parameter(key: str, spec: Any, where: _Where) -> Parameter:
     loc = where("parameters", key)
+    if not isinstance(key, str):
+        raise SpaceError(f"{loc}: parameter name {key!r} must be a dotted key such as key.bits")
     if isinstance(spec, list):
         spec = {"values": spec}
         spec["type"] = "categorical" if any(isinstance(v, str) for v in spec["values"]) else "ordinal"
@@ -409,17 +440,27 @@ def load_space(spec: str | Path) -> SearchSpace:
         policy reached by two assignments) removed.
 
     Raises:
-        SpaceError: unreadable YAML, unknown or missing keys, bad types or values, conditions
-            on unknown keys, values the components reject, or an empty space; the message
-            names file, line and key.
+        SpaceError: unreadable YAML or non-UTF-8 file, a key repeated in a mapping, unknown or
+            missing keys, bad types or values, conditions or forbidden rules on unknown keys
+            or on values the key never takes, values the components reject, or an empty space;
+            the message names file, line and key.
     """
     from kvtune.codecs import PolicyConfig
 
     path = resolve_space_path(str(spec))
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpaceError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                         "save the space file as UTF-8") from None
+    except OSError as exc:
+        raise SpaceError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKeyError as exc:
+        raise SpaceError(f"{path}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first}); "
+                         "each key may appear once per mapping") from None
     except yaml.YAMLError as exc:
         raise SpaceError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -431,7 +472,7 @@ def load_space(spec: str | Path) -> SearchSpace:
         if key not in TOP_LEVEL_KEYS:
             raise SpaceError(f"{where(key)}: unknown key {key!r} (allowed: {', '.join(sorted(TOP_LEVEL_KEYS))})")
     version = data.get("version", 1)
-    if version not in SUPPORTED_VERSIONS:
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
         raise SpaceError(f"{where('version')}: unsupported space version {version!r} (supported: 1, 2)")
     raw_params = data.get("parameters")
     if not isinstance(raw_params, dict) or not raw_params:
@@ -440,6 +481,8 @@ def load_space(spec: str | Path) -> SearchSpace:
     if not isinstance(fixed, dict):
         raise SpaceError(f"{where('fixed')}: 'fixed' must be a mapping of key -> value")
     for key in fixed:
+        if not isinstance(key, str):
+            raise SpaceError(f"{where('fixed')}: fixed key {key!r} must be a dotted key such as key.name")
         if key in raw_params:
             raise SpaceError(f"{where('fixed', key)}: {key!r} is both fixed and a parameter")
         try:
@@ -448,17 +491,27 @@ def load_space(spec: str | Path) -> SearchSpace:
             raise SpaceError(f"{where('fixed', key)}: {exc}") from None
     params = [_parse_parameter(k, v, where) for k, v in raw_params.items()]
     known = set(fixed) | set(raw_params)
+    # values each key can take (None: a conditional parameter may be unset)
+    possible = {**{k: (v,) for k, v in fixed.items()}, **{p.key: p.values + ((None,) if p.when else ()) for p in params}}
     for p in params:
-        for k, _ in p.when:
+        for k, accepted in p.when:
             if k not in known:
                 raise SpaceError(f"{where('parameters', p.key)}: condition on unknown key {k!r}")
+            never = [v for v in accepted if v not in possible[k]]
+            if never:
+                raise SpaceError(f"{where('parameters', p.key, 'when', k)}: parameter {p.key!r}: condition "
+                                 f"{k}: {never[0]!r} can never hold; {k} takes {list(possible[k])}")
     forbidden = data.get("forbidden") or []
     if not isinstance(forbidden, list) or not all(isinstance(f, dict) and f for f in forbidden):
         raise SpaceError(f"{where('forbidden')}: 'forbidden' must be a list of non-empty mappings key -> value(s)")
-    for rule in forbidden:
+    for i, rule in enumerate(forbidden):
         for k in rule:
             if k not in known:
-                raise SpaceError(f"{where('forbidden')}: forbidden rule {rule} names unknown key {k!r}")
+                raise SpaceError(f"{where('forbidden', i)}: forbidden rule {rule} names unknown key {k!r}")
+            never = [v for v in _accepted(rule[k]) if v not in possible[k]]
+            if never:
+                raise SpaceError(f"{where('forbidden', i, k)}: forbidden rule {rule}: {k}: {never[0]!r} never "
+                                 f"occurs, so the rule drops nothing; {k} takes {list(possible[k])}")
     rules = [{k: _accepted(v) for k, v in rule.items()} for rule in forbidden]
 
     candidates: list[Candidate] = []

@@ -115,11 +115,44 @@ def test_precision_partial_order():
         ("parameters:\n  kv.bits: [2, 4]\nforbidden:\n  - {kv.colour: 2}\n", "unknown key 'kv.colour'"),
         ("fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n  kv.bits: [2]\nforbidden:\n  - {kv.bits: 2}\n", "space is empty"),
         ("parameters:\n  kv.bits: {type: categorical, values: [2], precision: increasing}\n", "precision must be"),
+        # conditions and forbidden rules on values the key never takes were silently ignored
+        ("fixed: {codec: bitpack}\nparameters:\n  kv.name: [uniform, none]\n"
+         "  kv.bits: {type: ordinal, values: [2, 4], when: {kv.name: unifrom}}\n",
+         r"s\.yaml:4: parameter 'kv.bits': condition kv.name: 'unifrom' can never hold; kv.name takes \['uniform', 'none'\]"),
+        ("fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n  kv.bits: {type: ordinal, values: [2], when: {kv.name: fp8}}\n",
+         r"s\.yaml:3: .*condition kv.name: 'fp8' can never hold"),
+        ("fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n  kv.bits: [2, 4]\nforbidden:\n  - {kv.bits: 2}\n"
+         "  - {kv.bits: 3}\n", r"s\.yaml:6: forbidden rule \{'kv.bits': 3\}: kv.bits: 3 never occurs"),
+        # a repeated key silently replaced the first one
+        ("fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n  kv.bits: [2]\n  kv.bits: [4]\n",
+         r"s\.yaml:4: duplicate key 'kv.bits' \(first at line 3\)"),
+        ("fixed: {codec: bitpack, kv.name: uniform, codec: range}\nparameters:\n  kv.bits: [2]\n",
+         r"s\.yaml:1: duplicate key 'codec'"),
+        ("fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n  5: [2]\n", r"s\.yaml:3: parameter name 5 must be"),
     ],
 )
 def test_bad_spaces_name_file_line_key(tmp_path, body, pattern):
     with pytest.raises(SpaceError, match=pattern):
         load_space(_write(tmp_path, body))
+
+
+def test_condition_on_an_unset_parameter_and_merge_keys_still_load(tmp_path):
+    p = _write(tmp_path, """\
+        version: 2
+        fixed: {codec: bitpack, value.name: uniform}
+        parameters:
+          key.name: &cat {type: categorical, values: [uniform, none]}
+          key.bits: {<<: *cat, type: ordinal, values: [2, 4], when: {key.name: uniform}}
+          value.bits: {type: ordinal, values: [2, 8], when: {key.bits: [4, null]}}
+        """)
+    assert len(load_space(p)) == 1 + 2 + 2  # key bits 2; key bits 4 x 2 value bits; key none x 2 value bits
+
+
+def test_non_utf8_space_file_is_a_space_error(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_bytes(b"parameters:\n  kv.bits: [2]  # \xff\xfe caf\xe9\n")
+    with pytest.raises(SpaceError, match=r"s\.yaml: not UTF-8 text \(byte 30"):
+        load_space(p)
 
 
 def test_unknown_space_name_lists_known():

@@ -375,6 +375,50 @@ def test_malformed_parquet_tables_raise_table_error(tmp_path, hand_table):
         PolicyTable.load(tmp_path / "table.csv")
 
 
+def _first_compressed(doc):
+    return next(iv for t in doc["tables"] for iv in t["intervals"] if iv["policy_id"] != "none")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("a_s_per_gb", -0.5, r"column a_s_per_gb = -0.5 must be finite and >= 0"),
+        ("b", -0.25, r"column b = -0.25 must be finite and >= 0"),
+        ("b", 1e9, r"column b = 1000000000.0 does not equal 1 / compression_ratio"),
+        ("compression_ratio", 0, r"column compression_ratio = 0.0 must be > 0"),
+        ("relative_accuracy", 5.0, r"column relative_accuracy = 5.0 is outside \[0, 2\]"),
+        ("relative_accuracy", -0.1, r"column relative_accuracy = -0.1 is outside"),
+        ("relative_accuracy", "nan", r"row \d+: column relative_accuracy has a missing, NaN"),
+        ("encode_gbps", -1.0, r"column encode_gbps = -1.0 must be > 0"),
+        ("config_json", "{bad", r"column config_json is not valid JSON"),
+        ("config_json", "[1, 2]", r"column config_json must be a JSON object"),
+    ],
+)
+def test_impossible_policy_rows_are_rejected_on_load(tmp_path, hand_table, field, value, message):
+    good = hand_table.to_json(tmp_path / "good.json")
+    bad = _rewrite_json(good, tmp_path / "bad.json", lambda doc: _first_compressed(doc).update({field: value}))
+    with pytest.raises(TableError, match=message) as info:
+        PolicyTable.load(bad)
+    assert str(bad) in str(info.value) and "row " in str(info.value)
+
+
+def test_impossible_runner_up_and_parquet_rows_are_rejected_on_load(tmp_path, hand_table):
+    good = hand_table.to_json(tmp_path / "good.json")
+
+    def bad_runner(doc):
+        iv = next(iv for t in doc["tables"] for iv in t["intervals"] if iv["runner_up_policies"])
+        iv["runner_up_policies"][0]["a_s_per_gb"] = -1.0
+
+    bad = _rewrite_json(good, tmp_path / "bad_runner.json", bad_runner)
+    with pytest.raises(TableError, match=r"row \d+: runner_up_policies\[0\] .*a_s_per_gb = -1.0 must be"):
+        PolicyTable.load(bad)
+    frame = hand_table.frame
+    frame.loc[frame["policy_id"] == "p2", "b"] = -0.25
+    frame.to_parquet(tmp_path / "neg_b.parquet")
+    with pytest.raises(TableError, match=r"neg_b.parquet: row \d+ \(accuracy_floor 0.97, policy p2\): column b = -0.25"):
+        PolicyTable.load(tmp_path / "neg_b.parquet")
+
+
 def test_compile_rejects_bad_pareto():
     df = hand_pareto()
     with pytest.raises(TableError, match="duplicate"):
@@ -708,6 +752,20 @@ def test_cli_select_errors(args, message):
     res = cli.invoke(app, ["select", str(REAL_RUN / "policy_table.parquet"), *args])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())  # rich may wrap long lines
+
+
+def test_cli_select_json_with_malformed_config_json_is_a_one_line_error(tmp_path):
+    doc = json.loads(PolicyTable.load(REAL_RUN / "policy_table.parquet").to_json(tmp_path / "good.json").read_text())
+    for t in doc["tables"]:
+        for iv in t["intervals"]:
+            if iv["policy_id"] != "none":
+                iv["config_json"] = "{not json"  # was a JSONDecodeError traceback from select --json
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    res = cli.invoke(app, ["select", str(bad), "--bandwidth", "500Mbps", "--q-min", "0.97", "--json"])
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert "error:" in out and "column config_json is not valid JSON" in out and "Traceback" not in out
 
 
 def test_codec_speedup_what_if_equals_recompiling_a_faster_front():

@@ -114,6 +114,9 @@ DEFAULT_KEY = ""
 _FORMAT = "kvtune.policy_table"
 _PARQUET_META_KEY = b"kvtune.policy_table"
 _FLOOR_TOL = 1e-12  # q_min this close above a floor still maps to that floor
+#: Largest relative accuracy a table row may hold: kvtune reports at most 1.0 and raw values
+#: of other methods stay near it, so a larger value is a corrupt row, not a measurement.
+MAX_RELATIVE_ACCURACY = 2.0
 
 _META_COLUMNS = ("schema_version", "model", "workload", "device", "accuracy_floor")
 _INTERVAL_COLUMNS = ("x_lo_s_per_gb", "x_hi_s_per_gb", "bandwidth_hi_gbps", "bandwidth_lo_gbps")
@@ -448,9 +451,16 @@ def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
             raise TableError(f"cannot compile policy table: column {c} has NaN or non-numeric values")
     cr = num["compression_ratio"]
     if not (np.isfinite(cr) & (cr > 0)).all():
-        raise TableError("cannot compile policy table: compression_ratio must be finite and > 0")
-    if not np.isfinite(num["relative_accuracy"]).all():
+        i = int(np.flatnonzero(~(np.isfinite(cr) & (cr > 0)))[0])
+        raise TableError(f"cannot compile policy table: compression_ratio must be finite and > 0 "
+                         f"(policy {ids.iloc[i]}: {cr[i]})")
+    ra = num["relative_accuracy"]
+    if not np.isfinite(ra).all():
         raise TableError("cannot compile policy table: relative_accuracy must be finite")
+    if not ((ra >= 0) & (ra <= MAX_RELATIVE_ACCURACY)).all():
+        i = int(np.flatnonzero(~((ra >= 0) & (ra <= MAX_RELATIVE_ACCURACY)))[0])
+        raise TableError(f"cannot compile policy table: relative_accuracy must be in [0, {MAX_RELATIVE_ACCURACY:g}] "
+                         f"(policy {ids.iloc[i]}: {ra[i]})")
     for c in ("encode_gbps", "decode_gbps"):
         if not (num[c] > 0).all():
             raise TableError(f"cannot compile policy table: {c} must be > 0 GB/s")
@@ -610,6 +620,42 @@ def _fail(source: str, problem: str) -> TableError:
     return TableError(f"{source}: {problem}")
 
 
+def _entry_problem(e: PolicyEntry) -> tuple[str, str] | None:
+    """The first impossible value of a policy's numbers or configuration as
+    ``(column, problem)``, or None when the policy is plausible.
+
+    Checks: no NaN; ``a_s_per_gb`` finite and >= 0; ``b`` finite, >= 0 and equal to
+    ``1 / compression_ratio``; ``compression_ratio`` > 0 (inf allowed: BiCache's reuse
+    without a payload); ``relative_accuracy`` in ``[0, MAX_RELATIVE_ACCURACY]``; throughputs
+    > 0; ``threshold_gbps`` >= 0; ``config_json`` a JSON object.
+    """
+    for c in _POLICY_FLOAT_COLUMNS:
+        if math.isnan(getattr(e, c)):
+            return c, "is NaN"
+    if not (math.isfinite(e.a_s_per_gb) and e.a_s_per_gb >= 0):
+        return "a_s_per_gb", f"= {e.a_s_per_gb!r} must be finite and >= 0 s/GB"
+    if not (math.isfinite(e.b) and e.b >= 0):
+        return "b", f"= {e.b!r} must be finite and >= 0"
+    if not e.compression_ratio > 0:
+        return "compression_ratio", f"= {e.compression_ratio!r} must be > 0"
+    if not math.isclose(e.b, 1.0 / e.compression_ratio, rel_tol=1e-6):
+        return "b", f"= {e.b!r} does not equal 1 / compression_ratio ({1.0 / e.compression_ratio:.6g})"
+    if not 0.0 <= e.relative_accuracy <= MAX_RELATIVE_ACCURACY:
+        return "relative_accuracy", f"= {e.relative_accuracy!r} is outside [0, {MAX_RELATIVE_ACCURACY:g}]"
+    for c in ("encode_gbps", "decode_gbps"):
+        if not getattr(e, c) > 0:
+            return c, f"= {getattr(e, c)!r} must be > 0 GB/s"
+    if not e.threshold_gbps >= 0:
+        return "threshold_gbps", f"= {e.threshold_gbps!r} must be >= 0 Gbps"
+    try:
+        cfg = json.loads(e.config_json)
+    except ValueError as exc:
+        return "config_json", f"is not valid JSON ({exc})"
+    if not isinstance(cfg, dict):
+        return "config_json", f"must be a JSON object (a policy configuration), got {e.config_json[:60]!r}"
+    return None
+
+
 def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     """Check a schema-1 frame and return a normalized copy (typed, canonical order)."""
     if not isinstance(frame, pd.DataFrame):
@@ -639,7 +685,8 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     for c in _FLOAT_COLUMNS:
         vals = pd.to_numeric(out[c], errors="coerce")
         if vals.isna().any():
-            raise _fail(source, f"column {c} has missing or non-numeric values")
+            r = int(np.flatnonzero(vals.isna().to_numpy())[0])
+            raise _fail(source, f"row {r}: column {c} has a missing, NaN or non-numeric value ({out[c].iloc[r]!r})")
         out[c] = vals.astype("float64")
     for c in _STR_COLUMNS:
         if out[c].isna().any():
@@ -654,6 +701,11 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
     floors = out["accuracy_floor"].to_numpy()
     if not (np.isfinite(floors) & (floors > 0)).all():
         raise _fail(source, "accuracy_floor must be finite and > 0")
+    for r, row in enumerate(out[list(_POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS)].to_dict("records")):
+        bad = _entry_problem(PolicyEntry(**row))
+        if bad:
+            raise _fail(source, f"row {r} (accuracy_floor {out['accuracy_floor'].iloc[r]:g}, policy "
+                                f"{row['policy_id']}): column {bad[0]} {bad[1]}")
 
     for (key, floor), grp in out.groupby(["key", "accuracy_floor"], sort=False):
         lo = grp["x_lo_s_per_gb"].to_numpy()
@@ -711,6 +763,10 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
             raise _fail(source, f"row {r}: malformed runners_up/runner_up_policies ({exc})") from None
         if not isinstance(ids, list) or ids != [p.policy_id for p in pols]:
             raise _fail(source, f"row {r}: runners_up does not match runner_up_policies")
+        for k, p in enumerate(pols):
+            bad = _entry_problem(p)
+            if bad:
+                raise _fail(source, f"row {r}: runner_up_policies[{k}] (policy {p.policy_id}): {bad[0]} {bad[1]}")
 
     # Canonical order: key ascending ("" first), floor descending, then stored order (x).
     key_rank = {k: i for i, k in enumerate(sorted(out["key"].unique()))}
@@ -1166,10 +1222,15 @@ class PolicyTable:
         Checks: readable file of that format; known ``schema_version``; all :data:`COLUMNS`
         present; no missing values; one model/workload/device; per floor the intervals start
         at x = 0, end at inf, have ``x_lo < x_hi`` (monotone breakpoints) and no gaps or
-        overlaps; Gbps columns equal ``8 / x``; policies meet their floor; runners-up parse.
+        overlaps; Gbps columns equal ``8 / x``; policies meet their floor; runners-up parse;
+        every policy (chosen or runner-up) has plausible numbers and a JSON-object
+        ``config_json`` (see :func:`_entry_problem`: no NaN, ``a >= 0``, ``b = 1 /
+        compression_ratio >= 0``, ``compression_ratio > 0``, relative accuracy in ``[0, 2]``,
+        throughputs > 0, ``threshold_gbps >= 0``).
 
         Raises:
-            TableError: naming the file and the problem.
+            TableError: naming the file and the problem (and the row and column of a bad
+                value).
         """
         p = Path(path)
         src = str(p)

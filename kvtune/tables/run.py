@@ -48,6 +48,13 @@ def _read_run_info(run_dir: Path) -> dict[str, Any]:
     return info
 
 
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for truncated or corrupt files
+        raise KvtuneError(f"{path}: cannot read Parquet ({exc})") from None
+
+
 def kv_bytes_per_request(run_info: dict[str, Any]) -> float | None:
     """Bytes of original bf16 KV of one profiled request (one context), from ``run.json``.
 
@@ -57,8 +64,8 @@ def kv_bytes_per_request(run_info: dict[str, Any]) -> float | None:
     Returns:
         bytes (float), or None when the geometry or the context length is missing.
     """
-    mi = run_info.get("model_info") or {}
-    st = run_info.get("settings") or {}
+    mi, st = run_info.get("model_info"), run_info.get("settings")
+    mi, st = (mi if isinstance(mi, dict) else {}), (st if isinstance(st, dict) else {})
     dims = [mi.get("num_layers"), mi.get("kv_heads"), mi.get("head_dim"), st.get("context_tokens")]
     if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
         return None
@@ -99,7 +106,8 @@ def load_run_table(
         recompile: recompile even if ``policy_table.parquet`` exists.
 
     Raises:
-        KvtuneError: not a run folder, or it has neither a table, a Pareto front nor trials.
+        KvtuneError: not a run folder, it has neither a table, a Pareto front nor trials, or
+            its ``run.json`` or Parquet files cannot be read (the message names the file).
         TableError: the stored table is malformed, or the floors are invalid.
     """
     run_dir = Path(run_dir)
@@ -115,11 +123,11 @@ def load_run_table(
     settings = info.get("settings") or {}
     use_floors = tuple(floors) if floors is not None else tuple(settings.get("floors") or DEFAULT_FLOORS)
     if (run_dir / "pareto.parquet").is_file():
-        pareto = pd.read_parquet(run_dir / "pareto.parquet")
+        pareto = _read_parquet(run_dir / "pareto.parquet")
     elif (run_dir / "trials.parquet").is_file():
         from kvtune.pareto import pareto_front
 
-        pareto = pareto_front(pd.read_parquet(run_dir / "trials.parquet"))
+        pareto = pareto_front(_read_parquet(run_dir / "trials.parquet"))
     else:
         raise KvtuneError(f"{run_dir}: no policy_table.parquet, pareto.parquet or trials.parquet")
     return compile_policy_table(
