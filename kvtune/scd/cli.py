@@ -119,7 +119,13 @@ def profile_cmd(
             code_bits=_ints(code_bits, "--code-bits"), optimizer=optimizer, budget=budget, seed=seed,
             tqc_presets=tuple(t.strip() for t in tqc_presets.split(",") if t.strip()), device=device)
         with console.status("profiling") as status:
-            res = run_scd_profile(producer, consumer, out, settings=st, progress=lambda m: status.update(m))
+            def say(message: str) -> None:
+                if console.is_terminal:
+                    status.update(message)
+                else:  # a log file gets every step
+                    console.print(message, markup=False)
+
+            res = run_scd_profile(producer, consumer, out, settings=st, progress=say)
     except KvtuneError as exc:
         _fail(exc)
         return
