@@ -15,10 +15,14 @@ import typer
 from rich.console import Console
 
 from kvtune.errors import KvtuneError
+from kvtune.scd.consumer import ConsumerRecipe
 
 app = typer.Typer(help="Semantic Cache Distillation: cross-model KV transfer (producer -> fine-tuned consumer).",
                   no_args_is_help=True, add_completion=False)
 console = Console(width=None if Console().is_terminal else 160)
+
+
+_R = ConsumerRecipe()  # the defaults of make-consumer are the recipe's
 
 
 def _fail(exc: Exception) -> None:
@@ -37,13 +41,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def make_consumer_cmd(
     producer: str = typer.Option("smollm2-135m-instruct", help="Producer model (asset, .gguf, HF folder or id)."),
     data: str = typer.Option("xsum", help="Domain data: data asset or JSONL file with a 'document' field."),
-    steps: int = typer.Option(16, min=1, help="LoRA optimizer steps."),
-    batch_size: int = typer.Option(2, min=1, help="Sequences per step."),
-    seq_tokens: int = typer.Option(128, min=8, help="Tokens per training sequence."),
-    lora_rank: int = typer.Option(32, min=1, help="LoRA rank."),
-    lora_alpha: float = typer.Option(64.0, help="LoRA alpha (scale alpha / rank)."),
-    learning_rate: float = typer.Option(3e-3, "--lr", help="Peak AdamW learning rate."),
-    first_layer: int = typer.Option(10, min=0, help="Only layers from this one up get adapters (0 = all)."),
+    steps: int = typer.Option(_R.steps, min=1, help="LoRA optimizer steps."),
+    batch_size: int = typer.Option(_R.batch_size, min=1, help="Sequences per step."),
+    seq_tokens: int = typer.Option(_R.seq_tokens, min=8, help="Tokens per training sequence."),
+    lora_rank: int = typer.Option(_R.lora_rank, min=1, help="LoRA rank."),
+    lora_alpha: float = typer.Option(_R.lora_alpha, help="LoRA alpha (scale alpha / rank)."),
+    learning_rate: float = typer.Option(_R.learning_rate, "--lr", help="Peak AdamW learning rate."),
+    first_layer: int = typer.Option(_R.first_layer, min=0, help="Only layers from this one up get adapters (0 = all)."),
     target_modules: str = typer.Option("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                        help="Comma-separated module names that get LoRA adapters."),
     holdout_fraction: float = typer.Option(0.2, help="Fraction of records held out for evaluation."),

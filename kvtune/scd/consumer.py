@@ -68,14 +68,14 @@ class ConsumerRecipe:
     producer: str = "smollm2-135m-instruct"
     data: str = "xsum"
     holdout_fraction: float = 0.2
-    steps: int = 16
-    batch_size: int = 2
+    steps: int = 96
+    batch_size: int = 4
     seq_tokens: int = 128
-    lora_rank: int = 32
-    lora_alpha: float = 64.0
+    lora_rank: int = 64
+    lora_alpha: float = 128.0
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-    first_layer: int = 10
-    learning_rate: float = 3e-3
+    first_layer: int = 0
+    learning_rate: float = 2e-3
     seed: int = 0
     version: int = RECIPE_VERSION
 
