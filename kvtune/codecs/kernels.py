@@ -808,31 +808,27 @@ def scatter_bf16(sym, heads, tokens, out, kind):
 
 
 @njit(**_JIT)
-def all_finite_bf16(bits):
-    """Whether no element of a bfloat16 array (its uint16 bits, any shape) is NaN or +-inf.
-
-    A bfloat16 is non-finite exactly when its 8 exponent bits are all ones, so the test is the
-    max of ``bits & 0x7F80`` -- an integer reduction the compiler vectorizes (one read of the
-    data at memory speed, no float conversion).
-    """
-    flat = bits.reshape(-1)
-    m = np.uint16(0)
+def _no_all_ones(flat, mask):
+    """Whether no element of the 1-D unsigned integer array ``flat`` has every bit of ``mask``
+    set: the max of ``flat & mask`` stays below ``mask`` -- an integer reduction the compiler
+    vectorizes (one read of the data at memory speed)."""
+    m = mask ^ mask
     for i in range(flat.size):
-        e = flat[i] & np.uint16(0x7F80)
+        e = flat[i] & mask
         m = e if e > m else m
-    return m != np.uint16(0x7F80)
+    return m != mask
 
 
-@njit(**_JIT)
-def all_finite_f32(x):
-    """Whether no element of a float32 array (any shape) is NaN or +-inf (exponent bits of
-    its uint32 view all ones, as :func:`all_finite_bf16`)."""
-    flat = x.reshape(-1).view(np.uint32)
-    m = np.uint32(0)
-    for i in range(flat.size):
-        e = flat[i] & np.uint32(0x7F800000)
-        m = e if e > m else m
-    return m != np.uint32(0x7F800000)
+def all_finite_bf16(bits: np.ndarray) -> bool:
+    """Whether no element of a bfloat16 array (its uint16 bits, any shape, C-contiguous) is NaN
+    or +-inf: a bfloat16 is non-finite exactly when its 8 exponent bits are all ones."""
+    return bool(_no_all_ones(bits.reshape(-1), np.uint16(0x7F80)))
+
+
+def all_finite_f32(x: np.ndarray) -> bool:
+    """Whether no element of a float32 array (any shape, C-contiguous) is NaN or +-inf
+    (exponent bits of its uint32 view all ones, as :func:`all_finite_bf16`)."""
+    return bool(_no_all_ones(x.reshape(-1).view(np.uint32), np.uint32(0x7F800000)))
 
 
 @njit(**_JIT)
