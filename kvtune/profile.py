@@ -188,7 +188,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     if settings.refine and fid != "full":
         front = pareto_front(pd.DataFrame(list(optimizer.told.values())))
         by_id = {c.policy_id: c for c in space.candidates}
-        chosen = refinement_order(front, settings.refine_budget)
+        chosen = refinement_order(front, settings.refine_budget, tuple(settings.floors))
         todo = [pid for pid in chosen if pid not in done.get("full", {})]
         on_stage("re-evaluate Pareto set (full)", len(todo))
         for pid in todo:
@@ -206,24 +206,40 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     return result
 
 
-def refinement_order(front: pd.DataFrame, limit: int) -> list[str]:
+def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90),
+                     per_floor: int = 2) -> list[str]:
     """Which search-fidelity Pareto policies to re-evaluate at full fidelity, most useful first.
 
-    First the policies on the 2-D accuracy / compression-ratio front (the ones a policy table
-    can pick at some floor when codec speeds are alike), then the rest of the 3-D front (kept
-    there by a faster codec); each group by compression ratio, highest first. At most
-    ``limit`` ids (``limit <= 0``: all).
+    Only the 2-D accuracy / compression-ratio front can be picked by a policy table at some
+    floor when codec speeds are alike, and each floor needs its own candidates. So:
+
+    1. for every floor, its highest-ratio 2-D-front policies whose search accuracy meets the
+       floor, taken round-robin over the floors (highest floor first), up to ``per_floor``
+       per floor (a second one in case the first misses the floor at full fidelity);
+    2. the rest of the 2-D front, by compression ratio, highest first;
+    3. the rest of the 3-D front (kept there by a faster codec), by ratio.
+
+    At most ``limit`` ids (``limit <= 0``: all).
 
     Args:
         front: the search's 3-D Pareto front (``policy_id``, ``relative_accuracy``,
             ``compression_ratio``).
+        floors: the accuracy floors (fractions) of the policy table.
+        per_floor: policies reserved per floor in step 1.
     """
     if front.empty:
         return []
     pts = front[["relative_accuracy", "compression_ratio"]].to_numpy(dtype=float)
     on_2d = non_dominated_mask(pts, maximize=[True, True])
     ordered = front.assign(_2d=on_2d).sort_values(["_2d", "compression_ratio"], ascending=[False, False], kind="stable")
-    ids = ordered["policy_id"].astype(str).tolist()
+    flat = ordered[ordered["_2d"]]
+    ids: list[str] = []
+    by_floor = [[str(p) for p in flat.loc[flat["relative_accuracy"] >= q, "policy_id"]] for q in sorted(floors, reverse=True)]
+    for rank in range(per_floor):
+        for cands in by_floor:
+            if len(cands) > rank and cands[rank] not in ids:
+                ids.append(cands[rank])
+    ids += [str(p) for p in ordered["policy_id"] if str(p) not in ids]
     return ids if limit <= 0 else ids[:limit]
 
 

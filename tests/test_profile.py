@@ -7,15 +7,21 @@ import pandas as pd
 from kvtune.profile import refinement_order, split_fidelities
 
 
-def test_refinement_order_puts_the_2d_front_first_by_ratio():
+def test_refinement_order_covers_every_floor_then_the_2d_front_by_ratio():
     front = pd.DataFrame({
-        "policy_id": ["a", "b", "c", "d", "e"],
-        "relative_accuracy": [0.99, 0.95, 0.90, 0.93, 0.999],
-        "compression_ratio": [3.0, 4.0, 5.0, 3.5, 2.0],
+        "policy_id": ["a", "b", "c", "d", "e", "f", "g"],
+        "relative_accuracy": [0.99, 0.95, 0.90, 0.93, 0.999, 0.80, 0.70],
+        "compression_ratio": [3.0, 4.0, 5.0, 3.5, 2.0, 6.0, 7.0],
     })
-    # 2-D front: e (2.0x, 99.9 %), a, b, c; d (3.5x, 93 %) is dominated by b and comes last
-    assert refinement_order(front, 0) == ["c", "b", "a", "e", "d"]
-    assert refinement_order(front, 2) == ["c", "b"]
+    # 2-D front: e (2.0x, 99.9 %), a, b, c, f, g; d (3.5x, 93 %) is dominated by b.
+    # Best per floor (0.99, 0.97, 0.95, 0.90): a, (a again), b, c; second best: e, -, -, -;
+    # then the rest of the 2-D front by ratio (g, f), then d.
+    assert refinement_order(front, 0) == ["a", "b", "c", "e", "g", "f", "d"]
+    assert refinement_order(front, 3) == ["a", "b", "c"]
+    # a single floor of 0.9: its two best, then by ratio
+    assert refinement_order(front, 0, floors=(0.9,)) == ["c", "b", "g", "f", "a", "e", "d"]
+    # no floor met by anything: plain ratio order of the 2-D front
+    assert refinement_order(front, 0, floors=(1.0,)) == ["g", "f", "c", "b", "a", "e", "d"]
     assert refinement_order(front.iloc[:0], 3) == []
 
 
