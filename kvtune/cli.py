@@ -178,10 +178,11 @@ def _print_summary(result) -> None:
             f"{r['encode_gbps']:.2f}", f"{r['decode_gbps']:.2f}",
         )
     console.print(table)
-    console.print(
-        f"ratio {trials['compression_ratio'].min():.2f}x-{trials['compression_ratio'].max():.2f}x, "
-        f"relative accuracy {100 * trials['relative_accuracy'].min():.1f}%-{100 * trials['relative_accuracy'].max():.1f}%"
-    )
+    if len(pareto):
+        console.print(
+            f"front: ratio {pareto['compression_ratio'].min():.2f}x-{pareto['compression_ratio'].max():.2f}x, relative "
+            f"accuracy {100 * pareto['relative_accuracy'].min():.1f}%-{100 * pareto['relative_accuracy'].max():.1f}%{fidelity}"
+        )
     for name, path in result.files.items():
         console.print(f"  {name:<18} {path}")
 
