@@ -71,6 +71,17 @@ def make_word_text(path: Path, *, words: int = 3000, vocab_words: int = 200, see
     return path
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a module (``pytestmark = pytest.mark.usefixtures(...)``):
+    with small tensors or tiny models it is faster and immune to OpenMP oversubscription on a
+    shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -89,13 +89,7 @@ def tiny_data(tmp_path_factory) -> Path:
 PREFIX = [2, 10, 11, 12, 13, 14, 15, 16]  # [CLS] + 7 instruction tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread avoids OpenMP oversubscription on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small tensors / tiny models
 
 
 # ------------------------------------------------------------------------------ adapter exactness

@@ -68,13 +68,7 @@ for _module in ("kvtune.codecs.range_coder", "kvtune.codecs.zstd_codec"):
         pass
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread is faster and immune to CPU contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small tensors / tiny models
 
 
 # ----------------------------------------------------------------------------- data

@@ -39,13 +39,7 @@ MODELS = ("per_channel", "per_head", "global")
 SHAPES = [(1, 3, 100, 64), (2, 3, 17, 7), (5,), (3, 5), (1, 1, 1, 1), (2, 2, 3, 3, 5), (1, 2, 1, 9)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one intra-op thread is faster and immune to CPU contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small tensors / tiny models
 
 
 # ----------------------------------------------------------------------------- data

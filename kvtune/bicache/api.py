@@ -434,6 +434,17 @@ def _fmt_iv(m: float, lo: float, hi: float, digits: int = 3) -> str:
     return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
+
+def _pivot_table(frame: pd.DataFrame, columns: str, values: str, head: str, cell: str) -> list[str]:
+    """Markdown rows of ``frame`` pivoted to prefix-ratio keys x ``columns``."""
+    piv = frame.pivot(index="key", columns=columns, values=values)
+    lines = ["| prefix ratio | " + " | ".join(head.format(c) for c in piv.columns) + " |",
+             "|---|" + "---|" * len(piv.columns)]
+    for key, row in piv.iterrows():
+        lines.append(f"| {key} | " + " | ".join(cell.format(v) for v in row.to_numpy()) + " |")
+    return lines
+
+
 def summary_markdown(depth_table: pd.DataFrame, quality: pd.DataFrame, throughput: pd.DataFrame,
                      layer_cos: pd.DataFrame, settings: BiCacheSettings) -> str:
     """Human-readable Markdown of a run: ratio -> depth, throughput, per-layer cosines."""
@@ -459,22 +470,10 @@ def summary_markdown(depth_table: pd.DataFrame, quality: pd.DataFrame, throughpu
             f"| {r['token_layer_fraction']:.2f} |"
         )
     lines += ["", "## Throughput gain by depth (requests/s with reuse / full recompute)", ""]
-    pivot = throughput.pivot(index="key", columns="depth", values="speedup")
-    lines.append("| prefix ratio | " + " | ".join(f"d={d}" for d in pivot.columns) + " |")
-    lines.append("|---|" + "---|" * len(pivot.columns))
-    for key, row in pivot.iterrows():
-        lines.append(f"| {key} | " + " | ".join(f"{v:.2f}x" for v in row.to_numpy()) + " |")
+    lines += _pivot_table(throughput, "depth", "speedup", "d={}", "{:.2f}x")
     lines += ["", "## Quality by depth (exact cache): embedding cosine, lower bound", ""]
     ex = quality[quality["policy"].isin([EXACT, "recompute"])]
-    piv = ex.pivot(index="key", columns="depth", values="embedding_cosine_lo")
-    lines.append("| prefix ratio | " + " | ".join(f"d={d}" for d in piv.columns) + " |")
-    lines.append("|---|" + "---|" * len(piv.columns))
-    for key, row in piv.iterrows():
-        lines.append(f"| {key} | " + " | ".join(f"{v:.4f}" for v in row.to_numpy()) + " |")
+    lines += _pivot_table(ex, "depth", "embedding_cosine_lo", "d={}", "{:.4f}")
     lines += ["", "## Prefix key cosine per layer, prefix alone vs in context (mean)", ""]
-    lp = layer_cos.pivot(index="key", columns="layer", values="key_cosine")
-    lines.append("| prefix ratio | " + " | ".join(f"L{c}" for c in lp.columns) + " |")
-    lines.append("|---|" + "---|" * len(lp.columns))
-    for key, row in lp.iterrows():
-        lines.append(f"| {key} | " + " | ".join(f"{v:.3f}" for v in row.to_numpy()) + " |")
+    lines += _pivot_table(layer_cos, "layer", "key_cosine", "L{}", "{:.3f}")
     return "\n".join(lines) + "\n"
