@@ -40,11 +40,21 @@ Every mistake — unknown or repeated keys, empty value lists, values of the wro
 conditions or forbidden rules on unknown keys or on values the key never takes, values the
 components reject, an empty space, a file that is not UTF-8 — is a :class:`SpaceError` naming
 the file, the line and the key.
+
+A space is enumerated in full (every candidate becomes a policy and a GP feature row), so its
+size is counted before anything is enumerated: more than :data:`MAX_COMBINATIONS` active
+combinations (before forbidden rules and de-duplication) is a :class:`SpaceError` naming the
+file, the count and the cap. Enumeration costs about 1.5 ms per combination (``full.yaml``,
+2,064 candidates: 3 s on a 2-core machine), so the cap bounds loading to a few minutes.
+
+The bundled spaces (``default``, ``full``, ``presets``) are package data in
+``kvtune/search_spaces/`` (:data:`SPACES_DIR`), so they are found from a regular install too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +63,10 @@ import yaml
 
 from kvtune.errors import ConfigError, SpaceError
 
-SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+SPACES_DIR = Path(str(resources.files("kvtune").joinpath("search_spaces")))
+"""The bundled spaces, package data of :mod:`kvtune` (``--space default|full|presets``)."""
+MAX_COMBINATIONS = 100_000
+"""Most active parameter combinations :func:`load_space` enumerates (~2.5 min at ~1.5 ms each)."""
 TOP_LEVEL_KEYS = {"version", "name", "description", "fixed", "parameters", "forbidden"}
 PARAM_KEYS = {"type", "values", "precision", "when", "low", "high"}
 PARAM_TYPES = ("categorical", "ordinal", "float")
@@ -212,7 +225,12 @@ class SearchSpace:
 
 
 def resolve_space_path(spec: str) -> Path:
-    """``--space`` value -> file: a path, or a name in ``search_spaces/`` (``default``)."""
+    """``--space`` value -> file: a path, or the name of a bundled space in :data:`SPACES_DIR`
+    (``default``, ``full``, ``presets``).
+
+    Raises:
+        SpaceError: the path does not exist, or no bundled space has that name.
+    """
     path = Path(spec).expanduser()
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
@@ -288,14 +306,6 @@ class _Where:
 
     def __init__(self, path: Path, root: yaml.Node | None) -> None:
         self.path, self.root = path, root
-
-    @staticmethod
-    def child(node: yaml.Node | None, key: str) -> yaml.Node | None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if getattr(k, "value", None) == key:
-                    return v
-        return None
 
     def __call__(self, *keys: str | int) -> str:
         node, line = self.root, None
@@ -429,11 +439,37 @@ def _active_assignments(params: list[Parameter], fixed: dict[str, Any], where: _
     yield from walk(0, {})
 
 
+def _count_active(params: list[Parameter], fixed: dict[str, Any], where: _Where) -> int:
+    """Number of assignments :func:`_active_assignments` yields, counted without enumerating.
+
+    Only the values of keys that some condition reads can change which parameters are active,
+    so the recursion branches on those and multiplies by the value count of every other active
+    parameter: the cost grows with the product of the *condition* keys' value counts only.
+
+    Raises:
+        SpaceError: conditions that depend on each other in a cycle.
+    """
+    order = _dependency_order(params, where)
+    read = {k for p in params for k, _ in p.when}
+
+    def count(i: int, assigned: dict[str, Any]) -> int:
+        if i == len(order):
+            return 1
+        p = order[i]
+        if not p.active({**fixed, **assigned}):
+            return count(i + 1, assigned)
+        if p.key not in read:
+            return len(p.values) * count(i + 1, assigned)
+        return sum(count(i + 1, {**assigned, p.key: v}) for v in p.values)
+
+    return count(0, {})
+
+
 def load_space(spec: str | Path) -> SearchSpace:
     """Parse and enumerate a search space (or a presets file, see :func:`presets_space`).
 
     Args:
-        spec: a path to a YAML file, or the name of a file in ``search_spaces/``.
+        spec: a path to a YAML file, or the name of a bundled space (:func:`resolve_space_path`).
 
     Returns:
         The :class:`SearchSpace` with its candidates in enumeration order, duplicates (the same
@@ -442,8 +478,10 @@ def load_space(spec: str | Path) -> SearchSpace:
     Raises:
         SpaceError: unreadable YAML or non-UTF-8 file, a key repeated in a mapping, unknown or
             missing keys, bad types or values, conditions or forbidden rules on unknown keys
-            or on values the key never takes, values the components reject, or an empty space;
-            the message names file, line and key.
+            or on values the key never takes, values the components reject, an empty space
+            (the message names file, line and key), or more than :data:`MAX_COMBINATIONS`
+            combinations (the message names the file, the count and the cap; raised before
+            enumerating).
     """
     from kvtune.codecs import PolicyConfig
 
@@ -513,6 +551,11 @@ def load_space(spec: str | Path) -> SearchSpace:
                 raise SpaceError(f"{where('forbidden', i, k)}: forbidden rule {rule}: {k}: {never[0]!r} never "
                                  f"occurs, so the rule drops nothing; {k} takes {list(possible[k])}")
     rules = [{k: _accepted(v) for k, v in rule.items()} for rule in forbidden]
+    size = _count_active(params, fixed, where)
+    if size > MAX_COMBINATIONS:
+        raise SpaceError(f"{path}: the space has {size:,} parameter combinations, more than the cap of "
+                         f"{MAX_COMBINATIONS:,} that kvtune enumerates; remove values, fix some keys, or split "
+                         "it into several spaces")
 
     candidates: list[Candidate] = []
     seen: set[str] = set()

@@ -158,3 +158,44 @@ def test_non_utf8_space_file_is_a_space_error(tmp_path):
 def test_unknown_space_name_lists_known():
     with pytest.raises(SpaceError, match="known: .*default"):
         load_space("nope")
+
+
+def test_a_huge_space_is_refused_before_enumeration(tmp_path):
+    """12 parameters of 10 values: 10^12 combinations; counted, not enumerated (used to hang)."""
+    import time
+
+    from kvtune.space import MAX_COMBINATIONS
+
+    body = "fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n" + "".join(
+        f"  {key}: {{type: ordinal, values: [{', '.join(str(v) for v in vals)}]}}\n"
+        for key, vals in [(f"{side}.{name}", vals) for side in ("key", "value") for name, vals in (
+            ("bits", range(1, 9)), ("group_size", [8, 16, 32, 64, 128]), ("recent_tokens", range(0, 100, 10)),
+            ("sink_tokens", range(0, 10)), ("shallow_layers", range(0, 10)), ("shallow_bits", range(1, 9)))]
+    )
+    p = tmp_path / "huge.yaml"
+    p.write_text(body)
+    expected = (8 * 5 * 10 * 10 * 10 * 8) ** 2
+    assert expected > 10**11
+    start = time.perf_counter()
+    with pytest.raises(SpaceError, match=rf"huge\.yaml: the space has {expected:,} parameter combinations, "
+                                         rf"more than the cap of {MAX_COMBINATIONS:,}"):
+        load_space(p)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_the_cap_counts_active_combinations_exactly(tmp_path, monkeypatch):
+    """Conditional parameters that are inactive do not multiply the count: 3 x 2 uniform + 1 none = 7."""
+    import kvtune.space as space_mod
+
+    p = _write(tmp_path, """\
+        fixed: {codec: bitpack, value.name: uniform}
+        parameters:
+          key.name: {type: categorical, values: [uniform, none]}
+          key.bits: {type: ordinal, values: [2, 4, 8], when: {key.name: uniform}}
+          key.granularity: {type: categorical, values: [per_channel, per_token], when: {key.name: uniform}}
+        """)
+    monkeypatch.setattr(space_mod, "MAX_COMBINATIONS", 7)
+    assert len(load_space(p)) == 7
+    monkeypatch.setattr(space_mod, "MAX_COMBINATIONS", 6)
+    with pytest.raises(SpaceError, match="has 7 parameter combinations, more than the cap of 6"):
+        load_space(p)

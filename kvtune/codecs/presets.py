@@ -1,6 +1,7 @@
 """Reference presets: published KV-cache compression baselines as fixed kvtune policies.
 
-The presets live in ``search_spaces/presets.yaml`` (issue 3). File format::
+The presets live in ``kvtune/search_spaces/presets.yaml``, package data read through
+:mod:`importlib.resources` (issue 3). File format::
 
     version: 1                     # presets-file schema version
     name: presets
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,7 +37,7 @@ from kvtune.errors import ConfigError
 
 __all__ = ["PRESETS_PATH", "PRESETS_VERSION", "Preset", "read_presets", "load_presets", "missing_components"]
 
-PRESETS_PATH = Path(__file__).resolve().parents[2] / "search_spaces" / "presets.yaml"
+PRESETS_PATH = Path(str(resources.files("kvtune").joinpath("search_spaces", "presets.yaml")))
 PRESETS_VERSION = 1
 _TOP_KEYS = ("version", "name", "description", "presets")
 _ENTRY_KEYS = ("name", "description", "reference", "policy")
@@ -159,7 +161,7 @@ def load_presets(path: str | Path = PRESETS_PATH, *, skip_unavailable: bool = Fa
     """The presets of a file as ``{name: PolicyConfig}``, in file order.
 
     Args:
-        path: the presets file (default ``search_spaces/presets.yaml``).
+        path: the presets file (default: the bundled ``kvtune/search_spaces/presets.yaml``).
         skip_unavailable: leave out presets that name components not registered in this
             install (e.g. the ``range`` codec before it is available) instead of raising.
 
