@@ -10,10 +10,10 @@ space) against a table of fully evaluated candidates, and is scored on
     the exhaustive best, and the number of seeds that hit the exhaustive best exactly;
 (c) optimizer wall time per iteration (ask + tell, excluding the evaluation).
 
-Real table (once ``search_spaces/full.yaml`` has been evaluated exhaustively)::
+Real table (once ``kvtune/search_spaces/full.yaml`` has been evaluated exhaustively)::
 
     python benchmarks/search.py --table benchmarks/data/full_replay.parquet \\
-        --space search_spaces/full.yaml --seeds 10 --budgets 0.01,0.02,0.05,0.1 \\
+        --space kvtune/search_spaces/full.yaml --seeds 10 --budgets 0.01,0.02,0.05,0.1 \\
         --out benchmarks/results/search
 
 (MixHQ head scores from ``benchmarks/data/full_replay_calibration.json``, next to the table.)
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     src = parser.add_argument_group("problem")
     src.add_argument("--table", default="benchmarks/data/full_replay.parquet",
                      help="replay table (Parquet: policy_id + trial result columns)")
-    src.add_argument("--space", default="search_spaces/full.yaml", help="search space the table was made from")
+    src.add_argument("--space", default="kvtune/search_spaces/full.yaml", help="search space the table was made from")
     src.add_argument("--calibration", default=None,
                      help="calibration.json of the run that made the table (MixHQ head scores; their values are "
                           "part of the policy ids); default: <table stem>_calibration.json when it exists")

@@ -1,4 +1,4 @@
-"""Tests of the reference presets (search_spaces/presets.yaml): they load, encode, decode, and cost
+"""Tests of the reference presets (kvtune/search_spaces/presets.yaml): they load, encode, decode, and cost
 the bits per element the published methods cost."""
 
 from __future__ import annotations

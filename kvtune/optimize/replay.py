@@ -1,7 +1,7 @@
 """Replay objective: answer evaluations from a table of fully evaluated candidates.
 
 Evaluating a candidate on the real model takes seconds to minutes; a *replay table* holds the
-result of every candidate of a space, evaluated once (``search_spaces/full.yaml`` on the
+result of every candidate of a space, evaluated once (``kvtune/search_spaces/full.yaml`` on the
 default model, ``benchmarks/data/full_replay.parquet``), so optimizers can be compared in
 seconds against the exhaustive answer (the BoTorch habit: benchmark problems carry their known
 optimum).
