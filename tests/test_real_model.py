@@ -13,11 +13,18 @@ import pytest
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
-from kvtune.evaluate.evaluator import ContinuationEvaluator
+from kvtune.evaluate.workloads import ContinuationWorkload
+from kvtune.settings import ProfileSettings
 
 pytestmark = pytest.mark.real_model
 
 NONE = PolicyConfig.from_dict({"key": {"name": "none"}, "value": {"name": "none"}, "codec": "bitpack"})
+
+
+def _full_fidelity(lm, cap):
+    """``evaluate(config)`` of the continuation workload on ``cap``, every context (full fidelity)."""
+    wl = ContinuationWorkload(lm, settings=ProfileSettings(), cap=cap)
+    return lambda config: wl.evaluate(config, fidelity="full")
 
 
 def _uniform(bits, *, key_gran="per_channel", value_gran="per_token", transform="identity", group=32):
@@ -57,10 +64,10 @@ def test_roundtrip_on_real_kv(real_capture):
 
 
 def test_accuracy_ordering_on_real_model(real_lm, real_capture):
-    ev = ContinuationEvaluator(real_lm, real_capture)
-    r8 = ev.evaluate(_uniform(8))
-    r4 = ev.evaluate(_uniform(4))
-    r2_tok = ev.evaluate(_uniform(2, key_gran="per_token"))
+    evaluate = _full_fidelity(real_lm, real_capture)
+    r8 = evaluate(_uniform(8))
+    r4 = evaluate(_uniform(4))
+    r2_tok = evaluate(_uniform(2, key_gran="per_token"))
     assert r8["relative_accuracy"] >= 0.995
     assert r8["top1_agreement"] > 0.97
     assert r4["relative_accuracy"] > 0.97
@@ -154,5 +161,5 @@ def test_gemma_identity_round_trip_reproduces_its_logits(gemma_lm):
     decoded = decode_kv(encode_kv(cap16.context_kv(0), NONE), expect=NONE)
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(decoded, cap16.kv))
     assert torch.equal(continuation_logits(lm, cap16, decoded), cap16.baseline_logits)
-    r8 = ContinuationEvaluator(lm, cap).evaluate(_uniform(8))
+    r8 = _full_fidelity(lm, cap)(_uniform(8))
     assert r8["relative_accuracy_raw"] > 0.99 and r8["original_bytes"] == original_nbytes(cap.kv)

@@ -3,6 +3,7 @@ scores, intervals, and KV injection for models mixing sliding-window and global 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -124,15 +125,16 @@ def test_model_dtype_kv_is_nearly_lossless_through_bf16(tiny):
 
 
 def test_continuation_full_matches_the_former_evaluator(tiny):
-    """The continuation workload at full fidelity computes exactly the former ContinuationEvaluator numbers."""
+    """The continuation workload at full fidelity, on a given capture, computes exactly the numbers
+    of the former ContinuationEvaluator (perplexity ratio, KL, bootstrap interval, ratio)."""
     from kvtune.assets import read_texts
     from kvtune.evaluate.capture import build_contexts, capture, continuation_logits
-    from kvtune.evaluate.evaluator import ContinuationEvaluator
+    from kvtune.evaluate.workloads import ContinuationWorkload
 
     lm, text, _ = tiny
     ids = build_contexts(lm.tokenizer, read_texts(str(text)), n_contexts=3, context_tokens=48, continuation_tokens=8)
     cap = capture(lm, ids, 48)
-    row = ContinuationEvaluator(lm, cap).evaluate(KIVI2)
+    row = ContinuationWorkload(lm, settings=_settings(tiny, "continuation"), cap=cap).evaluate(KIVI2, fidelity="full")
     from kvtune.evaluate.workloads.continuation import roundtrip_contexts
 
     decoded, st = roundtrip_contexts(cap, KIVI2, lm)
@@ -415,3 +417,20 @@ def test_context_windows_start_with_bos_when_the_tokenizer_uses_one(tiny):
                          continuation_tokens=4)
     assert ids.shape == (2, 14) and ids[:, 0].tolist() == [1, 1] and ids[0, 1:4].tolist() == [97, 98, 99]
     assert start_tokens(_BosTokenizer()) == [1] and start_tokens(tiny[0].tokenizer) == []
+
+
+def test_workloads_read_typed_settings_without_silent_defaults():
+    """Settings lacking a workload field (or holding a mistyped one) are refused by name; they used to be
+    read through getattr defaults (a settings object without ``kv_dtype`` silently meant ``model``)."""
+    from types import SimpleNamespace
+
+    from kvtune.evaluate.workloads import WorkloadSettings, workload_sample_counts
+
+    full = ProfileSettings(samples=3, cheap_samples=2)
+    assert isinstance(full, WorkloadSettings) and workload_sample_counts("qa", full) == (3, 2)
+    assert workload_sample_counts("continuation", ProfileSettings(contexts=5)) == (5, 5)
+    partial = SimpleNamespace(samples=3, cheap_samples=2)
+    with pytest.raises(KvtuneError, match=r"missing or mistyped text \(str, got None\), data .*kv_dtype .*prompt_format"):
+        workload_sample_counts("qa", partial)
+    with pytest.raises(KvtuneError, match=r"mistyped samples \(int, got True\)$"):
+        workload_sample_counts("continuation", dataclasses.replace(full, samples=True))

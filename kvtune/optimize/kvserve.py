@@ -99,11 +99,6 @@ def warp_accuracy(s: np.ndarray | float, delta: float = WARP_DELTA) -> np.ndarra
     return -np.log(np.maximum(1.0 + delta - np.asarray(s, dtype=np.float64), delta / 4))
 
 
-def unwarp_accuracy(z: np.ndarray | float, delta: float = WARP_DELTA) -> np.ndarray:
-    """Inverse of :func:`warp_accuracy` (on its range)."""
-    return 1.0 + delta - np.exp(-np.asarray(z, dtype=np.float64))
-
-
 def feasibility_score(result: dict[str, Any]) -> float:
     """``relative_accuracy_lo`` if present and finite, else ``relative_accuracy``, else NaN."""
     lo = result_value(result, "relative_accuracy_lo")

@@ -29,13 +29,14 @@ See :mod:`kvtune.evaluate.workloads.base` for what one evaluation does and
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.metrics import spearman
 from kvtune.evaluate.model import LoadedModel
 from kvtune.evaluate.workloads.base import FIDELITIES, PROMPT_FORMATS, WORKLOADS, Sample, Workload, register
 from kvtune.evaluate.workloads.data import DataError, Field, read_jsonl
+from kvtune.evaluate.workloads.settings import WorkloadSettings
 
 # imported in the order the registry lists them (``--workload`` help, error messages)
 from kvtune.evaluate.workloads.continuation import ContinuationWorkload  # isort: skip
@@ -57,6 +58,7 @@ __all__ = [
     "DataError",
     "Field",
     "read_jsonl",
+    "WorkloadSettings",
     "ContinuationWorkload",
     "QAWorkload",
     "BoolQWorkload",
@@ -71,23 +73,24 @@ def _workload_class(name: str) -> type[Workload]:
     return WORKLOADS[name]
 
 
-def workload_sample_counts(name: str, settings: Any) -> tuple[int, int]:
+def workload_sample_counts(name: str, settings: WorkloadSettings) -> tuple[int, int]:
     """``(full, cheap)`` sample counts the workload will use with these settings (for progress bars).
 
     Raises:
-        KvtuneError: unknown workload or invalid counts.
+        KvtuneError: unknown workload, invalid counts, or settings without the workload fields.
     """
     return _workload_class(name).sample_counts(settings)
 
 
-def make_workload(name: str, lm: LoadedModel, *, settings: Any,
+def make_workload(name: str, lm: LoadedModel, *, settings: WorkloadSettings,
                   progress: Callable[[int], None] | None = None) -> Workload:
     """Build a workload: load its data, prefill every sample, compute the cheap baseline.
 
     Args:
         name: a key of :data:`WORKLOADS`.
         lm: the loaded model.
-        settings: a :class:`~kvtune.settings.ProfileSettings`.
+        settings: the run settings (a :class:`~kvtune.settings.ProfileSettings` has the
+            :class:`~kvtune.evaluate.workloads.settings.WorkloadSettings` fields).
         progress: optional ``progress(n)`` called after each prefilled sample
             (``workload_sample_counts(name, settings)[0]`` calls in total).
 

@@ -41,6 +41,7 @@ import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.errors import KvtuneError
+from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
 from kvtune.evaluate.metrics import (
     bootstrap_ratio_of_means,
     bootstrap_relative_accuracy,
@@ -282,6 +283,17 @@ class PromptBuilder:
         return self.encode(head), self.encode(tail + answer_prefix)
 
 
+def checked_kv_dtype(kv_dtype: str) -> str:
+    """``kv_dtype`` when it is one of :data:`KV_DTYPES`.
+
+    Raises:
+        KvtuneError: any other value (the message lists the accepted ones).
+    """
+    if kv_dtype not in KV_DTYPES:
+        raise KvtuneError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+    return kv_dtype
+
+
 class Workload(ABC):
     """A real task whose context KV crosses the wire compressed (see the module docstring).
 
@@ -290,9 +302,8 @@ class Workload(ABC):
 
     Args:
         lm: the loaded model.
-        settings: a :class:`kvtune.settings.ProfileSettings` (reads ``text``, ``data``,
-            ``samples``, ``cheap_samples``, ``contexts``, ``context_tokens``,
-            ``continuation_tokens``, ``max_new_tokens``, ``kv_dtype``, ``prompt_format``).
+        settings: the run settings, e.g. a :class:`kvtune.settings.ProfileSettings`; the fields
+            of :class:`~kvtune.evaluate.workloads.settings.WorkloadSettings` are read.
         progress: optional ``progress(n)`` called after each prefilled sample.
 
     Attributes:
@@ -308,14 +319,13 @@ class Workload(ABC):
     default_max_new_tokens: ClassVar[int] = 0
     score_names: ClassVar[dict[str, str]] = {"cheap": "", "full": ""}
 
-    def __init__(self, lm: LoadedModel, *, settings: Any, progress: Callable[[int], None] | None = None) -> None:
+    def __init__(self, lm: LoadedModel, *, settings: WorkloadSettings,
+                 progress: Callable[[int], None] | None = None) -> None:
         self.lm = lm
-        self.settings = settings
-        if getattr(settings, "kv_dtype", "model") not in KV_DTYPES:
-            raise KvtuneError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {settings.kv_dtype!r}")
-        self.kv_dtype = getattr(settings, "kv_dtype", "model")
+        self.settings = checked_settings(settings)
+        self.kv_dtype = checked_kv_dtype(settings.kv_dtype)
         self.n_full, self.n_cheap = self.sample_counts(settings)
-        self.max_new_tokens = int(getattr(settings, "max_new_tokens", 0) or self.default_max_new_tokens)
+        self.max_new_tokens = settings.max_new_tokens or self.default_max_new_tokens
         self.source: Any = None
         self.prompt_format: str | None = None
         self.stop_ids = stop_token_ids(lm)
@@ -337,14 +347,15 @@ class Workload(ABC):
     # ------------------------------------------------------------------ sizes
 
     @classmethod
-    def sample_counts(cls, settings: Any) -> tuple[int, int]:
+    def sample_counts(cls, settings: WorkloadSettings) -> tuple[int, int]:
         """``(full, cheap)`` sample counts from settings (0 = the workload's defaults).
 
         Raises:
-            KvtuneError: negative counts.
+            KvtuneError: negative counts, or settings without the workload fields.
         """
-        full = int(getattr(settings, "samples", 0) or cls.default_samples)
-        cheap = int(getattr(settings, "cheap_samples", 0) or min(cls.default_cheap_samples, full))
+        settings = checked_settings(settings)
+        full = settings.samples or cls.default_samples
+        cheap = settings.cheap_samples or min(cls.default_cheap_samples, full)
         if full < 1 or cheap < 1:
             raise KvtuneError(f"workload {cls.name!r}: --samples and --cheap-samples must be >= 1 (0 = default)")
         return full, min(cheap, full)

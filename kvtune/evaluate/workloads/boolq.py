@@ -82,7 +82,7 @@ class BoolQWorkload(Workload):
         st = self.settings
         source, records = resolve_data(st.data or self.default_data, self.fields, workload=self.name)
         self.source = source
-        pb = PromptBuilder(self.lm, getattr(st, "prompt_format", "auto"))
+        pb = PromptBuilder(self.lm, st.prompt_format)
         self.prompt_format = pb.format
         self.yes_ids = answer_token_ids(self.lm.tokenizer, "yes")
         self.no_ids = answer_token_ids(self.lm.tokenizer, "no")

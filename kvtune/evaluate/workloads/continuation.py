@@ -27,7 +27,8 @@ from kvtune.errors import KvtuneError
 from kvtune.evaluate.capture import Capture, build_contexts, capture, continuation_logits
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores
 from kvtune.evaluate.model import KVLayers, LoadedModel
-from kvtune.evaluate.workloads.base import KV_DTYPES, Sample, Workload, encode_decode, register
+from kvtune.evaluate.workloads.base import Sample, Workload, checked_kv_dtype, encode_decode, register
+from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
 
 
 def roundtrip_contexts(cap: Capture, config: PolicyConfig, lm: LoadedModel) -> tuple[KVLayers, dict[str, Any]]:
@@ -78,13 +79,11 @@ class ContinuationWorkload(Workload):
     default_cheap_samples = 8
     score_names = {"cheap": "continuation_token_prob", "full": "continuation_token_prob"}
 
-    def __init__(self, lm: LoadedModel, *, settings: Any, progress: Callable[[int], None] | None = None,
+    def __init__(self, lm: LoadedModel, *, settings: WorkloadSettings, progress: Callable[[int], None] | None = None,
                  cap: Capture | None = None) -> None:
         self.lm = lm
-        self.settings = settings
-        self.kv_dtype = getattr(settings, "kv_dtype", "model")
-        if self.kv_dtype not in KV_DTYPES:
-            raise KvtuneError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+        self.settings = checked_settings(settings)
+        self.kv_dtype = checked_kv_dtype(settings.kv_dtype)
         self.max_new_tokens = 0
         self.source = None
         self.prompt_format = None
@@ -107,10 +106,15 @@ class ContinuationWorkload(Workload):
         self.setup_seconds = time.perf_counter() - t0
 
     @classmethod
-    def sample_counts(cls, settings: Any) -> tuple[int, int]:
-        """``(full, cheap)``: ``--samples`` (or the legacy ``--contexts``) and ``--cheap-samples``."""
-        full = int(getattr(settings, "samples", 0) or getattr(settings, "contexts", 0) or cls.default_samples)
-        cheap = int(getattr(settings, "cheap_samples", 0) or min(cls.default_cheap_samples, full))
+    def sample_counts(cls, settings: WorkloadSettings) -> tuple[int, int]:
+        """``(full, cheap)``: ``--samples`` (or the legacy ``--contexts``) and ``--cheap-samples``.
+
+        Raises:
+            KvtuneError: counts below 1, or settings without the workload fields.
+        """
+        settings = checked_settings(settings)
+        full = settings.samples or settings.contexts or cls.default_samples
+        cheap = settings.cheap_samples or min(cls.default_cheap_samples, full)
         if full < 1 or cheap < 1:
             raise KvtuneError("workload 'continuation': --samples and --cheap-samples must be >= 1 (0 = default)")
         return full, min(cheap, full)
@@ -161,6 +165,6 @@ class ContinuationWorkload(Workload):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d.update({"text": self.settings.text if self.settings is not None else None,
+        d.update({"text": self.settings.text,
                   "continuation_tokens": int(self.cap.input_ids.shape[1] - self.cap.context_tokens)})
         return d

@@ -63,7 +63,7 @@ class NeedleWorkload(Workload):
     def build_samples(self) -> list[Sample]:
         st = self.settings
         tok = self.lm.tokenizer
-        pb = PromptBuilder(self.lm, getattr(st, "prompt_format", "auto"))
+        pb = PromptBuilder(self.lm, st.prompt_format)
         self.prompt_format = pb.format
         prefix, decode = pb.split(
             chat_instruction="\n\nWhat is the pass key? Answer with the number only.",

@@ -58,7 +58,7 @@ class QAWorkload(OwnAnswerMixin, Workload):
         st = self.settings
         source, records = resolve_data(st.data or self.default_data, self.fields, workload=self.name)
         self.source = source
-        pb = PromptBuilder(self.lm, getattr(st, "prompt_format", "auto"))
+        pb = PromptBuilder(self.lm, st.prompt_format)
         self.prompt_format = pb.format
         budget = int(st.context_tokens) - len(pb.split(chat_instruction="", plain_instruction="")[0])
         cache: dict[str, list[int] | None] = {}

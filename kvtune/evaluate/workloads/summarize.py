@@ -54,7 +54,7 @@ class SummarizeWorkload(OwnAnswerMixin, Workload):
         st = self.settings
         source, records = resolve_data(st.data or self.default_data, self.fields, workload=self.name)
         self.source = source
-        pb = PromptBuilder(self.lm, getattr(st, "prompt_format", "auto"))
+        pb = PromptBuilder(self.lm, st.prompt_format)
         self.prompt_format = pb.format
         prefix, decode = pb.split(chat_instruction="\n\nSummarize the article above in one sentence.",
                                   plain_instruction="\n\nSummary of the article above in one sentence:")
