@@ -11,6 +11,14 @@ assembled file is pinned again.
 
 A failed download, a hash mismatch or a missing member raises :class:`AssetError` naming
 the asset and what to do about it.
+
+What is used is what was pinned: every :func:`resolve_asset` call hashes the cached file or
+folder again and refuses it when it no longer matches its pin, even if it was verified before
+(the ``.verified`` stamp beside it only records that the fetch completed). Hashing costs about
+0.75 s per 540 MB here (sha256 with SHA-NI), small next to loading a model. Folders kvtune writes
+itself, such as a GGUF model converted to safetensors, have no pin to compare with: they are
+sealed with the sha256 of every file (:func:`seal_folder`) and checked before each use
+(:func:`verify_sealed_folder`).
 """
 
 from __future__ import annotations
@@ -22,12 +30,16 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtune.atomic import atomic_write_text
 from kvtune.errors import AssetError
 
 CACHE_ENV = "KVTUNE_CACHE"
+SEAL_NAME = ".complete"
+"""File inside a sealed folder that lists the sha256 of every other file (:func:`seal_folder`)."""
 
 
 @dataclass(frozen=True)
@@ -290,15 +302,15 @@ def resolve_asset(name: str) -> Path:
     asset = ASSETS[name]
     final = asset_path(asset)
     stamp = final.parent / f".{final.name}.verified"
-    if final.exists() and stamp.exists() and stamp.read_text().strip() == asset.sha256:
-        return final
-    if final.exists():  # present but not (yet) verified: a user-placed file, or an interrupted copy
+    if final.exists():  # verified before or not (a user-placed file): hash what will be used
         digest = _digest(final)
         if digest == asset.sha256:
-            stamp.write_text(asset.sha256)
+            if not stamp.exists():
+                stamp.write_text(asset.sha256)
             return final
+        changed = "was modified after it was verified" if stamp.exists() else "does not match its pin"
         raise AssetError(
-            f"asset {asset.name!r} at {final} has sha256 {digest}, expected {asset.sha256}; "
+            f"asset {asset.name!r} at {final} {changed}: sha256 {digest}, expected {asset.sha256}; "
             f"delete {final} so kvtune fetches it again."
         )
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -318,6 +330,44 @@ def resolve_asset(name: str) -> Path:
         shutil.move(str(extracted), str(final))  # same filesystem: an atomic rename
     stamp.write_text(asset.sha256)
     return final
+
+
+def seal_folder(folder: Path) -> None:
+    """Record the sha256 of every file of ``folder`` in ``folder / SEAL_NAME`` (JSON
+    ``{"sha256": {relative path: hex digest}}``), for a folder kvtune wrote itself (e.g. a GGUF
+    model converted to safetensors) so that :func:`verify_sealed_folder` can detect later edits."""
+    files = {p.relative_to(folder).as_posix(): file_sha256(p)
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != SEAL_NAME}
+    atomic_write_text(folder / SEAL_NAME, json.dumps({"sha256": files}, indent=1, sort_keys=True))
+
+
+def verify_sealed_folder(folder: Path) -> None:
+    """Check that ``folder`` holds exactly the files :func:`seal_folder` recorded, byte for byte.
+
+    Every file is hashed again (~0.75 s per 540 MB).
+
+    Raises:
+        AssetError: no readable seal (e.g. written by an older kvtune), or a file that is
+            missing, added or changed; the message names the file and says to delete the folder
+            so kvtune rebuilds it.
+    """
+    fix = f"delete {folder} so kvtune rebuilds it"
+    try:
+        recorded = json.loads((folder / SEAL_NAME).read_text())["sha256"]
+        if not isinstance(recorded, dict):
+            raise TypeError("sha256 is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AssetError(f"{folder}: no readable list of file hashes in {SEAL_NAME} ({exc}); {fix}") from None
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != SEAL_NAME}
+    for rel in sorted(present | set(recorded)):
+        if rel not in present:
+            raise AssetError(f"{folder / rel}: missing from the cached folder; {fix}")
+        if rel not in recorded:
+            raise AssetError(f"{folder / rel}: not written by kvtune (added to the cached folder later); {fix}")
+        digest = file_sha256(folder / rel)
+        if digest != recorded[rel]:
+            raise AssetError(f"{folder / rel}: modified after kvtune wrote it (sha256 {digest}, recorded "
+                             f"{recorded[rel]}); {fix}")
 
 
 def read_texts(spec: str) -> list[tuple[str, str]]:

@@ -194,3 +194,63 @@ def test_real_datasets_resolve_and_parse(name, fields, records):
     assert cls.default_data == name and tuple(f.name for f in cls.fields) == fields
     source, recs = resolve_data(name, cls.fields, workload=workload)
     assert len(recs) == records and source.sha256 == assets.ASSETS[name].sha256
+
+
+def test_a_cached_asset_edited_after_verification_is_refused(fake_asset):
+    """The ``.verified`` stamp does not vouch for the bytes: an edit after the fetch is caught (it used to be used)."""
+    asset, calls = fake_asset
+    path = assets.resolve_asset(asset.name)
+    assert (path.parent / f".{path.name}.verified").is_file()
+    (path / "b.txt").write_text("gammA")  # same size, stamp untouched
+    with pytest.raises(AssetError, match=rf"fake-texts.* at {path} was modified after it was verified: sha256 "
+                                         rf"[0-9a-f]{{64}}, expected {asset.sha256}; delete {path} so kvtune fetches"):
+        assets.resolve_asset(asset.name)
+    assert calls == ["fake-texts"]
+
+
+def test_seal_detects_a_changed_missing_or_added_file(tmp_path):
+    folder = tmp_path / "converted"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    (folder / "sub" / "tok.json").write_text("{}")
+    assets.seal_folder(folder)
+    assets.verify_sealed_folder(folder)  # as written: accepted
+    (folder / "model.safetensors").write_bytes(b"\x00" * 63 + b"\x01")
+    with pytest.raises(AssetError, match=r"model\.safetensors: modified after kvtune wrote it .*; delete .*converted so"):
+        assets.verify_sealed_folder(folder)
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    (folder / "extra.bin").write_bytes(b"x")
+    with pytest.raises(AssetError, match=r"extra\.bin: not written by kvtune"):
+        assets.verify_sealed_folder(folder)
+    (folder / "extra.bin").unlink()
+    (folder / "sub" / "tok.json").unlink()
+    with pytest.raises(AssetError, match=r"sub/tok\.json: missing"):
+        assets.verify_sealed_folder(folder)
+    (folder / assets.SEAL_NAME).write_text("ok")  # the unsealed marker of older kvtune versions
+    with pytest.raises(AssetError, match=r"no readable list of file hashes in \.complete .*delete"):
+        assets.verify_sealed_folder(folder)
+
+
+def test_a_tampered_converted_model_is_refused_by_load_model(tmp_path, monkeypatch):
+    """The GGUF -> safetensors conversion cache is checked before loading (it used to be loaded unverified)."""
+    from conftest import make_tiny_llama
+    from kvtune.evaluate import model as model_mod
+
+    monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path / "cache"))
+    gguf = b"GGUF fake weights"
+    asset = assets.WheelAsset("fake-gguf", "model", "fake-gguf", "1.0", "m/fake.gguf", hashlib.sha256(gguf).hexdigest(), "t")
+    monkeypatch.setitem(assets.ASSETS, asset.name, asset)
+    assets.asset_path(asset).parent.mkdir(parents=True)
+    assets.asset_path(asset).write_bytes(gguf)
+    folder = model_mod.converted_dir(asset.name)
+    folder.parent.mkdir(parents=True)
+    make_tiny_llama(folder)
+    assets.seal_folder(folder)
+    lm = model_mod.load_model(asset.name, "cpu")
+    assert lm.config.num_hidden_layers == 2
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one weight bit
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AssetError, match=rf"{weights}: modified after kvtune wrote it .*; delete {folder} so kvtune rebuilds"):
+        model_mod.load_model(asset.name, "cpu")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvtune.assets import ASSETS, resolve_asset
+from kvtune.assets import ASSETS, resolve_asset, seal_folder, verify_sealed_folder
 from kvtune.errors import AssetError, KvtuneError, ModelLayoutError
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -196,7 +196,7 @@ def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
             if qconfig is not None:
                 model.config.quantization_config = qconfig
         tokenizer.save_pretrained(tmp)
-        (tmp / ".complete").write_text("ok")
+        seal_folder(tmp)  # the sha256 of every file, checked before each later load
         tmp.rename(folder)  # same filesystem: atomic
     except (OSError, ValueError) as exc:  # pragma: no cover - full disk, read-only cache, concurrent conversion
         logging.getLogger(__name__).warning("could not cache the converted model at %s: %s", folder, exc)
@@ -207,14 +207,17 @@ def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
 def load_model(spec: str, device: str = "auto") -> LoadedModel:
     """Load ``--model`` for KV capture.
 
-    Named GGUF assets are dequantized once and cached as safetensors (:func:`converted_dir`).
+    Named GGUF assets are dequantized once and cached as safetensors (:func:`converted_dir`);
+    the cached folder is sealed with the sha256 of its files and checked before each load.
 
     Args:
         spec: asset name (e.g. ``smollm2-135m-instruct``), ``.gguf`` path, HF folder or HF id.
         device: ``auto`` (CUDA if present), ``cpu`` or ``cuda``.
 
     Raises:
-        AssetError: the model cannot be found, downloaded or loaded (message says which).
+        AssetError: the model cannot be found, downloaded or loaded (message says which), or a
+            cached converted folder was modified (the message names the file and says to
+            delete the folder).
         ModelLayoutError: the model is not a decoder whose cache kvtune can read.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -224,7 +227,8 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
     convert_to = converted_dir(spec)
     if convert_to is not None and (convert_to / ".complete").is_file():
         src, kwargs = str(convert_to), {}
-        resolve_asset(spec)  # keep the pin check (cheap once verified)
+        resolve_asset(spec)  # keep the pin check
+        verify_sealed_folder(convert_to)  # what is loaded is what was converted
     else:
         src, kwargs = _model_source(spec)
     hf_logging.set_verbosity_error()
