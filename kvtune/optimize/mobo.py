@@ -43,6 +43,11 @@ Rules (each a pure function of the seed and the set of results told, so runs res
    Candidates with no optimistic improvement have (numerically) no expected improvement. The
    argmax is asked (ties: lowest index). If no candidate can improve even optimistically,
    the one with the largest summed posterior std is asked (pure exploration).
+
+BoTorch JIT-compiles a fused C++ kernel for the acquisition on first use, behind a lock file
+that a killed process leaves behind; :func:`~kvtune.optimize.fused_kernel.load_fused_kernel`
+loads it first so that a stale lock is removed (or the pure-Python path used) instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import numpy as np
 import torch
 
 from kvtune.optimize.base import Optimizer, register_optimizer
+from kvtune.optimize.fused_kernel import load_fused_kernel
 from kvtune.optimize.gp import (
     DTYPE,
     candidate_inputs,
@@ -233,6 +239,7 @@ class MOBOOptimizer(Optimizer):
             ratio = torch.exp(samples[..., 2]) if not known_ratio else self._ratio_from_x(X).expand(samples.shape[:-1])
             return torch.stack([acc, ratio, -torch.exp(samples[..., 1])], dim=-1)
 
+        load_fused_kernel()  # before BoTorch's own load, which may wait on a stale lock forever
         model = gp.to_botorch()
         sampler = SobolQMCNormalSampler(sample_shape=torch.Size([self.mc_samples]), seed=step_seed(self.seed, step, tag=13))
         with warnings.catch_warnings(), torch.no_grad():
