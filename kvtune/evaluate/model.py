@@ -155,8 +155,10 @@ def converted_dir(spec: str) -> Path | None:
     Dequantizing a GGUF file takes minutes on a small CPU (Gemma-3-270m: ~2-5 min, SmolLM2:
     ~15-45 s); the first load saves the dequantized model and its tokenizer with
     ``save_pretrained`` so later loads read safetensors in seconds. The folder name holds the
-    asset's sha256 and the transformers version that did the conversion. None for specs
-    that are not named GGUF assets.
+    asset's sha256 and the transformers version that did the conversion, and ends in
+    ``-sealed``: the folder lists the sha256 of its files (:func:`kvtune.assets.seal_folder`);
+    folders of older kvtune versions, which did not, are not used. None for specs that are not
+    named GGUF assets.
     """
     asset = ASSETS.get(spec)
     if asset is None or asset.kind != "model" or not asset.member.endswith(".gguf"):
@@ -165,7 +167,7 @@ def converted_dir(spec: str) -> Path | None:
 
     from kvtune.assets import cache_root
 
-    return cache_root() / "converted" / f"{asset.name}-{asset.sha256[:16]}-transformers-{transformers.__version__}"
+    return cache_root() / "converted" / f"{asset.name}-{asset.sha256[:16]}-transformers-{transformers.__version__}-sealed"
 
 
 def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
