@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -102,19 +103,22 @@ import torch
 
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
-from kvtune.errors import CorruptStreamError
+from kvtune.errors import CorruptStreamError, StreamVersionError
 
 __all__ = [
     "RangeCodec",
     "MODELS",
     "KIND_RAW",
     "KIND_RANGE",
-    "MAX_PRECISION",
+    "KIND_RANGE_V1",
+    "TABLE_STEPS",
+    "MAX_LEVEL",
+    "MAX_TABLE_ENTRIES",
     "fusion_factor",
     "fuse_symbols",
     "unfuse_symbols",
-    "quantize_counts",
-    "table_nbytes",
+    "count_levels",
+    "level_weights",
     "RangeSections",
     "parse_sections",
     "encode_range",
@@ -124,9 +128,10 @@ MODELS = ("global", "per_head", "per_channel")
 """Model names; the index is the model nibble on the wire."""
 
 KIND_RAW = 0
-KIND_RANGE = 1
-MAX_PRECISION = 15
-"""Largest table precision ``P`` (frequencies sum to ``2**P``)."""
+KIND_RANGE_V1 = 1
+"""Kind byte of range-coded payloads in the retired table format 1 (refused with StreamVersionError)."""
+KIND_RANGE = 2
+"""Kind byte of range-coded payloads in table format 2 (entropy-coded level tables)."""
 
 _MAX_VARINT_BYTES = 5
 _RangeEncoder = constriction.stream.queue.RangeEncoder
@@ -169,42 +174,10 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     raise CorruptStreamError("range codec: over-long length field")
 
 
-def _pack_uint(values: np.ndarray, width: int) -> bytes:
-    """Pack integers ``0 <= v < 2**width`` (``width`` 0..16), MSB first, zero-padded to a byte."""
-    if width == 0 or values.size == 0:
-        return b""
-    be = values.astype(">u2").view(np.uint8).reshape(-1, 2)
-    return np.packbits(np.unpackbits(be, axis=1)[:, 16 - width :]).tobytes()
-
-
 def _padding_is_zero(data: memoryview | bytes, nbits: int) -> bool:
     """Whether the bits after the first ``nbits`` of ``data`` (the zero padding) are all zero."""
     rem = nbits % 8
     return not rem or not data[len(data) - 1] & ((1 << (8 - rem)) - 1)
-
-
-def _unpack_uint(data: memoryview | bytes, width: int, n: int) -> np.ndarray:
-    """Inverse of :func:`_pack_uint`: ``n`` values, int64."""
-    if width == 0 or n == 0:
-        return np.zeros(n, dtype=np.int64)
-    bitmat = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n * width).reshape(n, width)
-    full = np.zeros((n, 16), dtype=np.uint8)
-    full[:, 16 - width :] = bitmat
-    return np.packbits(full, axis=1).view(">u2").reshape(n).astype(np.int64)
-
-
-def table_nbytes(num_groups: int, bits: int, nnz: int, width: int) -> int:
-    """Bytes of the frequency tables of one tensor.
-
-    ``ceil(G * 2**bits / 8)`` (presence bitmap) + ``ceil(nnz * w / 8)`` (the ``f - 1`` values).
-
-    Args:
-        num_groups: ``G``.
-        bits: coded bits per symbol.
-        nnz: number of (group, symbol) pairs that occur.
-        width: ``w``, bits per stored value.
-    """
-    return -(-num_groups * (1 << bits) // 8) + -(-nnz * width // 8)
 
 
 def _as_numpy(symbols: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -414,75 +387,148 @@ def _group_counts(rows: _Rows, lay: _Layout) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- tables
 
+TABLE_STEPS = (1, 2, 4, 8)
+"""Levels per octave of the table's probability grid; the index is the ``steps`` field."""
+MAX_LEVEL = 255
+"""Largest level code (level 1 = weight 1; each level below is ``2**(-1/steps)`` times smaller)."""
+MAX_TABLE_ENTRIES = 1 << 24
+"""Largest ``groups * 2**bits`` a payload may declare (a larger one is rejected before allocating)."""
 
-def quantize_counts(counts: np.ndarray, precision: int) -> np.ndarray | None:
-    """Quantize per-group counts to integer frequencies summing to ``2**precision``.
+# 2**(-j/16) for j = 0..15, as literals: weights and level boundaries are these constants times
+# powers of two (np.ldexp, exact), so encoder and decoder build bit-identical tables on every
+# machine without calling a math library.
+_GRID16 = np.array([
+    1.0, 0.9576032806985737, 0.9170040432046712, 0.8781260801866497, 0.8408964152537145, 0.8052451659746271,
+    0.7711054127039704, 0.7384130729697497, 0.7071067811865476, 0.6771277734684463, 0.6484197773255048,
+    0.620928906036742, 0.5946035575013605, 0.5693943173783458, 0.5452538663326288, 0.5221368912137069,
+])
 
-    ``f = round(c * 2**P / n)`` (``floor`` when rounding leaves no room), at least 1 where
-    ``c > 0`` and 0 where ``c == 0``; the residue goes to the group's most frequent symbol
-    (lowest index on ties). At ``P = 15`` the floor variant always fits ``<= 256`` symbols.
+
+def _grid(u: np.ndarray) -> np.ndarray:
+    """``2**(-u/16)`` for non-negative integers ``u``, exactly as the constants above."""
+    u = np.asarray(u, dtype=np.int64)
+    return np.ldexp(_GRID16[u & 15], -(u >> 4))
+
+
+def level_weights(levels: np.ndarray, steps: int) -> np.ndarray:
+    """float64 model weights of level codes: 0 (symbol absent) -> 0, ``q >= 1`` -> ``2**(-(q-1)/steps)``.
+
+    The range coder normalizes each group's weights (constriction's ``Categorical``).
+    """
+    q = np.asarray(levels, dtype=np.int64)
+    return np.where(q > 0, _grid(np.maximum(q - 1, 0) * (16 // steps)), 0.0)
+
+
+@functools.lru_cache(maxsize=len(TABLE_STEPS))
+def _boundaries(steps: int) -> np.ndarray:
+    """``-2**(-(j + 1/2)/steps)`` for ``j = 0..MAX_LEVEL-2`` (increasing): the level boundaries."""
+    return -_grid((2 * np.arange(MAX_LEVEL - 1) + 1) * (8 // steps))
+
+
+def count_levels(counts: np.ndarray, steps: int) -> np.ndarray:
+    """Level codes of per-group counts: the nearest grid point to each symbol's frequency.
+
+    ``q = 0`` where ``c == 0``; else ``q = 1 + round(steps * log2(n / c))`` (capped at
+    :data:`MAX_LEVEL`), ``n`` the row's total, with rounding boundaries on the exact grid
+    (no logarithm is computed, so the codes are the same on every machine).
 
     Args:
-        counts: int64 ``(G, K)``; every row has the same positive sum ``n``.
-        precision: ``P`` in 1..15.
+        counts: int64 ``(G, K)``, every row with a positive sum.
+        steps: levels per octave (one of :data:`TABLE_STEPS`).
 
     Returns:
-        int64 ``(G, K)`` frequencies, or ``None`` when ``2**P`` cannot give every present
-        symbol a frequency >= 1.
+        int64 ``(G, K)`` codes in ``0..MAX_LEVEL``.
     """
-    n = int(counts[0].sum())
-    total = 1 << precision
-    top = np.argmax(counts, axis=1)
-    rows = np.arange(counts.shape[0])
-    present = counts > 0
-    for offset in (n // 2, 0):  # round to nearest, then floor
-        f = (counts * total + offset) // n
-        np.maximum(f, present, out=f)
-        f[rows, top] += total - f.sum(axis=1)
-        if (f[rows, top] >= 1).all():
-            return f
-    return None
+    ratio = counts / counts.sum(axis=1, keepdims=True)
+    q = np.searchsorted(_boundaries(steps), -ratio.reshape(-1), side="left").reshape(counts.shape) + 1
+    return np.where(counts > 0, q, 0)
 
 
-def _precision_candidates(counts: np.ndarray) -> list[int]:
-    """Table precisions to try, best first (then ``P = 15`` as the fallback).
-
-    Candidates: every ``P`` from the smallest that can hold the most diverse group's symbols to
-    ``bit_length(n - 1) + 1`` (enough to represent the counts exactly), capped at 15. Each is
-    scored, all at once, by the bits it costs with the round-to-nearest tables of
-    :func:`quantize_counts`: ``nnz * w`` table-value bits plus ``-sum c * log2(f / 2**P)``
-    payload bits (what the range coder spends, up to its own 24-bit quantization).
-    """
-    g, k = counts.shape
-    n = int(counts[0].sum())
-    present = counts > 0
-    per_group = present.sum(axis=1)
-    c = counts[present]  # (nnz,), group-major: each group's entries are contiguous
-    starts = np.zeros(g, dtype=np.intp)
-    np.cumsum(per_group[:-1], out=starts[1:])
-    top = starts + (np.cumsum(present, axis=1)[np.arange(g), np.argmax(counts, axis=1)] - 1)  # index in c
-    p_need = max(1, int(per_group.max() - 1).bit_length())
-    p_hi = min(MAX_PRECISION, max(p_need, (n - 1).bit_length() + 1))
-    ps = np.arange(p_need, p_hi + 1)
-    totals = (1 << ps)[:, None]
-    f = np.maximum((c[None, :] * totals + n // 2) // n, 1)  # (nP, nnz), as quantize_counts
-    f[:, top] += totals - np.add.reduceat(f, starts, axis=1)
-    valid = (f[:, top] >= 1).all(axis=1)
-    logf = np.log2(np.maximum(f, 1), dtype=np.float64)
-    payload = ps * float(n * g) - (logf * c).sum(axis=1)
-    table = c.size * np.ceil(logf.max(axis=1))  # w = bit_length(max f - 1)
-    cost = np.where(valid, payload + table, np.inf)
-    order = np.argsort(cost, kind="stable")
-    return [int(p) for p in ps[order][valid[order]]] + [MAX_PRECISION]
+def _zigzag(r: np.ndarray) -> np.ndarray:
+    return np.where(r >= 0, 2 * r, -2 * r - 1)
 
 
-def _build_table(counts: np.ndarray) -> tuple[int, np.ndarray, int]:
-    """``(P, f, w)``: the chosen precision, the frequencies, the stored value width."""
-    for p in _precision_candidates(counts):
-        f = quantize_counts(counts, p)
-        if f is not None:
-            return p, f, int(f.max() - 1).bit_length()
-    raise AssertionError("no table precision fits")  # unreachable: P = 15 (floor) always fits
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    return np.where(z & 1, -(z >> 1) - 1, z >> 1)
+
+
+def _table_residuals(pool: np.ndarray, levels: np.ndarray | None) -> np.ndarray:
+    """The table as zigzagged residuals, in coding order: the pooled row's codes minus their left
+    neighbour (the first minus 0), then (per-group tables) every group's code minus the pooled
+    code of its symbol, over the symbols the pooled row has (the others are 0 everywhere)."""
+    first = _zigzag(np.diff(pool, prepend=0))
+    if levels is None:
+        return first
+    return np.concatenate([first, _zigzag(levels[:, pool > 0] - pool[pool > 0]).reshape(-1)])
+
+
+@dataclass(frozen=True)
+class _Table:
+    """The model of one tensor: level codes (``pooled``: one row for every group)."""
+
+    steps: int  # index into TABLE_STEPS
+    pooled: bool
+    pool: np.ndarray  # (K,) codes of the pooled counts
+    levels: np.ndarray  # (G, K) codes the groups use ((1, K) = pool when pooled)
+    residuals: np.ndarray  # zigzagged, in coding order
+    payload_bits: float  # estimated coder bits of the symbols
+    cost_bits: float  # plus the estimated table bits
+
+    @property
+    def weights(self) -> np.ndarray:
+        return level_weights(self.levels, TABLE_STEPS[self.steps])
+
+
+def _residual_hist_bits(z: np.ndarray) -> tuple[np.ndarray, float]:
+    """``(histogram, estimated bits)`` of coding ``z`` with its own histogram (sent as varints)."""
+    hist = np.bincount(z)
+    nz = hist[hist > 0]
+    bits = float((nz * np.log2(z.size / nz)).sum()) + 8 * sum(len(_varint(int(h))) for h in hist)
+    return hist, bits + (32 if hist.size > 1 else 0)
+
+
+def _payload_bits(counts: np.ndarray, levels: np.ndarray, steps: int) -> float:
+    """``-sum c log2 p`` with ``p`` the normalized weights of ``levels`` (rows broadcast)."""
+    w = level_weights(levels, steps)
+    u = np.where(levels > 0, (levels - 1) * (16 / steps), 0.0)
+    return float((counts * u).sum() / 16 + (counts.sum(axis=1) * np.log2(w.sum(axis=1))).sum())
+
+
+def _build_table(counts: np.ndarray) -> _Table:
+    """The cheapest table for ``counts`` ``(G, K)``: every step of :data:`TABLE_STEPS`, with
+    per-group codes or one pooled row (always tried; the only form when ``G == 1``), scored by
+    the estimated table bits plus payload bits."""
+    pooled_counts = counts.sum(axis=0, keepdims=True)
+    best = None
+    for i, steps in enumerate(TABLE_STEPS):
+        pool = count_levels(pooled_counts, steps)
+        forms = [(True, pool)]
+        if counts.shape[0] > 1:
+            forms.append((False, count_levels(counts, steps)))
+        for pooled, levels in forms:
+            z = _table_residuals(pool[0], None if pooled else levels)
+            _, table_bits = _residual_hist_bits(z)
+            payload = _payload_bits(counts, levels, steps)
+            if best is None or table_bits + payload < best.cost_bits:
+                best = _Table(i, pooled, pool[0], levels, z, payload, table_bits + payload)
+    assert best is not None
+    return best
+
+
+def _encode_table(table: _Table) -> bytes:
+    """Wire bytes of a table, from the ``steps`` byte to the table words (see the module docstring)."""
+    q_max = max(int(table.levels.max()), int(table.pool.max()))
+    hist = np.bincount(table.residuals)
+    out = [bytes([table.steps | (4 if table.pooled else 0), q_max]), _varint(hist.size - 1)]
+    out += [_varint(int(h)) for h in hist]
+    if hist.size > 1:
+        enc = _RangeEncoder()
+        enc.encode(table.residuals.astype(np.int32), _Categorical(hist.astype(np.float64), perfect=False))
+        words = enc.get_compressed()
+    else:
+        words = np.zeros(0, dtype=np.uint32)
+    out += [_varint(int(words.size)), words.astype("<u4", copy=False).tobytes()]
+    return b"".join(out)
 
 
 def _fused_probs(f: np.ndarray) -> np.ndarray:
@@ -494,17 +540,22 @@ def _fused_probs(f: np.ndarray) -> np.ndarray:
     return joint
 
 
-def _models(f: np.ndarray, lay: _Layout) -> tuple[list, list]:
-    """constriction models of the fused rows and of the unfused rows, in coding order."""
+def _runs(w: np.ndarray, lay: _Layout, pooled: bool) -> tuple[list, list]:
+    """Coding runs ``(model, rows)`` of the fused rows and of the unfused rows, in coding order:
+    one run per row, or one run over every row when the table is pooled (``w`` has one row)."""
     m = lay.m
     (f_rows, f_len), (r_rows, r_len) = lay.rows_shape()
+    if pooled:
+        fused = [(_Categorical(_fused_probs(np.repeat(w[:, None, :], m, axis=1))[0], perfect=False), f_rows)] if f_rows and f_len else []
+        rest = [(_Categorical(w[0], perfect=False), r_rows)] if r_rows and r_len else []
+        return fused, rest
     if lay.model == "per_channel":
-        fused = _fused_probs(f[: f_rows * m].reshape(f_rows, m, -1)) if f_rows else ()
-        rest = f[f_rows * m :].astype(np.float64)
+        fp = _fused_probs(w[: f_rows * m].reshape(f_rows, m, -1)) if f_rows else ()
+        rp = w[f_rows * m :]
     else:
-        fused = _fused_probs(np.repeat(f[:, None, :], m, axis=1)) if f_len else ()
-        rest = f.astype(np.float64) if r_len else ()
-    return [_Categorical(p, perfect=False) for p in fused], [_Categorical(p, perfect=False) for p in rest]
+        fp = _fused_probs(np.repeat(w[:, None, :], m, axis=1)) if f_len else ()
+        rp = w if r_len else ()
+    return [(_Categorical(p, perfect=False), 1) for p in fp], [(_Categorical(p, perfect=False), 1) for p in rp]
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -516,12 +567,13 @@ class RangeSections:
 
     Attributes:
         kind: :data:`KIND_RAW` or :data:`KIND_RANGE`.
-        header: bytes of kind, model, layout, ``P``, ``w`` and the word-count varint.
-        table: bytes of the frequency tables (:func:`table_nbytes`).
+        header: bytes of kind, model, layout, the ``steps``/``Q``/``R`` fields, the two
+            word-count varints and the header CRC32.
+        table: bytes of the frequency table: residual histogram and table coder words.
         low_bits: bytes of the raw low bits (``coded_bits``), 0 when every bit is coded.
-        payload: bytes of the coder words (kind 1) or of the raw symbols (kind 0).
-        precision: ``P`` (0 for raw).
-        width: ``w`` (0 for raw).
+        payload: bytes of the coder words (kind 2) or of the raw symbols (kind 0).
+        steps: levels per octave of the table (0 for raw).
+        pooled: one table shared by every group.
         raw_low_bits: ``L``.
         dims: the layout integers.
     """
@@ -531,8 +583,8 @@ class RangeSections:
     table: int
     low_bits: int
     payload: int
-    precision: int = 0
-    width: int = 0
+    steps: int = 0
+    pooled: bool = False
     raw_low_bits: int = 0
     dims: tuple[int, ...] = ()
 
@@ -546,14 +598,83 @@ class RangeSections:
 class _Parsed:
     sections: RangeSections
     layout: _Layout | None = None
-    freqs: np.ndarray | None = None
+    weights: np.ndarray | None = None
     low: memoryview | None = None
     words: np.ndarray | None = None
     raw: memoryview | None = None
 
 
+def _header_crc(head: bytes | memoryview, count: int, bits: int) -> int:
+    """CRC32 of the symbol count and width (8 + 1 bytes, little-endian) followed by the header and
+    table bytes: a payload decoded for another count or width fails it as surely as an altered byte."""
+    return zlib.crc32(head, zlib.crc32(count.to_bytes(8, "little") + bytes([bits])))
+
+
+def _need(buf: memoryview, pos: int, n: int, what: str) -> None:
+    if n < 0 or pos + n > len(buf):
+        raise CorruptStreamError(f"range codec: data ends inside {what}")
+
+
+def _read_words(buf: memoryview, pos: int, what: str) -> tuple[np.ndarray, int]:
+    """A varint word count, then that many little-endian uint32 words (length checked first)."""
+    n, pos = _read_varint(buf, pos)
+    _need(buf, pos, 4 * n, what)
+    return np.frombuffer(buf[pos : pos + 4 * n], dtype="<u4").astype(np.uint32), pos + 4 * n
+
+
+def _decode_table(hist: np.ndarray, words: np.ndarray, pooled: bool, q_max: int, groups: int, k: int) -> np.ndarray:
+    """Level codes ``(G', K)`` from the table's residual histogram and words; raise
+    CorruptStreamError unless they decode to codes in ``0..q_max`` (maximum exactly ``q_max``),
+    every group has a symbol, and the decoded residuals have exactly the histogram sent."""
+    total = int(hist.sum())
+    dec = None
+    if hist.size > 1:
+        model = _Categorical(hist.astype(np.float64), perfect=False)
+        dec = _RangeDecoder(words)
+    elif words.size:
+        raise CorruptStreamError("range codec: table words present for a constant table")
+
+    def take(n: int) -> np.ndarray:
+        if dec is None:
+            return np.zeros(n, dtype=np.int64)
+        return np.asarray(dec.decode(model, n), dtype=np.int64)
+
+    try:
+        if total < k:
+            raise CorruptStreamError("range codec: the table histogram counts fewer entries than the table has")
+        z_pool = take(k)
+        pool = np.cumsum(_unzigzag(z_pool))
+        if pool.min() < 0 or pool.max() > q_max or not pool.any():
+            raise CorruptStreamError("range codec: a pooled table code is out of range")
+        z = z_pool
+        if pooled:
+            levels = pool[None, :]
+        else:
+            present = pool > 0
+            n_rest = groups * int(present.sum())
+            if total != k + n_rest:
+                raise CorruptStreamError("range codec: the table histogram does not count the table's entries")
+            z_rest = take(n_rest)
+            levels = np.zeros((groups, k), dtype=np.int64)
+            levels[:, present] = pool[present] + _unzigzag(z_rest).reshape(groups, -1)
+            z = np.concatenate([z_pool, z_rest])
+        exhausted = dec is None or dec.maybe_exhausted()
+    except CorruptStreamError:
+        raise
+    except Exception as exc:  # constriction reports invalid data with AssertionError
+        raise CorruptStreamError(f"range codec: table words do not decode ({type(exc).__name__}: {exc})") from None
+    if not exhausted:
+        raise CorruptStreamError("range codec: table words left over after decoding the table")
+    if z.size != total or not np.array_equal(np.bincount(z, minlength=hist.size), hist):
+        raise CorruptStreamError("range codec: the decoded table does not match its histogram")
+    if levels.min() < 0 or max(levels.max(), pool.max()) != q_max or not (levels > 0).any(axis=1).all():
+        raise CorruptStreamError("range codec: a table code is out of range or a group has no symbol")
+    return levels
+
+
 def _parse(data, model: str, bits: int, low_bits: int, count: int, shape: Sequence[int] | None) -> _Parsed:
-    """Validate and split a packed tensor; raise CorruptStreamError on any inconsistency."""
+    """Validate and split a packed tensor; raise CorruptStreamError on any inconsistency
+    (StreamVersionError for a range-coded payload of the retired table format 1)."""
     buf = memoryview(data).cast("B")
     if len(buf) < 1:
         raise CorruptStreamError("range codec: empty payload (no kind byte)")
@@ -565,10 +686,14 @@ def _parse(data, model: str, bits: int, low_bits: int, count: int, shape: Sequen
                 f"range codec: raw payload has {len(buf) - 1} bytes, {count} symbols of {bits} bits need {expected}"
             )
         return _Parsed(RangeSections(KIND_RAW, 1, 0, 0, expected), raw=buf[1:])
+    if kind == KIND_RANGE_V1:
+        raise StreamVersionError(
+            "range codec: payload in table format 1 (written by kvtune before range format 2, which "
+            "entropy-codes the tables); this version reads format 2 only: re-encode the KV"
+        )
     if kind != KIND_RANGE or bits == RAW16 or count == 0:
         raise CorruptStreamError(f"range codec: payload kind {kind} is invalid for {count} symbols of {bits} bits")
-    if len(buf) < 2:
-        raise CorruptStreamError("range codec: data ends inside its header")
+    _need(buf, 1, 1, "its header")
     model_id, got_low = buf[1] & 0x0F, buf[1] >> 4
     if model_id >= len(MODELS) or MODELS[model_id] != model or got_low != low_bits:
         raise CorruptStreamError(
@@ -587,46 +712,46 @@ def _parse(data, model: str, bits: int, low_bits: int, count: int, shape: Sequen
     if shape is not None and _layout_for_shape(model, coded, shape).dims != dims_t:
         raise CorruptStreamError(f"range codec: payload layout {dims_t} does not match the tensor shape {tuple(shape)}")
     lay = _Layout(model, coded, count, dims_t)
-    if pos + 2 > len(buf):
-        raise CorruptStreamError("range codec: data ends inside its header")
-    precision, width = buf[pos], buf[pos + 1]
-    pos += 2
-    if not 1 <= precision <= MAX_PRECISION or width > MAX_PRECISION:
-        raise CorruptStreamError(f"range codec: table precision {precision} or width {width} out of range")
     g, k = lay.num_groups, 1 << coded
-    nbitmap = -(-g * k // 8)
-    if pos + nbitmap > len(buf):
-        raise CorruptStreamError("range codec: data ends inside the frequency table")
-    present = np.unpackbits(np.frombuffer(buf[pos : pos + nbitmap], dtype=np.uint8), count=g * k).view(bool)
-    nnz = int(np.count_nonzero(present))
-    nvals = -(-nnz * width // 8)
+    if g * k > MAX_TABLE_ENTRIES:
+        raise CorruptStreamError(f"range codec: {g} groups x {k} symbols exceed the table limit {MAX_TABLE_ENTRIES}")
+    _need(buf, pos, 2, "its header")
+    form, q_max = buf[pos], buf[pos + 1]
+    pos += 2
+    if form & ~7 or form & 3 >= len(TABLE_STEPS) or q_max == 0:
+        raise CorruptStreamError(f"range codec: table form {form} or top level {q_max} out of range")
+    steps, pooled = TABLE_STEPS[form & 3], bool(form & 4)
+    r_max, pos = _read_varint(buf, pos)
+    if r_max > 2 * q_max:
+        raise CorruptStreamError(f"range codec: table residual bound {r_max} exceeds 2 * {q_max}")
     table_at = pos
-    pos += nbitmap
-    if pos + nvals > len(buf):
-        raise CorruptStreamError("range codec: data ends inside the frequency table")
-    if not (_padding_is_zero(buf[table_at:pos], g * k) and _padding_is_zero(buf[pos : pos + nvals], nnz * width)):
-        raise CorruptStreamError("range codec: nonzero padding bits in the frequency table")
-    freqs = np.zeros(g * k, dtype=np.int64)
-    freqs[present] = _unpack_uint(buf[pos : pos + nvals], width, nnz) + 1
-    freqs = freqs.reshape(g, k)
-    pos += nvals
-    table_len = pos - table_at
-    if (freqs.sum(axis=1) != 1 << precision).any():
-        raise CorruptStreamError("range codec: a frequency table does not sum to 2**P")
+    hist = np.zeros(r_max + 1, dtype=np.int64)
+    for i in range(r_max + 1):
+        hist[i], pos = _read_varint(buf, pos)
+    if hist[-1] == 0:
+        raise CorruptStreamError("range codec: the table histogram ends with a zero count")
+    hist_end = pos
+    table_words, pos = _read_words(buf, pos, "the table words")
+    _need(buf, pos, 4, "the header checksum")
+    if _header_crc(buf[:pos], count, bits) != int.from_bytes(buf[pos : pos + 4], "little"):
+        raise CorruptStreamError(
+            f"range codec: header checksum mismatch (altered header or table bytes, or the payload was not "
+            f"written for {count} symbols of {bits} bits)"
+        )
+    crc_end = pos + 4
+    levels = _decode_table(hist, table_words, pooled, q_max, g, k)
     nlow = packed_nbytes(count, low_bits)
-    if pos + nlow > len(buf):
-        raise CorruptStreamError("range codec: data ends inside the raw low bits")
-    low = buf[pos : pos + nlow]
+    _need(buf, crc_end, nlow, "the raw low bits")
+    low = buf[crc_end : crc_end + nlow]
     if not _padding_is_zero(low, count * low_bits):
         raise CorruptStreamError("range codec: nonzero padding bits after the raw low bits")
-    pos += nlow
-    nwords, pos = _read_varint(buf, pos)
-    if len(buf) - pos != 4 * nwords:
-        raise CorruptStreamError(f"range codec: {len(buf) - pos} coder bytes follow the header, it says {4 * nwords}")
-    words = np.frombuffer(buf[pos:], dtype="<u4").astype(np.uint32)
-    header_len = len(buf) - table_len - nlow - 4 * nwords
-    secs = RangeSections(KIND_RANGE, header_len, table_len, nlow, 4 * nwords, precision, width, low_bits, dims_t)
-    return _Parsed(secs, lay, freqs, low, words)
+    words, end = _read_words(buf, crc_end + nlow, "the coder words")
+    if end != len(buf):
+        raise CorruptStreamError(f"range codec: {len(buf) - end} bytes follow the coder words")
+    table_len = (hist_end - table_at) + 4 * table_words.size
+    header_len = len(buf) - table_len - nlow - 4 * words.size
+    secs = RangeSections(KIND_RANGE, header_len, table_len, nlow, 4 * words.size, steps, pooled, low_bits, dims_t)
+    return _Parsed(secs, lay, level_weights(levels, steps), low, words)
 
 
 def parse_sections(
@@ -635,7 +760,7 @@ def parse_sections(
     """Byte accounting (header / table / low bits / payload) of a tensor packed by :class:`RangeCodec`.
 
     Raises:
-        CorruptStreamError: as :meth:`RangeCodec.unpack`, for structural problems.
+        CorruptStreamError, StreamVersionError: as :meth:`RangeCodec.unpack`.
     """
     return _parse(data, model, bits, _raw_low_bits(bits, coded_bits), count, shape).sections
 
@@ -655,7 +780,7 @@ def encode_range(
 ) -> bytes | None:
     """Range-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8).
 
-    The kind-1 encoding of :class:`RangeCodec`, without its raw fallback.
+    The kind-2 encoding of :class:`RangeCodec`, without its raw fallback.
 
     Args:
         symbols: natural shape (last axis = channels, axis 1 = heads).
@@ -663,7 +788,7 @@ def encode_range(
         model: one of :data:`MODELS`.
         coded_bits: see :class:`RangeCodec`.
         raw_limit: when given, return ``None`` as soon as the result is known (estimated from
-            the tables, or measured) to take at least ``raw_limit + 1`` bytes.
+            the table, or measured) to take at least ``raw_limit + 1`` bytes.
 
     Returns:
         The packed bytes, or ``None`` (see ``raw_limit``).
@@ -675,25 +800,22 @@ def encode_range(
         raise ValueError("range codec: nothing to encode")
     flat = symbols.reshape(-1)
     rows = _split_rows(_group_matrix(flat >> np.uint8(low) if low else flat, lay), lay)
-    counts = _group_counts(rows, lay)
-    precision, freqs, width = _build_table(counts)
-    present = freqs > 0
+    table = _build_table(_group_counts(rows, lay))
     dims = b"".join(_varint(d) for d in lay.dims)
-    head = bytes([KIND_RANGE, MODELS.index(model) | low << 4]) + dims + bytes([precision, width])
-    table = np.packbits(present.reshape(-1)).tobytes() + _pack_uint(freqs[present] - 1, width)
+    head = bytes([KIND_RANGE, MODELS.index(model) | low << 4]) + dims + _encode_table(table)
+    head += _header_crc(head, lay.count, bits).to_bytes(4, "little")
     low_bytes = pack_bits(flat & np.uint8((1 << low) - 1), low) if low else b""
-    if raw_limit is not None:
-        payload_bits = precision * lay.count - float((np.log2(freqs[present]) * counts[present]).sum())
-        if len(head) + len(table) + len(low_bytes) + 4 * math.ceil(payload_bits / 32) + 1 > raw_limit:
-            return None
-    fused_models, rest_models = _models(freqs, lay)
+    if raw_limit is not None and len(head) + len(low_bytes) + 4 * math.ceil(table.payload_bits / 32) + 1 > raw_limit:
+        return None
+    fused_runs, rest_runs = _runs(table.weights, lay, table.pooled)
     enc = _RangeEncoder()
-    for model_i, row in zip(fused_models, rows.fused):
-        enc.encode(row, model_i)
-    for model_i, row in zip(rest_models, rows.rest):
-        enc.encode(row, model_i)
+    for runs, mat in ((fused_runs, rows.fused), (rest_runs, rows.rest)):
+        i = 0
+        for model_i, n in runs:
+            enc.encode(mat[i : i + n].reshape(-1), model_i)
+            i += n
     words = enc.get_compressed()
-    out = b"".join((head, table, low_bytes, _varint(int(words.size)), words.astype("<u4", copy=False).tobytes()))
+    out = b"".join((head, low_bytes, _varint(int(words.size)), words.astype("<u4", copy=False).tobytes()))
     if raw_limit is not None and len(out) > raw_limit:
         return None
     return out
@@ -783,17 +905,18 @@ class RangeCodec(Codec):
             if bits == RAW16:
                 return np.frombuffer(parsed.raw, dtype="<u2", count=count).astype(np.uint16)
             return unpack_bits(parsed.raw, bits, count)
-        lay, freqs, words = parsed.layout, parsed.freqs, parsed.words
-        assert lay is not None and freqs is not None and words is not None and parsed.low is not None
+        lay, weights, words = parsed.layout, parsed.weights, parsed.words
+        assert lay is not None and weights is not None and words is not None and parsed.low is not None
         (f_rows, f_len), (r_rows, r_len) = lay.rows_shape()
-        fused_models, rest_models = _models(freqs, lay)
+        fused_runs, rest_runs = _runs(weights, lay, parsed.sections.pooled)
         rows = _Rows(np.empty((f_rows, f_len), dtype=np.uint8), np.empty((r_rows, r_len), dtype=np.uint8))
         try:
             dec = _RangeDecoder(words)
-            for i, model in enumerate(fused_models):
-                rows.fused[i] = dec.decode(model, f_len)
-            for i, model in enumerate(rest_models):
-                rows.rest[i] = dec.decode(model, r_len)
+            for runs, mat, length in ((fused_runs, rows.fused, f_len), (rest_runs, rows.rest, r_len)):
+                i = 0
+                for model, n in runs:
+                    mat[i : i + n] = np.asarray(dec.decode(model, n * length)).reshape(n, length)
+                    i += n
             exhausted = dec.maybe_exhausted()
         except Exception as exc:  # constriction reports invalid data with AssertionError
             raise CorruptStreamError(f"range codec: coder words do not decode ({type(exc).__name__}: {exc})") from None
