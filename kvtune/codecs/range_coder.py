@@ -1,7 +1,7 @@
 """Entropy-coding codec C ``range``: range coding with per-channel / per-head / global models.
 
 CacheGen (Liu et al., "CacheGen: KV Cache Compression and Streaming for Fast Large Language
-Model Serving", SIGCOMM'24, sec. 5.2) entropy-codes quantized KV symbols with arithmetic
+Model Serving", SIGCOMM'24, arXiv 2310.07240, sec. 5.2) entropy-codes quantized KV symbols with arithmetic
 coding and probability models per (layer, channel). This codec does the same with the range
 coder of the ``constriction`` library (``constriction.stream.queue.RangeEncoder``: 32-bit
 words, 24-bit probability precision). ``pack`` is called once per K or V tensor of a layer,
@@ -16,25 +16,26 @@ per_head       index of axis 1 (kv_heads), over all batches: ``G = shape[1]`` gr
 global         tensor: ``G = 1``
 =============  ==========================================================================
 
-**Frequency tables** are estimated from the data being encoded and sent in the stream (their
-bytes count in ``len(stream)``). Each group's counts ``c[s]`` (``n`` symbols per group) are
-quantized to integers ``f[s]`` summing to exactly ``2**P``: ``f = round(c * 2**P / n)``
-(``floor`` if rounding leaves no room), raised to 1 for every symbol that occurs, the residue
-added to the most frequent symbol. Symbols that do not occur get ``f = 0``: they are never
-encoded (constriction still gives them the smallest representable probability, so the
-model stays valid). The precision ``P`` (1..15) is chosen per tensor to
-minimize table bits + estimated payload bits. On the wire a table is a presence bitmap of
-``G * 2**bits`` bits, then ``f - 1`` of every present symbol in ``w`` bits (``w`` = bit length
-of the tensor's largest ``f - 1``)::
-
-    table bytes = ceil(G * 2**bits / 8) + ceil(nnz * w / 8)        (see table_nbytes)
-
-``nnz`` = number of (group, symbol) pairs that occur. Measured on real SmolLM2 KIVI symbols
-of ``(1, 3, 1024, 64)`` tensors: 2-bit per_channel 32 + ~160 bytes (0.45 % of the payload),
-per_head ~13 bytes; 4-bit per_channel ~710 bytes (0.75 %), per_head ~40 bytes. 8-bit
-per_channel tables (~290 bytes per channel) outweigh their gain, so such tensors end up stored
-raw: use per_head or global there. Tables estimated on a calibration set and stored with the
-profile are not implemented: ``Codec.pack`` is not told the layer or K/V of its tensor.
+**Frequency tables** (format 2) are estimated from the data being encoded and sent in the
+stream (their bytes count in ``len(stream)``). A group's model is a *level code* per symbol:
+``q = 0`` for a symbol that does not occur (never encoded; constriction still gives it the
+smallest representable probability, so the model stays valid), else the grid point nearest to
+its frequency ``c / n``: weight ``2**(-(q - 1) / steps)`` with ``steps`` levels per octave
+(1, 2, 4 or 8; :func:`count_levels`, :func:`level_weights`). The grid is 16 literal constants
+times powers of two and the rounding boundaries are compared, not computed with a logarithm,
+so every machine builds bit-identical models. The codes are sent as residuals: the pooled row
+(the codes of the tensor's summed counts) against each code's left neighbour, then every
+group's codes against the pooled row's; the zigzagged residuals are range coded with their own
+histogram (sent as varints). The encoder tries every ``steps`` with per-group codes and with
+the pooled row alone (one model for every group: the only sensible choice for small groups
+over a large alphabet, such as CacheGen's 8-bit anchors) and keeps the one with the fewest
+estimated table + payload bits. Measured on real SmolLM2 CacheGen symbols (30 layers of
+``(1, 3, 1024, 64)`` K and V): 4-bit per-channel tables 0.36 % of their payloads (format 1:
+1.09 %), 5-bit 0.75 % (1.79 %), 8-bit anchors 1.009x their pooled empirical entropy (format 1
+stored them raw: 1.144x; their per-channel empirical entropy, ~300 samples per channel over 256
+values, is ~10 % lower but no transmitted model reaches it); KIVI-4 per-channel 0.29 % (0.83 %).
+Tables estimated on a calibration set and stored with the profile are not implemented:
+``Codec.pack`` is not told the layer or K/V of its tensor.
 
 **Symbol fusion (speed).** constriction's range decoder costs ~20-35 ns per coded symbol,
 almost independent of the alphabet size up to 256, so ``m = max(1, 8 // bits)`` symbols are
@@ -61,29 +62,35 @@ decode 0.14-0.17; 4-bit encode 0.13-0.23, decode 0.08-0.10 (0.12-0.16 with
 
 Wire layout of one packed tensor (varint = unsigned LEB128, at most 5 bytes)::
 
-    u8      kind: 0 = raw, 1 = range coded
+    u8      kind: 0 = raw, 2 = range coded (1 = table format 1, refused: StreamVersionError)
     kind 0: the symbols exactly as the ``bitpack`` codec writes them (``ceil(count*bits/8)``
             bytes; ``2 * count`` raw little-endian bytes when ``bits == 16``)
-    kind 1: u8      model (low nibble: 0 = global, 1 = per_head, 2 = per_channel)
+    kind 2: u8      model (low nibble: 0 = global, 1 = per_head, 2 = per_channel)
                     | raw low bits L (high nibble)
             varint  layout: per_channel: D (channels); per_head: B, H; global: nothing
-            u8      P: every group's frequencies sum to 2**P (1..15)
-            u8      w: bits per stored ``f - 1`` value (0..15)
-            bytes   table: presence bitmap, then the ``f - 1`` values (MSB first; each part
-                    zero-padded to a byte, nonzero padding is rejected)
+            u8      table form: index of ``steps`` in TABLE_STEPS (bits 0-1) | pooled (bit 2)
+            u8      Q: the largest level code of the table (1..255)
+            varint  R: the largest zigzagged residual (<= 2Q)
+            varint  R + 1 residual counts (the histogram; the last one nonzero)
+            varint  T, then T little-endian uint32 words: the residuals, range coded
+            u32     CRC32 of (count as 8 bytes, bits as 1 byte, every byte above): an altered
+                    header or table, or a payload decoded for another count, fails it
             bytes   the low L bits of every symbol, bit-packed (``ceil(count*L/8)`` bytes)
-            varint  W: number of coder words
-            bytes   W little-endian uint32 words of one RangeEncoder: first every fused row
-                    (per_channel: channel tuple q; otherwise group g), then every unfused row
+            varint  W, then W little-endian uint32 words of one RangeEncoder: first every
+                    fused row (per_channel: channel tuple q; otherwise group g), then every
+                    unfused row (one run over all rows when the table is pooled)
 
 ``bits == 16`` (the raw bfloat16 passthrough) is always stored raw (kind 0): an order-0 model
 of 16-bit patterns would need a 65,536-entry table. Any tensor whose range-coded size would
 not be smaller than its raw size (tiny or near-uniform tensors) is stored raw as well, so the
 codec never costs more than ``bitpack`` + 1 byte.
 
-Decoding checks every length and field against ``count`` (and ``shape`` when given) and the
-table sums, turns any exception of the coder into :class:`~kvtune.errors.CorruptStreamError`,
-and requires the range decoder to be exhausted after exactly ``count`` symbols. A flipped bit
+Decoding checks every length and field against ``count`` (and ``shape`` when given) before
+allocating what it sizes (``G * 2**bits <= MAX_TABLE_ENTRIES``, ``R <= 2Q``, word counts
+against the bytes present), then the CRC, then that the table decodes to codes in ``0..Q``
+(maximum exactly ``Q``), every group has a symbol and the decoded residuals have exactly the
+histogram sent; it turns any exception of the coder into
+:class:`~kvtune.errors.CorruptStreamError` and requires both range decoders to be exhausted. A flipped bit
 inside the coder words may still decode to ``count`` wrong symbols (a range code has no
 redundancy to notice it; ~4 % of single-bit flips in our tests): the outer stream's CRC32
 catches those.
@@ -827,7 +834,7 @@ def encode_range(
 @register_codec("range")
 @dataclass(frozen=True)
 class RangeCodec(Codec):
-    """Range coding with order-0 models estimated from the data (CacheGen, SIGCOMM'24, sec. 5.2).
+    """Range coding with order-0 models estimated from the data (CacheGen, arXiv 2310.07240, sec. 5.2).
 
     The module docstring gives the wire layout, the table encoding and its byte cost.
 
