@@ -426,18 +426,37 @@ def level_weights(levels: np.ndarray, steps: int) -> np.ndarray:
     return np.where(q > 0, _grid(np.maximum(q - 1, 0) * (16 // steps)), 0.0)
 
 
-@functools.lru_cache(maxsize=len(TABLE_STEPS))
-def _boundaries(steps: int) -> np.ndarray:
-    """``-2**(-(j + 1/2)/steps)`` for ``j = 0..MAX_LEVEL-2`` (increasing): the level boundaries."""
-    return -_grid((2 * np.arange(MAX_LEVEL - 1) + 1) * (8 // steps))
+_GRID_POINTS = (2 * (MAX_LEVEL - 2) + 1) * 8
+"""1/16-octave grid points needed: the last level boundary of ``steps = 1`` is point 4056."""
+
+
+@functools.lru_cache(maxsize=1)
+def _neg_grid() -> np.ndarray:
+    """``-2**(-u/16)`` for ``u = 1.._GRID_POINTS`` (increasing)."""
+    return -_grid(np.arange(1, _GRID_POINTS + 1))
+
+
+def _grid_position(counts: np.ndarray) -> np.ndarray:
+    """``U = #{u >= 1 : 2**(-u/16) > c/n}`` per entry (``n`` = the row's total): where each
+    frequency lies on the 1/16-octave grid, by comparison only."""
+    ratio = counts / counts.sum(axis=1, keepdims=True)
+    return np.searchsorted(_neg_grid(), -ratio.reshape(-1), side="left").reshape(counts.shape)
+
+
+def _levels_at(pos: np.ndarray, present: np.ndarray, steps: int) -> np.ndarray:
+    """Level codes for ``steps`` from grid positions: level boundaries of ``steps`` are the grid
+    points ``(2j + 1) * h`` (``h = 8 / steps``), and ``(U + h) // 2h`` of them lie above ``c/n``."""
+    h = 8 // steps
+    return np.where(present, np.minimum((pos + h) // (2 * h), MAX_LEVEL - 1) + 1, 0)
 
 
 def count_levels(counts: np.ndarray, steps: int) -> np.ndarray:
     """Level codes of per-group counts: the nearest grid point to each symbol's frequency.
 
     ``q = 0`` where ``c == 0``; else ``q = 1 + round(steps * log2(n / c))`` (capped at
-    :data:`MAX_LEVEL`), ``n`` the row's total, with rounding boundaries on the exact grid
-    (no logarithm is computed, so the codes are the same on every machine).
+    :data:`MAX_LEVEL`), ``n`` the row's total, with rounding boundaries (the points
+    ``2**(-(j + 1/2)/steps)``) on the exact grid: no logarithm is computed, so the codes are the
+    same on every machine.
 
     Args:
         counts: int64 ``(G, K)``, every row with a positive sum.
@@ -446,9 +465,7 @@ def count_levels(counts: np.ndarray, steps: int) -> np.ndarray:
     Returns:
         int64 ``(G, K)`` codes in ``0..MAX_LEVEL``.
     """
-    ratio = counts / counts.sum(axis=1, keepdims=True)
-    q = np.searchsorted(_boundaries(steps), -ratio.reshape(-1), side="left").reshape(counts.shape) + 1
-    return np.where(counts > 0, q, 0)
+    return _levels_at(_grid_position(counts), counts > 0, steps)
 
 
 def _zigzag(r: np.ndarray) -> np.ndarray:
@@ -457,16 +474,6 @@ def _zigzag(r: np.ndarray) -> np.ndarray:
 
 def _unzigzag(z: np.ndarray) -> np.ndarray:
     return np.where(z & 1, -(z >> 1) - 1, z >> 1)
-
-
-def _table_residuals(pool: np.ndarray, levels: np.ndarray | None) -> np.ndarray:
-    """The table as zigzagged residuals, in coding order: the pooled row's codes minus their left
-    neighbour (the first minus 0), then (per-group tables) every group's code minus the pooled
-    code of its symbol, over the symbols the pooled row has (the others are 0 everywhere)."""
-    first = _zigzag(np.diff(pool, prepend=0))
-    if levels is None:
-        return first
-    return np.concatenate([first, _zigzag(levels[:, pool > 0] - pool[pool > 0]).reshape(-1)])
 
 
 @dataclass(frozen=True)
@@ -483,43 +490,96 @@ class _Table:
 
     @property
     def weights(self) -> np.ndarray:
-        return level_weights(self.levels, TABLE_STEPS[self.steps])
+        return _level_tables()[0][self.steps][self.levels]
 
 
-def _residual_hist_bits(z: np.ndarray) -> tuple[np.ndarray, float]:
-    """``(histogram, estimated bits)`` of coding ``z`` with its own histogram (sent as varints)."""
-    hist = np.bincount(z)
-    nz = hist[hist > 0]
-    bits = float((nz * np.log2(z.size / nz)).sum()) + 8 * sum(len(_varint(int(h))) for h in hist)
-    return hist, bits + (32 if hist.size > 1 else 0)
+_HALF_STEPS = np.array([8 // s for s in TABLE_STEPS])
+_GROUP_STEPS = (1, 2)
+"""Indices of the steps tried for per-group tables (2 and 4 levels per octave: on real KV the
+others never won, and per-group candidates are the encoder's costliest part)."""
+_ZZ_BINS = 2 * MAX_LEVEL + 1  # zigzagged residuals of codes in 0..255
 
 
-def _payload_bits(counts: np.ndarray, levels: np.ndarray, steps: int) -> float:
-    """``-sum c log2 p`` with ``p`` the normalized weights of ``levels`` (rows broadcast)."""
-    w = level_weights(levels, steps)
-    u = np.where(levels > 0, (levels - 1) * (16 / steps), 0.0)
-    return float((counts * u).sum() / 16 + (counts.sum(axis=1) * np.log2(w.sum(axis=1))).sum())
+@functools.lru_cache(maxsize=1)
+def _level_tables() -> tuple[np.ndarray, np.ndarray]:
+    """``(S, 256)`` weight and ``-log2`` weight of every level code, per step of :data:`TABLE_STEPS`."""
+    q = np.arange(MAX_LEVEL + 1)
+    weights = np.stack([level_weights(q, s) for s in TABLE_STEPS])
+    neg_log2 = np.stack([np.where(q > 0, (q - 1) / s, 0.0) for s in TABLE_STEPS])
+    return weights, neg_log2
+
+
+def _levels_all(pos: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """:func:`_levels_at` for every step at once: ``(S, *pos.shape)``."""
+    h = _HALF_STEPS.reshape(-1, *([1] * pos.ndim))
+    return np.where(present, np.minimum((pos + h) // (2 * h), MAX_LEVEL - 1) + 1, 0)
+
+
+def _hist_bits(hist: np.ndarray) -> np.ndarray:
+    """Estimated bits of coding residuals with their own histogram, per row of ``hist``
+    ``(rows, _ZZ_BINS)``: the empirical entropy, the histogram's varints (up to its last nonzero
+    count) and a word of coder padding when there is anything to code."""
+    n = hist.sum(axis=1, keepdims=True)
+    used = np.arange(_ZZ_BINS) <= (_ZZ_BINS - 1 - np.argmax(hist[:, ::-1] > 0, axis=1))[:, None]
+    varint_bytes = used.sum(axis=1) + sum(np.count_nonzero((hist >> s) & used, axis=1) for s in (7, 14, 21, 28))
+    entropy = (hist * np.log2(np.where(hist > 0, n / np.maximum(hist, 1), 1.0))).sum(axis=1)
+    return entropy + 8 * varint_bytes + np.where(used.sum(axis=1) > 1, 32, 0)
+
+
+def _row_bincount(values: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Histogram over ``0.._ZZ_BINS-1`` of every row of ``values`` ``(rows, n)``: ``(rows, _ZZ_BINS)``."""
+    rows = values.shape[0]
+    flat = (values + (np.arange(rows) * _ZZ_BINS)[:, None]).reshape(-1)
+    w = None if weights is None else np.broadcast_to(weights, values.shape).reshape(-1)
+    return np.bincount(flat, weights=w, minlength=rows * _ZZ_BINS).reshape(rows, _ZZ_BINS).astype(np.int64)
 
 
 def _build_table(counts: np.ndarray) -> _Table:
-    """The cheapest table for ``counts`` ``(G, K)``: every step of :data:`TABLE_STEPS`, with
-    per-group codes or one pooled row (always tried; the only form when ``G == 1``), scored by
-    the estimated table bits plus payload bits."""
-    pooled_counts = counts.sum(axis=0, keepdims=True)
-    best = None
-    for i, steps in enumerate(TABLE_STEPS):
-        pool = count_levels(pooled_counts, steps)
-        forms = [(True, pool)]
-        if counts.shape[0] > 1:
-            forms.append((False, count_levels(counts, steps)))
-        for pooled, levels in forms:
-            z = _table_residuals(pool[0], None if pooled else levels)
-            _, table_bits = _residual_hist_bits(z)
-            payload = _payload_bits(counts, levels, steps)
-            if best is None or table_bits + payload < best.cost_bits:
-                best = _Table(i, pooled, pool[0], levels, z, payload, table_bits + payload)
-    assert best is not None
-    return best
+    """The cheapest table for ``counts`` ``(G, K)``: every step of :data:`TABLE_STEPS` with one
+    pooled row (the only form when ``G == 1``), the steps :data:`_GROUP_STEPS` with per-group
+    codes, scored by
+    the estimated table bits plus payload bits (ties: the first of step 0 pooled, step 0
+    per-group, step 1 pooled, ...). Work is proportional to the present (group, symbol) pairs:
+    a group's code for an absent symbol is 0, so its residual is known from the pooled row."""
+    weights, neg_log2 = _level_tables()
+    steps = np.arange(len(TABLE_STEPS))[:, None]
+    n = counts.sum(axis=1)
+    pooled_counts = counts.sum(axis=0)
+    has = np.flatnonzero(pooled_counts)
+    pc = pooled_counts[has]
+    pool = np.zeros((len(TABLE_STEPS), counts.shape[1]), dtype=np.int64)
+    pool[:, has] = _levels_all(np.searchsorted(_neg_grid(), -(pc / n.sum()), side="left"), True)
+    z_pool = _zigzag(np.diff(pool, prepend=0, axis=-1))  # (S, K)
+    hist_pool = _row_bincount(z_pool)
+    wp, nlp = weights[steps, pool[:, has]], neg_log2[steps, pool[:, has]]
+    payload = [(pc * nlp).sum(axis=1) + n.sum() * np.log2(wp.sum(axis=1))]
+    table = [_hist_bits(hist_pool)]
+    if counts.shape[0] > 1:
+        g_idx, s_idx = np.nonzero(counts)
+        c = counts[g_idx, s_idx]
+        gs = np.array(_GROUP_STEPS)
+        lev = np.zeros((len(TABLE_STEPS), c.size), dtype=np.int64)
+        lev[gs] = _levels_all(np.searchsorted(_neg_grid(), -(c / n[g_idx]), side="left"), True)[gs]  # (S, nnz)
+        w, nl = weights[gs[:, None], lev[gs]], neg_log2[gs[:, None], lev[gs]]
+        row_w = np.stack([np.bincount(g_idx, weights=wi, minlength=counts.shape[0]) for wi in w])
+        group_payload = np.full(len(TABLE_STEPS), np.inf)
+        group_payload[gs] = (c * nl).sum(axis=1) + (n * np.log2(row_w)).sum(axis=1)
+        payload.append(group_payload)
+        absent = (counts.shape[0] - np.bincount(s_idx, minlength=counts.shape[1]))[has]  # groups without the symbol
+        hist = hist_pool[gs] + _row_bincount(_zigzag(lev[gs] - pool[gs][:, s_idx])) + _row_bincount(2 * pool[gs][:, has] - 1, absent)
+        group_table = np.full(len(TABLE_STEPS), np.inf)
+        group_table[gs] = _hist_bits(hist)
+        table.append(group_table)
+    payload_bits, table_bits = np.stack(payload, axis=1), np.stack(table, axis=1)  # (S, forms)
+    best = int(np.argmin((payload_bits + table_bits).reshape(-1)))
+    i, form = divmod(best, payload_bits.shape[1])
+    if form == 0:
+        levels, z = pool[i][None, :], z_pool[i]
+    else:
+        levels = np.zeros(counts.shape, dtype=np.int64)
+        levels[g_idx, s_idx] = lev[i]
+        z = np.concatenate([z_pool[i], _zigzag(levels[:, has] - pool[i, has]).reshape(-1)])
+    return _Table(i, form == 0, pool[i], levels, z, float(payload_bits[i, form]), float(payload_bits[i, form] + table_bits[i, form]))
 
 
 def _encode_table(table: _Table) -> bytes:
