@@ -59,6 +59,11 @@ raw). Fewer coded bits mean wider fusion and fewer coder steps: 4-bit symbols wi
 2 x 30-layer KV, GB/s of the original bfloat16 bytes; memcpy ~6 GB/s): 2-bit encode 0.2-0.3,
 decode 0.14-0.17; 4-bit encode 0.13-0.23, decode 0.08-0.10 (0.12-0.16 with
 ``coded_bits = 2``). The bound is constriction's decoder, ~30 M coded symbols per second.
+Format 2 (measured interleaved with format 1 on the same loaded machine, load average
+2.6-2.9, 2 threads, best of two runs):
+KIVI-2 per-channel encode 0.195 vs 0.226 GB/s, decode 0.160 vs 0.168; the CacheGen preset
+encode 0.068 vs 0.097, decode 0.078 vs 0.092 -- its 8-bit anchors are now range coded instead
+of stored raw, and the table search costs ~1-2 ms per tensor.
 
 Wire layout of one packed tensor (varint = unsigned LEB128, at most 5 bytes)::
 
