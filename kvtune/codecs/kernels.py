@@ -1,10 +1,14 @@
 """Compiled kernels of the codec fast path (:mod:`kvtune.codecs.fastpath`), written with numba.
 
-Every kernel reproduces, bit for bit, a reference implementation written in torch/numpy
-elsewhere in :mod:`kvtune.codecs` (named in its docstring); ``tests/test_kernels.py`` checks
-each pair, and ``tests/test_codecs.py`` checks whole streams (fast path == reference path).
-Finite inputs are covered by that guarantee; NaN payloads are not (torch itself converts NaN
-differently in its vectorized and scalar paths).
+Every public kernel reproduces, bit for bit, a reference written with torch, numpy or zlib
+(named in its docstring: a component of :mod:`kvtune.codecs`, or the library call).
+``tests/test_kernels.py`` compares every public kernel of this module with its reference on
+seeded random inputs and edge cases (empty inputs, lengths that are not a multiple of the
+8-lane vector width or of the bit-packing unit, every width 1..8, saturating and extreme
+values, NaN/inf where a kernel tests finiteness), and fails when a public kernel has no case;
+``tests/test_codecs.py`` checks whole streams (fast path == reference path). Finite inputs are
+covered by that guarantee; NaN payloads are not (torch itself converts NaN differently in its
+vectorized and scalar paths).
 
 Conventions:
 
@@ -44,7 +48,9 @@ from numba.extending import intrinsic, overload
 
 __all__ = [
     "f32_to_f16_bits",
+    "f32_to_f16_bits_soft",
     "f16_bits_to_f32",
+    "f16_bits_to_f32_soft",
     "f32_to_bf16_bits",
     "fp16_round_up_bits",
     "quantize_per_token",
@@ -55,6 +61,8 @@ __all__ = [
     "fp8_dequantize",
     "gather_bf16",
     "scatter_bf16",
+    "all_finite_bf16",
+    "all_finite_f32",
     "to_float32",
     "store_output",
     "hadamard_rows",
@@ -63,6 +71,8 @@ __all__ = [
     "affine_rows",
     "pack_bits",
     "unpack_bits",
+    "encode_segments",
+    "decode_segments",
     "crc32_update",
     "crc32_combine",
     "warm_up",
@@ -155,7 +165,9 @@ def _h2f_hw(typingctx, h):
 def _hardware_f16() -> bool:
     """Whether float16 conversions compile to instructions (x86 with F16C, or not x86: ARMv8 and
     others convert natively). Elsewhere LLVM would call a runtime helper, so the integer code
-    below is used. Both are exhaustively equal to torch's conversions (tests/test_kernels.py)."""
+    below is used. tests/test_kernels.py compares both with torch's conversions: float16 -> float32
+    on all 65,536 bit patterns, float32 -> float16 on every float16 value, every rounding midpoint
+    and its two float32 neighbours, overflow bounds and random bit patterns."""
     import platform
 
     import llvmlite.binding as llvm
@@ -180,11 +192,12 @@ def f32_to_f16_bits(f):
     """
     if _HW_F16:
         return np.int64(_f2h_hw(np.float32(f)))
-    return _f32_to_f16_soft(f)
+    return f32_to_f16_bits_soft(f)
 
 
 @njit(**_IL)
-def _f32_to_f16_soft(f):
+def f32_to_f16_bits_soft(f):
+    """:func:`f32_to_f16_bits` in integer code (the path without F16C), for any CPU."""
     x = np.int64(_f32_as_u32(np.float32(f)))
     sign = (x >> 16) & 0x8000
     a = x & 0x7FFFFFFF
@@ -201,11 +214,12 @@ def f16_bits_to_f32(h):
     """float16 bits -> float32 (exact; F16C ``vcvtph2ps`` or branch-free integer code)."""
     if _HW_F16:
         return _h2f_hw(np.uint16(np.int64(h) & 0xFFFF))
-    return _f16_bits_to_f32_soft(h)
+    return f16_bits_to_f32_soft(h)
 
 
 @njit(**_IL)
-def _f16_bits_to_f32_soft(h):
+def f16_bits_to_f32_soft(h):
+    """:func:`f16_bits_to_f32` in branch-free integer code (the path without F16C), for any CPU."""
     h = np.int64(h) & 0xFFFF
     sign = (h & 0x8000) << 16
     e = (h >> 10) & 0x1F
@@ -821,7 +835,8 @@ def _no_all_ones(flat, mask):
 
 def all_finite_bf16(bits: np.ndarray) -> bool:
     """Whether no element of a bfloat16 array (its uint16 bits, any shape, C-contiguous) is NaN
-    or +-inf: a bfloat16 is non-finite exactly when its 8 exponent bits are all ones."""
+    or +-inf: a bfloat16 is non-finite exactly when its 8 exponent bits are all ones.
+    Reference: ``torch.isfinite(x).all()``."""
     return bool(_no_all_ones(bits.reshape(-1), np.uint16(0x7F80)))
 
 
@@ -833,7 +848,8 @@ def all_finite_f32(x: np.ndarray) -> bool:
 
 @njit(**_JIT)
 def to_float32(x, out):
-    """``out = float32(x)`` for a C-contiguous float32 or bfloat16-bits array (any shape)."""
+    """``out = float32(x)`` for a C-contiguous float32 or bfloat16-bits array (any shape).
+    Reference: ``torch.Tensor.to(torch.float32)`` (exact)."""
     xf, of = x.reshape(-1), out.reshape(-1)
     _load(xf, _u(0), of, _u(0), _u(xf.shape[0]))
 
@@ -1240,7 +1256,7 @@ def affine_rows(x, scale16, shift16, has_shift, inverse):
 def pack_bits(sym, bits, out):
     """Pack flat uint8 ``sym`` (values ``< 2**bits``), MSB first, into ``out`` (``ceil(n*bits/8)`` bytes).
 
-    Reference: :func:`kvtune.codecs.bitpack.pack_bits_reference`. Returns the OR of all
+    Reference: :func:`kvtune.codecs.bitpack.pack_bits`. Returns the OR of all
     symbols (the caller rejects symbols that do not fit). Widths 1, 2 and 4 fill whole bytes;
     the others assemble every 8 symbols (``bits`` bytes) in a 64-bit word.
     """
@@ -1311,7 +1327,9 @@ def pack_bits(sym, bits, out):
 
 @njit(**_JIT)
 def unpack_bits(data, bits, out):
-    """Inverse of :func:`pack_bits`: ``len(out)`` symbols from ``data`` (length already checked)."""
+    """Inverse of :func:`pack_bits`: ``len(out)`` symbols from ``data`` (length already checked).
+
+    Reference: :func:`kvtune.codecs.bitpack.unpack_bits`."""
     n = _u(out.shape[0])
     if bits == 8:
         for i in range(n):
@@ -1576,6 +1594,11 @@ def _fp8_decode_impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kin
 def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
     """Quantize every segment of one tensor; write metadata and (if ``pack``) packed payloads.
 
+    Reference: per segment, the block quantizer's ``quantize_block`` on
+    ``x[:, heads][:, :, tokens]`` (:class:`~kvtune.codecs.quantizers.UniformQuantizer`,
+    :class:`~kvtune.codecs.quantizers.NoQuantizer`, :class:`~kvtune.codecs.fp8.FP8Quantizer`),
+    :func:`kvtune.codecs.base.meta_to_bytes` and :func:`kvtune.codecs.bitpack.pack_bits`.
+
     Args:
         x: ``(B, H, T, D)`` float32 or uint16 (bfloat16 bits), after the transforms.
         segs: int64 ``(S, SEG_COLUMNS)`` segment table; idx: int64 head and token indices.
@@ -1635,6 +1658,10 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
 @njit(**_JIT)
 def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind):
     """Inverse of :func:`encode_segments`: reconstruct every segment of one tensor into ``out``.
+
+    Reference: per segment, :func:`kvtune.codecs.bitpack.unpack_bits`,
+    :func:`kvtune.codecs.base.meta_from_bytes` and the block quantizer's ``dequantize_block``,
+    converted to the output dtype and written at the segment's heads and tokens.
 
     Args:
         data: uint8 sections of the tensor (lengths already checked against the table).
@@ -1765,7 +1792,8 @@ def crc32_combine(crc1, crc2, len2):
 
 def warm_up() -> float:
     """Compile (or load from the on-disk cache) the kernels with the argument types the fast
-    path (:mod:`kvtune.codecs.fastpath`) uses.
+    path (:mod:`kvtune.codecs.fastpath`) uses. Not a kernel itself: its test checks that every
+    kernel it lists ends up compiled.
 
     Returns:
         Seconds spent: a few minutes on a loaded 2-core machine the first time after an edit

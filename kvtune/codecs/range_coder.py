@@ -1,7 +1,7 @@
 """Entropy-coding codec C ``range``: range coding with per-channel / per-head / global models.
 
 CacheGen (Liu et al., "CacheGen: KV Cache Compression and Streaming for Fast Large Language
-Model Serving", SIGCOMM'24, sec. 5.2) entropy-codes quantized KV symbols with arithmetic
+Model Serving", SIGCOMM'24, arXiv 2310.07240, sec. 5.2) entropy-codes quantized KV symbols with arithmetic
 coding and probability models per (layer, channel). This codec does the same with the range
 coder of the ``constriction`` library (``constriction.stream.queue.RangeEncoder``: 32-bit
 words, 24-bit probability precision). ``pack`` is called once per K or V tensor of a layer,
@@ -16,25 +16,26 @@ per_head       index of axis 1 (kv_heads), over all batches: ``G = shape[1]`` gr
 global         tensor: ``G = 1``
 =============  ==========================================================================
 
-**Frequency tables** are estimated from the data being encoded and sent in the stream (their
-bytes count in ``len(stream)``). Each group's counts ``c[s]`` (``n`` symbols per group) are
-quantized to integers ``f[s]`` summing to exactly ``2**P``: ``f = round(c * 2**P / n)``
-(``floor`` if rounding leaves no room), raised to 1 for every symbol that occurs, the residue
-added to the most frequent symbol. Symbols that do not occur get ``f = 0``: they are never
-encoded (constriction still gives them the smallest representable probability, so the
-model stays valid). The precision ``P`` (1..15) is chosen per tensor to
-minimize table bits + estimated payload bits. On the wire a table is a presence bitmap of
-``G * 2**bits`` bits, then ``f - 1`` of every present symbol in ``w`` bits (``w`` = bit length
-of the tensor's largest ``f - 1``)::
-
-    table bytes = ceil(G * 2**bits / 8) + ceil(nnz * w / 8)        (see table_nbytes)
-
-``nnz`` = number of (group, symbol) pairs that occur. Measured on real SmolLM2 KIVI symbols
-of ``(1, 3, 1024, 64)`` tensors: 2-bit per_channel 32 + ~160 bytes (0.45 % of the payload),
-per_head ~13 bytes; 4-bit per_channel ~710 bytes (0.75 %), per_head ~40 bytes. 8-bit
-per_channel tables (~290 bytes per channel) outweigh their gain, so such tensors end up stored
-raw: use per_head or global there. Tables estimated on a calibration set and stored with the
-profile are not implemented: ``Codec.pack`` is not told the layer or K/V of its tensor.
+**Frequency tables** (format 2) are estimated from the data being encoded and sent in the
+stream (their bytes count in ``len(stream)``). A group's model is a *level code* per symbol:
+``q = 0`` for a symbol that does not occur (never encoded; constriction still gives it the
+smallest representable probability, so the model stays valid), else the grid point nearest to
+its frequency ``c / n``: weight ``2**(-(q - 1) / steps)`` with ``steps`` levels per octave
+(1, 2, 4 or 8; :func:`count_levels`, :func:`level_weights`). The grid is 16 literal constants
+times powers of two and the rounding boundaries are compared, not computed with a logarithm,
+so every machine builds bit-identical models. The codes are sent as residuals: the pooled row
+(the codes of the tensor's summed counts) against each code's left neighbour, then every
+group's codes against the pooled row's; the zigzagged residuals are range coded with their own
+histogram (sent as varints). The encoder tries every ``steps`` with per-group codes and with
+the pooled row alone (one model for every group: the only sensible choice for small groups
+over a large alphabet, such as CacheGen's 8-bit anchors) and keeps the one with the fewest
+estimated table + payload bits. Measured on real SmolLM2 CacheGen symbols (30 layers of
+``(1, 3, 1024, 64)`` K and V): 4-bit per-channel tables 0.36 % of their payloads (format 1:
+1.09 %), 5-bit 0.75 % (1.79 %), 8-bit anchors 1.009x their pooled empirical entropy (format 1
+stored them raw: 1.144x; their per-channel empirical entropy, ~300 samples per channel over 256
+values, is ~10 % lower but no transmitted model reaches it); KIVI-4 per-channel 0.29 % (0.83 %).
+Tables estimated on a calibration set and stored with the profile are not implemented:
+``Codec.pack`` is not told the layer or K/V of its tensor.
 
 **Symbol fusion (speed).** constriction's range decoder costs ~20-35 ns per coded symbol,
 almost independent of the alphabet size up to 256, so ``m = max(1, 8 // bits)`` symbols are
@@ -58,32 +59,43 @@ raw). Fewer coded bits mean wider fusion and fewer coder steps: 4-bit symbols wi
 2 x 30-layer KV, GB/s of the original bfloat16 bytes; memcpy ~6 GB/s): 2-bit encode 0.2-0.3,
 decode 0.14-0.17; 4-bit encode 0.13-0.23, decode 0.08-0.10 (0.12-0.16 with
 ``coded_bits = 2``). The bound is constriction's decoder, ~30 M coded symbols per second.
+Format 2 (measured interleaved with format 1 on the same loaded machine, load average
+2.6-2.9, 2 threads, best of two runs):
+KIVI-2 per-channel encode 0.195 vs 0.226 GB/s, decode 0.160 vs 0.168; the CacheGen preset
+encode 0.068 vs 0.097, decode 0.078 vs 0.092 -- its 8-bit anchors are now range coded instead
+of stored raw, and the table search costs ~1-2 ms per tensor.
 
 Wire layout of one packed tensor (varint = unsigned LEB128, at most 5 bytes)::
 
-    u8      kind: 0 = raw, 1 = range coded
+    u8      kind: 0 = raw, 2 = range coded (1 = table format 1, refused: StreamVersionError)
     kind 0: the symbols exactly as the ``bitpack`` codec writes them (``ceil(count*bits/8)``
             bytes; ``2 * count`` raw little-endian bytes when ``bits == 16``)
-    kind 1: u8      model (low nibble: 0 = global, 1 = per_head, 2 = per_channel)
+    kind 2: u8      model (low nibble: 0 = global, 1 = per_head, 2 = per_channel)
                     | raw low bits L (high nibble)
             varint  layout: per_channel: D (channels); per_head: B, H; global: nothing
-            u8      P: every group's frequencies sum to 2**P (1..15)
-            u8      w: bits per stored ``f - 1`` value (0..15)
-            bytes   table: presence bitmap, then the ``f - 1`` values (MSB first; each part
-                    zero-padded to a byte, nonzero padding is rejected)
+            u8      table form: index of ``steps`` in TABLE_STEPS (bits 0-1) | pooled (bit 2)
+            u8      Q: the largest level code of the table (1..255)
+            varint  R: the largest zigzagged residual (<= 2Q)
+            varint  R + 1 residual counts (the histogram; the last one nonzero)
+            varint  T, then T little-endian uint32 words: the residuals, range coded
+            u32     CRC32 of (count as 8 bytes, bits as 1 byte, every byte above): an altered
+                    header or table, or a payload decoded for another count, fails it
             bytes   the low L bits of every symbol, bit-packed (``ceil(count*L/8)`` bytes)
-            varint  W: number of coder words
-            bytes   W little-endian uint32 words of one RangeEncoder: first every fused row
-                    (per_channel: channel tuple q; otherwise group g), then every unfused row
+            varint  W, then W little-endian uint32 words of one RangeEncoder: first every
+                    fused row (per_channel: channel tuple q; otherwise group g), then every
+                    unfused row (one run over all rows when the table is pooled)
 
 ``bits == 16`` (the raw bfloat16 passthrough) is always stored raw (kind 0): an order-0 model
 of 16-bit patterns would need a 65,536-entry table. Any tensor whose range-coded size would
 not be smaller than its raw size (tiny or near-uniform tensors) is stored raw as well, so the
 codec never costs more than ``bitpack`` + 1 byte.
 
-Decoding checks every length and field against ``count`` (and ``shape`` when given) and the
-table sums, turns any exception of the coder into :class:`~kvtune.errors.CorruptStreamError`,
-and requires the range decoder to be exhausted after exactly ``count`` symbols. A flipped bit
+Decoding checks every length and field against ``count`` (and ``shape`` when given) before
+allocating what it sizes (``G * 2**bits <= MAX_TABLE_ENTRIES``, ``R <= 2Q``, word counts
+against the bytes present), then the CRC, then that the table decodes to codes in ``0..Q``
+(maximum exactly ``Q``), every group has a symbol and the decoded residuals have exactly the
+histogram sent; it turns any exception of the coder into
+:class:`~kvtune.errors.CorruptStreamError` and requires both range decoders to be exhausted. A flipped bit
 inside the coder words may still decode to ``count`` wrong symbols (a range code has no
 redundancy to notice it; ~4 % of single-bit flips in our tests): the outer stream's CRC32
 catches those.
@@ -93,6 +105,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -102,19 +115,22 @@ import torch
 
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
-from kvtune.errors import CorruptStreamError
+from kvtune.errors import CorruptStreamError, StreamVersionError
 
 __all__ = [
     "RangeCodec",
     "MODELS",
     "KIND_RAW",
     "KIND_RANGE",
-    "MAX_PRECISION",
+    "KIND_RANGE_V1",
+    "TABLE_STEPS",
+    "MAX_LEVEL",
+    "MAX_TABLE_ENTRIES",
     "fusion_factor",
     "fuse_symbols",
     "unfuse_symbols",
-    "quantize_counts",
-    "table_nbytes",
+    "count_levels",
+    "level_weights",
     "RangeSections",
     "parse_sections",
     "encode_range",
@@ -124,9 +140,10 @@ MODELS = ("global", "per_head", "per_channel")
 """Model names; the index is the model nibble on the wire."""
 
 KIND_RAW = 0
-KIND_RANGE = 1
-MAX_PRECISION = 15
-"""Largest table precision ``P`` (frequencies sum to ``2**P``)."""
+KIND_RANGE_V1 = 1
+"""Kind byte of range-coded payloads in the retired table format 1 (refused with StreamVersionError)."""
+KIND_RANGE = 2
+"""Kind byte of range-coded payloads in table format 2 (entropy-coded level tables)."""
 
 _MAX_VARINT_BYTES = 5
 _RangeEncoder = constriction.stream.queue.RangeEncoder
@@ -169,42 +186,10 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     raise CorruptStreamError("range codec: over-long length field")
 
 
-def _pack_uint(values: np.ndarray, width: int) -> bytes:
-    """Pack integers ``0 <= v < 2**width`` (``width`` 0..16), MSB first, zero-padded to a byte."""
-    if width == 0 or values.size == 0:
-        return b""
-    be = values.astype(">u2").view(np.uint8).reshape(-1, 2)
-    return np.packbits(np.unpackbits(be, axis=1)[:, 16 - width :]).tobytes()
-
-
 def _padding_is_zero(data: memoryview | bytes, nbits: int) -> bool:
     """Whether the bits after the first ``nbits`` of ``data`` (the zero padding) are all zero."""
     rem = nbits % 8
     return not rem or not data[len(data) - 1] & ((1 << (8 - rem)) - 1)
-
-
-def _unpack_uint(data: memoryview | bytes, width: int, n: int) -> np.ndarray:
-    """Inverse of :func:`_pack_uint`: ``n`` values, int64."""
-    if width == 0 or n == 0:
-        return np.zeros(n, dtype=np.int64)
-    bitmat = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n * width).reshape(n, width)
-    full = np.zeros((n, 16), dtype=np.uint8)
-    full[:, 16 - width :] = bitmat
-    return np.packbits(full, axis=1).view(">u2").reshape(n).astype(np.int64)
-
-
-def table_nbytes(num_groups: int, bits: int, nnz: int, width: int) -> int:
-    """Bytes of the frequency tables of one tensor.
-
-    ``ceil(G * 2**bits / 8)`` (presence bitmap) + ``ceil(nnz * w / 8)`` (the ``f - 1`` values).
-
-    Args:
-        num_groups: ``G``.
-        bits: coded bits per symbol.
-        nnz: number of (group, symbol) pairs that occur.
-        width: ``w``, bits per stored value.
-    """
-    return -(-num_groups * (1 << bits) // 8) + -(-nnz * width // 8)
 
 
 def _as_numpy(symbols: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -414,75 +399,208 @@ def _group_counts(rows: _Rows, lay: _Layout) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- tables
 
+TABLE_STEPS = (1, 2, 4, 8)
+"""Levels per octave of the table's probability grid; the index is the ``steps`` field."""
+MAX_LEVEL = 255
+"""Largest level code (level 1 = weight 1; each level below is ``2**(-1/steps)`` times smaller)."""
+MAX_TABLE_ENTRIES = 1 << 24
+"""Largest ``groups * 2**bits`` a payload may declare (a larger one is rejected before allocating)."""
 
-def quantize_counts(counts: np.ndarray, precision: int) -> np.ndarray | None:
-    """Quantize per-group counts to integer frequencies summing to ``2**precision``.
+# 2**(-j/16) for j = 0..15, as literals: weights and level boundaries are these constants times
+# powers of two (np.ldexp, exact), so encoder and decoder build bit-identical tables on every
+# machine without calling a math library.
+_GRID16 = np.array([
+    1.0, 0.9576032806985737, 0.9170040432046712, 0.8781260801866497, 0.8408964152537145, 0.8052451659746271,
+    0.7711054127039704, 0.7384130729697497, 0.7071067811865476, 0.6771277734684463, 0.6484197773255048,
+    0.620928906036742, 0.5946035575013605, 0.5693943173783458, 0.5452538663326288, 0.5221368912137069,
+])
 
-    ``f = round(c * 2**P / n)`` (``floor`` when rounding leaves no room), at least 1 where
-    ``c > 0`` and 0 where ``c == 0``; the residue goes to the group's most frequent symbol
-    (lowest index on ties). At ``P = 15`` the floor variant always fits ``<= 256`` symbols.
+
+def _grid(u: np.ndarray) -> np.ndarray:
+    """``2**(-u/16)`` for non-negative integers ``u``, exactly as the constants above."""
+    u = np.asarray(u, dtype=np.int64)
+    return np.ldexp(_GRID16[u & 15], -(u >> 4))
+
+
+def level_weights(levels: np.ndarray, steps: int) -> np.ndarray:
+    """float64 model weights of level codes: 0 (symbol absent) -> 0, ``q >= 1`` -> ``2**(-(q-1)/steps)``.
+
+    The range coder normalizes each group's weights (constriction's ``Categorical``).
+    """
+    q = np.asarray(levels, dtype=np.int64)
+    return np.where(q > 0, _grid(np.maximum(q - 1, 0) * (16 // steps)), 0.0)
+
+
+_GRID_POINTS = (2 * (MAX_LEVEL - 2) + 1) * 8
+"""1/16-octave grid points needed: the last level boundary of ``steps = 1`` is point 4056."""
+
+
+@functools.lru_cache(maxsize=1)
+def _neg_grid() -> np.ndarray:
+    """``-2**(-u/16)`` for ``u = 1.._GRID_POINTS`` (increasing)."""
+    return -_grid(np.arange(1, _GRID_POINTS + 1))
+
+
+def _grid_position(counts: np.ndarray) -> np.ndarray:
+    """``U = #{u >= 1 : 2**(-u/16) > c/n}`` per entry (``n`` = the row's total): where each
+    frequency lies on the 1/16-octave grid, by comparison only."""
+    ratio = counts / counts.sum(axis=1, keepdims=True)
+    return np.searchsorted(_neg_grid(), -ratio.reshape(-1), side="left").reshape(counts.shape)
+
+
+def _levels_at(pos: np.ndarray, present: np.ndarray, steps: int) -> np.ndarray:
+    """Level codes for ``steps`` from grid positions: level boundaries of ``steps`` are the grid
+    points ``(2j + 1) * h`` (``h = 8 / steps``), and ``(U + h) // 2h`` of them lie above ``c/n``."""
+    h = 8 // steps
+    return np.where(present, np.minimum((pos + h) // (2 * h), MAX_LEVEL - 1) + 1, 0)
+
+
+def count_levels(counts: np.ndarray, steps: int) -> np.ndarray:
+    """Level codes of per-group counts: the nearest grid point to each symbol's frequency.
+
+    ``q = 0`` where ``c == 0``; else ``q = 1 + round(steps * log2(n / c))`` (capped at
+    :data:`MAX_LEVEL`), ``n`` the row's total, with rounding boundaries (the points
+    ``2**(-(j + 1/2)/steps)``) on the exact grid: no logarithm is computed, so the codes are the
+    same on every machine.
 
     Args:
-        counts: int64 ``(G, K)``; every row has the same positive sum ``n``.
-        precision: ``P`` in 1..15.
+        counts: int64 ``(G, K)``, every row with a positive sum.
+        steps: levels per octave (one of :data:`TABLE_STEPS`).
 
     Returns:
-        int64 ``(G, K)`` frequencies, or ``None`` when ``2**P`` cannot give every present
-        symbol a frequency >= 1.
+        int64 ``(G, K)`` codes in ``0..MAX_LEVEL``.
     """
-    n = int(counts[0].sum())
-    total = 1 << precision
-    top = np.argmax(counts, axis=1)
-    rows = np.arange(counts.shape[0])
-    present = counts > 0
-    for offset in (n // 2, 0):  # round to nearest, then floor
-        f = (counts * total + offset) // n
-        np.maximum(f, present, out=f)
-        f[rows, top] += total - f.sum(axis=1)
-        if (f[rows, top] >= 1).all():
-            return f
-    return None
+    return _levels_at(_grid_position(counts), counts > 0, steps)
 
 
-def _precision_candidates(counts: np.ndarray) -> list[int]:
-    """Table precisions to try, best first (then ``P = 15`` as the fallback).
-
-    Candidates: every ``P`` from the smallest that can hold the most diverse group's symbols to
-    ``bit_length(n - 1) + 1`` (enough to represent the counts exactly), capped at 15. Each is
-    scored, all at once, by the bits it costs with the round-to-nearest tables of
-    :func:`quantize_counts`: ``nnz * w`` table-value bits plus ``-sum c * log2(f / 2**P)``
-    payload bits (what the range coder spends, up to its own 24-bit quantization).
-    """
-    g, k = counts.shape
-    n = int(counts[0].sum())
-    present = counts > 0
-    per_group = present.sum(axis=1)
-    c = counts[present]  # (nnz,), group-major: each group's entries are contiguous
-    starts = np.zeros(g, dtype=np.intp)
-    np.cumsum(per_group[:-1], out=starts[1:])
-    top = starts + (np.cumsum(present, axis=1)[np.arange(g), np.argmax(counts, axis=1)] - 1)  # index in c
-    p_need = max(1, int(per_group.max() - 1).bit_length())
-    p_hi = min(MAX_PRECISION, max(p_need, (n - 1).bit_length() + 1))
-    ps = np.arange(p_need, p_hi + 1)
-    totals = (1 << ps)[:, None]
-    f = np.maximum((c[None, :] * totals + n // 2) // n, 1)  # (nP, nnz), as quantize_counts
-    f[:, top] += totals - np.add.reduceat(f, starts, axis=1)
-    valid = (f[:, top] >= 1).all(axis=1)
-    logf = np.log2(np.maximum(f, 1), dtype=np.float64)
-    payload = ps * float(n * g) - (logf * c).sum(axis=1)
-    table = c.size * np.ceil(logf.max(axis=1))  # w = bit_length(max f - 1)
-    cost = np.where(valid, payload + table, np.inf)
-    order = np.argsort(cost, kind="stable")
-    return [int(p) for p in ps[order][valid[order]]] + [MAX_PRECISION]
+def _zigzag(r: np.ndarray) -> np.ndarray:
+    return np.where(r >= 0, 2 * r, -2 * r - 1)
 
 
-def _build_table(counts: np.ndarray) -> tuple[int, np.ndarray, int]:
-    """``(P, f, w)``: the chosen precision, the frequencies, the stored value width."""
-    for p in _precision_candidates(counts):
-        f = quantize_counts(counts, p)
-        if f is not None:
-            return p, f, int(f.max() - 1).bit_length()
-    raise AssertionError("no table precision fits")  # unreachable: P = 15 (floor) always fits
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    return np.where(z & 1, -(z >> 1) - 1, z >> 1)
+
+
+@dataclass(frozen=True)
+class _Table:
+    """The model of one tensor: level codes (``pooled``: one row for every group)."""
+
+    steps: int  # index into TABLE_STEPS
+    pooled: bool
+    pool: np.ndarray  # (K,) codes of the pooled counts
+    levels: np.ndarray  # (G, K) codes the groups use ((1, K) = pool when pooled)
+    residuals: np.ndarray  # zigzagged, in coding order
+    payload_bits: float  # estimated coder bits of the symbols
+    cost_bits: float  # plus the estimated table bits
+
+    @property
+    def weights(self) -> np.ndarray:
+        return _level_tables()[0][self.steps][self.levels]
+
+
+_HALF_STEPS = np.array([8 // s for s in TABLE_STEPS])
+_GROUP_STEPS = (1, 2)
+"""Indices of the steps tried for per-group tables (2 and 4 levels per octave: on real KV the
+others never won, and per-group candidates are the encoder's costliest part)."""
+_ZZ_BINS = 2 * MAX_LEVEL + 1  # zigzagged residuals of codes in 0..255
+
+
+@functools.lru_cache(maxsize=1)
+def _level_tables() -> tuple[np.ndarray, np.ndarray]:
+    """``(S, 256)`` weight and ``-log2`` weight of every level code, per step of :data:`TABLE_STEPS`."""
+    q = np.arange(MAX_LEVEL + 1)
+    weights = np.stack([level_weights(q, s) for s in TABLE_STEPS])
+    neg_log2 = np.stack([np.where(q > 0, (q - 1) / s, 0.0) for s in TABLE_STEPS])
+    return weights, neg_log2
+
+
+def _levels_all(pos: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """:func:`_levels_at` for every step at once: ``(S, *pos.shape)``."""
+    h = _HALF_STEPS.reshape(-1, *([1] * pos.ndim))
+    return np.where(present, np.minimum((pos + h) // (2 * h), MAX_LEVEL - 1) + 1, 0)
+
+
+def _hist_bits(hist: np.ndarray) -> np.ndarray:
+    """Estimated bits of coding residuals with their own histogram, per row of ``hist``
+    ``(rows, _ZZ_BINS)``: the empirical entropy, the histogram's varints (up to its last nonzero
+    count) and a word of coder padding when there is anything to code."""
+    n = hist.sum(axis=1, keepdims=True)
+    used = np.arange(_ZZ_BINS) <= (_ZZ_BINS - 1 - np.argmax(hist[:, ::-1] > 0, axis=1))[:, None]
+    varint_bytes = used.sum(axis=1) + sum(np.count_nonzero((hist >> s) & used, axis=1) for s in (7, 14, 21, 28))
+    entropy = (hist * np.log2(np.where(hist > 0, n / np.maximum(hist, 1), 1.0))).sum(axis=1)
+    return entropy + 8 * varint_bytes + np.where(used.sum(axis=1) > 1, 32, 0)
+
+
+def _row_bincount(values: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Histogram over ``0.._ZZ_BINS-1`` of every row of ``values`` ``(rows, n)``: ``(rows, _ZZ_BINS)``."""
+    rows = values.shape[0]
+    flat = (values + (np.arange(rows) * _ZZ_BINS)[:, None]).reshape(-1)
+    w = None if weights is None else np.broadcast_to(weights, values.shape).reshape(-1)
+    return np.bincount(flat, weights=w, minlength=rows * _ZZ_BINS).reshape(rows, _ZZ_BINS).astype(np.int64)
+
+
+def _build_table(counts: np.ndarray) -> _Table:
+    """The cheapest table for ``counts`` ``(G, K)``: every step of :data:`TABLE_STEPS` with one
+    pooled row (the only form when ``G == 1``), the steps :data:`_GROUP_STEPS` with per-group
+    codes, scored by
+    the estimated table bits plus payload bits (ties: the first of step 0 pooled, step 0
+    per-group, step 1 pooled, ...). Work is proportional to the present (group, symbol) pairs:
+    a group's code for an absent symbol is 0, so its residual is known from the pooled row."""
+    weights, neg_log2 = _level_tables()
+    steps = np.arange(len(TABLE_STEPS))[:, None]
+    n = counts.sum(axis=1)
+    pooled_counts = counts.sum(axis=0)
+    has = np.flatnonzero(pooled_counts)
+    pc = pooled_counts[has]
+    pool = np.zeros((len(TABLE_STEPS), counts.shape[1]), dtype=np.int64)
+    pool[:, has] = _levels_all(np.searchsorted(_neg_grid(), -(pc / n.sum()), side="left"), True)
+    z_pool = _zigzag(np.diff(pool, prepend=0, axis=-1))  # (S, K)
+    hist_pool = _row_bincount(z_pool)
+    wp, nlp = weights[steps, pool[:, has]], neg_log2[steps, pool[:, has]]
+    payload = [(pc * nlp).sum(axis=1) + n.sum() * np.log2(wp.sum(axis=1))]
+    table = [_hist_bits(hist_pool)]
+    if counts.shape[0] > 1:
+        g_idx, s_idx = np.nonzero(counts)
+        c = counts[g_idx, s_idx]
+        gs = np.array(_GROUP_STEPS)
+        lev = np.zeros((len(TABLE_STEPS), c.size), dtype=np.int64)
+        lev[gs] = _levels_all(np.searchsorted(_neg_grid(), -(c / n[g_idx]), side="left"), True)[gs]  # (S, nnz)
+        w, nl = weights[gs[:, None], lev[gs]], neg_log2[gs[:, None], lev[gs]]
+        row_w = np.stack([np.bincount(g_idx, weights=wi, minlength=counts.shape[0]) for wi in w])
+        group_payload = np.full(len(TABLE_STEPS), np.inf)
+        group_payload[gs] = (c * nl).sum(axis=1) + (n * np.log2(row_w)).sum(axis=1)
+        payload.append(group_payload)
+        absent = (counts.shape[0] - np.bincount(s_idx, minlength=counts.shape[1]))[has]  # groups without the symbol
+        hist = hist_pool[gs] + _row_bincount(_zigzag(lev[gs] - pool[gs][:, s_idx])) + _row_bincount(2 * pool[gs][:, has] - 1, absent)
+        group_table = np.full(len(TABLE_STEPS), np.inf)
+        group_table[gs] = _hist_bits(hist)
+        table.append(group_table)
+    payload_bits, table_bits = np.stack(payload, axis=1), np.stack(table, axis=1)  # (S, forms)
+    best = int(np.argmin((payload_bits + table_bits).reshape(-1)))
+    i, form = divmod(best, payload_bits.shape[1])
+    if form == 0:
+        levels, z = pool[i][None, :], z_pool[i]
+    else:
+        levels = np.zeros(counts.shape, dtype=np.int64)
+        levels[g_idx, s_idx] = lev[i]
+        z = np.concatenate([z_pool[i], _zigzag(levels[:, has] - pool[i, has]).reshape(-1)])
+    return _Table(i, form == 0, pool[i], levels, z, float(payload_bits[i, form]), float(payload_bits[i, form] + table_bits[i, form]))
+
+
+def _encode_table(table: _Table) -> bytes:
+    """Wire bytes of a table, from the ``steps`` byte to the table words (see the module docstring)."""
+    q_max = max(int(table.levels.max()), int(table.pool.max()))
+    hist = np.bincount(table.residuals)
+    out = [bytes([table.steps | (4 if table.pooled else 0), q_max]), _varint(hist.size - 1)]
+    out += [_varint(int(h)) for h in hist]
+    if hist.size > 1:
+        enc = _RangeEncoder()
+        enc.encode(table.residuals.astype(np.int32), _Categorical(hist.astype(np.float64), perfect=False))
+        words = enc.get_compressed()
+    else:
+        words = np.zeros(0, dtype=np.uint32)
+    out += [_varint(int(words.size)), words.astype("<u4", copy=False).tobytes()]
+    return b"".join(out)
 
 
 def _fused_probs(f: np.ndarray) -> np.ndarray:
@@ -494,17 +612,22 @@ def _fused_probs(f: np.ndarray) -> np.ndarray:
     return joint
 
 
-def _models(f: np.ndarray, lay: _Layout) -> tuple[list, list]:
-    """constriction models of the fused rows and of the unfused rows, in coding order."""
+def _runs(w: np.ndarray, lay: _Layout, pooled: bool) -> tuple[list, list]:
+    """Coding runs ``(model, rows)`` of the fused rows and of the unfused rows, in coding order:
+    one run per row, or one run over every row when the table is pooled (``w`` has one row)."""
     m = lay.m
     (f_rows, f_len), (r_rows, r_len) = lay.rows_shape()
+    if pooled:
+        fused = [(_Categorical(_fused_probs(np.repeat(w[:, None, :], m, axis=1))[0], perfect=False), f_rows)] if f_rows and f_len else []
+        rest = [(_Categorical(w[0], perfect=False), r_rows)] if r_rows and r_len else []
+        return fused, rest
     if lay.model == "per_channel":
-        fused = _fused_probs(f[: f_rows * m].reshape(f_rows, m, -1)) if f_rows else ()
-        rest = f[f_rows * m :].astype(np.float64)
+        fp = _fused_probs(w[: f_rows * m].reshape(f_rows, m, -1)) if f_rows else ()
+        rp = w[f_rows * m :]
     else:
-        fused = _fused_probs(np.repeat(f[:, None, :], m, axis=1)) if f_len else ()
-        rest = f.astype(np.float64) if r_len else ()
-    return [_Categorical(p, perfect=False) for p in fused], [_Categorical(p, perfect=False) for p in rest]
+        fp = _fused_probs(np.repeat(w[:, None, :], m, axis=1)) if f_len else ()
+        rp = w if r_len else ()
+    return [(_Categorical(p, perfect=False), 1) for p in fp], [(_Categorical(p, perfect=False), 1) for p in rp]
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -516,12 +639,13 @@ class RangeSections:
 
     Attributes:
         kind: :data:`KIND_RAW` or :data:`KIND_RANGE`.
-        header: bytes of kind, model, layout, ``P``, ``w`` and the word-count varint.
-        table: bytes of the frequency tables (:func:`table_nbytes`).
+        header: bytes of kind, model, layout, the ``steps``/``Q``/``R`` fields, the two
+            word-count varints and the header CRC32.
+        table: bytes of the frequency table: residual histogram and table coder words.
         low_bits: bytes of the raw low bits (``coded_bits``), 0 when every bit is coded.
-        payload: bytes of the coder words (kind 1) or of the raw symbols (kind 0).
-        precision: ``P`` (0 for raw).
-        width: ``w`` (0 for raw).
+        payload: bytes of the coder words (kind 2) or of the raw symbols (kind 0).
+        steps: levels per octave of the table (0 for raw).
+        pooled: one table shared by every group.
         raw_low_bits: ``L``.
         dims: the layout integers.
     """
@@ -531,8 +655,8 @@ class RangeSections:
     table: int
     low_bits: int
     payload: int
-    precision: int = 0
-    width: int = 0
+    steps: int = 0
+    pooled: bool = False
     raw_low_bits: int = 0
     dims: tuple[int, ...] = ()
 
@@ -546,14 +670,83 @@ class RangeSections:
 class _Parsed:
     sections: RangeSections
     layout: _Layout | None = None
-    freqs: np.ndarray | None = None
+    weights: np.ndarray | None = None
     low: memoryview | None = None
     words: np.ndarray | None = None
     raw: memoryview | None = None
 
 
+def _header_crc(head: bytes | memoryview, count: int, bits: int) -> int:
+    """CRC32 of the symbol count and width (8 + 1 bytes, little-endian) followed by the header and
+    table bytes: a payload decoded for another count or width fails it as surely as an altered byte."""
+    return zlib.crc32(head, zlib.crc32(count.to_bytes(8, "little") + bytes([bits])))
+
+
+def _need(buf: memoryview, pos: int, n: int, what: str) -> None:
+    if n < 0 or pos + n > len(buf):
+        raise CorruptStreamError(f"range codec: data ends inside {what}")
+
+
+def _read_words(buf: memoryview, pos: int, what: str) -> tuple[np.ndarray, int]:
+    """A varint word count, then that many little-endian uint32 words (length checked first)."""
+    n, pos = _read_varint(buf, pos)
+    _need(buf, pos, 4 * n, what)
+    return np.frombuffer(buf[pos : pos + 4 * n], dtype="<u4").astype(np.uint32), pos + 4 * n
+
+
+def _decode_table(hist: np.ndarray, words: np.ndarray, pooled: bool, q_max: int, groups: int, k: int) -> np.ndarray:
+    """Level codes ``(G', K)`` from the table's residual histogram and words; raise
+    CorruptStreamError unless they decode to codes in ``0..q_max`` (maximum exactly ``q_max``),
+    every group has a symbol, and the decoded residuals have exactly the histogram sent."""
+    total = int(hist.sum())
+    dec = None
+    if hist.size > 1:
+        model = _Categorical(hist.astype(np.float64), perfect=False)
+        dec = _RangeDecoder(words)
+    elif words.size:
+        raise CorruptStreamError("range codec: table words present for a constant table")
+
+    def take(n: int) -> np.ndarray:
+        if dec is None:
+            return np.zeros(n, dtype=np.int64)
+        return np.asarray(dec.decode(model, n), dtype=np.int64)
+
+    try:
+        if total < k:
+            raise CorruptStreamError("range codec: the table histogram counts fewer entries than the table has")
+        z_pool = take(k)
+        pool = np.cumsum(_unzigzag(z_pool))
+        if pool.min() < 0 or pool.max() > q_max or not pool.any():
+            raise CorruptStreamError("range codec: a pooled table code is out of range")
+        z = z_pool
+        if pooled:
+            levels = pool[None, :]
+        else:
+            present = pool > 0
+            n_rest = groups * int(present.sum())
+            if total != k + n_rest:
+                raise CorruptStreamError("range codec: the table histogram does not count the table's entries")
+            z_rest = take(n_rest)
+            levels = np.zeros((groups, k), dtype=np.int64)
+            levels[:, present] = pool[present] + _unzigzag(z_rest).reshape(groups, -1)
+            z = np.concatenate([z_pool, z_rest])
+        exhausted = dec is None or dec.maybe_exhausted()
+    except CorruptStreamError:
+        raise
+    except Exception as exc:  # constriction reports invalid data with AssertionError
+        raise CorruptStreamError(f"range codec: table words do not decode ({type(exc).__name__}: {exc})") from None
+    if not exhausted:
+        raise CorruptStreamError("range codec: table words left over after decoding the table")
+    if z.size != total or not np.array_equal(np.bincount(z, minlength=hist.size), hist):
+        raise CorruptStreamError("range codec: the decoded table does not match its histogram")
+    if levels.min() < 0 or max(levels.max(), pool.max()) != q_max or not (levels > 0).any(axis=1).all():
+        raise CorruptStreamError("range codec: a table code is out of range or a group has no symbol")
+    return levels
+
+
 def _parse(data, model: str, bits: int, low_bits: int, count: int, shape: Sequence[int] | None) -> _Parsed:
-    """Validate and split a packed tensor; raise CorruptStreamError on any inconsistency."""
+    """Validate and split a packed tensor; raise CorruptStreamError on any inconsistency
+    (StreamVersionError for a range-coded payload of the retired table format 1)."""
     buf = memoryview(data).cast("B")
     if len(buf) < 1:
         raise CorruptStreamError("range codec: empty payload (no kind byte)")
@@ -565,10 +758,14 @@ def _parse(data, model: str, bits: int, low_bits: int, count: int, shape: Sequen
                 f"range codec: raw payload has {len(buf) - 1} bytes, {count} symbols of {bits} bits need {expected}"
             )
         return _Parsed(RangeSections(KIND_RAW, 1, 0, 0, expected), raw=buf[1:])
+    if kind == KIND_RANGE_V1:
+        raise StreamVersionError(
+            "range codec: payload in table format 1 (written by kvtune before range format 2, which "
+            "entropy-codes the tables); this version reads format 2 only: re-encode the KV"
+        )
     if kind != KIND_RANGE or bits == RAW16 or count == 0:
         raise CorruptStreamError(f"range codec: payload kind {kind} is invalid for {count} symbols of {bits} bits")
-    if len(buf) < 2:
-        raise CorruptStreamError("range codec: data ends inside its header")
+    _need(buf, 1, 1, "its header")
     model_id, got_low = buf[1] & 0x0F, buf[1] >> 4
     if model_id >= len(MODELS) or MODELS[model_id] != model or got_low != low_bits:
         raise CorruptStreamError(
@@ -587,46 +784,46 @@ def _parse(data, model: str, bits: int, low_bits: int, count: int, shape: Sequen
     if shape is not None and _layout_for_shape(model, coded, shape).dims != dims_t:
         raise CorruptStreamError(f"range codec: payload layout {dims_t} does not match the tensor shape {tuple(shape)}")
     lay = _Layout(model, coded, count, dims_t)
-    if pos + 2 > len(buf):
-        raise CorruptStreamError("range codec: data ends inside its header")
-    precision, width = buf[pos], buf[pos + 1]
-    pos += 2
-    if not 1 <= precision <= MAX_PRECISION or width > MAX_PRECISION:
-        raise CorruptStreamError(f"range codec: table precision {precision} or width {width} out of range")
     g, k = lay.num_groups, 1 << coded
-    nbitmap = -(-g * k // 8)
-    if pos + nbitmap > len(buf):
-        raise CorruptStreamError("range codec: data ends inside the frequency table")
-    present = np.unpackbits(np.frombuffer(buf[pos : pos + nbitmap], dtype=np.uint8), count=g * k).view(bool)
-    nnz = int(np.count_nonzero(present))
-    nvals = -(-nnz * width // 8)
+    if g * k > MAX_TABLE_ENTRIES:
+        raise CorruptStreamError(f"range codec: {g} groups x {k} symbols exceed the table limit {MAX_TABLE_ENTRIES}")
+    _need(buf, pos, 2, "its header")
+    form, q_max = buf[pos], buf[pos + 1]
+    pos += 2
+    if form & ~7 or form & 3 >= len(TABLE_STEPS) or q_max == 0:
+        raise CorruptStreamError(f"range codec: table form {form} or top level {q_max} out of range")
+    steps, pooled = TABLE_STEPS[form & 3], bool(form & 4)
+    r_max, pos = _read_varint(buf, pos)
+    if r_max > 2 * q_max:
+        raise CorruptStreamError(f"range codec: table residual bound {r_max} exceeds 2 * {q_max}")
     table_at = pos
-    pos += nbitmap
-    if pos + nvals > len(buf):
-        raise CorruptStreamError("range codec: data ends inside the frequency table")
-    if not (_padding_is_zero(buf[table_at:pos], g * k) and _padding_is_zero(buf[pos : pos + nvals], nnz * width)):
-        raise CorruptStreamError("range codec: nonzero padding bits in the frequency table")
-    freqs = np.zeros(g * k, dtype=np.int64)
-    freqs[present] = _unpack_uint(buf[pos : pos + nvals], width, nnz) + 1
-    freqs = freqs.reshape(g, k)
-    pos += nvals
-    table_len = pos - table_at
-    if (freqs.sum(axis=1) != 1 << precision).any():
-        raise CorruptStreamError("range codec: a frequency table does not sum to 2**P")
+    hist = np.zeros(r_max + 1, dtype=np.int64)
+    for i in range(r_max + 1):
+        hist[i], pos = _read_varint(buf, pos)
+    if hist[-1] == 0:
+        raise CorruptStreamError("range codec: the table histogram ends with a zero count")
+    hist_end = pos
+    table_words, pos = _read_words(buf, pos, "the table words")
+    _need(buf, pos, 4, "the header checksum")
+    if _header_crc(buf[:pos], count, bits) != int.from_bytes(buf[pos : pos + 4], "little"):
+        raise CorruptStreamError(
+            f"range codec: header checksum mismatch (altered header or table bytes, or the payload was not "
+            f"written for {count} symbols of {bits} bits)"
+        )
+    crc_end = pos + 4
+    levels = _decode_table(hist, table_words, pooled, q_max, g, k)
     nlow = packed_nbytes(count, low_bits)
-    if pos + nlow > len(buf):
-        raise CorruptStreamError("range codec: data ends inside the raw low bits")
-    low = buf[pos : pos + nlow]
+    _need(buf, crc_end, nlow, "the raw low bits")
+    low = buf[crc_end : crc_end + nlow]
     if not _padding_is_zero(low, count * low_bits):
         raise CorruptStreamError("range codec: nonzero padding bits after the raw low bits")
-    pos += nlow
-    nwords, pos = _read_varint(buf, pos)
-    if len(buf) - pos != 4 * nwords:
-        raise CorruptStreamError(f"range codec: {len(buf) - pos} coder bytes follow the header, it says {4 * nwords}")
-    words = np.frombuffer(buf[pos:], dtype="<u4").astype(np.uint32)
-    header_len = len(buf) - table_len - nlow - 4 * nwords
-    secs = RangeSections(KIND_RANGE, header_len, table_len, nlow, 4 * nwords, precision, width, low_bits, dims_t)
-    return _Parsed(secs, lay, freqs, low, words)
+    words, end = _read_words(buf, crc_end + nlow, "the coder words")
+    if end != len(buf):
+        raise CorruptStreamError(f"range codec: {len(buf) - end} bytes follow the coder words")
+    table_len = (hist_end - table_at) + 4 * table_words.size
+    header_len = len(buf) - table_len - nlow - 4 * words.size
+    secs = RangeSections(KIND_RANGE, header_len, table_len, nlow, 4 * words.size, steps, pooled, low_bits, dims_t)
+    return _Parsed(secs, lay, level_weights(levels, steps), low, words)
 
 
 def parse_sections(
@@ -635,7 +832,7 @@ def parse_sections(
     """Byte accounting (header / table / low bits / payload) of a tensor packed by :class:`RangeCodec`.
 
     Raises:
-        CorruptStreamError: as :meth:`RangeCodec.unpack`, for structural problems.
+        CorruptStreamError, StreamVersionError: as :meth:`RangeCodec.unpack`.
     """
     return _parse(data, model, bits, _raw_low_bits(bits, coded_bits), count, shape).sections
 
@@ -655,7 +852,7 @@ def encode_range(
 ) -> bytes | None:
     """Range-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8).
 
-    The kind-1 encoding of :class:`RangeCodec`, without its raw fallback.
+    The kind-2 encoding of :class:`RangeCodec`, without its raw fallback.
 
     Args:
         symbols: natural shape (last axis = channels, axis 1 = heads).
@@ -663,7 +860,7 @@ def encode_range(
         model: one of :data:`MODELS`.
         coded_bits: see :class:`RangeCodec`.
         raw_limit: when given, return ``None`` as soon as the result is known (estimated from
-            the tables, or measured) to take at least ``raw_limit + 1`` bytes.
+            the table, or measured) to take at least ``raw_limit + 1`` bytes.
 
     Returns:
         The packed bytes, or ``None`` (see ``raw_limit``).
@@ -675,25 +872,22 @@ def encode_range(
         raise ValueError("range codec: nothing to encode")
     flat = symbols.reshape(-1)
     rows = _split_rows(_group_matrix(flat >> np.uint8(low) if low else flat, lay), lay)
-    counts = _group_counts(rows, lay)
-    precision, freqs, width = _build_table(counts)
-    present = freqs > 0
+    table = _build_table(_group_counts(rows, lay))
     dims = b"".join(_varint(d) for d in lay.dims)
-    head = bytes([KIND_RANGE, MODELS.index(model) | low << 4]) + dims + bytes([precision, width])
-    table = np.packbits(present.reshape(-1)).tobytes() + _pack_uint(freqs[present] - 1, width)
+    head = bytes([KIND_RANGE, MODELS.index(model) | low << 4]) + dims + _encode_table(table)
+    head += _header_crc(head, lay.count, bits).to_bytes(4, "little")
     low_bytes = pack_bits(flat & np.uint8((1 << low) - 1), low) if low else b""
-    if raw_limit is not None:
-        payload_bits = precision * lay.count - float((np.log2(freqs[present]) * counts[present]).sum())
-        if len(head) + len(table) + len(low_bytes) + 4 * math.ceil(payload_bits / 32) + 1 > raw_limit:
-            return None
-    fused_models, rest_models = _models(freqs, lay)
+    if raw_limit is not None and len(head) + len(low_bytes) + 4 * math.ceil(table.payload_bits / 32) + 1 > raw_limit:
+        return None
+    fused_runs, rest_runs = _runs(table.weights, lay, table.pooled)
     enc = _RangeEncoder()
-    for model_i, row in zip(fused_models, rows.fused):
-        enc.encode(row, model_i)
-    for model_i, row in zip(rest_models, rows.rest):
-        enc.encode(row, model_i)
+    for runs, mat in ((fused_runs, rows.fused), (rest_runs, rows.rest)):
+        i = 0
+        for model_i, n in runs:
+            enc.encode(mat[i : i + n].reshape(-1), model_i)
+            i += n
     words = enc.get_compressed()
-    out = b"".join((head, table, low_bytes, _varint(int(words.size)), words.astype("<u4", copy=False).tobytes()))
+    out = b"".join((head, low_bytes, _varint(int(words.size)), words.astype("<u4", copy=False).tobytes()))
     if raw_limit is not None and len(out) > raw_limit:
         return None
     return out
@@ -705,7 +899,7 @@ def encode_range(
 @register_codec("range")
 @dataclass(frozen=True)
 class RangeCodec(Codec):
-    """Range coding with order-0 models estimated from the data (CacheGen, SIGCOMM'24, sec. 5.2).
+    """Range coding with order-0 models estimated from the data (CacheGen, arXiv 2310.07240, sec. 5.2).
 
     The module docstring gives the wire layout, the table encoding and its byte cost.
 
@@ -783,17 +977,18 @@ class RangeCodec(Codec):
             if bits == RAW16:
                 return np.frombuffer(parsed.raw, dtype="<u2", count=count).astype(np.uint16)
             return unpack_bits(parsed.raw, bits, count)
-        lay, freqs, words = parsed.layout, parsed.freqs, parsed.words
-        assert lay is not None and freqs is not None and words is not None and parsed.low is not None
+        lay, weights, words = parsed.layout, parsed.weights, parsed.words
+        assert lay is not None and weights is not None and words is not None and parsed.low is not None
         (f_rows, f_len), (r_rows, r_len) = lay.rows_shape()
-        fused_models, rest_models = _models(freqs, lay)
+        fused_runs, rest_runs = _runs(weights, lay, parsed.sections.pooled)
         rows = _Rows(np.empty((f_rows, f_len), dtype=np.uint8), np.empty((r_rows, r_len), dtype=np.uint8))
         try:
             dec = _RangeDecoder(words)
-            for i, model in enumerate(fused_models):
-                rows.fused[i] = dec.decode(model, f_len)
-            for i, model in enumerate(rest_models):
-                rows.rest[i] = dec.decode(model, r_len)
+            for runs, mat, length in ((fused_runs, rows.fused, f_len), (rest_runs, rows.rest, r_len)):
+                i = 0
+                for model, n in runs:
+                    mat[i : i + n] = np.asarray(dec.decode(model, n * length)).reshape(n, length)
+                    i += n
             exhausted = dec.maybe_exhausted()
         except Exception as exc:  # constriction reports invalid data with AssertionError
             raise CorruptStreamError(f"range codec: coder words do not decode ({type(exc).__name__}: {exc})") from None

@@ -266,6 +266,12 @@ class Delta(Transform):
     Note on error: the decoder adds the *decoded* anchor to each decoded delta, so a token's
     error is its delta's error plus its anchor's error; finer anchors bound the second term.
 
+    Cost of finer anchors (CacheGen, arXiv 2310.07240, sec. 5.1-5.2): the anchor segment is
+    packed by the policy's codec like any segment. Under the ``range`` codec its few tokens per
+    channel (one in ``group_size``) are coded with one pooled table when per-channel tables would
+    cost more than they save (8-bit anchors of 1024 tokens: within ~1 % of the segment's pooled
+    empirical entropy, see :mod:`kvtune.codecs.range_coder`), not stored raw.
+
     Args:
         group_size: tokens per group (CacheGen uses 10), >= 2.
         anchor_bits: 0 (same as the deltas), 1..8, or 16 (bfloat16).

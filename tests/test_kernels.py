@@ -1,0 +1,644 @@
+"""Every public kernel of :mod:`kvtune.codecs.kernels` against its plain torch/numpy/zlib reference.
+
+One test (or a few) per kernel, on seeded random inputs plus edge cases: empty inputs, lengths
+that are not a multiple of the 8-lane vector width or of the bit-packing unit, every symbol
+width 1..8, saturating and extreme values, NaN/inf where a kernel tests finiteness. Each test
+registers the kernels it covers in ``COVERED`` (decorator :func:`covers`);
+:func:`test_every_public_kernel_has_a_case` fails when a public kernel has none. Whole
+streams (fast path == reference path) are tested in ``test_codecs.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from kvtune.codecs import kernels as K
+from kvtune.codecs.base import meta_to_bytes
+from kvtune.codecs.bitpack import pack_bits, unpack_bits
+from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
+from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer, fp16_round_up
+from kvtune.codecs.transforms import (
+    Affine,
+    block_scales,
+    channel_stats,
+    delta_decode,
+    delta_encode,
+    power_of_two_blocks,
+    random_signs,
+    rotate,
+    unrotate,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+COVERED: set[str] = set()
+
+
+def covers(*names: str):
+    """Register the kernels a test compares with their reference."""
+    COVERED.update(names)
+    return lambda fn: fn
+
+
+def test_every_public_kernel_has_a_case():
+    """Adding a public function to kernels.py without a case here fails (and a case for a
+    kernel that no longer exists fails too)."""
+    public = {n for n, o in vars(K).items()
+              if not n.startswith("_") and callable(o) and getattr(o, "__module__", None) == K.__name__}
+    assert public - COVERED == set(), "kernels without a reference case"
+    assert COVERED - public == set(), "cases for kernels that do not exist"
+    assert public <= set(K.__all__), "public kernels missing from __all__"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def bits16(t: torch.Tensor) -> np.ndarray:
+    """uint16 bit patterns of a bfloat16/float16 tensor."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return bits16(x.to(torch.bfloat16))
+
+
+def as_float(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(bits.view(np.int16).copy()).view(dtype).to(torch.float32)
+
+
+def student_t(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(shape, generator=g)
+    chi2 = torch.randn((3, *shape), generator=g).pow(2).sum(0)
+    return z / torch.sqrt(chi2 / 3.0) * scale
+
+
+def with_extremes(x: torch.Tensor) -> torch.Tensor:
+    """Plant saturating and degenerate rows: the float16 maximum and beyond, a zero row, a
+    constant row, tiny values (when there are enough rows)."""
+    x = x.clone()
+    if x.numel() == 0:
+        return x
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] >= 5:
+        flat[0, 0] = 1e6
+        flat[1, :] = 0.0
+        flat[2, :] = 3.25
+        flat[3, :] *= 1e-30
+        flat[4, -1] = -65504.0
+    return x
+
+
+def idx(a) -> np.ndarray:
+    return np.asarray(a, dtype=np.int64)
+
+
+# (B, H, T, D) shapes: D a multiple of 8 and not (13), one token, no tokens
+SHAPES = [(2, 3, 37, 64), (1, 2, 9, 13), (1, 3, 1, 16), (1, 2, 0, 16)]
+SELECTIONS = [(None, None), ([2, 0], [0, 3, 4]), ([1], [5, 1, 2, 8])]
+
+
+def selection(shape, sel):
+    heads = idx(range(shape[1]) if sel[0] is None else [h for h in sel[0] if h < shape[1]])
+    tokens = idx(range(shape[2]) if sel[1] is None else [t for t in sel[1] if t < shape[2]])
+    return heads, tokens
+
+
+def pick(x: torch.Tensor, heads, tokens) -> torch.Tensor:
+    return x[:, torch.from_numpy(heads)][:, :, torch.from_numpy(tokens)]
+
+
+def kernel_input(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, torch.Tensor]:
+    """The kernel's view of ``x`` (float32 array or bfloat16 bits) and the float32 values the
+    reference sees."""
+    if dtype == "bf16":
+        xb = x.to(torch.bfloat16)
+        return bits16(xb).copy(), xb.to(torch.float32)
+    return x.numpy().copy(), x
+
+
+OUT_KINDS = [(0, torch.float32), (1, torch.bfloat16), (2, torch.float16)]
+
+
+def out_array(shape, kind: int) -> np.ndarray:
+    """A sentinel-filled output buffer (so that writes outside the segment are caught)."""
+    if kind == 0:
+        return np.full(shape, -7.0, np.float32)
+    return np.full(shape, 0x1234, np.uint16)
+
+
+def expected_out(shape, kind: int, dtype, heads, tokens, values: torch.Tensor) -> np.ndarray:
+    """The sentinel buffer with ``values`` converted to ``dtype`` written at ``heads`` x ``tokens``."""
+    out = out_array(shape, kind)
+    conv = values.to(dtype)
+    arr = conv.numpy() if kind == 0 else bits16(conv)
+    out[np.ix_(range(shape[0]), heads, tokens, range(shape[3]))] = arr
+    return out
+
+
+# ----------------------------------------------------------------------------- scalar conversions
+
+
+@njit(cache=False)
+def _map_f2h(x, out, soft):
+    for i in range(x.size):
+        out[i] = K.f32_to_f16_bits_soft(x[i]) if soft else K.f32_to_f16_bits(x[i])
+
+
+@njit(cache=False)
+def _map_h2f(h, out, soft):
+    for i in range(h.size):
+        out[i] = K.f16_bits_to_f32_soft(h[i]) if soft else K.f16_bits_to_f32(h[i])
+
+
+@njit(cache=False)
+def _map_bf16(x, out):
+    for i in range(x.size):
+        out[i] = K.f32_to_bf16_bits(x[i])
+
+
+@njit(cache=False)
+def _map_round_up(x, out):
+    for i in range(x.size):
+        out[i] = K.fp16_round_up_bits(x[i])
+
+
+def f16_boundary_inputs(seed: int = 0) -> np.ndarray:
+    """float32 inputs that decide float16 rounding: every float16 value, every midpoint between
+    neighbours and the float32 values on either side of it, the overflow threshold, random bit
+    patterns (NaN excluded: tested separately)."""
+    allh = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).to(torch.float32).numpy()
+    finite = np.unique(allh[np.isfinite(allh)]).astype(np.float64)
+    mids = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact: 12 significant bits
+    up, down = np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))
+    special = np.array([65504, 65519.99, 65520, -65520, 1e30, -1e30, np.inf, -np.inf, 0.0, -0.0, 2**-25, -(2**-25),
+                        2**-24, 1.5 * 2**-25, np.finfo(np.float32).max, np.finfo(np.float32).tiny], np.float32)
+    rnd = np.random.default_rng(seed).integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([allh, mids, up, down, special, rnd]).astype(np.float32)
+    return x[~np.isnan(x)]
+
+
+@covers("f32_to_f16_bits", "f32_to_f16_bits_soft")
+@pytest.mark.parametrize("soft", [False, True], ids=["default", "soft"])
+def test_f32_to_f16_matches_torch(soft):
+    x = f16_boundary_inputs()
+    out = np.empty(x.size, np.int64)
+    _map_f2h(x, out, soft)
+    ref = bits16(torch.from_numpy(x).to(torch.float16)).astype(np.int64)
+    bad = np.flatnonzero(out != ref)
+    assert bad.size == 0, (x[bad[:5]], out[bad[:5]], ref[bad[:5]])
+    nan = np.array([np.nan, -np.nan], np.float32)
+    nan = np.concatenate([nan, np.array([0x7F800001, 0xFFC00000, 0x7FFFFFFF], np.uint32).view(np.float32)])
+    res = np.empty(nan.size, np.int64)
+    _map_f2h(nan, res, soft)
+    assert (((res >> 10) & 0x1F) == 0x1F).all() and ((res & 0x3FF) != 0).all() and (res & 0x200).all()  # quiet NaN
+
+
+@covers("f16_bits_to_f32", "f16_bits_to_f32_soft")
+@pytest.mark.parametrize("soft", [False, True], ids=["default", "soft"])
+def test_f16_to_f32_exhaustive(soft):
+    h = np.arange(65536, dtype=np.int64)
+    out = np.empty(65536, np.float32)
+    _map_h2f(h, out, soft)
+    ref = torch.from_numpy(h.astype(np.uint16).view(np.int16)).view(torch.float16).to(torch.float32).numpy()
+    nan = np.isnan(ref)
+    assert nan.sum() == 2 * 1023 and np.isnan(out[nan]).all()
+    assert np.array_equal(out[~nan].view(np.uint32), ref[~nan].view(np.uint32))  # bit exact, signed zeros included
+
+
+@covers("f32_to_bf16_bits")
+def test_f32_to_bf16_matches_torch_and_nan_is_canonical():
+    x = f16_boundary_inputs(seed=1)
+    bf = np.arange(65536, dtype=np.uint32) << 16  # every bfloat16 value and its rounding midpoints
+    extra = np.concatenate([bf, bf + 0x8000, bf + 0x7FFF, bf + 0x8001]).astype(np.uint32).view(np.float32)
+    x = np.concatenate([x, extra[~np.isnan(extra)]])
+    out = np.empty(x.size, np.int64)
+    _map_bf16(x, out)
+    ref = bits16(torch.from_numpy(x).to(torch.bfloat16)).astype(np.int64)
+    assert np.array_equal(out, ref)
+    nan = np.array([0x7F800001, 0xFFFFFFFF, 0x7FC00000], np.uint32).view(np.float32)
+    res = np.empty(3, np.int64)
+    _map_bf16(nan, res)
+    assert (res == 0x7FC0).all()
+
+
+@covers("fp16_round_up_bits")
+def test_fp16_round_up_matches_reference():
+    x = f16_boundary_inputs(seed=2)
+    x = x[np.isfinite(x)]
+    out = np.empty(x.size, np.int64)
+    _map_round_up(x, out)
+    ref = fp16_round_up(torch.from_numpy(x))
+    ref = torch.where(ref == 0, torch.zeros_like(ref), ref)  # the canonical +0 of asymmetric_params
+    assert np.array_equal(out, bits16(ref).astype(np.int64))
+
+
+# ----------------------------------------------------------------------------- uniform quantizer
+
+
+def uniform_cases():
+    for shape in SHAPES:
+        for gran in ("per_token", "per_channel"):
+            for group in (0, 5, 32):
+                for symmetric in (False, True):
+                    yield shape, gran, group, symmetric
+
+
+@covers("quantize_per_token", "quantize_per_channel")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_uniform_quantize_matches_quantize_block(bits, dtype):
+    for n, (shape, gran, group, symmetric) in enumerate(uniform_cases()):
+        sel = SELECTIONS[n % len(SELECTIONS)]
+        x = with_extremes(student_t(shape, seed=n, scale=3.0))
+        xk, xref = kernel_input(x, dtype)
+        heads, tokens = selection(shape, sel)
+        q = UniformQuantizer(bits=bits, symmetric=symmetric, granularity=gran, group_size=group)
+        sym_ref, meta_ref = q.quantize_block(pick(xref, heads, tokens))
+        b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+        sym = np.full((b, hs, ts, d), 0xEE, np.uint8)
+        if gran == "per_token":
+            g = group or d
+            mshape = (b, hs, ts, -(-d // g))
+            scale, zero = np.zeros(mshape, np.uint16), np.zeros(mshape, np.uint16)
+            K.quantize_per_token(xk, heads, tokens, g, bits, symmetric, sym, scale, zero)
+        else:
+            g = max(group or ts, 1)
+            mshape = (b, hs, -(-ts // g), d)
+            scale, zero = np.zeros(mshape, np.uint16), np.zeros(mshape, np.uint16)
+            K.quantize_per_channel(xk, heads, tokens, g, bits, symmetric, sym, scale, zero)
+        case = (shape, gran, group, symmetric, sel)
+        assert np.array_equal(sym, sym_ref.numpy()), case
+        assert np.array_equal(scale, bits16(meta_ref["scale"]).reshape(mshape)), case
+        if not symmetric:
+            assert np.array_equal(zero, bits16(meta_ref["zero"]).reshape(mshape)), case
+        assert int(sym.max(initial=0)) < 1 << bits
+
+
+def random_f16_bits(shape, rng, *, nonneg: bool) -> np.ndarray:
+    """float16 bit patterns of finite values (scales non-negative, including zero)."""
+    v = rng.standard_normal(shape).astype(np.float32) * 2.0 ** rng.integers(-12, 6, size=shape)
+    v = np.abs(v) if nonneg else v
+    v.reshape(-1)[:2] = 0.0 if v.size >= 2 else v.reshape(-1)[:2]
+    return bits16(torch.from_numpy(v).to(torch.float16)).copy()
+
+
+@covers("dequantize_per_token", "dequantize_per_channel")
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_uniform_dequantize_matches_dequantize_block(bits):
+    rng = np.random.default_rng(bits)
+    for n, (shape, gran, group, symmetric) in enumerate(uniform_cases()):
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+        sym = rng.integers(0, 1 << bits, size=(b, hs, ts, d)).astype(np.uint8)
+        q = UniformQuantizer(bits=bits, symmetric=symmetric, granularity=gran, group_size=group)
+        g = (group or d) if gran == "per_token" else max(group or ts, 1)
+        mshape = (b, hs, ts, -(-d // g)) if gran == "per_token" else (b, hs, -(-ts // g), d)
+        scale = random_f16_bits(mshape, rng, nonneg=True)
+        zero = random_f16_bits(mshape, rng, nonneg=False)
+        meta = {"scale": torch.from_numpy(scale.view(np.int16)).view(torch.float16)}
+        if not symmetric:
+            meta["zero"] = torch.from_numpy(zero.view(np.int16)).view(torch.float16)
+        ref = q.dequantize_block(torch.from_numpy(sym), meta, (b, hs, ts, d))
+        fn = K.dequantize_per_token if gran == "per_token" else K.dequantize_per_channel
+        for kind, dtype in OUT_KINDS:
+            out = out_array(shape, kind)
+            fn(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind)
+            assert np.array_equal(out, expected_out(shape, kind, dtype, heads, tokens, ref)), (shape, gran, group, kind)
+
+
+# ----------------------------------------------------------------------------- float8
+
+
+@covers("fp8_quantize")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("fmt, scaled", [("e4m3", False), ("e5m2", False), ("e4m3", True), ("e5m2", True)])
+def test_fp8_quantize_matches_quantize_block(fmt, scaled, dtype):
+    for n, shape in enumerate(SHAPES):
+        x = with_extremes(student_t(shape, seed=10 + n, scale=100.0))  # beyond 448: saturates (unscaled e4m3)
+        xk, xref = kernel_input(x, dtype)
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        sym_ref, meta = FP8Quantizer(format=fmt, scaled=scaled).quantize_block(pick(xref, heads, tokens))
+        b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+        sym = np.full((b, hs, ts, d), 0xEE, np.uint8)
+        sc = np.zeros((b, hs, ts), np.uint16)
+        fmax = float(torch.finfo(FP8_DTYPES[fmt]).max)
+        K.fp8_quantize(xk, heads, tokens, fmt == "e5m2", fmax, scaled, sym, sc)
+        assert np.array_equal(sym, sym_ref.numpy()), (shape, fmt, scaled)
+        if scaled:
+            assert np.array_equal(sc, bits16(meta["scale"])), (shape, fmt)
+
+
+@covers("fp8_dequantize")
+@pytest.mark.parametrize("fmt, scaled", [("e4m3", False), ("e5m2", False), ("e4m3", True), ("e5m2", True)])
+def test_fp8_dequantize_matches_dequantize_block(fmt, scaled):
+    rng = np.random.default_rng(3)
+    lut = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPES[fmt]).to(torch.float32).numpy()
+    finite = np.flatnonzero(np.isfinite(lut)).astype(np.uint8)  # every finite pattern (NaN payloads: not covered)
+    for n, shape in enumerate(SHAPES):
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+        sym = rng.choice(finite, size=(b, hs, ts, d)).astype(np.uint8)
+        sc = random_f16_bits((b, hs, ts), rng, nonneg=True)
+        meta = {"scale": torch.from_numpy(sc.view(np.int16)).view(torch.float16)} if scaled else {}
+        ref = FP8Quantizer(format=fmt, scaled=scaled).dequantize_block(torch.from_numpy(sym), meta, (b, hs, ts, d))
+        for kind, dtype in OUT_KINDS:
+            out = out_array(shape, kind)
+            K.fp8_dequantize(sym, sc, lut, scaled, heads, tokens, out, kind)
+            assert np.array_equal(out, expected_out(shape, kind, dtype, heads, tokens, ref)), (shape, kind)
+
+
+# ----------------------------------------------------------------------------- bfloat16 segments
+
+
+@covers("gather_bf16")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_gather_bf16_matches_no_quantizer(dtype):
+    for n, shape in enumerate(SHAPES):
+        x = with_extremes(student_t(shape, seed=20 + n, scale=1e38 if n == 0 else 1.0))  # n = 0: overflow to inf
+        xk, xref = kernel_input(x, dtype)
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        ref, _ = NoQuantizer().quantize_block(pick(xref, heads, tokens))
+        out = np.zeros((shape[0], len(heads), len(tokens), shape[3]), np.uint16)
+        K.gather_bf16(xk, heads, tokens, out)
+        assert np.array_equal(out, ref.numpy().view(np.uint16)), shape
+
+
+@covers("scatter_bf16")
+def test_scatter_bf16_matches_no_quantizer():
+    rng = np.random.default_rng(4)
+    for n, shape in enumerate(SHAPES):
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        seg = (shape[0], len(heads), len(tokens), shape[3])
+        sym = bf16_bits(torch.from_numpy(rng.standard_normal(seg).astype(np.float32) * 1e5))  # beyond float16: inf
+        ref = NoQuantizer().dequantize_block(torch.from_numpy(sym.view(np.int16)), {}, seg)
+        for kind, dtype in OUT_KINDS:
+            out = out_array(shape, kind)
+            K.scatter_bf16(sym.copy(), heads, tokens, out, kind)
+            assert np.array_equal(out, expected_out(shape, kind, dtype, heads, tokens, ref)), (shape, kind)
+
+
+@covers("all_finite_bf16", "all_finite_f32")
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 33, 1000])
+def test_all_finite_matches_isfinite(n):
+    rng = np.random.default_rng(n)
+    for bad in (None, np.nan, np.inf, -np.inf, 3e38):
+        for pos in ((0, n - 1, n // 2) if n else (0,)):
+            x = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 1e3)
+            if bad is not None and n:
+                x[pos] = bad
+            for arr, fn, t in ((x.numpy(), K.all_finite_f32, x), (bf16_bits(x), K.all_finite_bf16, x.to(torch.bfloat16))):
+                assert fn(arr) == bool(torch.isfinite(t).all()), (n, bad, pos, fn.__name__)
+    x = np.zeros((2, 3, 5), np.float32)  # any shape
+    x[1, 2, 4] = np.nan
+    assert not K.all_finite_f32(x) and K.all_finite_f32(np.zeros((2, 3, 5), np.float32))
+
+
+@covers("to_float32")
+@pytest.mark.parametrize("n", [0, 1, 13, 64])
+def test_to_float32_matches_torch(n):
+    x = with_extremes(student_t((1, 2, 5, n), seed=n, scale=10.0)) if n else torch.zeros(1, 2, 5, 0)
+    for xk, ref in ((x.numpy().copy(), x), (bf16_bits(x).copy(), x.to(torch.bfloat16).to(torch.float32))):
+        out = np.full(x.shape, -1.0, np.float32)
+        K.to_float32(xk, out)
+        assert np.array_equal(out.view(np.uint32), ref.numpy().view(np.uint32))
+
+
+@covers("store_output")
+@pytest.mark.parametrize("n", [0, 1, 13, 64])
+def test_store_output_matches_torch(n):
+    y = student_t((1, 2, 5, n), seed=n, scale=3e4)  # float16 overflow to inf on the tails
+    if n:
+        y.reshape(-1)[0] = float("inf")
+        y.reshape(-1)[-1] = 65519.99
+    for kind, dtype in OUT_KINDS[1:]:
+        out = np.zeros(y.shape, np.uint16)
+        K.store_output(y.numpy().copy(), kind, out)
+        assert np.array_equal(out, bits16(y.to(dtype)))
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+@covers("hadamard_rows")
+@pytest.mark.parametrize("d", [8, 13, 64, 96, 128, 256, 512, 1])
+def test_hadamard_rows_matches_rotate(d):
+    """head_dim 64/96/128/256: every block in registers; 13 (8 + 4 + 1), 512, 1: the loop path."""
+    x = with_extremes(student_t((2, 3, 5, d), seed=d))
+    signs = random_signs(0, 2, "key", 3, d)
+    blocks, scales = idx(power_of_two_blocks(d)), np.array(block_scales(d), np.float32)
+    fwd = x.numpy().copy()
+    K.hadamard_rows(fwd, signs.numpy(), blocks, scales, False)
+    ref = rotate(x, signs).numpy()
+    assert np.array_equal(fwd.view(np.uint32), ref.view(np.uint32))
+    inv = fwd.copy()
+    K.hadamard_rows(inv, signs.numpy(), blocks, scales, True)
+    assert np.array_equal(inv.view(np.uint32), unrotate(torch.from_numpy(ref), signs).numpy().view(np.uint32))
+    empty = np.zeros((1, 3, 0, d), np.float32)
+    K.hadamard_rows(empty, signs.numpy(), blocks, scales, False)
+
+
+@covers("delta_rows")
+@pytest.mark.parametrize("t, g", [(37, 10), (10, 10), (5, 10), (1, 2), (0, 4), (16, 2)])
+def test_delta_rows_matches_delta_coding(t, g):
+    x = student_t((2, 3, t, 13), seed=t)
+    y = x.numpy().copy()
+    K.delta_rows(y, g, False)
+    ref = delta_encode(x, g)
+    assert np.array_equal(y.view(np.uint32), ref.numpy().view(np.uint32))
+    K.delta_rows(y, g, True)
+    assert np.array_equal(y.view(np.uint32), delta_decode(ref, g).numpy().view(np.uint32))
+
+
+@covers("affine_fit")
+@pytest.mark.parametrize("statistic, shift", [("rms", False), ("rms", True), ("absmax", False), ("absmax", True)])
+def test_affine_fit_matches_channel_stats(statistic, shift):
+    for shape in [(2, 3, 37, 13), (1, 2, 1, 64), (1, 2, 0, 8)]:
+        x = student_t(shape, seed=shape[2], scale=5.0)
+        if shape[2] > 2:
+            x[..., 0] = 0.0  # zero channel: scale 1
+            x[..., 1] *= 1e5  # beyond the float16 range: saturates
+            x[0, 0, 0, 2] = 1e38  # RMS overflow in float32 but not float64
+        scale16, shift16 = np.zeros(shape[1::2], np.uint16), np.zeros(shape[1::2], np.uint16)
+        K.affine_fit(x.numpy().copy(), statistic == "rms", shift, scale16, shift16)
+        s_ref, m_ref = channel_stats(x, statistic, shift)
+        assert np.array_equal(scale16, bits16(s_ref)), shape
+        if shift:
+            assert np.array_equal(shift16, bits16(m_ref)), shape
+
+
+@covers("affine_rows")
+@pytest.mark.parametrize("has_shift", [False, True])
+def test_affine_rows_matches_affine(has_shift):
+    rng = np.random.default_rng(5)
+    for shape in [(2, 3, 37, 13), (1, 2, 1, 64), (1, 2, 0, 8)]:
+        x = student_t(shape, seed=shape[3], scale=5.0)
+        hd = (shape[1], shape[3])
+        state = {"scale": torch.from_numpy(random_f16_bits(hd, rng, nonneg=True).view(np.int16)).view(torch.float16).clamp_min(1e-3)}
+        if has_shift:
+            state["shift"] = torch.from_numpy(random_f16_bits(hd, rng, nonneg=False).view(np.int16)).view(torch.float16)
+        s16 = bits16(state["scale"]).copy()
+        m16 = bits16(state["shift"]).copy() if has_shift else np.zeros(hd, np.uint16)
+        aff = Affine(shift=has_shift)
+        y = x.numpy().copy()
+        K.affine_rows(y, s16, m16, has_shift, False)
+        ref = aff.forward(x, layer=0, kind="key", state=state)
+        assert np.array_equal(y.view(np.uint32), ref.numpy().view(np.uint32))
+        K.affine_rows(y, s16, m16, has_shift, True)
+        back = aff.inverse(ref, layer=0, kind="key", state=state)
+        assert np.array_equal(y.view(np.uint32), back.numpy().view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- bit packing
+
+
+@covers("pack_bits", "unpack_bits")
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 1001])
+def test_pack_unpack_bits_match_bitpack(bits, n):
+    rng = np.random.default_rng(bits * 1000 + n)
+    sym = rng.integers(0, 1 << bits, size=n).astype(np.uint8)
+    if n:
+        sym[-1] = (1 << bits) - 1  # the largest symbol in the last, partial unit
+    ref = pack_bits(sym, bits)
+    out = np.zeros(len(ref), np.uint8)
+    seen = K.pack_bits(sym, bits, out)
+    assert out.tobytes() == ref and seen == int(np.bitwise_or.reduce(sym, initial=0))
+    back = np.full(n, 0xEE, np.uint8)
+    K.unpack_bits(np.frombuffer(ref, np.uint8), bits, back)
+    assert np.array_equal(back, unpack_bits(ref, bits, n)) and np.array_equal(back, sym)
+    if bits < 8 and n:
+        bad = sym.copy()
+        bad[n // 2] = 1 << bits  # does not fit: reported through the OR
+        assert K.pack_bits(bad, bits, np.zeros(len(ref), np.uint8)) >> bits
+
+
+# ----------------------------------------------------------------------------- whole tensors
+
+
+def fp8_luts():
+    """As the fast path builds them with torch: float32 value and bfloat16 bits of every float8
+    pattern, and the float8 symbol of every bfloat16 pattern."""
+    vals, b16, syms = [], [], []
+    all_bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
+    for fmt in ("e4m3", "e5m2"):
+        v = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPES[fmt]).to(torch.float32)
+        vals.append(v.numpy())
+        b16.append(bits16(v.to(torch.bfloat16)))
+        syms.append(fp8_encode(all_bf16, fmt).numpy())
+    return np.stack(vals), np.stack(b16), np.stack(syms)
+
+
+def segment_plan(shape):
+    """Segments of one tensor (B, 3, 20, D): (coder, bits, heads, tokens, row of the kernel table)."""
+    per_tok = UniformQuantizer(bits=4, granularity="per_token", group_size=8)
+    per_ch = UniformQuantizer(bits=3, symmetric=True, granularity="per_channel", group_size=4)
+    e5 = FP8Quantizer(format="e5m2", scaled=True)
+    e4 = FP8Quantizer(format="e4m3")
+    d = shape[3]
+    return [
+        (per_tok, 4, [0, 2], list(range(0, 10)), [K.KIND_UNIFORM, 4, 1, 8, 0]),
+        (per_ch, 3, [1], list(range(0, 10)), [K.KIND_UNIFORM, 3, 0, 4, 1]),
+        (NoQuantizer(), 16, [0, 1, 2], list(range(10, 13)), [K.KIND_BF16, 16, 0, 0, 0]),
+        (e5, 8, [0, 1, 2], list(range(13, 17)), [K.KIND_FP8, 8, 1, 0, 1]),
+        (e4, 8, [2, 0], list(range(17, 20)), [K.KIND_FP8, 8, 0, 0, 0]),
+        (per_tok, 7, [1], [], [K.KIND_UNIFORM, 7, 1, 8, 0]),  # an empty segment
+    ][: 6 if d else 0]
+
+
+def build_table(shape, plan):
+    """The kernel's int64 segment table and index array, and per segment (meta, payload) offsets
+    in the bitpack layout [meta_0, payload_0, meta_1, ...]."""
+    rows, index, pos, sym_pos = [], [], 0, 0
+    for coder, bits, heads, tokens, head_cols in plan:
+        seg = (shape[0], len(heads), len(tokens), shape[3])
+        count = math.prod(seg)
+        meta = sum(f.nbytes for f in coder.block_meta_layout(seg))
+        payload = 2 * count if bits == 16 else (count * bits + 7) // 8
+        row = head_cols + [len(index), len(heads), len(index) + len(heads), len(tokens), pos, meta, pos + meta, payload, sym_pos]
+        index += heads + tokens
+        rows.append(row)
+        pos += meta + payload
+        sym_pos += 2 * count if bits == 16 else count
+    return np.array(rows, np.int64).reshape(-1, K.SEG_COLUMNS), idx(index), pos, sym_pos
+
+
+@covers("encode_segments", "decode_segments")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("d", [16, 13, 0])
+def test_encode_decode_segments_match_the_reference_segments(dtype, d):
+    """A tensor split into six segments (per-token and per-channel uniform, bfloat16, scaled
+    e5m2, unscaled e4m3, an empty one): the sections are the reference quantizers' metadata
+    and bit-packed symbols; decoding rebuilds each segment's dequantized values in place."""
+    shape = (2, 3, 20, d)
+    x = with_extremes(student_t(shape, seed=d, scale=50.0))
+    xk, xref = kernel_input(x, dtype)
+    plan = segment_plan(shape)
+    segs, index, nbytes, sym_nbytes = build_table(shape, plan)
+    luts, lut16, lut8 = fp8_luts()
+    expected, decoded_ref = [], []
+    for coder, bits, heads, tokens, _ in plan:
+        sel = pick(xref, idx(heads), idx(tokens))
+        sym, meta = coder.quantize_block(sel)
+        layout = coder.block_meta_layout(tuple(sel.shape))
+        payload = sym.numpy().astype("<u2").tobytes() if bits == 16 else pack_bits(sym.numpy(), bits)
+        expected.append(meta_to_bytes(meta, layout) + payload)
+        decoded_ref.append(coder.dequantize_block(sym, meta, tuple(sel.shape)))
+    out = np.zeros(max(nbytes, 1), np.uint8)
+    symbuf = np.zeros(max(sym_nbytes, 1), np.uint8)
+    seen = K.encode_segments(xk, segs, index, out, symbuf, True, lut8)
+    assert out[:nbytes].tobytes() == b"".join(expected)
+    assert seen < 256
+    # not packed: each segment's raw symbols at its SEG_SYM offset, metadata as before
+    out2 = np.zeros_like(out)
+    symbuf2 = np.zeros_like(symbuf)
+    K.encode_segments(xk, segs, index, out2, symbuf2, False, lut8)
+    for s, (coder, bits, heads, tokens, _) in enumerate(plan):
+        m0, ml = segs[s, K.SEG_META], segs[s, K.SEG_META_LEN]
+        assert out2[m0 : m0 + ml].tobytes() == expected[s][:ml]
+        n = shape[0] * len(heads) * len(tokens) * d * (2 if bits == 16 else 1)
+        so = segs[s, K.SEG_SYM]
+        got = symbuf2[so : so + n]
+        want = expected[s][ml:] if bits == 16 else unpack_bits(expected[s][ml:], bits, n).tobytes()
+        assert got.tobytes() == want, s
+    for kind, odtype in OUT_KINDS:
+        ref_out = out_array(shape, kind)
+        for (coder, bits, heads, tokens, _), vals in zip(plan, decoded_ref):
+            ref_out[np.ix_(range(shape[0]), heads, tokens, range(d))] = (
+                vals.to(odtype).numpy() if kind == 0 else bits16(vals.to(odtype)))
+        for packed, data, sbuf in ((True, out, np.zeros_like(symbuf)), (False, out2, symbuf2.copy())):
+            got = out_array(shape, kind)
+            K.decode_segments(data, segs, index, luts, lut16, sbuf, packed, got, kind)
+            assert np.array_equal(got, ref_out), (kind, packed)
+
+
+# ----------------------------------------------------------------------------- CRC32
+
+
+@covers("crc32_update", "crc32_combine")
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 1000, 4099])
+def test_crc32_matches_zlib(n):
+    rng = np.random.default_rng(n)
+    a = rng.integers(0, 256, size=n).astype(np.uint8)
+    b = rng.integers(0, 256, size=(n * 7) % 61).astype(np.uint8)
+    for seed in (0, 0xFFFFFFFF, 0x12345678):
+        assert K.crc32_update(seed, a) == zlib.crc32(a.tobytes(), seed)
+    ca, cb = zlib.crc32(a.tobytes()), zlib.crc32(b.tobytes())
+    assert K.crc32_combine(ca, cb, b.size) == zlib.crc32(a.tobytes() + b.tobytes())
+    assert K.crc32_combine(ca, 0, 0) == ca
+
+
+@covers("warm_up")
+def test_warm_up_compiles_the_fast_path_kernels():
+    seconds = K.warm_up()
+    assert 0.0 <= seconds < 3600.0
+    for fn in (K.encode_segments, K.decode_segments, K.to_float32, K.store_output, K.hadamard_rows, K.delta_rows,
+               K.affine_fit, K.affine_rows, K.crc32_combine):
+        assert fn.signatures, fn.__name__
+    assert len(K.encode_segments.signatures) >= 2  # float32 and bfloat16-bits inputs
