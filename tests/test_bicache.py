@@ -459,6 +459,23 @@ def test_cli_profile_on_tiny_model(tiny_folder, tiny_data, tmp_path):
     assert bad.exit_code == 2 and "unknown codec" in bad.output
 
 
+@pytest.mark.parametrize("kind", ["missing", "empty folder", "file"])
+def test_cli_profile_with_a_bad_model_path_is_a_typed_error_and_leaves_no_run_folder(tmp_path, kind):
+    from typer.testing import CliRunner
+
+    from kvtune.bicache.cli import app
+
+    model = tmp_path / "model"
+    if kind == "empty folder":
+        model.mkdir()
+    elif kind == "file":
+        model.write_text("not a model")
+    res = CliRunner().invoke(app, ["profile", "--model", str(model), "--out", str(tmp_path / "p"), "--run", "r"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"--model {str(model)!r}" in out and "Traceback" not in out, (out, res.exception)
+    assert not (tmp_path / "p").exists()
+
+
 # ------------------------------------------------------------------------------ real encoder
 
 

@@ -59,6 +59,7 @@ from kvtune.bicache.workload import (
 )
 from kvtune.codecs import PolicyConfig
 from kvtune.errors import BiCacheError
+from kvtune.run.folder import open_run_folder
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
 
 __all__ = ["CODEC_POLICIES", "BiCacheResult", "BiCacheSettings", "compile_run_table", "mark_admissible",
@@ -208,13 +209,16 @@ def run_bicache_profile(
         :class:`BiCacheResult`.
 
     Raises:
-        BiCacheError, AssetError, DataError: bad settings, model or data.
+        BiCacheError, AssetError, DataError: bad settings, model or data (a run that fails
+            before writing its first file leaves no folder behind).
+        RunLockedError: another process is working on ``run_dir``.
     """
     threads_before = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(int(settings.threads))
     try:
-        return _run(settings, Path(run_dir), adapter, tokenizer, on_stage)
+        with open_run_folder(run_dir):
+            return _run(settings, Path(run_dir), adapter, tokenizer, on_stage)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -222,7 +226,6 @@ def run_bicache_profile(
 def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | None, tokenizer: Any,
          on_stage: Callable[[str], None]) -> BiCacheResult:
     t_start = time.perf_counter()
-    run_dir.mkdir(parents=True, exist_ok=True)
     if adapter is None:
         on_stage(f"loading encoder {settings.model}")
         adapter, tokenizer = load_encoder(settings.model, device=settings.device)

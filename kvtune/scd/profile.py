@@ -62,6 +62,7 @@ from kvtune.scd.methods import (
     prefix_context,
     ttft_seconds,
 )
+from kvtune.run.folder import open_run_folder
 from kvtune.scd.states import check_same_architecture
 
 REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
@@ -448,13 +449,19 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
         ModelLayoutError: the models differ in architecture or are not Llama-style.
         ConfigError: unknown optimizer, bad code bits or budget (before any model loads).
         KvtuneError: data too short, unknown preset, ...
+        RunLockedError: another process is working on ``out_dir``.
     """
-    from kvtune.tables.policy_table import compile_policy_table
-
     st = settings or SCDProfileSettings()
     _check_settings(st)
-    say = progress or (lambda _m: None)
-    out = Path(out_dir)
+    with open_run_folder(out_dir):
+        return _run_scd_locked(producer, consumer, Path(out_dir), st, progress or (lambda _m: None))
+
+
+def _run_scd_locked(producer: str | LoadedModel, consumer: str | LoadedModel, out: Path, st: SCDProfileSettings,
+                    say: Callable[[str], None]) -> SCDProfileResult:
+    """:func:`run_scd_profile` with its run folder locked."""
+    from kvtune.tables.policy_table import compile_policy_table
+
     t_start = time.perf_counter()
     prod = producer if isinstance(producer, LoadedModel) else load_model(producer, st.device)
     cons = consumer if isinstance(consumer, LoadedModel) else load_model(consumer, st.device)
@@ -493,7 +500,6 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
     results += search_scd(pair, scd_methods(cal, st), contexts, eval_cont, base_logits, st, say)
     trials = pd.DataFrame([trial_row(r) for r in results])
 
-    out.mkdir(parents=True, exist_ok=True)
     artifact_files = cal.save(out)
     model_name = f"{prod.name} -> {cons.name}"
     kv_bytes = float(trials["kv_bytes"].iloc[0])

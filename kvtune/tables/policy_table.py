@@ -1092,11 +1092,14 @@ class PolicyTable:
 
         Raises:
             TableError: workload mismatch, unknown key, or no configured floor >= ``q_min``.
-            KvtuneError: bandwidth is NaN or <= 0, or kv_bytes / slo_s not > 0.
+            KvtuneError: bandwidth is NaN or <= 0, q_min is NaN or negative, or kv_bytes /
+                slo_s not > 0.
         """
         bw = float(bandwidth_gbps)
         if not bw > 0:
             raise KvtuneError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps}")
+        if not float(q_min) >= 0:
+            raise KvtuneError(f"q_min must be a relative accuracy >= 0 (a fraction such as 0.97), got {q_min}")
         if workload is not None and workload != self._workload:
             raise TableError(
                 f"workload {workload!r} does not match the table's workload {self._workload!r} "
