@@ -14,6 +14,7 @@ and the report is ``<reports>/<run>.html``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import time
@@ -40,6 +41,7 @@ from kvtune.settings import ProfileSettings
 from kvtune.report.html import write_report
 from kvtune.space import load_space
 from kvtune.atomic import atomic_write_parquet, atomic_write_text
+from kvtune.run.loop import ask_tell
 from kvtune.run.folder import check_out_folder, check_run_name, open_run_folder
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import compile_policy_table
@@ -221,21 +223,18 @@ def _run_locked(settings: ProfileSettings, space, resume: bool, t_start: float, 
     fid = settings.search_fidelity
     searched = done.get(fid, {})
     optimizer = make_optimizer(settings.optimizer, space, seed=settings.seed, ratios=ratios)
-    for cand in space.candidates:
-        if cand.policy_id in searched:
-            optimizer.tell(cand, searched[cand.policy_id])
     budget = len(space) if settings.budget <= 0 else min(settings.budget, len(space))
     trial = sum(len(rows) for rows in done.values())
     on_stage(f"evaluate policies ({fid})", max(budget - len(searched), 0))
-    for _ in range(max(budget - len(searched), 0)):
-        cand = optimizer.ask()
-        if cand is None:
-            break
-        record = _record(trial, "search", cand, wl.evaluate(cand.config, fidelity=fid), ratios)
+
+    def on_record(record: dict[str, Any]) -> None:
         store.append(record)
-        optimizer.tell(cand, record)
-        trial += 1
         on_progress(1, info=_info(record))
+
+    numbers = itertools.count(trial)  # trial numbers continue those stored
+    trial += ask_tell(optimizer, space.candidates, budget=budget, done=searched, on_record=on_record,
+                      evaluate=lambda cand: _record(next(numbers), "search", cand,
+                                                    wl.evaluate(cand.config, fidelity=fid), ratios))
     t_search = time.perf_counter() - t_start - t_capture
 
     if settings.refine and fid != "full":

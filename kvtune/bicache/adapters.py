@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtune.bicache.state import PrefixState
+from kvtune.core.registry import Registry
 from kvtune.errors import BiCacheError, ModelLayoutError
 
 __all__ = ["ADAPTERS", "BertFamilyAdapter", "EncoderAdapter", "ReuseOutput", "load_encoder", "register_adapter"]
@@ -259,18 +260,13 @@ class BertFamilyAdapter(EncoderAdapter):
 
 
 #: ``config.model_type`` -> adapter class. Add a family with :func:`register_adapter`.
-ADAPTERS: dict[str, type[EncoderAdapter]] = {}
+ADAPTERS: Registry[type[EncoderAdapter]] = Registry("BiCache adapter (model_type)")
 
 
 def register_adapter(*model_types: str) -> Callable[[type[EncoderAdapter]], type[EncoderAdapter]]:
     """Class decorator: register an adapter for transformers ``model_type`` names."""
 
-    def deco(cls: type[EncoderAdapter]) -> type[EncoderAdapter]:
-        for mt in model_types:
-            ADAPTERS[mt] = cls
-        return cls
-
-    return deco
+    return ADAPTERS.decorator(*model_types)
 
 
 register_adapter("bert")(BertFamilyAdapter)

@@ -33,7 +33,6 @@ relative top-1 retrieval accuracy (point estimate, capped at 1.0 as in Sec. 6),
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvtune.core.ids import config_policy_id
 from kvtune.errors import TableError
 from kvtune.evaluate.metrics import report_relative_accuracy
 from kvtune.tables.envelope import lower_envelope
@@ -86,9 +86,9 @@ def min_bandwidth_gbps(compute_s: float, decode_s: float, wire_bytes: float, rec
 
 
 def bicache_policy_id(config: Mapping[str, Any]) -> str:
-    """12-hex id of a BiCache configuration (sha256 of its canonical JSON)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    """12-hex id of a BiCache configuration: :func:`kvtune.core.ids.config_policy_id` (sha256
+    of its canonical JSON)."""
+    return config_policy_id(config)
 
 
 def bicache_candidate(

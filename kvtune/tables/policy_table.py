@@ -77,6 +77,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune.errors import KvtuneError, TableError
+from kvtune.core.jsonio import dec_float, enc_float, strict_dumps
 from kvtune.atomic import atomic_path, atomic_write_text
 from kvtune.tables.envelope import lower_envelope
 from kvtune.tables.latency import (
@@ -157,21 +158,7 @@ _PARETO_REQUIRED = (
 # JSON helpers: finite floats as numbers, non-finite as strings, so files are strict JSON.
 
 
-def _enc_float(v: float) -> float | str:
-    v = float(v)
-    if math.isfinite(v):
-        return v
-    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-
-
-def _dec_float(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"{what}: expected a number, got {v!r}")
-    return float(v)
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, allow_nan=False)
+# (kvtune.core.jsonio: enc_float, dec_float, strict_dumps)
 
 
 def _json_value(v: Any) -> Any:
@@ -181,7 +168,7 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, (int, np.integer)):
         return int(v)
     if isinstance(v, (float, np.floating)):
-        return _enc_float(v)
+        return enc_float(v)
     if v is None:
         return None
     return str(v)
@@ -236,14 +223,14 @@ class PolicyEntry:
     def to_json_dict(self) -> dict[str, Any]:
         """Strict-JSON dict (non-finite floats as ``"inf"`` strings)."""
         out: dict[str, Any] = {c: getattr(self, c) for c in _POLICY_STR_COLUMNS}
-        out.update({c: _enc_float(getattr(self, c)) for c in _POLICY_FLOAT_COLUMNS})
+        out.update({c: enc_float(getattr(self, c)) for c in _POLICY_FLOAT_COLUMNS})
         return out
 
     @classmethod
     def from_json_dict(cls, d: Mapping[str, Any]) -> PolicyEntry:
         """Inverse of :meth:`to_json_dict`; raises ``KeyError``/``ValueError`` when malformed."""
         kwargs: dict[str, Any] = {c: str(d[c]) for c in _POLICY_STR_COLUMNS}
-        kwargs.update({c: _dec_float(d[c], c) for c in _POLICY_FLOAT_COLUMNS})
+        kwargs.update({c: dec_float(d[c], c) for c in _POLICY_FLOAT_COLUMNS})
         return cls(**kwargs)
 
 
@@ -605,8 +592,8 @@ def compile_policy_table(
                     "bandwidth_hi_gbps": float(x_s_per_gb_to_gbps(iv.x_lo)),
                     "bandwidth_lo_gbps": float(x_s_per_gb_to_gbps(iv.x_hi)),
                     **{c: getattr(e, c) for c in _POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS},
-                    "runners_up": _dumps([r.policy_id for r in runners]),
-                    "runner_up_policies": _dumps([r.to_json_dict() for r in runners]),
+                    "runners_up": strict_dumps([r.policy_id for r in runners]),
+                    "runner_up_policies": strict_dumps([r.to_json_dict() for r in runners]),
                 }
             )
     return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
@@ -829,7 +816,7 @@ class PolicyTable:
         self._frame = _validate_frame(frame, source)
         self._metadata = dict(metadata or {})
         try:
-            _dumps(self._metadata)
+            strict_dumps(self._metadata)
         except (TypeError, ValueError) as exc:
             raise _fail(source, f"metadata is not JSON-serializable: {exc}") from None
         kvb = self._metadata.get("kv_bytes_per_request")
@@ -959,10 +946,10 @@ class PolicyTable:
         def scale(js: str) -> str:
             pols = json.loads(js)
             for p in pols:
-                p["a_s_per_gb"] = _enc_float(_dec_float(p["a_s_per_gb"], "a_s_per_gb") / f)
+                p["a_s_per_gb"] = enc_float(dec_float(p["a_s_per_gb"], "a_s_per_gb") / f)
                 for c in ("encode_gbps", "decode_gbps", "threshold_gbps"):
-                    p[c] = _enc_float(_dec_float(p[c], c) * f)
-            return _dumps(pols)
+                    p[c] = enc_float(dec_float(p[c], c) * f)
+            return strict_dumps(pols)
 
         out["runner_up_policies"] = out["runner_up_policies"].map(scale)
         out["device"] = f"{self._device} x{f:g} codec speed (hypothetical)"
@@ -1173,7 +1160,7 @@ class PolicyTable:
 
         tbl = pa.Table.from_pandas(self._frame, preserve_index=False)
         meta = dict(tbl.schema.metadata or {})
-        meta[_PARQUET_META_KEY] = _dumps(self.metadata).encode()
+        meta[_PARQUET_META_KEY] = strict_dumps(self.metadata).encode()
         tbl = tbl.replace_schema_metadata(meta)
         with atomic_path(path) as tmp:
             pq.write_table(tbl, tmp)
@@ -1209,7 +1196,7 @@ class PolicyTable:
                     if c in _RUNNER_COLUMNS:
                         item[c] = json.loads(v)
                     elif c in _FLOAT_COLUMNS:
-                        item[c] = _enc_float(v)
+                        item[c] = enc_float(v)
                     else:
                         item[c] = _json_value(v)
                 intervals.append(item)
@@ -1337,10 +1324,10 @@ def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]
             }
             for c, v in item.items():
                 if c in _RUNNER_COLUMNS:
-                    row[c] = _dumps(v)
+                    row[c] = strict_dumps(v)
                 elif c in _FLOAT_COLUMNS:
                     try:
-                        row[c] = _dec_float(v, c)
+                        row[c] = dec_float(v, c)
                     except ValueError as exc:
                         raise _fail(src, str(exc)) from None
                 else:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvtune.core.jsonio import enc_float
 from kvtune.errors import KvtuneError
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable, compile_policy_table
 
@@ -142,6 +143,33 @@ def load_run_table(
         table = PolicyTable.load(stored)
         missing = {k: v for k, v in meta.items() if k not in table.metadata["extra"]}
         return table.with_metadata(**missing) if missing else table
+    return run_method(info, run_dir).compile_table(run_dir, info, floors)
+
+
+def run_method(info: dict[str, Any], run_dir: Path) -> Any:
+    """The registered :class:`~kvtune.run.method.Method` of a run (``run.json``'s ``method``;
+    runs written before methods were recorded are ``tqc``).
+
+    Raises:
+        KvtuneError: an unknown method (the message names the file and the known methods).
+    """
+    from kvtune.methods import METHODS
+
+    name = info.get("method") or "tqc"
+    if not isinstance(name, str) or name not in METHODS:
+        raise KvtuneError(f"{run_dir / 'run.json'}: unknown method {name!r}; known: {METHODS.known()}")
+    return METHODS[name]
+
+
+def compile_tqc_run_table(run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None) -> PolicyTable:
+    """The T/Q/C table of a run compiled again from ``pareto.parquet`` (or, if that is missing,
+    the Pareto front of ``trials.parquet``), gated by :func:`interval_gate`.
+
+    Raises:
+        KvtuneError: neither file exists, or one cannot be read (the message names it).
+        TableError: see :func:`~kvtune.tables.policy_table.compile_policy_table`.
+    """
+    meta = run_table_metadata(run_dir, info)
     settings = info.get("settings") or {}
     use_floors = tuple(floors) if floors is not None else tuple(settings.get("floors") or DEFAULT_FLOORS)
     if (run_dir / "pareto.parquet").is_file():
@@ -218,8 +246,6 @@ def resolve_table(spec: str | os.PathLike[str]) -> PolicyTable:
 def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
     """A JSON-ready summary of a :class:`~kvtune.tables.policy_table.SelectedPolicy`
     (``kvtune select --json``): chosen policy, predicted seconds, B*, interval, candidates."""
-    from kvtune.tables.policy_table import _enc_float
-
     return {
         "policy_id": sel.policy_id,
         "method": sel.method,
@@ -228,13 +254,13 @@ def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
         "accuracy_floor": sel.accuracy_floor,
         "q_min": sel.q_min,
         "key": sel.key,
-        "bandwidth_gbps": _enc_float(sel.bandwidth_gbps),
-        "interval_gbps": [_enc_float(sel.bandwidth_lo_gbps), _enc_float(sel.bandwidth_hi_gbps)],
+        "bandwidth_gbps": enc_float(sel.bandwidth_gbps),
+        "interval_gbps": [enc_float(sel.bandwidth_lo_gbps), enc_float(sel.bandwidth_hi_gbps)],
         "kv_bytes": sel.kv_bytes,
         "kv_bytes_source": volume_source,
         "predicted_s": sel.predicted_seconds,
         "uncompressed_s": sel.uncompressed_seconds,
-        "threshold_gbps": _enc_float(sel.threshold_gbps),
+        "threshold_gbps": enc_float(sel.threshold_gbps),
         "slo_s": sel.slo_s,
         "slo_violated": sel.slo_violated,
         "candidates": [
@@ -242,7 +268,7 @@ def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
                 "policy_id": c.policy_id,
                 "label": c.policy.label,
                 "predicted_s": c.predicted_s,
-                "threshold_gbps": _enc_float(c.policy.threshold_gbps),
+                "threshold_gbps": enc_float(c.policy.threshold_gbps),
                 "status": c.status,
             }
             for c in sel.candidates
