@@ -59,7 +59,8 @@ from kvtune.bicache.workload import (
 from kvtune.codecs import PolicyConfig
 from kvtune.core.jsonio import jsonable, plain, strict_dumps
 from kvtune.core.registry import Registry
-from kvtune.errors import BiCacheError
+from kvtune.errors import BiCacheError, KvtuneError
+from kvtune.run.settings import RunSettings
 from kvtune.run.folder import open_run_folder
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
@@ -79,7 +80,7 @@ CODEC_POLICIES: Registry[Callable[[], PolicyConfig]] = Registry("BiCache codec p
 
 
 @dataclass(frozen=True, kw_only=True)
-class BiCacheSettings:
+class BiCacheSettings(RunSettings):
     """Everything a BiCache profile depends on (versioned; round-trips through JSON).
 
     Attributes:
@@ -144,24 +145,24 @@ class BiCacheSettings:
         object.__setattr__(self, "table_floors", tuple(float(f) for f in self.table_floors))
         object.__setattr__(self, "floors", {str(k): float(v) for k, v in dict(self.floors).items()})
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (:meth:`from_dict` inverts it)."""
-        d = dataclasses.asdict(self)
-        d["floors"] = dict(self.floors)
-        return d
-
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BiCacheSettings:
-        """Build from :meth:`to_dict` output; unknown keys raise :class:`BiCacheError`."""
+        """Build from :meth:`to_dict` output (:meth:`RunSettings.from_dict`, a missing version
+        read as 1).
+
+        Raises:
+            BiCacheError: unknown keys, a value of the wrong type, or invalid settings.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         extra = set(d) - names
         if extra:
             raise BiCacheError(f"unknown BiCache setting(s) {sorted(extra)}")
-        kw = dict(d)
-        for k in ("buckets", "depths", "codecs", "table_floors"):
-            if k in kw and kw[k] is not None:
-                kw[k] = tuple(kw[k])
-        return cls(**kw)
+        try:
+            return super().from_dict({"version": SETTINGS_VERSION, **d})
+        except BiCacheError:
+            raise
+        except KvtuneError as exc:
+            raise BiCacheError(f"BiCache {exc}") from None
 
 
 @dataclass(frozen=True)

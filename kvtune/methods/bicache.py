@@ -18,15 +18,17 @@ def _profile(req: ProfileRequest) -> Path:
     from kvtune.run.settings import parse_overrides
     from kvtune.tables.run import read_run_info
 
+    reports = req.reports
     if req.resume is not None:
-        settings = BiCacheSettings.from_dict(read_run_info(req.resume).get("settings") or {})
-        run_dir = req.resume
+        info = read_run_info(req.resume)
+        settings = BiCacheSettings.from_dict(info.get("settings") or {})
+        run_dir, reports = req.resume, info.get("reports") or reports
     else:
         overrides = {"seed": req.seed, "device": "cpu" if req.device == "auto" else req.device,
                      **({"model": req.model} if req.model else {}), **parse_overrides(BiCacheSettings, req.options)}
         settings = BiCacheSettings(**overrides)
         run_dir = req.out / check_run_name(req.run or f"bicache-{Path(settings.model).name}")
-    run_bicache_profile(settings, run_dir, on_stage=req.say, reports=req.reports)
+    run_bicache_profile(settings, run_dir, on_stage=req.say, reports=reports, resume=req.resume is not None)
     return run_dir
 
 

@@ -20,8 +20,10 @@ def _profile(req: ProfileRequest) -> Path:
     from kvtune.scd import ConsumerRecipe, make_consumer, run_scd_profile
     from kvtune.tables.run import read_run_info
 
+    reports = req.reports
     if req.resume is not None:
         info = read_run_info(req.resume)
+        reports = info.get("reports") or reports
         settings = SCDProfileSettings.from_dict(info.get("settings") or {})
         producer, consumer, run_dir = info["producer_spec"], info["consumer_spec"], req.resume
     else:
@@ -33,7 +35,7 @@ def _profile(req: ProfileRequest) -> Path:
         req.say("consumer: LoRA fine-tune of the producer (cached after the first run)")
         consumer = str(make_consumer(ConsumerRecipe(producer=producer), device=settings.device).path)
     run_scd_profile(producer, consumer, run_dir, settings=settings, progress=req.say, resume=req.resume is not None,
-                    reports=req.reports)
+                    reports=reports)
     return run_dir
 
 

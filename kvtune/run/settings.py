@@ -18,7 +18,10 @@ __all__ = ["RunSettings", "parse_overrides", "same_type"]
 def same_type(value: Any, default: Any) -> bool:
     """Whether a stored settings value has the type of the field's default (a list of
     numbers for a tuple of numbers, a list of strings for a tuple of strings; bools and
-    numbers are not interchangeable; an int is accepted for a float)."""
+    numbers are not interchangeable; an int is accepted for a float; a field whose default is
+    None takes any value its class checks itself)."""
+    if default is None:
+        return True
     if isinstance(default, tuple):
         if not isinstance(value, (list, tuple)):
             return False
@@ -34,7 +37,7 @@ def same_type(value: Any, default: Any) -> bool:
     return isinstance(value, type(default))
 
 
-_WANT = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list",
+_WANT = {bool: "true or false", int: "an integer", float: "a number", str: "a string", tuple: "a list of numbers",
          dict: "an object"}
 
 
@@ -70,7 +73,7 @@ class RunSettings:
         for f in dataclasses.fields(cls):
             default = _default(f)
             if f.name in d and not same_type(d[f.name], default):
-                raise KvtuneError(f"{what}: {f.name} = {d[f.name]!r} is not {_WANT.get(type(default), 'valid')}")
+                raise KvtuneError(f"{what}: {f.name} = {d[f.name]!r} is not {_want(default)}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]):
@@ -84,6 +87,13 @@ class RunSettings:
                   for f in dataclasses.fields(cls) if f.name in d}
         kwargs["version"] = cls.VERSION
         return cls(**kwargs)
+
+
+def _want(default: Any) -> str:
+    """What a value of ``default``'s type is, for messages."""
+    if isinstance(default, tuple) and default and all(isinstance(v, str) for v in default):
+        return "a list of strings"
+    return _WANT.get(type(default), "a valid value")
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -113,7 +123,7 @@ def parse_overrides(cls: type, options: Mapping[str, str]) -> dict[str, Any]:
         try:
             value = _parse(text, default)
         except ValueError:
-            raise KvtuneError(f"--set {name}={text}: expected {_WANT.get(type(default), 'a value')}") from None
+            raise KvtuneError(f"--set {name}={text}: expected {_want(default)}") from None
         out[name] = value
     return out
 
