@@ -276,17 +276,27 @@ def test_tiny_gemma_is_rejected(tiny_gemma_dir):
         capture_states(lm, [2, 3, 4])
 
 
-def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
-    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+def _tiny_pair_run(tiny_lm, tmp_path, **settings):
+    """A consumer perturbed from ``tiny_lm``, domain data and small SCD settings (``settings``
+    override them)."""
+    from kvtune.scd.profile import SCDProfileSettings
 
     rng = np.random.default_rng(0)
     data = tmp_path / "docs.jsonl"
     data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 200, 120))})
                               for _ in range(60)))
     consumer = _finetuned(tiny_lm, seed=4, scale=0.2)
-    st = SCDProfileSettings(data=str(data), calib_windows=4, calib_tokens=32, contexts=4, context_tokens=32,
-                            continuation_tokens=8, profile_contexts=2, ranks=(8, 64), patch_counts=(0, 1),
-                            droidspeak_lengths=(1,), tqc_presets=("kivi-4",))
+    st = SCDProfileSettings(**{"data": str(data), "calib_windows": 4, "calib_tokens": 32, "contexts": 4,
+                               "context_tokens": 32, "continuation_tokens": 8, "profile_contexts": 2,
+                               "ranks": (8, 64), "patch_counts": (0, 1), "droidspeak_lengths": (1,),
+                               "tqc_presets": ("kivi-4",), **settings})
+    return consumer, st
+
+
+def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
+    from kvtune.scd.profile import run_scd_profile
+
+    consumer, st = _tiny_pair_run(tiny_lm, tmp_path)
     res = run_scd_profile(tiny_lm, consumer, tmp_path / "run", settings=st)
     methods = set(res.trials["method"])
     assert methods == {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
@@ -437,14 +447,7 @@ def test_scd_run_resumes_after_a_kill_and_its_folder_answers_select_export_repor
     from kvtune.cli import app
     from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
 
-    rng = np.random.default_rng(0)
-    data = tmp_path / "docs.jsonl"
-    data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 200, 120))})
-                              for _ in range(60)))
-    consumer = _finetuned(tiny_lm, seed=4, scale=0.2)
-    st = SCDProfileSettings(data=str(data), calib_windows=4, calib_tokens=32, contexts=4, context_tokens=32,
-                            continuation_tokens=8, profile_contexts=2, ranks=(8, 64), patch_counts=(0, 1),
-                            droidspeak_lengths=(1,), tqc_presets=("kivi-4",), optimizer="random", budget=3)
+    consumer, st = _tiny_pair_run(tiny_lm, tmp_path, optimizer="random", budget=3)
     assert SCDProfileSettings.from_dict(json.loads(json.dumps(st.to_dict()))) == st
     run = tmp_path / "profiles" / "scd-tiny"
     seen = []
