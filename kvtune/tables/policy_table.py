@@ -101,6 +101,7 @@ __all__ = [
     "PolicyTable",
     "SelectedPolicy",
     "compile_policy_table",
+    "envelope_rows",
 ]
 
 SCHEMA_VERSION = 1
@@ -567,24 +568,64 @@ def compile_policy_table(
         raise TableError(f"cannot compile policy table: key must be a string, got {key!r}")
     entries = [_none_entry()] if include_none else []
     entries += _candidate_entries(pareto)
-    a = np.array([e.a_s_per_gb for e in entries])
-    b = np.array([e.b for e in entries])
-    acc = _gate_values(pareto, entries, gate)
+    always = (np.arange(len(entries)) == 0) & include_none
+    rows = envelope_rows(entries, _gate_values(pareto, entries, gate), fl, always=always, key=key,
+                         header={"schema_version": SCHEMA_VERSION, "model": model, "workload": workload,
+                                 "device": device}, n_runners_up=n_runners_up)
+    return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
+
+
+def envelope_rows(
+    entries: Sequence[PolicyEntry],
+    gate: np.ndarray,
+    floors: Sequence[float],
+    *,
+    header: Mapping[str, Any],
+    key: str = DEFAULT_KEY,
+    always: np.ndarray | None = None,
+    extras: Sequence[Mapping[str, Any]] | None = None,
+    n_runners_up: int = 2,
+    tolerance: float = 0.0,
+) -> list[dict[str, Any]]:
+    """The floor -> lower envelope -> table rows loop every policy table is compiled with
+    (KVServe piecewise table; T/Q/C, SCD and BiCache tables alike).
+
+    For each floor, the candidates are the entries whose ``gate`` value is at least
+    ``floor - tolerance`` (plus those marked ``always``); the rows are the intervals of the
+    lower envelope of ``a + b * x`` over ``x = 1/B`` s/GB, each with its runners-up. Identical
+    lines resolve to the lowest entry index, so order ``entries`` by preference.
+
+    Args:
+        entries: candidate policies (with their line ``a_s_per_gb``, ``b``).
+        gate: per entry, the value compared with the floors (fraction).
+        floors: accuracy floors, in the order the rows are wanted.
+        header: columns copied into every row (``schema_version``, ``model``, ...).
+        key: the extra table key of the rows.
+        always: per entry, admitted at every floor (the implicit ``"none"``, BiCache's depth 0).
+        extras: per entry, extra columns added to its rows.
+        n_runners_up: next-best policies listed per interval.
+        tolerance: slack of the floor comparison.
+
+    Raises:
+        TableError: no entry is admitted at some floor.
+    """
+    a = np.array([e.a_s_per_gb for e in entries], dtype=np.float64)
+    b = np.array([e.b for e in entries], dtype=np.float64)
+    gate = np.asarray(gate, dtype=np.float64)
+    always = np.zeros(len(entries), dtype=bool) if always is None else np.asarray(always, dtype=bool)
     rows: list[dict[str, Any]] = []
-    for floor in fl:
-        sel = np.flatnonzero((acc >= floor) | ((np.arange(len(entries)) == 0) & include_none))
+    for floor in floors:
+        sel = np.flatnonzero((gate >= floor - tolerance) | always)
         if not len(sel):
             raise TableError(f"cannot compile policy table: no policy reaches accuracy floor {floor} "
                              "(and include_none is False)")
         for iv in lower_envelope(a[sel], b[sel], n_runners_up=n_runners_up):
-            e = entries[int(sel[iv.index])]
+            i = int(sel[iv.index])
+            e = entries[i]
             runners = [entries[int(sel[r])] for r in iv.runners_up]
             rows.append(
                 {
-                    "schema_version": SCHEMA_VERSION,
-                    "model": model,
-                    "workload": workload,
-                    "device": device,
+                    **header,
                     "accuracy_floor": floor,
                     "key": key,
                     "x_lo_s_per_gb": iv.x_lo,
@@ -594,9 +635,10 @@ def compile_policy_table(
                     **{c: getattr(e, c) for c in _POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS},
                     "runners_up": strict_dumps([r.policy_id for r in runners]),
                     "runner_up_policies": strict_dumps([r.to_json_dict() for r in runners]),
+                    **(extras[i] if extras is not None else {}),
                 }
             )
-    return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
