@@ -404,3 +404,42 @@ def test_run_holds_its_folder_lock_and_resumes_after_a_kill_without_repeating_or
     trials = pd.read_parquet(run / "trials.parquet")
     assert trials["policy_id"].tolist()[:3] == first["policy_id"].tolist()
     assert len(trials) == 6 and trials["policy_id"].is_unique and trials["trial"].tolist() == list(range(6))
+
+
+def test_a_run_killed_with_sigkill_resumes_without_repeating_or_losing_trials(tmp_path, tiny_model_dir, tiny_text):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "profiles" / "tiny"
+    args = [sys.executable, "-m", "kvtune.cli", "profile", "--model", str(tiny_model_dir), "--text", str(tiny_text),
+            "--contexts", "3", "--context-tokens", "48", "--continuation-tokens", "8", "--budget", "8",
+            "--device", "cpu", "--no-refine", "--out", str(tmp_path / "profiles"), "--reports",
+            str(tmp_path / "reports"), "--run", "tiny"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = run / "trials.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and len(log.read_bytes().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = []
+    for line in log.read_bytes().splitlines():
+        try:
+            before.append(json.loads(line)["policy_id"])
+        except ValueError:  # a line the kill cut short: dropped on resume
+            pass
+    assert len(before) >= 2
+    res = runner.invoke(app, ["profile", "--resume", str(run)])  # the kernel released the lock
+    assert res.exit_code == 0, res.output
+    trials = pd.read_parquet(run / "trials.parquet")
+    ids = trials["policy_id"].tolist()
+    assert len(ids) == 8 and len(set(ids)) == 8 and ids[:len(before)] == before
+    assert trials["trial"].tolist() == list(range(8))
+    assert not list(run.glob(".*.tmp"))
