@@ -63,24 +63,45 @@ def profile(
     resume: Optional[Path] = typer.Option(None, help="Continue an interrupted run folder; its saved settings are used."),
     device: str = typer.Option(_D.device, help="auto (CUDA when present), cpu or cuda."),
     seed: int = typer.Option(_D.seed, help="Seed for the search order."),
-    method: str = typer.Option("tqc", help="tqc: KV compression search (this command's options); "
-                                           "scd: cross-model KV transfer; bicache: shared-prefix reuse depth. "
-                                           "Full options of the last two: kvtune scd / kvtune bicache."),
+    method: str = typer.Option("tqc", help="A registered method: tqc (KV compression search, this command's "
+                                           "options), scd (cross-model KV transfer), bicache (shared-prefix reuse "
+                                           "depth). --model/--out/--reports/--run/--resume/--device/--seed apply "
+                                           "to every method; the others' settings via --set."),
+    set_: list[str] = typer.Option([], "--set", help="A setting of the method as name=value (repeatable), e.g. "
+                                                     "--set budget=8 --set ranks=32,64; names: the method's settings."),
 ) -> None:
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
+    from kvtune.methods import METHODS
     from kvtune.profile import load_settings, run_profile
+    from kvtune.run.method import ProfileRequest
 
+    try:
+        if resume is not None:  # the run folder says which method it is
+            from kvtune.tables.run import read_run_info, run_method
+
+            method = run_method(read_run_info(resume), resume).name
+        if method not in METHODS:
+            raise KvtuneError(f"unknown --method {method!r}; known: {METHODS.known()}")
+        options = _set_options(set_)
+    except KvtuneError as exc:
+        _fail(exc)
+        return
     if method != "tqc":
-        if method not in _METHOD_PROFILES:
-            _fail(KvtuneError(f"unknown --method {method!r}; known: tqc, {', '.join(sorted(_METHOD_PROFILES))}"))
         try:
-            _METHOD_PROFILES[method](model=None if model == _D.model else model, out=out, run=run, device=device,
-                                     seed=seed)
+            with _progress_hooks() as (on_stage, on_progress):
+                run_dir = METHODS[method].profile(ProfileRequest(
+                    model=None if model == _D.model else model, out=out, reports=reports, run=run, resume=resume,
+                    device=device, seed=seed, options=options, on_stage=on_stage, on_progress=on_progress,
+                    say=lambda m: console.print(m, markup=False)))
         except KvtuneError as exc:
             _fail(exc)
+            return
+        console.print(f"run folder: {run_dir}", markup=False)
         return
     try:
+        if options:
+            raise KvtuneError("--set is for the settings of --method scd/bicache; tqc has its own options")
         if resume is not None:
             settings = load_settings(resume)
             settings.out, settings.run = str(resume.parent), resume.name
@@ -100,34 +121,21 @@ def profile(
     _print_summary(result)
 
 
-def _profile_bicache(*, model: str | None, out: Path, run: str, device: str, seed: int) -> None:
-    """``kvtune profile --method bicache``: BiCache defaults (all-MiniLM-L6-v2, NarrativeQA)."""
-    from kvtune.bicache.api import BiCacheSettings, run_bicache_profile
+def _set_options(pairs: list[str]) -> dict[str, str]:
+    """``--set name=value`` pairs as a dict.
 
-    bs = BiCacheSettings(seed=seed, device="cpu" if device == "auto" else device,
-                         **({"model": model} if model else {}))
-    result = run_bicache_profile(bs, out / (run or f"bicache-{Path(bs.model).name}"),
-                                 on_stage=lambda m: console.print(m, markup=False))
-    console.print((result.run_dir / "summary.md").read_text(encoding="utf-8"), markup=False)
-
-
-def _profile_scd(*, model: str | None, out: Path, run: str, device: str, seed: int) -> None:
-    """``kvtune profile --method scd``: producer ``--model`` (default SmolLM2), the consumer that
-    ``kvtune scd make-consumer`` builds from it (created and cached on first use), SCD defaults."""
-    from kvtune.scd import ConsumerRecipe, SCDProfileSettings, make_consumer, run_scd_profile
-
-    producer = model or _D.model
-    console.print("consumer: LoRA fine-tune of the producer (cached after the first run)", markup=False)
-    consumer = make_consumer(ConsumerRecipe(producer=producer), device="cpu" if device == "auto" else device)
-    run_dir = out / (run or f"scd-{Path(producer).stem}")
-    res = run_scd_profile(producer, str(consumer.path), run_dir, settings=SCDProfileSettings(device=device),
-                          progress=lambda m: console.print(m, markup=False))
-    console.print((run_dir / "scd_summary.md").read_text(encoding="utf-8"), markup=False)
-    console.print(f"table: {res.paths['table']}", markup=False)
-
-
-_METHOD_PROFILES = {"bicache": _profile_bicache, "scd": _profile_scd}
-"""``--method`` values other than ``tqc``: each runs its own profiler with its defaults."""
+    Raises:
+        KvtuneError: a pair without ``=`` or a name given twice.
+    """
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not name.strip():
+            raise KvtuneError(f"--set {pair!r}: expected name=value, e.g. --set budget=8")
+        if name.strip() in out:
+            raise KvtuneError(f"--set {name.strip()} is given twice")
+        out[name.strip()] = value.strip()
+    return out
 
 
 @contextlib.contextmanager
@@ -191,13 +199,20 @@ def _print_summary(result) -> None:
 def report(run_dir: Path = typer.Argument(..., help="A run folder, e.g. profiles/<run>.")) -> None:
     """Rebuild a run's Pareto front, policy tables and HTML report from its stored trials."""
     from kvtune.profile import finalize_run
+    from kvtune.tables.run import read_run_info, run_method
 
     try:
-        result = finalize_run(run_dir)
+        method = run_method(read_run_info(run_dir), run_dir) if run_dir.is_dir() else None
+        if method is not None and method.name != "tqc":
+            files = method.finalize(run_dir)
+        else:
+            _print_summary(finalize_run(run_dir))
+            return
     except KvtuneError as exc:
         _fail(exc)
         return
-    _print_summary(result)
+    for name, path in files.items():
+        console.print(f"  {name:<18} {path}", markup=False)
 
 
 @app.command()

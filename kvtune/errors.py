@@ -59,3 +59,17 @@ class BiCacheError(KvtuneError):
     """A BiCache (shared-prefix reuse) request is invalid: a reuse depth outside ``0..L``, a
     cached prefix state that belongs to another prefix or covers fewer layers, an unsupported
     encoder family, or a malformed prefix-state payload."""
+
+
+class RunFolderError(KvtuneError):
+    """A run folder cannot be used: its name is not a single safe path component, ``--out``
+    names a file, or the folder is not a kvtune run folder."""
+
+
+class RunLockedError(RunFolderError):
+    """Another live kvtune process holds the run folder's lock (its pid is in the message)."""
+
+
+class RegistryError(KvtuneError):
+    """A registry lookup or registration failed: an unknown name (the message lists the known
+    ones) or a name registered twice."""

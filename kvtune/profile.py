@@ -14,6 +14,7 @@ and the report is ``<reports>/<run>.html``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import time
@@ -29,7 +30,9 @@ from kvtune import __version__
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
 from kvtune.evaluate.metrics import spearman
-from kvtune.evaluate.workloads import FIDELITIES, PROMPT_FORMATS, make_workload, workload_sample_counts
+from kvtune.assets import read_texts
+from kvtune.evaluate.workloads import FIDELITIES, PROMPT_FORMATS, WORKLOADS, make_workload, workload_sample_counts
+from kvtune.evaluate.workloads.data import resolve_data
 from kvtune.evaluate.model import KV_DTYPES, load_model, resolve_device
 from kvtune.evaluate.ratio import estimate_ratios
 from kvtune.optimize import OPTIMIZERS, make_optimizer
@@ -38,9 +41,11 @@ from kvtune.settings import ProfileSettings
 from kvtune.report.html import write_report
 from kvtune.space import load_space
 from kvtune.atomic import atomic_write_parquet, atomic_write_text
+from kvtune.run.loop import ask_tell
+from kvtune.run.folder import check_out_folder, check_run_name, open_run_folder
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import compile_policy_table
-from kvtune.tables.run import _read_run_info, run_table_metadata
+from kvtune.tables.run import interval_gate, read_run_info, run_table_metadata
 
 @dataclass
 class ProfileResult:
@@ -69,7 +74,7 @@ def load_settings(run_dir: Path) -> ProfileSettings:
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise KvtuneError(f"--resume {run_dir}: no run.json there; is it a kvtune run folder?")
-    return _run_settings(_read_run_info(Path(run_dir)), path)
+    return _run_settings(read_run_info(Path(run_dir)), path)
 
 
 def _run_settings(run_info: dict[str, Any], path: Path) -> ProfileSettings:
@@ -115,10 +120,14 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     Raises:
         KvtuneError (and subclasses): bad settings, assets, data, spaces or models. Settings
             (fidelity, optimizer, ``kv_dtype``, ``prompt_format``, ``device``, workload and
-            sample counts) and the space are checked before the model loads; the run folder
-            is created only when its first file is written.
+            sample counts), the space, ``--text``/``--data``, the run name and the ``--out``
+            and ``--reports`` folders are checked before the model loads; a run that fails
+            before writing its first file leaves no folder behind.
+        RunLockedError: another process is working on the run folder.
     """
-    settings.run = settings.run or default_run_name(settings)
+    settings.run = check_run_name(settings.run or default_run_name(settings))
+    check_out_folder(settings.out, "--out")
+    check_out_folder(settings.reports, "--reports")
     run_dir = settings.run_dir
     if not resume and (run_dir / TrialStore.LOG).exists():
         raise KvtuneError(f"run folder {run_dir} already has trials; use --resume {run_dir} or another --run name")
@@ -134,11 +143,57 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     torch.manual_seed(settings.seed)
     t_start = time.perf_counter()
     space = load_space(settings.space)
-    # the run folder appears with its first file (calibration.json or run.json), so a run
-    # rejected before that (bad settings, model, data) leaves no empty folder behind
-    done = _done_by_fidelity(TrialStore(run_dir).load()) if (run_dir / TrialStore.LOG).exists() else {}
-
     n_full, _ = workload_sample_counts(settings.workload, settings)  # bad workload/sizes: fail before loading
+    check_workload_inputs(settings, n_full)
+    with open_run_folder(run_dir):
+        return _run_locked(settings, space, resume, t_start, on_stage, on_progress)
+
+
+#: At most this many special tokens start every context (Gemma's ``<bos>``; see
+#: :func:`kvtune.evaluate.capture.build_contexts`).
+MAX_START_TOKENS = 4
+
+
+def check_workload_inputs(settings: ProfileSettings, n_full: int) -> None:
+    """Check ``--text`` / ``--data`` and the context sizes before the model loads.
+
+    Workloads with data ``fields`` (qa, boolq, summarize) read and validate their dataset;
+    the others read their ``--text`` documents. For ``continuation``, the text must hold
+    ``n_full`` windows of ``context_tokens + continuation_tokens`` tokens; no tokenizer yields
+    more tokens than the text has UTF-8 bytes, so too little text is found here already (the
+    exact count is checked again once the tokenizer is loaded).
+
+    Raises:
+        AssetError, DataError: missing or unreadable text / data.
+        KvtuneError: the text is certainly too short for the requested contexts.
+    """
+    cls = WORKLOADS[settings.workload]
+    fields = getattr(cls, "fields", None)
+    if fields is not None:
+        resolve_data(settings.data or cls.default_data, fields, workload=cls.name)
+        return
+    docs = read_texts(settings.text)
+    if cls.name != "continuation":
+        return
+    upper = sum(len(t.encode("utf-8")) for _, t in docs) + len(docs)  # + one separator per document
+    window = settings.context_tokens + settings.continuation_tokens - MAX_START_TOKENS
+    if upper < n_full * window:
+        raise KvtuneError(
+            f"--context-tokens {settings.context_tokens}: the text {settings.text!r} has at most {upper} tokens, "
+            f"fewer than {n_full} contexts x {settings.context_tokens + settings.continuation_tokens} tokens; "
+            "use fewer or shorter contexts, or more text")
+
+
+def _run_locked(settings: ProfileSettings, space, resume: bool, t_start: float, on_stage: Hook,
+                on_progress: Hook) -> ProfileResult:
+    """The part of :func:`run_profile` that runs while the run folder is locked (the trials
+    are read under the lock, so no other process appends to them meanwhile)."""
+    run_dir = settings.run_dir
+    log_exists = (run_dir / TrialStore.LOG).exists()
+    if not resume and log_exists:
+        raise KvtuneError(f"run folder {run_dir} already has trials; use --resume {run_dir} or another --run name")
+    done = _done_by_fidelity(TrialStore(run_dir).load()) if log_exists else {}
+    n_full, _ = workload_sample_counts(settings.workload, settings)
     on_stage("load model", 1)
     lm = load_model(settings.model, settings.device)
     on_progress(1)
@@ -168,21 +223,18 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     fid = settings.search_fidelity
     searched = done.get(fid, {})
     optimizer = make_optimizer(settings.optimizer, space, seed=settings.seed, ratios=ratios)
-    for cand in space.candidates:
-        if cand.policy_id in searched:
-            optimizer.tell(cand, searched[cand.policy_id])
     budget = len(space) if settings.budget <= 0 else min(settings.budget, len(space))
     trial = sum(len(rows) for rows in done.values())
     on_stage(f"evaluate policies ({fid})", max(budget - len(searched), 0))
-    for _ in range(max(budget - len(searched), 0)):
-        cand = optimizer.ask()
-        if cand is None:
-            break
-        record = _record(trial, "search", cand, wl.evaluate(cand.config, fidelity=fid), ratios)
+
+    def on_record(record: dict[str, Any]) -> None:
         store.append(record)
-        optimizer.tell(cand, record)
-        trial += 1
         on_progress(1, info=_info(record))
+
+    numbers = itertools.count(trial)  # trial numbers continue those stored
+    trial += ask_tell(optimizer, space.candidates, budget=budget, done=searched, on_record=on_record,
+                      evaluate=lambda cand: _record(next(numbers), "search", cand,
+                                                    wl.evaluate(cand.config, fidelity=fid), ratios))
     t_search = time.perf_counter() - t_start - t_capture
 
     if settings.refine and fid != "full":
@@ -359,8 +411,27 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
             the file.
     """
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise KvtuneError(f"{run_dir}: not a folder (expected a run folder such as profiles/<run>)")
+    with open_run_folder(run_dir, create=False):
+        return _finalize_locked(run_dir, run_info)
+
+
+def stored_trial_count(path: Path) -> int:
+    """Rows of a stored ``trials.parquet`` (0 when it is missing or unreadable)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except Exception:  # missing, truncated or not Parquet: nothing good to keep
+        return 0
+
+
+def _finalize_locked(run_dir: Path, run_info: dict[str, Any] | None) -> ProfileResult:
+    """:func:`finalize_run` with the folder locked: everything is derived and checked in
+    memory first; files are written only when all of it succeeded."""
     if run_info is None:
-        run_info = _read_run_info(run_dir)
+        run_info = read_run_info(run_dir)
     settings = _run_settings(run_info, run_dir / "run.json")
     store = TrialStore(run_dir)
     trials = store.frame()
@@ -368,7 +439,6 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
         raise KvtuneError(f"{run_dir}: no finished trials yet")
     check_trials(trials, store.log_path)
     model_info = run_info.get("model_info")
-    files = {"run": run_dir / "run.json", "trials": store.write_table(trials)}
     try:
         searched, final, fidelity_info = split_fidelities(trials, settings.search_fidelity)
         pareto = pareto_front(final)
@@ -377,11 +447,16 @@ def finalize_run(run_dir: Path, *, run_info: dict[str, Any] | None = None) -> Pr
                                      device=str((model_info if isinstance(model_info, dict) else {}).get("device")
                                                 or "cpu"),
                                      metadata=run_table_metadata(run_dir, run_info),
-                                     gate="relative_accuracy_lo" if "relative_accuracy_lo" in pareto else "relative_accuracy")
+                                     gate=interval_gate(pareto, run_info))
     except KeyError as exc:
         raise KvtuneError(f"{store.log_path}: trial records lack column {exc}") from None
     except KvtuneError as exc:
         raise type(exc)(f"{store.log_path}: {exc}") from None
+    stored = stored_trial_count(run_dir / TrialStore.TABLE)
+    if len(trials) < stored:
+        raise KvtuneError(f"{store.log_path} holds {len(trials)} trial records but {run_dir / TrialStore.TABLE} "
+                          f"holds {stored}: the log was cut or edited; restore it (nothing was rewritten)")
+    files = {"run": run_dir / "run.json", "trials": store.write_table(trials)}
     files["pareto"] = atomic_write_parquet(pareto, run_dir / "pareto.parquet")
     run_info["fidelity"] = fidelity_info
     files["policy_table"] = run_dir / "policy_table.parquet"

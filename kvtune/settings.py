@@ -5,13 +5,12 @@ Kept free of heavy imports so that the CLI can take its defaults from here.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtune.assets import DEFAULT_MODEL, DEFAULT_TEXT
-from kvtune.errors import KvtuneError
+from kvtune.run.settings import RunSettings
 
 SETTINGS_VERSION = 2
 """Version 2 added the workload fields (``workload``, ``data``, ``samples``, ``cheap_samples``,
@@ -20,20 +19,10 @@ defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
 READABLE_VERSIONS = (1, 2)
 
 
-def _same_type(value: Any, default: Any) -> bool:
-    """Whether a stored settings value has the type of the field's default (a list of
-    numbers for a tuple of floats; bools and numbers are not interchangeable)."""
-    if isinstance(default, tuple):
-        return isinstance(value, (list, tuple)) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    return isinstance(value, type(default))
-
-
 @dataclass
-class ProfileSettings:
-    """Everything that defines a profiling run (saved as ``run.json``; round-trips through JSON).
+class ProfileSettings(RunSettings):
+    """Everything that defines a profiling run (saved as ``run.json``; round-trips through JSON,
+    :class:`kvtune.run.settings.RunSettings`).
 
     Attributes:
         model: ``--model`` spec (asset name, ``.gguf`` path, HF folder or id).
@@ -96,10 +85,8 @@ class ProfileSettings:
     reports: str = "reports"
     version: int = SETTINGS_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["floors"] = list(self.floors)
-        return d
+    VERSION: ClassVar[int] = SETTINGS_VERSION
+    READABLE_VERSIONS: ClassVar[tuple[int, ...]] = READABLE_VERSIONS
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ProfileSettings":
@@ -112,22 +99,10 @@ class ProfileSettings:
             KvtuneError: an unreadable settings version, unknown keys, or a value of the wrong
                 type (e.g. a string budget, floors that are not a list of numbers).
         """
-        if isinstance(d.get("version"), bool) or d.get("version") not in READABLE_VERSIONS:
-            raise KvtuneError(f"run settings version {d.get('version')!r} is not one of {READABLE_VERSIONS}; "
-                              "re-run the profile")
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise KvtuneError(f"run settings have unknown keys {sorted(unknown)}")
-        for f in dataclasses.fields(cls):
-            if f.name in d and not _same_type(d[f.name], f.default):
-                want = {bool: "true or false", int: "an integer", str: "a string", tuple: "a list of numbers"}
-                raise KvtuneError(f"run settings: {f.name} = {d[f.name]!r} is not {want[type(f.default)]}")
-        d = dict(d)
+        cls.check_dict(d)
         if d.get("version") == 1:  # version-1 runs evaluated every policy on all contexts
-            d.setdefault("search_fidelity", "full")
-        d["floors"] = tuple(d.get("floors", cls.floors))
-        d["version"] = SETTINGS_VERSION
-        return cls(**d)
+            d = {"search_fidelity": "full", **d}
+        return super().from_dict(d)
 
     @property
     def run_dir(self) -> Path:

@@ -40,15 +40,18 @@ class TrialStore:
 
     Args:
         run_dir: the run's folder (``profiles/<run>``); created if missing.
+        table: refresh ``trials.parquet`` after each append (False for records that do not
+            form a flat table, such as BiCache's one record per prefix-ratio bucket).
     """
 
     LOG = "trials.jsonl"
     TABLE = "trials.parquet"
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, table: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.run_dir / self.LOG
+        self.table = table
 
     def load(self) -> list[dict[str, Any]]:
         """All complete records, in the order they were written.
@@ -101,7 +104,8 @@ class TrialStore:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
-        self.write_table()
+        if self.table:
+            self.write_table()
 
     def frame(self) -> pd.DataFrame:
         """The trials as a DataFrame (one row per record).

@@ -459,6 +459,98 @@ def test_cli_profile_on_tiny_model(tiny_folder, tiny_data, tmp_path):
     assert bad.exit_code == 2 and "unknown codec" in bad.output
 
 
+@pytest.mark.parametrize("kind", ["missing", "empty folder", "file"])
+def test_cli_profile_with_a_bad_model_path_is_a_typed_error_and_leaves_no_run_folder(tmp_path, kind):
+    from typer.testing import CliRunner
+
+    from kvtune.bicache.cli import app
+
+    model = tmp_path / "model"
+    if kind == "empty folder":
+        model.mkdir()
+    elif kind == "file":
+        model.write_text("not a model")
+    res = CliRunner().invoke(app, ["profile", "--model", str(model), "--out", str(tmp_path / "p"), "--run", "r"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"--model {str(model)!r}" in out and "Traceback" not in out, (out, res.exception)
+    assert not (tmp_path / "p").exists()
+
+
+class _Killed(Exception):
+    """Stands in for kill -9 in the middle of a run."""
+
+
+def test_profile_resumes_after_a_kill_and_its_folder_answers_select_export_report(tiny_folder, tiny_data, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtune.cli import app
+
+    ad, tok = load_encoder(str(tiny_folder))
+    settings = BiCacheSettings(
+        model=str(tiny_folder), data=str(tiny_data), instruction=" ".join(WORDS[:15]), buckets=(0.3, 0.6, 0.9),
+        requests_per_bucket=6, codecs=("bf16",), batch_size=4, throughput_batch=4, repeats=1,
+        floors={"kv_cosine": 0.9}, table_floors=(0.99, 0.9),
+    )
+    run = tmp_path / "profiles" / "bc"
+
+    def kill(key):
+        raise _Killed(key)
+
+    with pytest.raises(_Killed):
+        run_bicache_profile(settings, run, adapter=ad, tokenizer=tok, on_trial=kill)
+    first = [json.loads(line) for line in (run / "trials.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in first] == ["prefix_ratio=[0.30,0.60)"]
+    assert json.loads((run / "run.json").read_text())["method"] == "bicache"
+    with pytest.raises(BiCacheError, match="already has trials"):
+        run_bicache_profile(settings, run, adapter=ad, tokenizer=tok)
+    done = []
+    res = run_bicache_profile(settings, run, adapter=ad, tokenizer=tok, resume=True, reports=tmp_path / "reports",
+                              on_trial=done.append)
+    assert done == ["prefix_ratio=[0.60,0.90)"]  # the stored bucket is not measured again
+    assert list(res.depth_table["key"]) == ["prefix_ratio=[0.30,0.60)", "prefix_ratio=[0.60,0.90)"]
+    kept = res.throughput[res.throughput["key"] == "prefix_ratio=[0.30,0.60)"]
+    assert kept["requests_per_s"].tolist() == [r["requests_per_s"] for r in first[0]["throughput"]]
+    assert "plotly" in (tmp_path / "reports" / "bc.html").read_text()
+    cli = CliRunner()
+    sel = cli.invoke(app, ["select", str(run), "--bandwidth", "10Gbps", "--q-min", "0.9", "--json",
+                           "--key", "prefix_ratio=[0.30,0.60)"])
+    assert sel.exit_code == 0, sel.output
+    assert json.loads(sel.output)["method"] == "bicache"
+    out = tmp_path / "bc.parquet"
+    exp = cli.invoke(app, ["export", str(run), "--out", str(out), "--recompile"])
+    assert exp.exit_code == 0, exp.output
+    pd.testing.assert_frame_equal(PolicyTable.load(out).frame, res.table.frame)
+    rep = cli.invoke(app, ["report", str(run)])
+    assert rep.exit_code == 0 and "report" in rep.output, rep.output
+    assert (tmp_path / "reports" / "bc.html").is_file()
+
+
+def test_kvtune_profile_method_bicache_shares_the_common_options_and_resumes(tiny_folder, tiny_data, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtune.cli import app
+
+    cli = CliRunner()
+    common = ["profile", "--method", "bicache", "--model", str(tiny_folder), "--out", str(tmp_path / "p"),
+              "--reports", str(tmp_path / "r"), "--run", "b", "--device", "cpu"]
+    res = cli.invoke(app, [*common, "--set", f"data={tiny_data}", "--set", "buckets=0.4,0.9",
+                           "--set", "requests_per_bucket=4", "--set", "codecs=bf16", "--set", "repeats=1",
+                           "--set", 'floors={"kv_cosine": 0.9}'])
+    assert res.exit_code == 0, (res.output, res.exception)
+    run = tmp_path / "p" / "b"
+    assert (run / "policy_table.parquet").is_file() and (tmp_path / "r" / "b.html").is_file()
+    info = json.loads((run / "run.json").read_text())
+    assert info["method"] == "bicache" and info["settings"]["buckets"] == [0.4, 0.9]
+    again = cli.invoke(app, ["profile", "--resume", str(run)])  # finished: nothing is measured again
+    assert again.exit_code == 0, again.output
+    assert len((run / "trials.jsonl").read_text().splitlines()) == 1
+    bad = cli.invoke(app, [*common, "--set", "nope=1"])
+    out = " ".join(bad.output.split())
+    assert bad.exit_code == 2 and "--set nope: not a setting of this method; known:" in out and "buckets" in out
+    bad = cli.invoke(app, [*common, "--set", "repeats=many"])
+    assert bad.exit_code == 2 and "--set repeats=many: expected an integer" in " ".join(bad.output.split())
+
+
 # ------------------------------------------------------------------------------ real encoder
 
 

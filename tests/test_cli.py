@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtune.cli import app
+from kvtune.tables.policy_table import PolicyTable
 
 runner = CliRunner()
 
@@ -219,3 +220,226 @@ def test_select_on_a_run_folder_with_a_truncated_parquet_names_the_file(tmp_path
     res = runner.invoke(app, ["select", str(run), "--bandwidth", "1Gbps", "--q-min", "0.9"])
     out = " ".join(res.output.split())
     assert res.exit_code == 2 and f"{run / 'pareto.parquet'}: cannot read Parquet" in out, out
+
+
+def _missing_model_run(tmp_path, run_name="x"):
+    """A run folder whose settings name a missing model: reaching the model loader fails fast."""
+    from kvtune.settings import ProfileSettings
+
+    run = tmp_path / "profiles" / run_name
+    run.mkdir(parents=True)
+    settings = ProfileSettings(model=str(tmp_path / "missing.gguf"), out=str(run.parent), run=run_name,
+                               reports=str(tmp_path / "reports")).to_dict()
+    (run / "run.json").write_text(json.dumps({"settings": settings}))
+    return run
+
+
+def test_resume_of_a_locked_run_folder_is_a_typed_error_naming_folder_and_pid(tmp_path):
+    import fcntl
+    import os
+
+    run = _missing_model_run(tmp_path)
+    with open(run / ".kvtune.lock", "w") as fh:  # another process's lock (flock: per open file)
+        fh.write("4242\n")
+        fh.flush()
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        res = runner.invoke(app, ["profile", "--resume", str(run)])
+        out = " ".join(res.output.split())
+        assert res.exit_code == 2 and f"run folder {run} is in use" in out and "pid 4242" in out, out
+        res = runner.invoke(app, ["report", str(run)])
+        assert res.exit_code == 2 and "pid 4242" in " ".join(res.output.split())
+    assert os.path.exists(run / ".kvtune.lock")
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "a\\b"])
+def test_run_name_must_be_one_path_component(tmp_path, name):
+    res = runner.invoke(app, ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", name,
+                              "--out", str(tmp_path / "a" / "b")])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"--run {name!r}: a run name must be a single folder name" in out, out
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_out_naming_a_file_fails_before_loading_the_model(tmp_path):
+    (tmp_path / "f").write_text("x")
+    res = runner.invoke(app, ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", "x",
+                              "--out", str(tmp_path / "f")])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"--out {tmp_path / 'f'}: {tmp_path / 'f'} is a file, not a folder" in out, out
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--text", "no-such-text", "--text 'no-such-text' is neither a named text asset"),
+    ("--context-tokens", "100000", "--context-tokens 100000"),
+])
+def test_text_and_context_tokens_are_checked_before_the_model_loads(tmp_path, tiny_text, option, value, message):
+    args = ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", "x", "--out", str(tmp_path / "p"),
+            "--text", str(tiny_text), "--contexts", "3", option, value]
+    res = runner.invoke(app, args)
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and message in out and "GGUF" not in out, out
+
+
+def test_data_is_checked_before_the_model_loads(tmp_path):
+    res = runner.invoke(app, ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", "x", "--workload", "qa",
+                              "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "p")])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and "none.jsonl" in out and "GGUF" not in out, out
+
+
+def test_report_never_replaces_stored_trials_with_fewer(tmp_path):
+    run, recs = _run_folder(tmp_path)
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    _rewrite_trials(run, recs[:2])  # the log was cut
+    res = runner.invoke(app, ["report", str(run)])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{run / 'trials.jsonl'}" in out and "4" in out and "2" in out, out
+    assert len(pd.read_parquet(run / "trials.parquet")) == 4
+
+
+def test_report_validates_before_writing_anything(tmp_path):
+    run, recs = _run_folder(tmp_path)
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.suffix in (".parquet", ".json")}
+    recs.append({**recs[0], "trial": 4, "policy_id": "p4", "encode_gbps": 0.0})
+    _rewrite_trials(run, recs)
+    res = runner.invoke(app, ["report", str(run)])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{run / 'trials.jsonl'}" in out and "encode_gbps" in out, out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.suffix in (".parquet", ".json")} == before
+
+
+def test_report_removes_stale_temp_files_of_a_killed_run(tmp_path):
+    run, _ = _run_folder(tmp_path)
+    (run / ".trials.parquet.ab12cd34.tmp").write_bytes(b"")
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    assert not list(run.glob("*.tmp")) and not list(run.glob(".*.tmp"))
+
+
+def test_export_out_naming_a_folder_writes_inside_it(tmp_path):
+    run, _ = _run_folder(tmp_path)
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    dest = tmp_path / "exports.json"
+    dest.mkdir()
+    res = runner.invoke(app, ["export", str(run), "--format", "json", "--out", str(dest)])
+    assert res.exit_code == 0, res.output
+    assert PolicyTable.load(dest / "run.policy_table.json").metadata["extra"]["run"] == "run"
+
+
+def _gate_run_folder(tmp_path):
+    """Run folder whose p1 meets a 0.97 floor by its point estimate (0.98) but not its lower end (0.965)."""
+    run, recs = _run_folder(tmp_path)
+    for r in recs:
+        r["relative_accuracy_lo"] = r["relative_accuracy"] - 0.015
+    _rewrite_trials(run, recs)
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    (run / "policy_table.parquet").unlink()
+    return run
+
+
+def test_export_recompile_gates_floors_on_the_interval_lower_end(tmp_path):
+    run = _gate_run_folder(tmp_path)
+    for extra in (["--floors", "0.97"], ["--recompile"]):
+        dest = tmp_path / f"t{len(extra)}.json"
+        res = runner.invoke(app, ["export", str(run), "--format", "json", "--out", str(dest), *extra])
+        assert res.exit_code == 0, res.output
+        frame = PolicyTable.load(dest).frame
+        at97 = set(frame.loc[(frame["accuracy_floor"] - 0.97).abs() < 1e-9, "policy_id"])
+        assert at97 and "p1" not in at97 and at97 <= {"p0", "none"}, frame
+
+
+def test_select_on_a_run_folder_without_a_table_gates_on_the_interval_lower_end(tmp_path):
+    run = _gate_run_folder(tmp_path)
+    res = runner.invoke(app, ["select", str(run), "--bandwidth", "1Mbps", "--q-min", "0.97", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["policy_id"] == "p0"
+
+
+@pytest.mark.parametrize("q", ["-1", "nan", "3"])
+def test_select_rejects_a_q_min_that_is_not_a_fraction(q):
+    res = runner.invoke(app, ["select", "tests/data/smollm2-default", "--bandwidth", "1Gbps", "--q-min", q])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and "q_min" in out.replace("-", "_") and "Traceback" not in out, out
+
+
+class _Killed(Exception):
+    """Stands in for kill -9 in the middle of a run."""
+
+
+def test_run_holds_its_folder_lock_and_resumes_after_a_kill_without_repeating_or_losing_trials(
+        tmp_path, tiny_model_dir, tiny_text):
+    import fcntl
+    import os
+
+    from kvtune.profile import load_settings, run_profile
+    from kvtune.settings import ProfileSettings
+
+    settings = ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), contexts=3, context_tokens=48,
+                               continuation_tokens=8, budget=6, device="cpu", out=str(tmp_path / "profiles"),
+                               reports=str(tmp_path / "reports"), run="tiny", refine=False)
+    run = tmp_path / "profiles" / "tiny"
+    seen = {"trials": 0, "locked": []}
+
+    def kill_after_three(n=1, info=""):
+        if not info:  # not a trial
+            return
+        fd = os.open(run / ".kvtune.lock", os.O_RDWR)
+        try:  # another process (another open file) cannot take the lock while the run works
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen["locked"].append(False)
+        except BlockingIOError:
+            seen["locked"].append(True)
+        finally:
+            os.close(fd)
+        seen["trials"] += 1
+        if seen["trials"] == 3:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        run_profile(settings, on_progress=kill_after_three)
+    assert seen["locked"] == [True, True, True]
+    first = pd.read_parquet(run / "trials.parquet")
+    assert len(first) == 3
+    run_profile(load_settings(run), resume=True)
+    trials = pd.read_parquet(run / "trials.parquet")
+    assert trials["policy_id"].tolist()[:3] == first["policy_id"].tolist()
+    assert len(trials) == 6 and trials["policy_id"].is_unique and trials["trial"].tolist() == list(range(6))
+
+
+def test_a_run_killed_with_sigkill_resumes_without_repeating_or_losing_trials(tmp_path, tiny_model_dir, tiny_text):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "profiles" / "tiny"
+    args = [sys.executable, "-m", "kvtune.cli", "profile", "--model", str(tiny_model_dir), "--text", str(tiny_text),
+            "--contexts", "3", "--context-tokens", "48", "--continuation-tokens", "8", "--budget", "8",
+            "--device", "cpu", "--no-refine", "--out", str(tmp_path / "profiles"), "--reports",
+            str(tmp_path / "reports"), "--run", "tiny"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = run / "trials.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and len(log.read_bytes().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = []
+    for line in log.read_bytes().splitlines():
+        try:
+            before.append(json.loads(line)["policy_id"])
+        except ValueError:  # a line the kill cut short: dropped on resume
+            pass
+    assert len(before) >= 2
+    res = runner.invoke(app, ["profile", "--resume", str(run)])  # the kernel released the lock
+    assert res.exit_code == 0, res.output
+    trials = pd.read_parquet(run / "trials.parquet")
+    ids = trials["policy_id"].tolist()
+    assert len(ids) == 8 and len(set(ids)) == 8 and ids[:len(before)] == before
+    assert trials["trial"].tolist() == list(range(8))
+    assert not list(run.glob(".*.tmp"))

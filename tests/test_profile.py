@@ -36,3 +36,31 @@ def test_split_fidelities_pairs_cheap_and_full_rows():
     assert info == {"search": "cheap", "final": "full", "refined": 2, "spearman_relative_accuracy": 1.0}
     searched, final, info = split_fidelities(trials.iloc[:3], "cheap")  # nothing refined yet
     assert final is searched and info["final"] == "cheap" and info["spearman_relative_accuracy"] is None
+
+
+def test_example_profile_recompiles_to_its_stored_outputs_exactly(tmp_path):
+    """profiles/example was written by the code before the shared run skeleton: recompiling its
+    Pareto front and tables from its trials with today's code gives the same files."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from kvtune.profile import finalize_run
+    from kvtune.tables.policy_table import PolicyTable
+
+    example = Path(__file__).parent.parent / "profiles" / "example"
+    info = json.loads((example / "run.json").read_text())
+    run = tmp_path / info["settings"]["run"]  # the folder name is recorded in the table metadata
+    shutil.copytree(example, run)
+    for name in ("pareto.parquet", "policy_table.parquet", "policy_table.json"):
+        (run / name).unlink()
+    info["settings"]["reports"] = str(tmp_path / "reports")
+    (run / "run.json").write_text(json.dumps(info, indent=2))
+    finalize_run(run)
+    pd.testing.assert_frame_equal(pd.read_parquet(run / "pareto.parquet"), pd.read_parquet(example / "pareto.parquet"))
+    pd.testing.assert_frame_equal(pd.read_parquet(run / "trials.parquet"), pd.read_parquet(example / "trials.parquet"))
+    new, old = PolicyTable.load(run / "policy_table.parquet"), PolicyTable.load(example / "policy_table.parquet")
+    pd.testing.assert_frame_equal(new.frame, old.frame)
+    assert new.metadata == old.metadata
+    assert (run / "policy_table.json").read_text() == (example / "policy_table.json").read_text()
+    assert (tmp_path / "reports" / f"{run.name}.html").is_file()

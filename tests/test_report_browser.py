@@ -114,9 +114,8 @@ def _attr(dom: str, name: str):
     return json.loads(html_lib.unescape(m.group(1)))
 
 
-def test_report_renders_in_headless_chromium(tmp_path):
-    trials, pareto, table = small_run()
-    page = write_report(trials, pareto, table, tmp_path / "report.html", title="browser test", run_config={"n": 24})
+def _rendered_dom(page, tmp_path) -> str:
+    """The DOM of report ``page`` after headless Chromium ran it with the error hook and probe."""
     text = page.read_text(encoding="utf-8")
     probe_page = tmp_path / "probe.html"
     probe_page.write_text(text.replace("<head>", "<head>" + HOOK, 1).replace("</body>", PROBE + "</body>", 1),
@@ -135,6 +134,13 @@ def test_report_renders_in_headless_chromium(tmp_path):
         pytest.fail("headless Chromium did not finish within 120 s")
     dom = res.stdout
     assert res.returncode == 0 and "<html" in dom, f"chromium failed ({res.returncode}): {res.stderr[-2000:]}"
+    return dom
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    trials, pareto, table = small_run()
+    page = write_report(trials, pareto, table, tmp_path / "report.html", title="browser test", run_config={"n": 24})
+    dom = _rendered_dom(page, tmp_path)
     assert _attr(dom, "data-kv-done") == 1
 
     # no JavaScript error except the probe's own (which proves the hook was listening)
@@ -157,3 +163,20 @@ def test_report_renders_in_headless_chromium(tmp_path):
     values = [float(v) for v in sort["asc"]]
     assert len(values) == len(pareto) and values == sorted(values)
     assert [float(v) for v in sort["desc"]] == sorted(values, reverse=True) and sort["dir"] == "desc"
+
+
+def test_keyed_table_report_renders_one_chart_per_key_and_floor(tmp_path):
+    """BiCache-style tables are keyed (prefix-ratio buckets): one envelope chart per (key, floor)."""
+    from kvtune.tables.policy_table import PolicyTable
+
+    trials, pareto, _ = small_run()
+    table = PolicyTable.combine([compile_policy_table(pareto, model="tiny", workload="qa", device="cpu", key=key,
+                                                      floors=(0.99, 0.9)) for key in ("bucket=a", "bucket=b")])
+    page = write_report(trials, pareto, table, tmp_path / "report.html", title="keyed", run_config={})
+    assert page.read_text(encoding="utf-8").count("<h3>Accuracy floor") == 4
+    dom = _rendered_dom(page, tmp_path)
+    errors = _attr(dom, "data-kv-errors")
+    assert len(errors) == 1 and "kvtune-probe" in errors[0], errors
+    figures = _attr(dom, "data-kv-figures")
+    assert list(figures)[4:] == [f"kvtune-envelope-{k}" for k in range(4)]
+    assert all(info["plotly"] and info["traces"] >= 1 for info in figures.values())

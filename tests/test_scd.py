@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvtune.errors import ConfigError, ModelLayoutError, TableError
+from kvtune.errors import ConfigError, KvtuneError, ModelLayoutError, TableError
 from kvtune.evaluate.model import LoadedModel, load_model
 from kvtune.scd.calibration import calibrate
 from kvtune.scd.consumer import ConsumerRecipe, consumer_dir, is_held_out, lr_at, token_windows
@@ -276,17 +276,27 @@ def test_tiny_gemma_is_rejected(tiny_gemma_dir):
         capture_states(lm, [2, 3, 4])
 
 
-def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
-    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+def _tiny_pair_run(tiny_lm, tmp_path, **settings):
+    """A consumer perturbed from ``tiny_lm``, domain data and small SCD settings (``settings``
+    override them)."""
+    from kvtune.scd.profile import SCDProfileSettings
 
     rng = np.random.default_rng(0)
     data = tmp_path / "docs.jsonl"
     data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 200, 120))})
                               for _ in range(60)))
     consumer = _finetuned(tiny_lm, seed=4, scale=0.2)
-    st = SCDProfileSettings(data=str(data), calib_windows=4, calib_tokens=32, contexts=4, context_tokens=32,
-                            continuation_tokens=8, profile_contexts=2, ranks=(8, 64), patch_counts=(0, 1),
-                            droidspeak_lengths=(1,), tqc_presets=("kivi-4",))
+    st = SCDProfileSettings(**{"data": str(data), "calib_windows": 4, "calib_tokens": 32, "contexts": 4,
+                               "context_tokens": 32, "continuation_tokens": 8, "profile_contexts": 2,
+                               "ranks": (8, 64), "patch_counts": (0, 1), "droidspeak_lengths": (1,),
+                               "tqc_presets": ("kivi-4",), **settings})
+    return consumer, st
+
+
+def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
+    from kvtune.scd.profile import run_scd_profile
+
+    consumer, st = _tiny_pair_run(tiny_lm, tmp_path)
     res = run_scd_profile(tiny_lm, consumer, tmp_path / "run", settings=st)
     methods = set(res.trials["method"])
     assert methods == {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
@@ -425,3 +435,49 @@ def test_scd_artifact_bytes_count_the_truncated_maps(tiny_lm):
     assert SCD.uniform(n, 8).artifact_bytes(pair) == n * reuse
     assert SCD.uniform(n, 8, (1,)).artifact_bytes(pair) == (n - 1) * reuse + patch
     assert Raw().artifact_bytes(pair) == 0
+
+
+class _Killed(Exception):
+    """Stands in for kill -9 in the middle of a run."""
+
+
+def test_scd_run_resumes_after_a_kill_and_its_folder_answers_select_export_report(tiny_lm, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtune.cli import app
+    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+
+    consumer, st = _tiny_pair_run(tiny_lm, tmp_path, optimizer="random", budget=3)
+    assert SCDProfileSettings.from_dict(json.loads(json.dumps(st.to_dict()))) == st
+    run = tmp_path / "profiles" / "scd-tiny"
+    seen = []
+
+    def kill_after_four(row):
+        seen.append(row["policy_id"])
+        if len(seen) == 4:  # recompute, raw, kivi-4, droidspeak stored; the SCD search not begun
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        run_scd_profile(tiny_lm, consumer, run, settings=st, on_trial=kill_after_four)
+    stored = [json.loads(line)["policy_id"] for line in (run / "trials.jsonl").read_text().splitlines()]
+    assert stored == seen and json.loads((run / "run.json").read_text())["method"] == "scd"
+    with pytest.raises(KvtuneError, match="already has trials"):
+        run_scd_profile(tiny_lm, consumer, run, settings=st)
+    res = run_scd_profile(tiny_lm, consumer, run, settings=st, resume=True, reports=tmp_path / "reports",
+                          on_trial=lambda row: seen.append(row["policy_id"]))
+    ids = res.trials["policy_id"].tolist()
+    assert ids[:4] == stored and len(ids) == 4 + 3 and len(set(ids)) == len(ids) and ids == seen
+    assert res.trials["trial"].tolist() == list(range(7))
+    assert set(res.trials["method"]) == {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
+    assert (tmp_path / "reports" / "scd-tiny.html").read_text().count("plotly") > 0
+    cli = CliRunner()
+    sel = cli.invoke(app, ["select", str(run), "--bandwidth", "10Gbps", "--q-min", "0.9", "--json"])
+    assert sel.exit_code == 0, sel.output
+    assert json.loads(sel.output)["method"] in {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
+    out = tmp_path / "scd.json"
+    exp = cli.invoke(app, ["export", str(run), "--format", "json", "--out", str(out), "--recompile"])
+    assert exp.exit_code == 0, exp.output
+    pd.testing.assert_frame_equal(PolicyTable.load(out).frame, res.table.frame)
+    rep = cli.invoke(app, ["report", str(run)])
+    assert rep.exit_code == 0 and "report" in rep.output, rep.output
+    pd.testing.assert_frame_equal(PolicyTable.load(run / "policy_table.parquet").frame, res.table.frame)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtune.bicache.state import PrefixState
+from kvtune.core.registry import Registry
 from kvtune.errors import BiCacheError, ModelLayoutError
 
 __all__ = ["ADAPTERS", "BertFamilyAdapter", "EncoderAdapter", "ReuseOutput", "load_encoder", "register_adapter"]
@@ -259,18 +260,13 @@ class BertFamilyAdapter(EncoderAdapter):
 
 
 #: ``config.model_type`` -> adapter class. Add a family with :func:`register_adapter`.
-ADAPTERS: dict[str, type[EncoderAdapter]] = {}
+ADAPTERS: Registry[type[EncoderAdapter]] = Registry("BiCache adapter (model_type)")
 
 
 def register_adapter(*model_types: str) -> Callable[[type[EncoderAdapter]], type[EncoderAdapter]]:
     """Class decorator: register an adapter for transformers ``model_type`` names."""
 
-    def deco(cls: type[EncoderAdapter]) -> type[EncoderAdapter]:
-        for mt in model_types:
-            ADAPTERS[mt] = cls
-        return cls
-
-    return deco
+    return ADAPTERS.decorator(*model_types)
 
 
 register_adapter("bert")(BertFamilyAdapter)
@@ -301,7 +297,8 @@ def load_encoder(spec: str, *, device: str = "cpu", masked_lm: bool = False) -> 
 
     Raises:
         AssetError: a named asset cannot be fetched or verified.
-        BiCacheError: no adapter for the model family, or the path does not exist.
+        BiCacheError: no adapter for the model family, the path does not exist, is a file,
+            or holds no loadable model and tokenizer.
     """
     from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
@@ -314,7 +311,13 @@ def load_encoder(spec: str, *, device: str = "cpu", masked_lm: bool = False) -> 
         if not path.exists():
             known = ", ".join(a.name for a in ASSETS.values() if a.kind == "model")
             raise BiCacheError(f"--model {spec!r} is neither a model asset ({known}) nor an existing folder")
+    if not path.is_dir():
+        raise BiCacheError(f"--model {spec!r}: {path} is a file; expected a Hugging Face model folder")
     cls = AutoModelForMaskedLM if masked_lm else AutoModel
-    model = cls.from_pretrained(str(path), attn_implementation="sdpa").to(device).float().eval()
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        model = cls.from_pretrained(str(path), attn_implementation="sdpa").to(device).float().eval()
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as exc:  # no config.json / weights / tokenizer files there
+        raise BiCacheError(f"--model {spec!r}: cannot load a model from {path} "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     return adapter_for(model, name=spec), tok

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,7 +57,12 @@ from kvtune.bicache.workload import (
     ratio_summary,
 )
 from kvtune.codecs import PolicyConfig
-from kvtune.errors import BiCacheError
+from kvtune.core.jsonio import jsonable, plain, strict_dumps
+from kvtune.core.registry import Registry
+from kvtune.errors import BiCacheError, KvtuneError
+from kvtune.run.settings import RunSettings
+from kvtune.run.folder import open_run_folder
+from kvtune.store import TrialStore
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
 
 __all__ = ["CODEC_POLICIES", "BiCacheResult", "BiCacheSettings", "compile_run_table", "mark_admissible",
@@ -67,16 +71,16 @@ __all__ = ["CODEC_POLICIES", "BiCacheResult", "BiCacheSettings", "compile_run_ta
 SETTINGS_VERSION = 1
 
 #: Codec policies the cached prefix state can be sent with (name -> factory).
-CODEC_POLICIES: dict[str, Callable[[], PolicyConfig]] = {
+CODEC_POLICIES: Registry[Callable[[], PolicyConfig]] = Registry("BiCache codec policy", {
     "bf16": PolicyConfig.uncompressed,
     "kivi-8": lambda: PolicyConfig.kivi(8, 32),
     "kivi-4": lambda: PolicyConfig.kivi(4, 32),
     "kivi-2": lambda: PolicyConfig.kivi(2, 32),
-}
+})
 
 
 @dataclass(frozen=True, kw_only=True)
-class BiCacheSettings:
+class BiCacheSettings(RunSettings):
     """Everything a BiCache profile depends on (versioned; round-trips through JSON).
 
     Attributes:
@@ -141,24 +145,24 @@ class BiCacheSettings:
         object.__setattr__(self, "table_floors", tuple(float(f) for f in self.table_floors))
         object.__setattr__(self, "floors", {str(k): float(v) for k, v in dict(self.floors).items()})
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (:meth:`from_dict` inverts it)."""
-        d = dataclasses.asdict(self)
-        d["floors"] = dict(self.floors)
-        return d
-
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BiCacheSettings:
-        """Build from :meth:`to_dict` output; unknown keys raise :class:`BiCacheError`."""
+        """Build from :meth:`to_dict` output (:meth:`RunSettings.from_dict`, a missing version
+        read as 1).
+
+        Raises:
+            BiCacheError: unknown keys, a value of the wrong type, or invalid settings.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         extra = set(d) - names
         if extra:
             raise BiCacheError(f"unknown BiCache setting(s) {sorted(extra)}")
-        kw = dict(d)
-        for k in ("buckets", "depths", "codecs", "table_floors"):
-            if k in kw and kw[k] is not None:
-                kw[k] = tuple(kw[k])
-        return cls(**kw)
+        try:
+            return super().from_dict({"version": SETTINGS_VERSION, **d})
+        except BiCacheError:
+            raise
+        except KvtuneError as exc:
+            raise BiCacheError(f"BiCache {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -194,8 +198,14 @@ def run_bicache_profile(
     adapter: EncoderAdapter | None = None,
     tokenizer: Any = None,
     on_stage: Callable[[str], None] = _noop,
+    resume: bool = False,
+    reports: str | Path | None = None,
+    on_trial: Callable[[str], None] = _noop,
 ) -> BiCacheResult:
     """Profile BiCache reuse on an encoder and write the run folder (see the module docstring).
+
+    Each prefix-ratio bucket's measurements are appended to ``trials.jsonl`` as one record
+    when the bucket is done; with ``resume`` the stored buckets are not measured again.
 
     Args:
         settings: what to measure.
@@ -203,26 +213,38 @@ def run_bicache_profile(
         adapter, tokenizer: an already loaded encoder (tests pass a tiny one); default: load
             ``settings.model`` with :func:`~kvtune.bicache.adapters.load_encoder`.
         on_stage: called with a one-line progress message at each stage.
+        resume: continue the buckets stored in ``run_dir`` (without it, stored trials are an
+            error).
+        reports: folder receiving the HTML report ``<run>.html`` (None: no report).
+        on_trial: called with a bucket's key after its record is stored.
 
     Returns:
         :class:`BiCacheResult`.
 
     Raises:
-        BiCacheError, AssetError, DataError: bad settings, model or data.
+        BiCacheError, AssetError, DataError: bad settings, model or data (a run that fails
+            before writing its first file leaves no folder behind).
+        RunLockedError: another process is working on ``run_dir``.
     """
     threads_before = torch.get_num_threads()
     if settings.threads:
         torch.set_num_threads(int(settings.threads))
     try:
-        return _run(settings, Path(run_dir), adapter, tokenizer, on_stage)
+        with open_run_folder(run_dir):
+            if (Path(run_dir) / TrialStore.LOG).exists() and not resume:
+                raise BiCacheError(f"run folder {run_dir} already has trials; resume it or use another run name")
+            result = _run(settings, Path(run_dir), adapter, tokenizer, on_stage, on_trial, reports)
+            if reports is not None:
+                write_bicache_report(result.run_dir, Path(reports) / f"{Path(run_dir).name}.html")
+            return result
     finally:
         torch.set_num_threads(threads_before)
 
 
 def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | None, tokenizer: Any,
-         on_stage: Callable[[str], None]) -> BiCacheResult:
+         on_stage: Callable[[str], None], on_trial: Callable[[str], None], reports: str | Path | None
+         ) -> BiCacheResult:
     t_start = time.perf_counter()
-    run_dir.mkdir(parents=True, exist_ok=True)
     if adapter is None:
         on_stage(f"loading encoder {settings.model}")
         adapter, tokenizer = load_encoder(settings.model, device=settings.device)
@@ -246,7 +268,19 @@ def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | Non
     reference_bytes = float(prefix_state_bf16_bytes(P, adapter.hidden_size, L))
 
     quality_rows, layer_rows, thr_rows, cand_rows, depth_rows = [], [], [], [], []
+    frames = {"quality": quality_rows, "layer_cosine": layer_rows, "throughput": thr_rows, "candidates": cand_rows,
+              "depth_table": depth_rows}
+    store = TrialStore(run_dir, table=False)  # one record per finished bucket: a resumed run skips it
+    if not store.log_path.exists():  # what --resume needs, before the first bucket
+        atomic_write_text(run_dir / "run.json", strict_dumps(jsonable(
+            {"method": "bicache", "settings": settings.to_dict(), "model_info": adapter.describe()}), indent=2))
+    done = {r["key"]: r for r in store.load()}
     for b in buckets:
+        if b.key in done:
+            for name, rows in frames.items():
+                rows += done[b.key][name]
+            continue
+        start = {name: len(rows) for name, rows in frames.items()}
         reqs = requests[b.key]
         summary = ratio_summary(reqs)
         on_stage(f"{b.key}: quality at depths {depths} x {len(policies)} cache variants ({len(reqs)} requests)")
@@ -308,6 +342,9 @@ def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | Non
                 relative_accuracy_hi=row["relative_retrieval_hi"], kv_cosine=row["kv_cosine"],
                 embedding_cosine=row["embedding_cosine"],
             ))
+        store.append({"trial": len(store.load()), "key": b.key,
+                      **{name: plain(rows[start[name]:]) for name, rows in frames.items()}})
+        on_trial(b.key)
 
     quality = pd.DataFrame(quality_rows)
     layer_cos = pd.DataFrame(layer_rows)
@@ -330,7 +367,7 @@ def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | Non
     atomic_write_parquet(candidates, run_dir / "candidates.parquet")
     atomic_write_parquet(depth_table, run_dir / "depth_table.parquet")
     atomic_write_text(run_dir / "depth_table.csv", depth_table.to_csv(index=False))
-    atomic_write_text(run_dir / "depth_table.json", json.dumps(_records(depth_table), indent=2, allow_nan=False))
+    atomic_write_text(run_dir / "depth_table.json", strict_dumps(jsonable(depth_table.to_dict("records")), indent=2))
     table.to_parquet(run_dir / "policy_table.parquet")
     table.to_json(run_dir / "policy_table.json")
     info = {
@@ -344,12 +381,13 @@ def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | Non
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "seconds": time.perf_counter() - t_start,
+        "reports": None if reports is None else str(reports),
         "files": ["run.json", "depth_table.json", "depth_table.csv", "depth_table.parquet", "quality.parquet",
                   "layer_cosine.parquet", "throughput.parquet", "candidates.parquet", "policy_table.parquet",
                   "policy_table.json", "summary.md"],
     }
     atomic_write_text(run_dir / "summary.md", summary_markdown(depth_table, quality, throughput, layer_cos, settings))
-    atomic_write_text(run_dir / "run.json", json.dumps(_clean(info), indent=2, allow_nan=False))
+    atomic_write_text(run_dir / "run.json", strict_dumps(jsonable(info), indent=2))
     return BiCacheResult(run_dir, depth_table, quality, layer_cos, throughput, candidates, table)
 
 
@@ -378,9 +416,17 @@ def mark_admissible(candidates: pd.DataFrame, quality: pd.DataFrame, depth_table
     return candidates.assign(admissible=ok)
 
 
-def compile_run_table(run_dir: str | Path) -> PolicyTable:
-    """Recompile ``policy_table.{parquet,json}`` of a BiCache run folder from its saved
-    candidates, quality and depth table (no re-measurement), with :func:`mark_admissible`.
+def recompile_run_table(run_dir: str | Path, *, floors: Sequence[float] | None = None
+                        ) -> tuple[PolicyTable, pd.DataFrame]:
+    """The policy table of a BiCache run folder compiled again from its saved candidates,
+    quality and depth table (no re-measurement, nothing written), with
+    :func:`mark_admissible`.
+
+    Args:
+        floors: table accuracy floors (default: the run's ``table_floors``).
+
+    Returns:
+        ``(table, candidates with the admissible column)``.
 
     Raises:
         BiCacheError: the folder is not a BiCache run.
@@ -406,28 +452,60 @@ def compile_run_table(run_dir: str | Path) -> PolicyTable:
     }
     table = compile_bicache_table(candidates[candidates["admissible"]], model=settings.model,
                                   workload=settings.workload, device=settings.device,
-                                  floors=settings.table_floors, metadata=meta)
+                                  floors=settings.table_floors if floors is None else tuple(floors), metadata=meta)
+    return table, candidates
+
+
+def compile_run_table(run_dir: str | Path) -> PolicyTable:
+    """Recompile ``policy_table.{parquet,json}`` of a BiCache run folder from its saved
+    candidates, quality and depth table (:func:`recompile_run_table`) and write them.
+
+    Raises:
+        BiCacheError: the folder is not a BiCache run.
+    """
+    run_dir = Path(run_dir)
+    table, candidates = recompile_run_table(run_dir)
     atomic_write_parquet(candidates, run_dir / "candidates.parquet")
     table.to_parquet(run_dir / "policy_table.parquet")
     table.to_json(run_dir / "policy_table.json")
     return table
 
 
-def _clean(obj: Any) -> Any:
-    """Strict JSON: non-finite floats as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
-        return _clean(obj.item())
-    return obj
+def write_bicache_report(run_dir: str | Path, path: str | Path) -> Path:
+    """The HTML report of a BiCache run (:func:`kvtune.report.html.write_report`): every
+    admissible (bucket, depth, codec) line as a trial, their Pareto front, the per-key and
+    per-floor table intervals, and ``run.json``.
+
+    Raises:
+        BiCacheError: the folder is not a BiCache run.
+    """
+    from kvtune.pareto import pareto_front
+    from kvtune.report.html import write_report
+
+    run_dir = Path(run_dir)
+    table, candidates = recompile_run_table(run_dir)
+    lines = candidates[candidates["admissible"]].reset_index(drop=True)
+    info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    return write_report(lines, pareto_front(lines), table, path, title=f"kvtune BiCache profile: {run_dir.name}",
+                        run_config=info)
 
 
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
-    return [_clean(r) for r in df.to_dict("records")]
+def finalize_bicache_run(run_dir: str | Path) -> dict[str, Path]:
+    """``kvtune report`` of a BiCache run: the tables (:func:`compile_run_table`) and the HTML
+    report, to ``<reports>/<run>.html`` when ``run.json`` records ``reports``, else
+    ``<run_dir>/report.html``.
+
+    Raises:
+        BiCacheError: the folder is not a finished BiCache run.
+    """
+    run_dir = Path(run_dir)
+    with open_run_folder(run_dir, create=False):
+        recompile_run_table(run_dir)  # everything checked before anything is written
+        compile_run_table(run_dir)
+        reports = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("reports")
+        path = Path(reports) / f"{run_dir.name}.html" if isinstance(reports, str) else run_dir / "report.html"
+        return {"policy_table": run_dir / "policy_table.parquet", "policy_table_json": run_dir / "policy_table.json",
+                "report": write_bicache_report(run_dir, path)}
 
 
 def _fmt_iv(m: float, lo: float, hi: float, digits: int = 3) -> str:

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from kvtune.errors import KvtuneError
+from kvtune.run.folder import check_run_name
 
 app = typer.Typer(help="BiCache: shared-prefix KV reuse for bidirectional encoders (reuse-depth profile).",
                   no_args_is_help=True, add_completion=False)
@@ -70,7 +71,7 @@ def profile(
             floors=_floors(floors), table_floors=_floats(table_floors, "table-floors"), repeats=repeats,
             threads=threads or None, pooling=pooling, seed=seed,
         )
-        name = run or f"bicache-{Path(model).name}"
+        name = check_run_name(run or f"bicache-{Path(model).name}")
         result = run_bicache_profile(settings, out / name, on_stage=lambda m: console.print(f"[dim]{m}[/]"))
     except KvtuneError as exc:
         console.print(f"[bold red]error:[/] {exc}")

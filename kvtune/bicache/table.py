@@ -33,7 +33,6 @@ relative top-1 retrieval accuracy (point estimate, capped at 1.0 as in Sec. 6),
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -42,11 +41,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvtune.core.ids import config_policy_id
 from kvtune.errors import TableError
 from kvtune.evaluate.metrics import report_relative_accuracy
-from kvtune.tables.envelope import lower_envelope
-from kvtune.tables.latency import x_s_per_gb_to_gbps
-from kvtune.tables.policy_table import DEFAULT_FLOORS, SCHEMA_VERSION, PolicyEntry, PolicyTable
+from kvtune.tables.policy_table import DEFAULT_FLOORS, SCHEMA_VERSION, PolicyEntry, PolicyTable, envelope_rows
 
 __all__ = [
     "EXTRA_COLUMNS",
@@ -86,9 +84,9 @@ def min_bandwidth_gbps(compute_s: float, decode_s: float, wire_bytes: float, rec
 
 
 def bicache_policy_id(config: Mapping[str, Any]) -> str:
-    """12-hex id of a BiCache configuration (sha256 of its canonical JSON)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    """12-hex id of a BiCache configuration: :func:`kvtune.core.ids.config_policy_id` (sha256
+    of its canonical JSON)."""
+    return config_policy_id(config)
 
 
 def bicache_candidate(
@@ -209,25 +207,10 @@ def compile_bicache_table(
         grp = grp.assign(_acc=-grp["relative_accuracy"]).sort_values(
             ["_acc", "reuse_depth", "policy_id"], kind="stable").drop(columns="_acc").reset_index(drop=True)
         recs = grp.to_dict("records")
-        a = grp["a_s_per_gb"].to_numpy(dtype=np.float64)
-        b = grp["b"].to_numpy(dtype=np.float64)
-        acc = grp["relative_accuracy"].to_numpy(dtype=np.float64)
-        depth0 = grp["reuse_depth"].to_numpy() == 0
-        for floor in fl:
-            sel = np.flatnonzero((acc >= floor - 1e-12) | depth0)
-            for iv in lower_envelope(a[sel], b[sel], n_runners_up=n_runners_up):
-                r = recs[int(sel[iv.index])]
-                runners = [_entry(recs[int(sel[j])]) for j in iv.runners_up]
-                row = {
-                    "schema_version": SCHEMA_VERSION, "model": model, "workload": workload, "device": device,
-                    "accuracy_floor": floor, "key": str(key),
-                    "x_lo_s_per_gb": iv.x_lo, "x_hi_s_per_gb": iv.x_hi,
-                    "bandwidth_hi_gbps": float(x_s_per_gb_to_gbps(iv.x_lo)),
-                    "bandwidth_lo_gbps": float(x_s_per_gb_to_gbps(iv.x_hi)),
-                    **{c: r[c] for c in _ENTRY_FIELDS},
-                    "runners_up": json.dumps([e.policy_id for e in runners]),
-                    "runner_up_policies": json.dumps([e.to_json_dict() for e in runners], allow_nan=False),
-                }
-                row.update({c: r[c] for c in EXTRA_COLUMNS})
-                rows.append(row)
+        rows += envelope_rows([_entry(r) for r in recs], grp["relative_accuracy"].to_numpy(dtype=np.float64), fl,
+                              header={"schema_version": SCHEMA_VERSION, "model": model, "workload": workload,
+                                      "device": device},
+                              key=str(key), always=grp["reuse_depth"].to_numpy() == 0,
+                              extras=[{c: r[c] for c in EXTRA_COLUMNS} for r in recs],
+                              n_runners_up=n_runners_up, tolerance=1e-12)
     return PolicyTable(pd.DataFrame(rows), metadata=metadata)

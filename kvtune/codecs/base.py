@@ -50,6 +50,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
+from kvtune.core.registry import Registry
 from kvtune.errors import ConfigError, CorruptStreamError
 
 __all__ = [
@@ -814,22 +815,20 @@ class Codec(Component):
 
 # ----------------------------------------------------------------------------- registries
 
-TRANSFORMS: dict[str, type[Transform]] = {}
-QUANTIZERS: dict[str, type[Quantizer]] = {}
-CODECS: dict[str, type[Codec]] = {}
+TRANSFORMS: Registry[type[Transform]] = Registry("transform")
+QUANTIZERS: Registry[type[Quantizer]] = Registry("quantizer")
+CODECS: Registry[type[Codec]] = Registry("codec")
 Transform.registry = TRANSFORMS  # type: ignore[assignment]
 Quantizer.registry = QUANTIZERS  # type: ignore[assignment]
 Codec.registry = CODECS  # type: ignore[assignment]
 
 
-def _registrar(base: type[Component], registry: dict[str, Any], name: str):
+def _registrar(base: type[Component], registry: Registry, name: str):
     def decorate(cls):
         if not (isinstance(cls, type) and issubclass(cls, base) and dataclasses.is_dataclass(cls)):
             raise TypeError(f"@register_{base.kind}({name!r}) needs a dataclass subclass of {base.__name__}")
-        if name in registry and registry[name] is not cls:
-            raise ValueError(f"{base.kind} {name!r} is already registered ({registry[name].__qualname__})")
+        registry.register(name, cls)  # a name clash: DuplicateNameError
         cls.name = name
-        registry[name] = cls
         return cls
 
     return decorate

@@ -148,11 +148,24 @@ def continuation_logits(lm: LoadedModel, cap: Capture, kv: KVLayers, *, batch_si
     Returns:
         ``(N, C, vocab)`` float32 logits on the CPU.
     """
+    return logits_on_cache(lm, kv, cap.continuation_ids, cap.context_tokens, batch_size=batch_size)
+
+
+@torch.inference_mode()
+def logits_on_cache(lm: LoadedModel, kv: KVLayers, continuation_ids: torch.Tensor, context_tokens: int, *,
+                    batch_size: int = 8) -> torch.Tensor:
+    """Logits of ``continuation_ids`` ``(N, C)`` int64 run on top of the cache ``kv`` (per layer
+    ``(N, kv_heads, tokens, head_dim)``, built from ``context_tokens`` tokens), ``batch_size``
+    contexts per forward pass.
+
+    Returns:
+        ``(N, C, vocab)`` float32 logits on the CPU.
+    """
     outs = []
-    for start in range(0, cap.num_contexts, batch_size):
+    for start in range(0, continuation_ids.shape[0], batch_size):
         part = [(k[start : start + batch_size], v[start : start + batch_size]) for k, v in kv]
-        cache = kv_to_cache(part, lm.model.config, context_tokens=cap.context_tokens)
-        ids = cap.continuation_ids[start : start + batch_size].to(lm.device)
+        cache = kv_to_cache(part, lm.model.config, context_tokens=context_tokens)
+        ids = continuation_ids[start : start + batch_size].to(lm.device)
         logits = lm.model(input_ids=ids, cache=cache, use_cache=True).logits
         outs.append(logits.float().cpu())
     return torch.cat(outs)

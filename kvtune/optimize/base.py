@@ -16,18 +16,19 @@ from typing import Any
 
 import numpy as np
 
+from kvtune.core.registry import Registry
 from kvtune.errors import ConfigError
 from kvtune.space import Candidate, SearchSpace
 
-OPTIMIZERS: dict[str, type["Optimizer"]] = {}
+OPTIMIZERS: Registry[type["Optimizer"]] = Registry("optimizer")
 
 
 def register_optimizer(name: str) -> Callable[[type["Optimizer"]], type["Optimizer"]]:
     """Class decorator adding an optimizer to :data:`OPTIMIZERS` under ``name``."""
 
     def deco(cls: type[Optimizer]) -> type[Optimizer]:
+        OPTIMIZERS.register(name, cls)  # a name clash: DuplicateNameError
         cls.name = name
-        OPTIMIZERS[name] = cls
         return cls
 
     return deco

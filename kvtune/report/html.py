@@ -233,6 +233,7 @@ def figure_envelope(
     colors: Mapping[str, str],
     *,
     accuracy_floor: float,
+    key: str = "",
 ) -> go.Figure:
     """Predicted transfer seconds per GB of KV vs link Gbps for one accuracy floor.
 
@@ -242,6 +243,7 @@ def figure_envelope(
         breakpoints: :func:`kvtune.report.plot_data.breakpoints_gbps` for this floor.
         colors: :func:`kvtune.report.plot_data.policy_colors`.
         accuracy_floor: fraction, for the title.
+        key: the extra table key, for the title (``""``: none).
     """
     fig = go.Figure()
     fig.add_trace(
@@ -275,7 +277,7 @@ def figure_envelope(
     fig.update_layout(
         template=_TEMPLATE,
         title=(
-            f"Accuracy floor {100 * accuracy_floor:g} %: predicted transfer time per GB of KV "
+            f"Accuracy floor {100 * accuracy_floor:g} %{f', {key}' if key else ''}: predicted transfer time per GB of KV "
             "(encode + wire + decode)"
         ),
         height=460,
@@ -379,21 +381,23 @@ def render_report(
     ]
     bw_range = pdl.bandwidth_range_for(table)
     unc = pdl.uncompressed_curve(bandwidth_range_gbps=bw_range)
-    for k, floor in enumerate(table.floors):
+    panels = envelope_panels(table)
+    for k, (key, floor) in enumerate(panels):
         fig = figure_envelope(
-            pdl.envelope_curve(table, floor, bandwidth_range_gbps=bw_range),
+            pdl.envelope_curve(table, floor, bandwidth_range_gbps=bw_range, key=key),
             unc,
-            pdl.breakpoints_gbps(table, floor, bandwidth_range_gbps=bw_range),
+            pdl.breakpoints_gbps(table, floor, bandwidth_range_gbps=bw_range, key=key),
             colors,
             accuracy_floor=floor,
+            key=key,
         )
-        intervals = _html_table(pdl.interval_rows(table, floor))
+        intervals = _html_table(pdl.interval_rows(table, floor, key))
         figures.append((f"kvtune-envelope-{k}", intervals, fig))
 
     divs = [_fig_div(fig, div_id, first=(i == 0)) for i, (div_id, _, fig) in enumerate(figures)]
     n_front = int(points["on_front"].sum())
     n_presets = int((points["preset"] != "").sum())
-    n_fixed = 4  # 3-D, two projections, convergence; then one envelope chart per floor
+    n_fixed = 4  # 3-D, two projections, convergence; then one envelope chart per (key, floor)
     esc = html.escape
     parts = [
         "<!DOCTYPE html>",
@@ -432,8 +436,8 @@ def render_report(
         divs[3],
         "<h2>Policy table: transfer time vs bandwidth</h2>",
     ]
-    for (_, intervals, _), div, floor in zip(figures[n_fixed:], divs[n_fixed:], table.floors, strict=True):
-        parts += [f"<h3>Accuracy floor {100 * floor:g} %</h3>", div, intervals]
+    for (_, intervals, _), div, (key, floor) in zip(figures[n_fixed:], divs[n_fixed:], panels, strict=True):
+        parts += [f"<h3>Accuracy floor {100 * floor:g} %{esc(f', {key}' if key else '')}</h3>", div, intervals]
     parts += [
         f"<h2>Pareto policies ({len(pareto)})</h2>",
         '<p class="note">Click a column header to sort.</p>',
@@ -462,6 +466,15 @@ def _fidelity_note(info: Mapping[str, Any] | None) -> str:
     )
 
 
+def envelope_panels(table: PolicyTable) -> list[tuple[str, float]]:
+    """The ``(key, floor)`` pairs the report draws an envelope chart for: every floor of an
+    unkeyed table; for a keyed table (BiCache prefix-ratio buckets) every key's floors, key by
+    key."""
+    present = set(zip(table.frame["key"].astype(str), table.frame["accuracy_floor"].astype(float))) \
+        if "key" in table.frame else {("", f) for f in table.floors}
+    return [(key, floor) for key in table.keys for floor in table.floors if (key, floor) in present]
+
+
 def write_report(
     trials: pd.DataFrame,
     pareto: pd.DataFrame,
@@ -476,7 +489,8 @@ def write_report(
     The file embeds plotly.js once (about 5 MB) and opens offline in any browser. Figures:
     a 3-D trials scatter, two 2-D projections, the search convergence (hypervolume vs trial),
     and one transfer-time-vs-bandwidth chart per accuracy floor of ``table``
-    (4 + len(table.floors) plotly divs); plus HTML tables of the Pareto policies (sortable by
+    (4 + len(envelope_panels(table)) plotly divs: one per floor, per key of a keyed table);
+    plus HTML tables of the Pareto policies (sortable by
     header click) and of each floor's intervals, and the run configuration as JSON.
 
     Args:

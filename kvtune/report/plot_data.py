@@ -204,6 +204,7 @@ def envelope_curve(
     *,
     bandwidth_range_gbps: tuple[float, float] = BANDWIDTH_RANGE_GBPS,
     points_per_interval: int = 48,
+    key: str = "",
 ) -> pd.DataFrame:
     """Predicted transfer time per GB of KV along the table's envelope, per interval.
 
@@ -216,6 +217,7 @@ def envelope_curve(
         accuracy_floor: one of ``table.floors``.
         bandwidth_range_gbps: ``(low, high)`` link Gbps, > 0.
         points_per_interval: samples per interval (>= 2).
+        key: the extra table key (``""``: an unkeyed table).
 
     Returns:
         DataFrame with columns ``segment`` (int, interval position), ``policy_id``,
@@ -224,7 +226,7 @@ def envelope_curve(
     """
     lo_range, hi_range = (float(v) for v in bandwidth_range_gbps)
     rows = []
-    for k, iv in table.intervals(accuracy_floor).iterrows():
+    for k, iv in table.intervals(accuracy_floor, key=key).iterrows():
         lo = max(float(iv["bandwidth_lo_gbps"]), lo_range)
         hi = min(float(iv["bandwidth_hi_gbps"]), hi_range)
         if not lo < hi:
@@ -267,11 +269,12 @@ def breakpoints_gbps(
     accuracy_floor: float,
     *,
     bandwidth_range_gbps: tuple[float, float] = BANDWIDTH_RANGE_GBPS,
+    key: str = "",
 ) -> list[float]:
-    """Breakpoints of one floor's envelope in link Gbps that fall strictly inside the range,
-    ascending."""
+    """Breakpoints of one floor's (and table key's) envelope in link Gbps that fall strictly
+    inside the range, ascending."""
     lo, hi = bandwidth_range_gbps
-    bws = table.intervals(accuracy_floor)["bandwidth_lo_gbps"].to_numpy(dtype=float)
+    bws = table.intervals(accuracy_floor, key=key)["bandwidth_lo_gbps"].to_numpy(dtype=float)
     return sorted(float(v) for v in bws if lo < v < hi)
 
 
@@ -391,10 +394,11 @@ def convergence(
     )
 
 
-def interval_rows(table: PolicyTable, accuracy_floor: float) -> pd.DataFrame:
-    """Display table of one floor's intervals (strings): bandwidth range in Gbps, x range in
-    s/GB, policy, ratio, accuracy %, codec s/GB, B* Gbps, runners-up. High bandwidth first."""
-    iv = table.intervals(accuracy_floor)
+def interval_rows(table: PolicyTable, accuracy_floor: float, key: str = "") -> pd.DataFrame:
+    """Display table of one floor's (and table key's) intervals (strings): bandwidth range in
+    Gbps, x range in s/GB, policy, ratio, accuracy %, codec s/GB, B* Gbps, runners-up. High
+    bandwidth first."""
+    iv = table.intervals(accuracy_floor, key=key)
     return pd.DataFrame(
         {
             "bandwidth Gbps": [

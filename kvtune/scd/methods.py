@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvtune.codecs import PolicyConfig, original_nbytes
+from kvtune.core.registry import Registry
 from kvtune.errors import ConfigError
 from kvtune.evaluate.model import KVLayers, LoadedModel, round_kv
 from kvtune.scd.calibration import SCDCalibration
@@ -48,16 +49,13 @@ TOKEN_ID_BYTES = 4
 CODE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 """dtype of SCD codes and DroidSpeak hidden states on the wire."""
 
-METHODS: dict[str, type["TransferMethod"]] = {}
+METHODS: Registry[type["TransferMethod"]] = Registry("SCD transfer method")
 """Registry of transfer methods by name (the ``method`` column of tables)."""
 
 
 def register_method(cls: type["TransferMethod"]) -> type["TransferMethod"]:
     """Class decorator adding a method to :data:`METHODS` under ``cls.name``."""
-    if not cls.name or cls.name in METHODS:
-        raise ValueError(f"method name {cls.name!r} is empty or already registered")
-    METHODS[cls.name] = cls
-    return cls
+    return METHODS.register(cls.name, cls)  # an empty name or a clash: DuplicateNameError
 
 
 @dataclass

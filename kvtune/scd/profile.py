@@ -30,13 +30,14 @@ artifact bytes, TTFT at the report bandwidths) and ``scd_summary.md`` (the READM
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import pandas as pd
@@ -45,9 +46,12 @@ import torch
 from kvtune.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.codecs import original_nbytes
 from kvtune.errors import KvtuneError
-from kvtune.evaluate.capture import build_contexts
+from kvtune.core.ids import policy_id
+from kvtune.core.jsonio import jsonable, strict_dumps
+from kvtune.evaluate.capture import build_contexts, logits_on_cache
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores, report_relative_accuracy
-from kvtune.evaluate.model import KVLayers, LoadedModel, kv_to_cache, load_model
+from kvtune.evaluate.model import KVLayers, LoadedModel, load_model
+from kvtune.evaluate.workloads.base import median_after_warmup
 from kvtune.scd.calibration import SCDCalibration, calibrate
 from kvtune.scd.consumer import domain_split
 from kvtune.scd.methods import (
@@ -62,14 +66,19 @@ from kvtune.scd.methods import (
     prefix_context,
     ttft_seconds,
 )
+from kvtune.run.folder import open_run_folder
+from kvtune.run.loop import ask_tell
+from kvtune.run.settings import RunSettings
+from kvtune.store import TrialStore
 from kvtune.scd.states import check_same_architecture
 
 REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
 
 
-@dataclass
-class SCDProfileSettings:
-    """Sizes and search grid of an SCD profile (defaults: the small real-pair run).
+@dataclass(frozen=True)
+class SCDProfileSettings(RunSettings):
+    """Sizes and search grid of an SCD profile (defaults: the small real-pair run); saved as
+    ``settings`` in ``run.json`` (:class:`kvtune.run.settings.RunSettings`).
 
     Attributes:
         data: data asset / JSONL with ``document`` (domain text; split as the consumer's).
@@ -95,6 +104,7 @@ class SCDProfileSettings:
         ridge: relative ridge of the maps.
         floors: accuracy floors of the table.
         device: ``cpu`` / ``cuda`` / ``auto``.
+        version: settings version (1).
     """
 
     data: str = "xsum"
@@ -119,6 +129,7 @@ class SCDProfileSettings:
     ridge: float = 1e-4
     floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
     device: str = "cpu"
+    version: int = 1
 
 
 @dataclass
@@ -148,24 +159,6 @@ def _stack(kvs: list[KVLayers]) -> KVLayers:
     return [(torch.cat([kv[l][0] for kv in kvs]), torch.cat([kv[l][1] for kv in kvs])) for l in range(len(kvs[0]))]
 
 
-@torch.inference_mode()
-def continuation_logits(lm: LoadedModel, kv: KVLayers, continuation: torch.Tensor, context_tokens: int,
-                        *, batch_size: int = 8) -> torch.Tensor:
-    """``(N, C, vocab)`` float32 logits of the continuation ``(N, C)`` run on cache ``kv`` (N contexts)."""
-    outs = []
-    for s in range(0, continuation.shape[0], batch_size):
-        part = [(k[s: s + batch_size], v[s: s + batch_size]) for k, v in kv]
-        cache = kv_to_cache(part, lm.model.config, context_tokens=context_tokens)
-        outs.append(lm.model(input_ids=continuation[s: s + batch_size].to(lm.device), cache=cache,
-                             use_cache=True).logits.float().cpu())
-    return torch.cat(outs)
-
-
-def median_after_warmup(values: list[float]) -> float:
-    """Median after dropping the first (warm-up) value when there are several."""
-    return statistics.median(values[1:] if len(values) > 1 else values)
-
-
 @dataclass
 class MethodResult:
     """Measured numbers of one configuration on the evaluation prefixes."""
@@ -191,7 +184,7 @@ def evaluate_method(pair: Pair, method: TransferMethod, contexts: list[PrefixCon
     t0 = time.perf_counter()
     transfers = [method.transfer(pair, c) for c in contexts]
     kv = _stack([t.kv for t in transfers])
-    logits = continuation_logits(pair.consumer, kv, continuation, contexts[0].tokens)
+    logits = logits_on_cache(pair.consumer, kv, continuation, contexts[0].tokens)
     scores = continuation_scores(base_logits if base_logits is not None else logits, logits, continuation)
     res = MethodResult(
         method=method, scores=scores,
@@ -219,7 +212,7 @@ def trial_row(res: MethodResult, bandwidths: tuple[float, ...] = REPORT_BANDWIDT
     lo, hi = bootstrap_relative_accuracy(sc["per_context_nll_delta"])
     cfg = res.method.config_json()
     row = {
-        "policy_id": hashlib.sha256(cfg.encode()).hexdigest()[:12],
+        "policy_id": policy_id(cfg),
         "method": res.method.name,
         "label": res.method.label(),
         "config_json": cfg,
@@ -294,7 +287,7 @@ class _SCDPolicy:
 
     @property
     def policy_id(self) -> str:
-        return hashlib.sha256(self.method.config_json().encode()).hexdigest()[:12]
+        return policy_id(self.method.config_json())
 
     @property
     def label(self) -> str:
@@ -325,14 +318,20 @@ def scd_space(methods: list[SCD]) -> Any:
 
 def search_scd(pair: Pair, methods: list[SCD], contexts: list[PrefixContext], continuation: torch.Tensor,
                base_logits: torch.Tensor, settings: SCDProfileSettings,
-               progress: Callable[[str], None] | None = None) -> list[MethodResult]:
-    """Explore the SCD grid with ``settings.optimizer`` (ask/tell, :mod:`kvtune.optimize`).
+               progress: Callable[[str], None] | None = None, *, done: Mapping[str, dict[str, Any]] | None = None,
+               on_record: Callable[[dict[str, Any]], None] | None = None) -> list[MethodResult]:
+    """Explore the SCD grid with ``settings.optimizer`` (the shared ask/tell loop,
+    :func:`kvtune.run.loop.ask_tell`).
 
     Each proposal is evaluated on every prefix and told back as its trials row
     (:func:`trial_row`: relative accuracy with interval, ratio, encode/decode GB/s).
 
+    Args:
+        done: stored trial rows by policy id (a resumed run): told, not evaluated again.
+        on_record: called with each new row before it is told (append it to the trial store).
+
     Returns:
-        The evaluated configurations' results, in evaluation order.
+        The configurations evaluated now, in evaluation order.
 
     Raises:
         ConfigError: unknown optimizer.
@@ -343,19 +342,24 @@ def search_scd(pair: Pair, methods: list[SCD], contexts: list[PrefixContext], co
         return []
     space = scd_space(methods)
     opt = make_optimizer(settings.optimizer, space, seed=settings.seed, q_min=settings.q_min)
-    budget = settings.budget or len(space)
-    results = []
-    for k in range(min(budget, len(space))):
-        cand = opt.ask()
-        if cand is None:
-            break
+    done = {pid: row for pid, row in (done or {}).items() if row.get("method") == "scd"}
+    budget = min(settings.budget or len(space), len(space))
+    results: list[MethodResult] = []
+
+    def evaluate(cand: Any) -> dict[str, Any]:
         res, _ = evaluate_method(pair, cand.config.method, contexts, continuation, base_logits)
         results.append(res)
-        opt.tell(cand, {**trial_row(res), "trial": k})
         if progress:
-            progress(f"[{settings.optimizer} {k + 1}/{min(budget, len(space))}] {cand.config.label}: relative accuracy "
-                     f"{res.scores['relative_accuracy']:.4f}, payload {res.payload_bytes / 1e6:.3f} MB")
+            progress(f"[{settings.optimizer} {len(done) + len(results)}/{budget}] {cand.config.label}: relative "
+                     f"accuracy {res.scores['relative_accuracy']:.4f}, payload {res.payload_bytes / 1e6:.3f} MB")
+        return {**trial_row(res), "trial": len(done) + len(results) - 1}
+
+    ask_tell(opt, space.candidates, budget=budget, done=done, evaluate=evaluate, on_record=on_record or _ignore)
     return results
+
+
+def _ignore(*_: Any) -> None:
+    return None
 
 
 def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continuation: torch.Tensor,
@@ -431,8 +435,15 @@ def _check_settings(st: SCDProfileSettings) -> None:
 
 def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, out_dir: str | Path, *,
                     settings: SCDProfileSettings | None = None,
-                    progress: Callable[[str], None] | None = None) -> SCDProfileResult:
+                    progress: Callable[[str], None] | None = None, resume: bool = False,
+                    reports: str | Path | None = None, on_trial: Callable[[dict[str, Any]], None] | None = None
+                    ) -> SCDProfileResult:
     """Profile recompute, raw, raw+tqc, droidspeak and scd on a pair and write the policy table.
+
+    Every evaluated configuration is appended to the run folder's trial store
+    (``trials.jsonl``, :class:`kvtune.store.TrialStore`) as it finishes; with ``resume`` the
+    stored configurations are not evaluated again (``recompute`` is re-run for its logits,
+    the reference of every score, but not stored twice) and the SCD search continues.
 
     Args:
         producer, consumer: ``--model`` specs (or loaded models) with the same architecture;
@@ -440,6 +451,9 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
         out_dir: run folder (created); see the module docstring for the files.
         settings: :class:`SCDProfileSettings`.
         progress: optional ``progress(message)``.
+        resume: continue the trials stored in ``out_dir``.
+        reports: folder receiving the HTML report ``<run>.html`` (None: no report).
+        on_trial: called with each new trial row after it is stored.
 
     Returns:
         :class:`SCDProfileResult`.
@@ -447,18 +461,41 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
     Raises:
         ModelLayoutError: the models differ in architecture or are not Llama-style.
         ConfigError: unknown optimizer, bad code bits or budget (before any model loads).
-        KvtuneError: data too short, unknown preset, ...
+        KvtuneError: data too short, unknown preset, trials stored without ``resume``, ...
+        RunLockedError: another process is working on ``out_dir``.
     """
-    from kvtune.tables.policy_table import compile_policy_table
-
     st = settings or SCDProfileSettings()
     _check_settings(st)
-    say = progress or (lambda _m: None)
-    out = Path(out_dir)
+    with open_run_folder(out_dir):
+        store = TrialStore(Path(out_dir))
+        if store.log_path.exists() and not resume:
+            raise KvtuneError(f"run folder {out_dir} already has trials; resume it or use another run name")
+        return _run_scd_locked(producer, consumer, Path(out_dir), st, progress or (lambda _m: None), store,
+                               reports, on_trial or _ignore)
+
+
+def _run_scd_locked(producer: str | LoadedModel, consumer: str | LoadedModel, out: Path, st: SCDProfileSettings,
+                    say: Callable[[str], None], store: TrialStore, reports: str | Path | None,
+                    on_trial: Callable[[dict[str, Any]], None]) -> SCDProfileResult:
+    """:func:`run_scd_profile` with its run folder locked."""
     t_start = time.perf_counter()
+    done = {r["policy_id"]: r for r in store.load()}
+    numbers = itertools.count(len(done))
+
+    def keep(row: dict[str, Any]) -> None:
+        row["trial"] = next(numbers)
+        store.append(row)
+        on_trial(row)
+
     prod = producer if isinstance(producer, LoadedModel) else load_model(producer, st.device)
     cons = consumer if isinstance(consumer, LoadedModel) else load_model(consumer, st.device)
     check_same_architecture(prod, cons)
+    specs = {"producer_spec": producer if isinstance(producer, str) else prod.name,
+             "consumer_spec": consumer if isinstance(consumer, str) else cons.name}
+    if not store.log_path.exists():  # what --resume needs, before the first trial
+        atomic_write_text(out / "run.json", strict_dumps(jsonable(
+            {"method": "scd", "settings": st.to_dict(), **specs, "producer": prod.describe(),
+             "consumer": cons.describe()}), indent=2, default=str))
     train_docs, held_docs, source = domain_split(st.data, st.holdout_fraction)
     tok = prod.tokenizer
     calib_need = st.calib_windows * (st.calib_tokens + st.continuation_tokens)
@@ -484,35 +521,26 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
     contexts = [prefix_context(prod, p) for p in eval_prefixes]
     baselines: list[TransferMethod] = [Raw(), *tqc_methods(st), *ds_methods]
     base, base_logits = evaluate_method(pair, Recompute(), contexts, eval_cont, None)
-    results = [base]
+    if policy_id(Recompute().config_json()) not in done:
+        keep(trial_row(base))
     for m in baselines:
+        if policy_id(m.config_json()) in done:
+            continue
         res, _ = evaluate_method(pair, m, contexts, eval_cont, base_logits)
-        results.append(res)
+        keep(trial_row(res))
         say(f"{m.label()}: relative accuracy {res.scores['relative_accuracy']:.4f}, "
             f"payload {res.payload_bytes / 1e6:.3f} MB")
-    results += search_scd(pair, scd_methods(cal, st), contexts, eval_cont, base_logits, st, say)
-    trials = pd.DataFrame([trial_row(r) for r in results])
+    search_scd(pair, scd_methods(cal, st), contexts, eval_cont, base_logits, st, say, done=done, on_record=keep)
+    trials = store.frame()
 
-    out.mkdir(parents=True, exist_ok=True)
     artifact_files = cal.save(out)
-    model_name = f"{prod.name} -> {cons.name}"
     kv_bytes = float(trials["kv_bytes"].iloc[0])
-    table = compile_policy_table(trials, floors=st.floors, model=model_name, workload=f"continuation:{st.data}",
-                                 device=str(cons.device), include_none=False,
-                                 metadata={"kv_bytes_per_request": kv_bytes, "method": "scd",
-                                           "producer": prod.name, "consumer": cons.name})
-    paths = {
-        "trials": atomic_write_parquet(trials, out / "scd_trials.parquet"),
-        "trials_csv": atomic_write_text(out / "scd_trials.csv", trials.to_csv(index=False)),
-        "table": table.to_parquet(out / "scd_policy_table.parquet"),
-        "table_json": table.to_json(out / "scd_policy_table.json"),
-        "maps": out / "scd_maps.pt",
-        "calibration": out / "scd_calibration.json",
-    }
     run = {
+        "method": "scd",
+        **specs,
         "producer": prod.describe(),
         "consumer": cons.describe(),
-        "settings": {k2: (list(v) if isinstance(v, tuple) else v) for k2, v in asdict(st).items()},
+        "settings": st.to_dict(),
         "data": source.describe(),
         "calibration_tokens": cal.tokens,
         "calibration_seconds": calib_seconds,
@@ -524,10 +552,95 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
         "report_bandwidths_gbps": list(REPORT_BANDWIDTHS_GBPS),
         "front": front_summary(trials),
         "total_seconds": time.perf_counter() - t_start,
+        "reports": None if reports is None else str(reports),
     }
-    paths["run"] = atomic_write_text(out / "scd_run.json", json.dumps(run, indent=2, default=str))
+    table = compile_scd_table(trials, run)
+    paths = {
+        "trials": atomic_write_parquet(trials, out / "scd_trials.parquet"),
+        "trials_csv": atomic_write_text(out / "scd_trials.csv", trials.to_csv(index=False)),
+        "table": table.to_parquet(out / "scd_policy_table.parquet"),
+        "table_json": table.to_json(out / "scd_policy_table.json"),
+        "policy_table": table.to_parquet(out / "policy_table.parquet"),
+        "policy_table_json": table.to_json(out / "policy_table.json"),
+        "maps": out / "scd_maps.pt",
+        "calibration": out / "scd_calibration.json",
+    }
+    text = strict_dumps(jsonable(run), indent=2, default=str)
+    paths["run"] = atomic_write_text(out / "run.json", text)
+    paths["scd_run"] = atomic_write_text(out / "scd_run.json", text)
     paths["summary"] = atomic_write_text(out / "scd_summary.md", summary_markdown(trials, run))
+    if reports is not None:
+        paths["report"] = write_scd_report(trials, table, run, _report_path(out, run), title=out.name)
     return SCDProfileResult(trials=trials, table=table, calibration=cal, run=run, paths=paths)
+
+
+def compile_scd_table(trials: pd.DataFrame, run: Mapping[str, Any], floors: Sequence[float] | None = None) -> Any:
+    """The SCD policy table of a run's trials: no implicit ``"none"`` (``recompute`` is the
+    full-quality candidate), floors gated on the point estimate, model ``producer -> consumer``,
+    workload ``continuation:<data>``.
+
+    Args:
+        trials: the run's trial rows (:func:`trial_row`).
+        run: the run's ``run.json`` dict (``producer``/``consumer`` with ``model`` and
+            ``device``, ``settings`` with ``data`` and ``floors``, ``kv_bytes_per_request``).
+        floors: accuracy floors (default: the run's).
+
+    Raises:
+        TableError: see :func:`kvtune.tables.policy_table.compile_policy_table`.
+    """
+    from kvtune.tables.policy_table import compile_policy_table
+
+    st = run["settings"]
+    prod, cons = run["producer"]["model"], run["consumer"]["model"]
+    return compile_policy_table(trials, floors=tuple(floors if floors is not None else st["floors"]),
+                                model=f"{prod} -> {cons}", workload=f"continuation:{st['data']}",
+                                device=str(run["consumer"]["device"]), include_none=False,
+                                metadata={"kv_bytes_per_request": float(run["kv_bytes_per_request"]), "method": "scd",
+                                          "producer": prod, "consumer": cons})
+
+
+def finalize_scd_run(run_dir: str | Path) -> dict[str, Path]:
+    """Rebuild an SCD run's policy tables and HTML report from its stored trials
+    (``kvtune report``). The report goes to ``<reports>/<run>.html`` (the ``reports`` folder
+    recorded in ``run.json``), or ``<run_dir>/report.html`` when none was recorded. The table
+    is compiled before anything is written.
+
+    Raises:
+        KvtuneError: not a finished SCD run folder, or trials that do not compile (the
+            message names the trial log).
+    """
+    from kvtune.tables.run import read_run_info
+
+    out = Path(run_dir)
+    with open_run_folder(out, create=False):
+        run = read_run_info(out)
+        store = TrialStore(out)
+        trials = store.frame()
+        if trials.empty or "front" not in run:
+            raise KvtuneError(f"{out}: not a finished SCD run (no trials or an incomplete run.json)")
+        try:
+            table = compile_scd_table(trials, run)
+        except (KeyError, KvtuneError) as exc:
+            raise KvtuneError(f"{store.log_path}: {exc}") from None
+        return {"trials": store.write_table(trials),
+                "policy_table": table.to_parquet(out / "policy_table.parquet"),
+                "policy_table_json": table.to_json(out / "policy_table.json"),
+                "report": write_scd_report(trials, table, run, _report_path(out, run), title=out.name)}
+
+
+def _report_path(run_dir: Path, run: Mapping[str, Any]) -> Path:
+    reports = run.get("reports")
+    return Path(reports) / f"{run_dir.name}.html" if isinstance(reports, str) else run_dir / "report.html"
+
+
+def write_scd_report(trials: pd.DataFrame, table: Any, run: Mapping[str, Any], path: Path, *, title: str) -> Path:
+    """The HTML report of an SCD run (:func:`kvtune.report.html.write_report`): every
+    configuration, the 3-D Pareto front, the per-floor tables and the run settings."""
+    from kvtune.pareto import pareto_front
+    from kvtune.report.html import write_report
+
+    return write_report(trials, pareto_front(trials), table, path, title=f"kvtune SCD profile: {title}",
+                        run_config=run)
 
 
 # ---------------------------------------------------------------------------- reporting

@@ -77,6 +77,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune.errors import KvtuneError, TableError
+from kvtune.core.jsonio import dec_float, enc_float, strict_dumps
 from kvtune.atomic import atomic_path, atomic_write_text
 from kvtune.tables.envelope import lower_envelope
 from kvtune.tables.latency import (
@@ -100,6 +101,7 @@ __all__ = [
     "PolicyTable",
     "SelectedPolicy",
     "compile_policy_table",
+    "envelope_rows",
 ]
 
 SCHEMA_VERSION = 1
@@ -157,21 +159,7 @@ _PARETO_REQUIRED = (
 # JSON helpers: finite floats as numbers, non-finite as strings, so files are strict JSON.
 
 
-def _enc_float(v: float) -> float | str:
-    v = float(v)
-    if math.isfinite(v):
-        return v
-    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-
-
-def _dec_float(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"{what}: expected a number, got {v!r}")
-    return float(v)
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, allow_nan=False)
+# (kvtune.core.jsonio: enc_float, dec_float, strict_dumps)
 
 
 def _json_value(v: Any) -> Any:
@@ -181,7 +169,7 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, (int, np.integer)):
         return int(v)
     if isinstance(v, (float, np.floating)):
-        return _enc_float(v)
+        return enc_float(v)
     if v is None:
         return None
     return str(v)
@@ -236,14 +224,14 @@ class PolicyEntry:
     def to_json_dict(self) -> dict[str, Any]:
         """Strict-JSON dict (non-finite floats as ``"inf"`` strings)."""
         out: dict[str, Any] = {c: getattr(self, c) for c in _POLICY_STR_COLUMNS}
-        out.update({c: _enc_float(getattr(self, c)) for c in _POLICY_FLOAT_COLUMNS})
+        out.update({c: enc_float(getattr(self, c)) for c in _POLICY_FLOAT_COLUMNS})
         return out
 
     @classmethod
     def from_json_dict(cls, d: Mapping[str, Any]) -> PolicyEntry:
         """Inverse of :meth:`to_json_dict`; raises ``KeyError``/``ValueError`` when malformed."""
         kwargs: dict[str, Any] = {c: str(d[c]) for c in _POLICY_STR_COLUMNS}
-        kwargs.update({c: _dec_float(d[c], c) for c in _POLICY_FLOAT_COLUMNS})
+        kwargs.update({c: dec_float(d[c], c) for c in _POLICY_FLOAT_COLUMNS})
         return cls(**kwargs)
 
 
@@ -580,24 +568,64 @@ def compile_policy_table(
         raise TableError(f"cannot compile policy table: key must be a string, got {key!r}")
     entries = [_none_entry()] if include_none else []
     entries += _candidate_entries(pareto)
-    a = np.array([e.a_s_per_gb for e in entries])
-    b = np.array([e.b for e in entries])
-    acc = _gate_values(pareto, entries, gate)
+    always = (np.arange(len(entries)) == 0) & include_none
+    rows = envelope_rows(entries, _gate_values(pareto, entries, gate), fl, always=always, key=key,
+                         header={"schema_version": SCHEMA_VERSION, "model": model, "workload": workload,
+                                 "device": device}, n_runners_up=n_runners_up)
+    return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
+
+
+def envelope_rows(
+    entries: Sequence[PolicyEntry],
+    gate: np.ndarray,
+    floors: Sequence[float],
+    *,
+    header: Mapping[str, Any],
+    key: str = DEFAULT_KEY,
+    always: np.ndarray | None = None,
+    extras: Sequence[Mapping[str, Any]] | None = None,
+    n_runners_up: int = 2,
+    tolerance: float = 0.0,
+) -> list[dict[str, Any]]:
+    """The floor -> lower envelope -> table rows loop every policy table is compiled with
+    (KVServe piecewise table; T/Q/C, SCD and BiCache tables alike).
+
+    For each floor, the candidates are the entries whose ``gate`` value is at least
+    ``floor - tolerance`` (plus those marked ``always``); the rows are the intervals of the
+    lower envelope of ``a + b * x`` over ``x = 1/B`` s/GB, each with its runners-up. Identical
+    lines resolve to the lowest entry index, so order ``entries`` by preference.
+
+    Args:
+        entries: candidate policies (with their line ``a_s_per_gb``, ``b``).
+        gate: per entry, the value compared with the floors (fraction).
+        floors: accuracy floors, in the order the rows are wanted.
+        header: columns copied into every row (``schema_version``, ``model``, ...).
+        key: the extra table key of the rows.
+        always: per entry, admitted at every floor (the implicit ``"none"``, BiCache's depth 0).
+        extras: per entry, extra columns added to its rows.
+        n_runners_up: next-best policies listed per interval.
+        tolerance: slack of the floor comparison.
+
+    Raises:
+        TableError: no entry is admitted at some floor.
+    """
+    a = np.array([e.a_s_per_gb for e in entries], dtype=np.float64)
+    b = np.array([e.b for e in entries], dtype=np.float64)
+    gate = np.asarray(gate, dtype=np.float64)
+    always = np.zeros(len(entries), dtype=bool) if always is None else np.asarray(always, dtype=bool)
     rows: list[dict[str, Any]] = []
-    for floor in fl:
-        sel = np.flatnonzero((acc >= floor) | ((np.arange(len(entries)) == 0) & include_none))
+    for floor in floors:
+        sel = np.flatnonzero((gate >= floor - tolerance) | always)
         if not len(sel):
             raise TableError(f"cannot compile policy table: no policy reaches accuracy floor {floor} "
                              "(and include_none is False)")
         for iv in lower_envelope(a[sel], b[sel], n_runners_up=n_runners_up):
-            e = entries[int(sel[iv.index])]
+            i = int(sel[iv.index])
+            e = entries[i]
             runners = [entries[int(sel[r])] for r in iv.runners_up]
             rows.append(
                 {
-                    "schema_version": SCHEMA_VERSION,
-                    "model": model,
-                    "workload": workload,
-                    "device": device,
+                    **header,
                     "accuracy_floor": floor,
                     "key": key,
                     "x_lo_s_per_gb": iv.x_lo,
@@ -605,11 +633,12 @@ def compile_policy_table(
                     "bandwidth_hi_gbps": float(x_s_per_gb_to_gbps(iv.x_lo)),
                     "bandwidth_lo_gbps": float(x_s_per_gb_to_gbps(iv.x_hi)),
                     **{c: getattr(e, c) for c in _POLICY_STR_COLUMNS + _POLICY_FLOAT_COLUMNS},
-                    "runners_up": _dumps([r.policy_id for r in runners]),
-                    "runner_up_policies": _dumps([r.to_json_dict() for r in runners]),
+                    "runners_up": strict_dumps([r.policy_id for r in runners]),
+                    "runner_up_policies": strict_dumps([r.to_json_dict() for r in runners]),
+                    **(extras[i] if extras is not None else {}),
                 }
             )
-    return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -829,7 +858,7 @@ class PolicyTable:
         self._frame = _validate_frame(frame, source)
         self._metadata = dict(metadata or {})
         try:
-            _dumps(self._metadata)
+            strict_dumps(self._metadata)
         except (TypeError, ValueError) as exc:
             raise _fail(source, f"metadata is not JSON-serializable: {exc}") from None
         kvb = self._metadata.get("kv_bytes_per_request")
@@ -959,10 +988,10 @@ class PolicyTable:
         def scale(js: str) -> str:
             pols = json.loads(js)
             for p in pols:
-                p["a_s_per_gb"] = _enc_float(_dec_float(p["a_s_per_gb"], "a_s_per_gb") / f)
+                p["a_s_per_gb"] = enc_float(dec_float(p["a_s_per_gb"], "a_s_per_gb") / f)
                 for c in ("encode_gbps", "decode_gbps", "threshold_gbps"):
-                    p[c] = _enc_float(_dec_float(p[c], c) * f)
-            return _dumps(pols)
+                    p[c] = enc_float(dec_float(p[c], c) * f)
+            return strict_dumps(pols)
 
         out["runner_up_policies"] = out["runner_up_policies"].map(scale)
         out["device"] = f"{self._device} x{f:g} codec speed (hypothetical)"
@@ -1092,11 +1121,14 @@ class PolicyTable:
 
         Raises:
             TableError: workload mismatch, unknown key, or no configured floor >= ``q_min``.
-            KvtuneError: bandwidth is NaN or <= 0, or kv_bytes / slo_s not > 0.
+            KvtuneError: bandwidth is NaN or <= 0, q_min is NaN or negative, or kv_bytes /
+                slo_s not > 0.
         """
         bw = float(bandwidth_gbps)
         if not bw > 0:
             raise KvtuneError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps}")
+        if not float(q_min) >= 0:
+            raise KvtuneError(f"q_min must be a relative accuracy >= 0 (a fraction such as 0.97), got {q_min}")
         if workload is not None and workload != self._workload:
             raise TableError(
                 f"workload {workload!r} does not match the table's workload {self._workload!r} "
@@ -1170,7 +1202,7 @@ class PolicyTable:
 
         tbl = pa.Table.from_pandas(self._frame, preserve_index=False)
         meta = dict(tbl.schema.metadata or {})
-        meta[_PARQUET_META_KEY] = _dumps(self.metadata).encode()
+        meta[_PARQUET_META_KEY] = strict_dumps(self.metadata).encode()
         tbl = tbl.replace_schema_metadata(meta)
         with atomic_path(path) as tmp:
             pq.write_table(tbl, tmp)
@@ -1206,7 +1238,7 @@ class PolicyTable:
                     if c in _RUNNER_COLUMNS:
                         item[c] = json.loads(v)
                     elif c in _FLOAT_COLUMNS:
-                        item[c] = _enc_float(v)
+                        item[c] = enc_float(v)
                     else:
                         item[c] = _json_value(v)
                 intervals.append(item)
@@ -1334,10 +1366,10 @@ def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]
             }
             for c, v in item.items():
                 if c in _RUNNER_COLUMNS:
-                    row[c] = _dumps(v)
+                    row[c] = strict_dumps(v)
                 elif c in _FLOAT_COLUMNS:
                     try:
-                        row[c] = _dec_float(v, c)
+                        row[c] = dec_float(v, c)
                     except ValueError as exc:
                         raise _fail(src, str(exc)) from None
                 else:

@@ -17,14 +17,17 @@ from typing import Any
 
 import pandas as pd
 
+from kvtune.core.jsonio import enc_float
 from kvtune.errors import KvtuneError
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable, compile_policy_table
 
 __all__ = [
     "EXPORT_FORMATS",
     "export_run_table",
+    "interval_gate",
     "kv_bytes_per_request",
     "load_run_table",
+    "read_run_info",
     "resolve_table",
     "run_table_metadata",
     "selection_summary",
@@ -35,7 +38,12 @@ __all__ = [
 EXPORT_FORMATS: dict[str, str] = {"parquet": ".parquet", "json": ".json"}
 
 
-def _read_run_info(run_dir: Path) -> dict[str, Any]:
+def read_run_info(run_dir: Path) -> dict[str, Any]:
+    """The JSON object of ``<run_dir>/run.json``.
+
+    Raises:
+        KvtuneError: missing, unreadable, not JSON or not an object (the message names the file).
+    """
     path = run_dir / "run.json"
     if not path.is_file():
         raise KvtuneError(f"{run_dir}: no run.json; is it a kvtune run folder?")
@@ -46,6 +54,20 @@ def _read_run_info(run_dir: Path) -> dict[str, Any]:
     if not isinstance(info, dict):
         raise KvtuneError(f"{path}: run.json must hold a JSON object")
     return info
+
+
+def interval_gate(pareto: pd.DataFrame, run_info: dict[str, Any] | None = None) -> str:
+    """The column a run's floors are gated on: ``relative_accuracy_lo`` (the lower end of the
+    95 % interval, so a floor holds with confidence) when the trials have it, else the point
+    estimate ``relative_accuracy``.
+
+    Runs with version-1 settings (``run_info["settings"]["version"] == 1``) were compiled on
+    the point estimate, before the interval gate existed; their tables recompile the same way.
+    """
+    settings = (run_info or {}).get("settings")
+    if isinstance(settings, dict) and settings.get("version") == 1:
+        return "relative_accuracy"
+    return "relative_accuracy_lo" if "relative_accuracy_lo" in pareto.columns else "relative_accuracy"
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
@@ -77,7 +99,7 @@ def run_table_metadata(run_dir: str | os.PathLike[str], run_info: dict[str, Any]
     """Metadata a run's table should carry: ``run`` (folder name), ``kv_bytes_per_request``
     and ``context_tokens`` when known."""
     run_dir = Path(run_dir)
-    info = _read_run_info(run_dir) if run_info is None else run_info
+    info = read_run_info(run_dir) if run_info is None else run_info
     meta: dict[str, Any] = {"run": run_dir.name}
     kvb = kv_bytes_per_request(info)
     if kvb is not None:
@@ -98,7 +120,8 @@ def load_run_table(
     run metadata added where the file lacks it). Otherwise (or when that file is missing)
     compiles it again from ``pareto.parquet`` (or, if that is missing too, the Pareto front
     of ``trials.parquet``) with :func:`~kvtune.tables.policy_table.compile_policy_table`, for
-    ``floors`` (default: the run's configured floors, else 99/97/95/90 %).
+    ``floors`` (default: the run's configured floors, else 99/97/95/90 %), gated like the run
+    itself (:func:`interval_gate`: on the lower end of the 95 % interval when the trials have it).
 
     Args:
         run_dir: a run folder, e.g. ``profiles/smollm2-default``.
@@ -113,13 +136,40 @@ def load_run_table(
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise KvtuneError(f"{run_dir}: not a folder (expected a run folder such as profiles/<run>)")
-    info = _read_run_info(run_dir)
+    info = read_run_info(run_dir)
     meta = run_table_metadata(run_dir, info)
     stored = run_dir / "policy_table.parquet"
     if floors is None and not recompile and stored.is_file():
         table = PolicyTable.load(stored)
         missing = {k: v for k, v in meta.items() if k not in table.metadata["extra"]}
         return table.with_metadata(**missing) if missing else table
+    return run_method(info, run_dir).compile_table(run_dir, info, floors)
+
+
+def run_method(info: dict[str, Any], run_dir: Path) -> Any:
+    """The registered :class:`~kvtune.run.method.Method` of a run (``run.json``'s ``method``;
+    runs written before methods were recorded are ``tqc``).
+
+    Raises:
+        KvtuneError: an unknown method (the message names the file and the known methods).
+    """
+    from kvtune.methods import METHODS
+
+    name = info.get("method") or "tqc"
+    if not isinstance(name, str) or name not in METHODS:
+        raise KvtuneError(f"{run_dir / 'run.json'}: unknown method {name!r}; known: {METHODS.known()}")
+    return METHODS[name]
+
+
+def compile_tqc_run_table(run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None) -> PolicyTable:
+    """The T/Q/C table of a run compiled again from ``pareto.parquet`` (or, if that is missing,
+    the Pareto front of ``trials.parquet``), gated by :func:`interval_gate`.
+
+    Raises:
+        KvtuneError: neither file exists, or one cannot be read (the message names it).
+        TableError: see :func:`~kvtune.tables.policy_table.compile_policy_table`.
+    """
+    meta = run_table_metadata(run_dir, info)
     settings = info.get("settings") or {}
     use_floors = tuple(floors) if floors is not None else tuple(settings.get("floors") or DEFAULT_FLOORS)
     if (run_dir / "pareto.parquet").is_file():
@@ -137,6 +187,7 @@ def load_run_table(
         workload=str(info.get("workload") or "continuation"),
         device=str((info.get("model_info") or {}).get("device") or "cpu"),
         metadata=meta,
+        gate=interval_gate(pareto, info),
     )
 
 
@@ -153,8 +204,9 @@ def export_run_table(
     Args:
         run_dir: the run folder.
         fmt: ``"parquet"`` or ``"json"``.
-        out: destination file; default ``<run name>.policy_table.<parquet|json>`` in the
-            current directory. Its suffix must match ``fmt``.
+        out: destination file, or a folder to write ``<run name>.policy_table.<parquet|json>``
+            into; default: that file name in the current directory. A file's suffix must match
+            ``fmt``.
         floors, recompile: see :func:`load_run_table`.
 
     Returns:
@@ -167,7 +219,10 @@ def export_run_table(
         raise KvtuneError(f"unknown format {fmt!r}; use one of {sorted(EXPORT_FORMATS)}")
     run_dir = Path(run_dir)
     suffix = EXPORT_FORMATS[fmt]
-    path = Path(out) if out is not None else Path(f"{run_dir.resolve().name}.policy_table{suffix}")
+    default_name = f"{run_dir.resolve().name}.policy_table{suffix}"
+    path = Path(out) if out is not None else Path(default_name)
+    if path.is_dir():  # --out names a folder: write the default file name inside it
+        path = path / default_name
     if path.suffix.lower() != suffix and not (fmt == "parquet" and path.suffix.lower() == ".pq"):
         raise KvtuneError(f"--out {path}: suffix must be {suffix} for --format {fmt}")
     table = load_run_table(run_dir, floors=floors, recompile=recompile)
@@ -191,8 +246,6 @@ def resolve_table(spec: str | os.PathLike[str]) -> PolicyTable:
 def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
     """A JSON-ready summary of a :class:`~kvtune.tables.policy_table.SelectedPolicy`
     (``kvtune select --json``): chosen policy, predicted seconds, B*, interval, candidates."""
-    from kvtune.tables.policy_table import _enc_float
-
     return {
         "policy_id": sel.policy_id,
         "method": sel.method,
@@ -201,13 +254,13 @@ def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
         "accuracy_floor": sel.accuracy_floor,
         "q_min": sel.q_min,
         "key": sel.key,
-        "bandwidth_gbps": _enc_float(sel.bandwidth_gbps),
-        "interval_gbps": [_enc_float(sel.bandwidth_lo_gbps), _enc_float(sel.bandwidth_hi_gbps)],
+        "bandwidth_gbps": enc_float(sel.bandwidth_gbps),
+        "interval_gbps": [enc_float(sel.bandwidth_lo_gbps), enc_float(sel.bandwidth_hi_gbps)],
         "kv_bytes": sel.kv_bytes,
         "kv_bytes_source": volume_source,
         "predicted_s": sel.predicted_seconds,
         "uncompressed_s": sel.uncompressed_seconds,
-        "threshold_gbps": _enc_float(sel.threshold_gbps),
+        "threshold_gbps": enc_float(sel.threshold_gbps),
         "slo_s": sel.slo_s,
         "slo_violated": sel.slo_violated,
         "candidates": [
@@ -215,7 +268,7 @@ def selection_summary(sel: Any, volume_source: str) -> dict[str, Any]:
                 "policy_id": c.policy_id,
                 "label": c.policy.label,
                 "predicted_s": c.predicted_s,
-                "threshold_gbps": _enc_float(c.policy.threshold_gbps),
+                "threshold_gbps": enc_float(c.policy.threshold_gbps),
                 "status": c.status,
             }
             for c in sel.candidates

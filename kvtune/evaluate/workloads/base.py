@@ -40,6 +40,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
+from kvtune.core.registry import Registry
 from kvtune.errors import KvtuneError
 from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
 from kvtune.evaluate.metrics import (
@@ -62,16 +63,13 @@ from kvtune.evaluate.model import (
 FIDELITIES = ("cheap", "full")
 PROMPT_FORMATS = ("auto", "chat", "plain")
 
-WORKLOADS: dict[str, type["Workload"]] = {}
+WORKLOADS: Registry[type["Workload"]] = Registry("workload")
 """Registry of workload classes by name (``--workload``)."""
 
 
 def register(cls: type["Workload"]) -> type["Workload"]:
     """Class decorator adding a workload to :data:`WORKLOADS` under ``cls.name``."""
-    if not cls.name or cls.name in WORKLOADS:
-        raise ValueError(f"workload name {cls.name!r} is empty or already registered")
-    WORKLOADS[cls.name] = cls
-    return cls
+    return WORKLOADS.register(cls.name, cls)  # an empty name or a clash: DuplicateNameError
 
 
 @dataclass
