@@ -4,8 +4,8 @@
                                 [--repeats 5] [--threads 2] [--out results.md]
                                 [--kv cache.pt] [--only kivi] [--check]
 
-What is measured (brief sec. 6: "Latency = measured encode and decode throughput (GB/s of
-original KV) ... after warm-up, median of repeats"):
+What is measured (the latency axis of the profile: encode and decode throughput in GB/s of
+original KV, after warm-up, median of repeats):
 
 * **Data**: the KV cache of the default model (SmolLM2-135M-Instruct: 30 layers x
   ``(contexts, 3, tokens, 64)`` K and V) on ``--contexts`` real essay windows of ``--tokens``

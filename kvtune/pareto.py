@@ -1,8 +1,8 @@
 """Pareto front of evaluated compression policies, and exact hypervolume.
 
 A policy is kept when no other policy is at least as good in every objective and strictly
-better in one. kvtune's objectives (KVServe paper, Sec. "Pareto front" / offline profiling;
-``BRIEF.md`` Sec. 2) are
+better in one. kvtune's objectives (KVServe, arXiv 2605.13734, the 3-D Pareto candidate set of
+its Bayesian Profiling Engine) are
 
 * ``relative_accuracy`` -- maximize (fraction, 1.0 == 100 %),
 * ``compression_ratio`` -- maximize (bf16 bytes / stream bytes),
@@ -144,7 +144,7 @@ def add_codec_latency(trials: pd.DataFrame) -> pd.DataFrame:
     decoding one GB (1e9 bytes) of original bf16 KV. ``encode_gbps`` / ``decode_gbps`` are
     throughputs in GB/s (giga*bytes*, not the link's gigabits). An infinite throughput costs
     0 s. This is the intercept ``a`` of the KVServe latency line ``T/V = a + x / cr``
-    (``BRIEF.md`` Sec. 2, latency model).
+    (KVServe, arXiv 2605.13734, analytical latency model of the online controller).
 
     Args:
         trials: DataFrame with float columns ``encode_gbps`` and ``decode_gbps`` (GB/s,

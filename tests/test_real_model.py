@@ -71,7 +71,7 @@ def test_accuracy_ordering_on_real_model(real_lm, real_capture):
     assert r8["relative_accuracy"] >= 0.995
     assert r8["top1_agreement"] > 0.97
     assert r4["relative_accuracy"] > 0.97
-    # 2-bit per-token keys without rotation break the model (the brief measured ~5x perplexity)
+    # 2-bit per-token keys without rotation break the model (a first calibration measured ~5x perplexity)
     assert r2_tok["relative_accuracy"] < r4["relative_accuracy"] - 0.2
     assert r2_tok["kl_mean"] > 10 * r4["kl_mean"]
     assert r8["compression_ratio"] < r4["compression_ratio"] < r2_tok["compression_ratio"]

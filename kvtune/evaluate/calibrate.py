@@ -2,8 +2,9 @@
 
 DuoAttention (Xiao et al., 2024, sec. 3) splits attention heads into *retrieval* heads, which
 attend to distant context, and *streaming* heads, which look only at the first "sink" tokens
-and a recent window. MixHQ (KVServe, brief sec. 2) keeps every head but gives retrieval heads
-high precision and streaming heads very low precision. The split is decided by a score
+and a recent window. MixHQ (KVServe, "Service-Aware KV Cache Compression for
+Communication-Efficient Disaggregated LLM Serving", arXiv 2605.13734, modular strategy space) keeps every head but
+gives retrieval heads high precision and streaming heads very low precision. The split is decided by a score
 measured here on real text:
 
     score(layer, kv_head) = mean over query heads of the group and over late queries q of the

@@ -4,14 +4,14 @@ All functions are pure: they take logits, targets or per-sample scores and retur
 per-context tensors, so they can be tested on hand-made inputs.
 
 Every workload reports relative accuracy = task score with decoded KV / task score with the
-original KV on the same samples (brief sec. 6), with a paired bootstrap 95 % interval over
-samples: :func:`bootstrap_relative_accuracy` for log-likelihood scores (continuation and the
+original KV on the same samples (the definition KVServe, arXiv 2605.13734, reports), with a
+paired bootstrap 95 % interval over samples: :func:`bootstrap_relative_accuracy` for log-likelihood scores (continuation and the
 teacher-forced cheap fidelity of qa/needle/summarize), :func:`bootstrap_ratio_of_means` for
 mean task scores (F1, ROUGE-L, accuracy). :func:`report_relative_accuracy` gives the reported
 column, :func:`spearman` the cheap-vs-full rank correlation of a re-evaluated Pareto set.
 
 Relative accuracy (the number the search, the Pareto front and the tables use) is defined for
-the ``continuation`` workload as a ratio of task scores, as the brief's section 6 asks: the task
+the ``continuation`` workload as a ratio of task scores, so that 1.0 means "as good as the original": the task
 score of a run is the geometric-mean probability it assigns to the real continuation tokens,
 ``exp(-mean NLL) = 1 / perplexity``, so
 
@@ -173,7 +173,7 @@ def bootstrap_ratio_of_means(scores: torch.Tensor, base_scores: torch.Tensor, *,
 def report_relative_accuracy(raw: float) -> float:
     """The ``relative_accuracy`` column: ``min(raw, 1.0)``.
 
-    Brief sec. 6: a relative accuracy above 100 % is noise, not a gain: a decoded cache holds
+    A relative accuracy above 100 % is noise, not a gain: a decoded cache holds
     no more information than the original. kvtune reports such values as exactly 1.0, also
     when the bootstrap interval lies wholly above 1.0 (it resamples contexts, not the token
     noise inside them; KIVI-8 on 4 essay windows measured 1.0005 [1.00002, 1.0011]). The raw

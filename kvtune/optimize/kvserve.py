@@ -1,8 +1,9 @@
 """``kvserve``: the constrained Bayesian-optimization search of the KVServe paper.
 
 Goal: the candidate with the **largest compression ratio whose accuracy clears the floor**
-``q_min`` (``BRIEF.md`` Sec. 2, "Offline profiling"), in as few evaluations as possible. One
-number per floor, not a Pareto front (``mobo`` does that).
+``q_min`` (KVServe, "Service-Aware KV Cache Compression for Communication-Efficient
+Disaggregated LLM Serving", arXiv 2605.13734, Bayesian Profiling Engine), in as few evaluations as
+possible. One number per floor, not a Pareto front (``mobo`` does that).
 
 Rules, each a pure function of the seed and the told results (so a resumed run that replays
 its trials asks exactly what the uninterrupted run would have asked):

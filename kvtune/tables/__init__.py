@@ -1,4 +1,4 @@
-"""Latency model, lower envelope and piecewise policy tables (KVServe, ``BRIEF.md`` Sec. 2).
+"""Latency model, lower envelope and piecewise policy tables (KVServe, arXiv 2605.13734).
 
 * :mod:`kvtune.tables.latency` -- transfer-time model and bandwidth threshold B*.
 * :mod:`kvtune.tables.envelope` -- lower envelope of the lines ``a + b * x`` (x = 1/B).

@@ -1,6 +1,7 @@
 """Online policy controller: the KVServe request-time loop, plus two things the paper lacks.
 
-KVServe's online step (``BRIEF.md`` Sec. 2, "Online controller"): read the service context
+KVServe's online step ("KVServe: Service-Aware KV Cache Compression for Communication-Efficient
+Disaggregated LLM Serving", arXiv 2605.13734, Service-Aware Online Controller): read the service context
 (bandwidth B, SLO, accuracy floor), look up the table interval for x = 1/B, take the optimal
 policy and its runners-up, drop the runners-up with B >= B*, correct each predicted time by an
 EWMA of measured-minus-predicted residuals, drop those over the SLO, choose the fastest

@@ -1,6 +1,6 @@
 """Lower envelope of latency lines: the best policy for every link bandwidth.
 
-KVServe paper, Sec. "piecewise policy table" (``BRIEF.md`` Sec. 2): with ``x = 1/B``, the
+KVServe (arXiv 2605.13734), piecewise policy table of the online controller: with ``x = 1/B``, the
 per-volume transfer time of policy i is the line ``T_i/V = a_i + b_i * x``
 (``a_i = 1/s_enc + 1/s_dec``, ``b_i = 1/cr_i``). The fastest policy at every x is the lower
 envelope of these lines; it is piecewise constant in x with exact breakpoints, so it can be

@@ -1,8 +1,9 @@
 """KVServe transfer-latency model and the bandwidth threshold (pure functions).
 
-Source: KVServe paper, Sec. "latency model and bandwidth threshold"; restated in
-``BRIEF.md`` Sec. 2. For KV volume V (bytes), link bandwidth B, encode and decode throughputs
-s_enc, s_dec of a policy (bytes of *original* KV per second) and compression ratio cr::
+Source: "KVServe: Service-Aware KV Cache Compression for Communication-Efficient Disaggregated
+LLM Serving" (arXiv 2605.13734), the analytical latency model of its online controller. For
+KV volume V (bytes), link bandwidth B, encode and decode throughputs s_enc, s_dec of a policy
+(bytes of *original* KV per second) and compression ratio cr::
 
     T_p(B)    = V / s_enc + V / (cr * B) + V / s_dec
     T_none(B) = V / B

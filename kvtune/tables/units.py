@@ -7,7 +7,7 @@ Used by ``kvtune select`` and the benchmarks; every parser returns one canonical
   ``GB/s``, ``TB/s`` (also ``GBps``), x 8. Binary byte rates ``KiB/s``, ``MiB/s``, ``GiB/s``.
 * :func:`parse_duration_s` -> **seconds**. ``ns``, ``us``, ``ms``, ``s``, ``min``.
 * :func:`parse_bytes` -> **bytes** (float). Decimal ``B``, ``KB``, ``MB``, ``GB``, ``TB``
-  (powers of 1000, as in the brief's "GB/s"); binary ``KiB``, ``MiB``, ``GiB``, ``TiB``.
+  (powers of 1000, as in every throughput kvtune reports in GB/s); binary ``KiB``, ``MiB``, ``GiB``, ``TiB``.
 
 A number without a unit is rejected (``"10"`` could be Gbps or GB/s: a factor of 8), and so is
 any unit not listed; the error names the accepted units. Case matters where it changes the

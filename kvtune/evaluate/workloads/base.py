@@ -12,7 +12,7 @@ the context belongs to the prefill side (it is part of the cached prefix), the r
 turn and the assistant header to the decode side, so the compressed prefix is exactly
 ``template prefix + context``.
 
-Two fidelities (brief sec. 2, multi-fidelity search):
+Two fidelities (multi-fidelity search: cheap scores steer the search, full ones decide):
 
 - ``"cheap"``: teacher-forced scores (log-likelihood of the reference) on the first
   ``cheap_samples`` samples; what the search evaluates;
