@@ -10,8 +10,12 @@ streams (fast path == reference path) are tested in ``test_codecs.py``.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import math
+import pkgutil
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,14 +50,39 @@ def covers(*names: str):
     return lambda fn: fn
 
 
+def kernel_modules() -> list:
+    """Every module of the :mod:`kvtune.codecs.kernels` package."""
+    return [importlib.import_module(f"{K.__name__}.{m.name}") for m in pkgutil.iter_modules(K.__path__)]
+
+
+def imported_from_siblings(modules: list) -> set[str]:
+    """Names that a module of the package imports from another module of the package."""
+    names = set()
+    for mod in modules:
+        for node in ast.walk(ast.parse(Path(mod.__file__).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(K.__name__)):
+                names.update(a.name for a in node.names)
+    return names
+
+
 def test_every_public_kernel_has_a_case():
-    """Adding a public function to kernels.py without a case here fails (and a case for a
-    kernel that no longer exists fails too)."""
-    public = {n for n, o in vars(K).items()
-              if not n.startswith("_") and callable(o) and getattr(o, "__module__", None) == K.__name__}
-    assert public - COVERED == set(), "kernels without a reference case"
-    assert COVERED - public == set(), "cases for kernels that do not exist"
-    assert public <= set(K.__all__), "public kernels missing from __all__"
+    """Adding a public function to a module of the kernels package without a case here fails
+    (and a case for a kernel that no longer exists fails too). The kernels are the functions
+    the package's ``__all__`` lists (its public face, re-exported from their modules); any other
+    public function of a module must be a helper that another module of the package imports."""
+    kernels = {n for n in K.__all__ if callable(getattr(K, n))}
+    assert kernels - COVERED == set(), "kernels without a reference case"
+    assert COVERED - kernels == set(), "cases for kernels that do not exist"
+    modules = kernel_modules()
+    shared = imported_from_siblings(modules)
+    defined = set()
+    for mod in modules:
+        public = {n for n, o in vars(mod).items()
+                  if not n.startswith("_") and callable(o) and getattr(o, "__module__", None) == mod.__name__}
+        defined |= public
+        assert public - kernels <= shared, f"{mod.__name__}: public functions neither kernels nor shared helpers"
+        assert all(getattr(K, n) is getattr(mod, n) for n in public & kernels), f"{mod.__name__}: re-export is a copy"
+    assert kernels <= defined, "kernels in __all__ that no module of the package defines"
 
 
 # ----------------------------------------------------------------------------- helpers

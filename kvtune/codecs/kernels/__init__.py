@@ -1,0 +1,155 @@
+"""Compiled kernels of the codec fast path (:mod:`kvtune.codecs.fastpath`), written with numba.
+
+One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
+
+* :mod:`.quantize`: uniform per-token / per-channel quantization (``UniformQuantizer``, KIVI);
+* :mod:`.fp8`: float8 quantization (``FP8Quantizer``);
+* :mod:`.bf16`: bfloat16 pass-through segments (``NoQuantizer``);
+* :mod:`.transforms`: Hadamard rotation, delta coding, affine normalization
+  (:mod:`kvtune.codecs.transforms`);
+* :mod:`.bitpack`: bit packing of symbols (the ``bitpack`` codec);
+* :mod:`.segments`: every segment of one K or V tensor in one call (the fast path's entry);
+* :mod:`.finite`: finiteness checks of the inputs; :mod:`.crc`: CRC-32 of stream sections;
+* :mod:`.convert`: float16 / bfloat16 conversions and row access in the tensor dtypes;
+* :mod:`.lowlevel`: compile options, constants, bit casts and vector intrinsics they share;
+* :mod:`.warmup`: :func:`warm_up`.
+
+This package's namespace is their public face: it re-exports every kernel (and the segment
+table's ``SEG_*`` / ``KIND_*`` constants) and its ``__all__`` is the one list of them (the
+kernel modules have none of their own; a public function of a kernel module that is not listed
+here is a helper for the other modules), so callers write
+``from kvtune.codecs import kernels as K`` and ``K.encode_segments(...)``.
+
+Every public kernel reproduces, bit for bit, a reference written with torch, numpy or zlib
+(named in its docstring: a component of :mod:`kvtune.codecs`, or the library call).
+``tests/test_kernels.py`` compares every kernel listed in ``__all__`` with its reference on
+seeded random inputs and edge cases (empty inputs, lengths that are not a multiple of the
+8-lane vector width or of the bit-packing unit, every width 1..8, saturating and extreme
+values, NaN/inf where a kernel tests finiteness), and fails when a public kernel has no case;
+``tests/test_codecs.py`` checks whole streams (fast path == reference path). Finite inputs are
+covered by that guarantee; NaN payloads are not (torch itself converts NaN differently in its
+vectorized and scalar paths).
+
+Conventions:
+
+* All kernels are serial, release the GIL (``nogil=True``) and are compiled once per input
+  dtype and cached on disk (``cache=True``): the codec fast path parallelizes *across* K/V
+  tensors with a small thread pool. (Measured on the 2-core development machine under load
+  average 6-10: a ``prange`` launch costs ~0.1 ms with numba's workqueue layer and ~16 ms with
+  the OpenMP layer -- the second thread is often descheduled and the barrier waits for it --
+  while one tensor's serial kernel takes ~0.1-0.5 ms. Coarse, dynamically scheduled tasks do
+  not wait for a descheduled thread.)
+* IEEE semantics: ``fastmath=False`` everywhere, so no FMA contraction (the references are
+  written as a separate multiply and add) and no reassociation. Min/max over a group is
+  order-independent for non-NaN data except for the sign of a zero; the canonical ``+0`` zero
+  point of :func:`kvtune.codecs.quantizers.asymmetric_params` removes that ambiguity.
+* Integer bit manipulation is done in int64 (numba promotes small unsigned types in ways that
+  can silently produce floats when mixed with signed ones).
+* Tensors are ``(batch, heads, tokens, head_dim)`` numpy arrays; bfloat16 travels as its
+  ``uint16`` bit pattern, float16 metadata as ``uint16`` bits. Segments select heads and
+  tokens with int64 index arrays (:class:`kvtune.codecs.base.Segment`).
+
+First-call cost: compiling every kernel for one input dtype takes ~20-40 s on a loaded 2-core
+machine; with ``cache=True`` later processes load the machine code from ``__pycache__`` in
+well under a second (see :func:`warm_up`).
+
+Cache caveat: numba invalidates a cached kernel only when *its own* source file changes, yet
+a kernel carries the code of everything it calls (the inlined helpers of :mod:`.lowlevel` and
+:mod:`.convert`; :mod:`.segments` calls the kernels of :mod:`.quantize`, :mod:`.fp8` and
+:mod:`.bitpack`). After editing one of those modules, delete the cache files
+(``find kvtune/codecs/kernels -name '*.nb[ic]' -delete``) or the modules that use it keep
+running their old machine code.
+"""
+
+from __future__ import annotations
+
+from .bf16 import gather_bf16, scatter_bf16
+from .bitpack import pack_bits, unpack_bits
+from .convert import (
+    f16_bits_to_f32,
+    f16_bits_to_f32_soft,
+    f32_to_bf16_bits,
+    f32_to_f16_bits,
+    f32_to_f16_bits_soft,
+    fp16_round_up_bits,
+    store_output,
+    to_float32,
+)
+from .crc import crc32_combine, crc32_update
+from .finite import all_finite_bf16, all_finite_f32
+from .fp8 import fp8_dequantize, fp8_quantize
+from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from .segments import (
+    KIND_BF16,
+    KIND_FP8,
+    KIND_UNIFORM,
+    SEG_A,
+    SEG_B,
+    SEG_BITS,
+    SEG_COLUMNS,
+    SEG_G,
+    SEG_HEADS,
+    SEG_KIND,
+    SEG_META,
+    SEG_META_LEN,
+    SEG_NHEADS,
+    SEG_NTOKENS,
+    SEG_PAYLOAD,
+    SEG_PAYLOAD_LEN,
+    SEG_SYM,
+    SEG_TOKENS,
+    decode_segments,
+    encode_segments,
+)
+from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
+from .warmup import warm_up
+
+__all__ = [
+    "f32_to_f16_bits",
+    "f32_to_f16_bits_soft",
+    "f16_bits_to_f32",
+    "f16_bits_to_f32_soft",
+    "f32_to_bf16_bits",
+    "fp16_round_up_bits",
+    "quantize_per_token",
+    "quantize_per_channel",
+    "dequantize_per_token",
+    "dequantize_per_channel",
+    "fp8_quantize",
+    "fp8_dequantize",
+    "gather_bf16",
+    "scatter_bf16",
+    "all_finite_bf16",
+    "all_finite_f32",
+    "to_float32",
+    "store_output",
+    "hadamard_rows",
+    "delta_rows",
+    "affine_fit",
+    "affine_rows",
+    "pack_bits",
+    "unpack_bits",
+    "encode_segments",
+    "decode_segments",
+    "crc32_update",
+    "crc32_combine",
+    "warm_up",
+    "SEG_KIND",
+    "SEG_BITS",
+    "SEG_A",
+    "SEG_G",
+    "SEG_B",
+    "SEG_HEADS",
+    "SEG_NHEADS",
+    "SEG_TOKENS",
+    "SEG_NTOKENS",
+    "SEG_META",
+    "SEG_META_LEN",
+    "SEG_PAYLOAD",
+    "SEG_PAYLOAD_LEN",
+    "SEG_SYM",
+    "SEG_COLUMNS",
+    "KIND_UNIFORM",
+    "KIND_BF16",
+    "KIND_FP8",
+]

@@ -1,0 +1,148 @@
+"""Bit packing of quantized symbols (widths 1..8, most significant bit first).
+
+Accelerates the ``bitpack`` codec (:func:`kvtune.codecs.bitpack.pack_bits` /
+:func:`~kvtune.codecs.bitpack.unpack_bits`): the dense, non-entropy-coded layout of the
+integer symbols of every quantized segment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, uintp
+
+from .lowlevel import JIT, U1, U2, U3, U4, U7, U8
+
+_u = uintp
+
+
+@njit(**JIT)
+def pack_bits(sym, bits, out):
+    """Pack flat uint8 ``sym`` (values ``< 2**bits``), MSB first, into ``out`` (``ceil(n*bits/8)`` bytes).
+
+    Reference: :func:`kvtune.codecs.bitpack.pack_bits`. Returns the OR of all
+    symbols (the caller rejects symbols that do not fit). Widths 1, 2 and 4 fill whole bytes;
+    the others assemble every 8 symbols (``bits`` bytes) in a 64-bit word.
+    """
+    n = _u(sym.shape[0])
+    seen = np.uint8(0)
+    if bits == 8:
+        for i in range(n):
+            v = sym[i]
+            out[i] = v
+            seen |= v
+        return np.int64(seen)
+    if bits == 4:
+        full = n // U2
+        for i in range(full):
+            a, c = sym[U2 * i], sym[U2 * i + U1]
+            seen |= a | c
+            out[i] = (a << np.uint8(4)) | c
+    elif bits == 2:
+        full = n // U4
+        for i in range(full):
+            a, b, c, d = sym[U4 * i], sym[U4 * i + U1], sym[U4 * i + U2], sym[U4 * i + U3]
+            seen |= a | b | c | d
+            out[i] = (a << np.uint8(6)) | (b << np.uint8(4)) | (c << np.uint8(2)) | d
+    elif bits == 1:
+        full = n // U8
+        for i in range(full):
+            o = U8 * i
+            w = np.uint8(0)
+            for j in range(U8):
+                v = sym[o + j]
+                seen |= v
+                w = (w << np.uint8(1)) | v
+            out[i] = w
+    else:
+        b = np.uint64(bits)
+        ub = _u(bits)
+        full = n // U8
+        for c in range(full):
+            o = c * U8
+            w = np.uint64(0)
+            for j in range(U8):
+                v = sym[o + j]
+                seen |= v
+                w = (w << b) | np.uint64(v)
+            for k in range(ub):
+                out[c * ub + k] = np.uint8((w >> (U8 * (b - U1 - k))) & np.uint64(0xFF))
+        rem = n - U8 * full
+        if rem:
+            w = np.uint64(0)
+            for j in range(U8):
+                v = sym[U8 * full + j] if j < rem else np.uint8(0)
+                seen |= v
+                w = (w << b) | np.uint64(v)
+            for k in range((rem * ub + U7) // U8):
+                out[full * ub + k] = np.uint8((w >> (U8 * (b - U1 - k))) & np.uint64(0xFF))
+        return np.int64(seen)
+    per = _u(8 // bits)
+    rem = n - full * per
+    if rem:  # the last, partial byte (widths 1, 2, 4)
+        w = np.uint8(0)
+        for j in range(per):
+            v = sym[full * per + j] if j < rem else np.uint8(0)
+            seen |= v
+            w = (w << np.uint8(bits)) | v
+        out[full] = w
+    return np.int64(seen)
+
+
+@njit(**JIT)
+def unpack_bits(data, bits, out):
+    """Inverse of :func:`pack_bits`: ``len(out)`` symbols from ``data`` (length already checked).
+
+    Reference: :func:`kvtune.codecs.bitpack.unpack_bits`."""
+    n = _u(out.shape[0])
+    if bits == 8:
+        for i in range(n):
+            out[i] = data[i]
+        return
+    if bits == 4:
+        full = n // U2
+        for i in range(full):
+            v = data[i]
+            out[U2 * i] = v >> np.uint8(4)
+            out[U2 * i + U1] = v & np.uint8(15)
+    elif bits == 2:
+        full = n // U4
+        for i in range(full):
+            v = data[i]
+            out[U4 * i] = v >> np.uint8(6)
+            out[U4 * i + U1] = (v >> np.uint8(4)) & np.uint8(3)
+            out[U4 * i + U2] = (v >> np.uint8(2)) & np.uint8(3)
+            out[U4 * i + U3] = v & np.uint8(3)
+    elif bits == 1:
+        full = n // U8
+        for i in range(full):
+            v = data[i]
+            for j in range(U8):
+                out[U8 * i + j] = (v >> np.uint8(U7 - j)) & np.uint8(1)
+    else:
+        b = np.uint64(bits)
+        ub = _u(bits)
+        mask = np.uint64((1 << bits) - 1)
+        full = n // U8
+        for c in range(full):
+            w = np.uint64(0)
+            for k in range(ub):
+                w = (w << U8) | np.uint64(data[c * ub + k])
+            for j in range(U8):
+                out[c * U8 + j] = np.uint8((w >> (b * (U7 - j))) & mask)
+        rem = n - U8 * full
+        if rem:
+            w = np.uint64(0)
+            nbytes = _u(data.shape[0]) - full * ub
+            for k in range(ub):
+                byte = data[full * ub + k] if k < nbytes else np.uint8(0)
+                w = (w << U8) | np.uint64(byte)
+            for j in range(rem):
+                out[U8 * full + j] = np.uint8((w >> (b * (U7 - j))) & mask)
+        return
+    per = _u(8 // bits)
+    rem = n - full * per
+    if rem:
+        v = data[full]
+        mask8 = np.uint8((1 << bits) - 1)
+        for j in range(rem):
+            out[full * per + j] = (v >> np.uint8(bits * (per - U1 - j))) & mask8

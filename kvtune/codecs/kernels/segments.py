@@ -1,0 +1,355 @@
+"""Whole-tensor encoding and decoding: every segment of one K or V tensor in one call.
+
+Accelerates :func:`kvtune.codecs.policy.encode_kv` / ``decode_kv`` on the fast path
+(:mod:`kvtune.codecs.fastpath`): for each segment of the tensor's plan (a quantizer applied to
+a set of heads and tokens, :class:`kvtune.codecs.base.Segment`) the block quantizer's kernel
+(:mod:`.quantize`, :mod:`.fp8`, or a bfloat16 copy), the float16 metadata
+(:func:`kvtune.codecs.base.meta_to_bytes`) and, for the ``bitpack`` codec, the packed payload
+(:mod:`.bitpack`). One call per tensor, so that a codec thread holds the GIL only to enter and
+leave it.
+
+A segment is one row of an int64 table of :data:`SEG_COLUMNS` columns, indexed by the
+``SEG_*`` constants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types, uintp
+from numba.extending import overload
+
+from .bitpack import pack_bits, unpack_bits
+from .convert import bf16_bits_to_f32, f32_to_bf16_bits, store_row
+from .fp8 import fp8_dequantize, fp8_quantize
+from .lowlevel import INLINE, JIT, U1, U2
+from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+
+_u = uintp
+
+# ----------------------------------------------------------------------------- the segment table
+
+SEG_KIND, SEG_BITS, SEG_A, SEG_G, SEG_B = 0, 1, 2, 3, 4
+SEG_HEADS, SEG_NHEADS, SEG_TOKENS, SEG_NTOKENS = 5, 6, 7, 8
+SEG_META, SEG_META_LEN, SEG_PAYLOAD, SEG_PAYLOAD_LEN, SEG_SYM = 9, 10, 11, 12, 13
+SEG_COLUMNS = 14
+"""Columns: kind (:data:`KIND_UNIFORM` / :data:`KIND_BF16` / :data:`KIND_FP8`), bits, A
+(uniform: per-token; fp8: e5m2), g (uniform group length), B (uniform: symmetric; fp8: scaled),
+offset and count of the head indices and of the token indices in the index array, byte offset
+and length of the metadata and of the payload section in the tensor's output buffer, byte
+offset of the raw symbols in the symbol buffer (codecs other than bitpack)."""
+KIND_UNIFORM, KIND_BF16, KIND_FP8 = 0, 1, 2
+
+
+@njit(**INLINE)
+def _put_u16(vals, n, out, off):
+    """Little-endian bytes of ``vals[:n]`` (uint16) into ``out[off:off + 2n]``."""
+    for i in range(_u(n)):
+        v = vals[i]
+        out[off + U2 * i] = np.uint8(v & 0xFF)
+        out[off + U2 * i + U1] = np.uint8(v >> 8)
+
+
+@njit(**INLINE)
+def _get_u16(data, off, n, vals):
+    """``vals[:n]`` = little-endian uint16 from ``data[off:off + 2n]``."""
+    for i in range(_u(n)):
+        vals[i] = np.uint16(data[off + U2 * i]) | (np.uint16(data[off + U2 * i + U1]) << np.uint16(8))
+
+
+@njit(**INLINE)
+def _meta_scratch(segs, nb, d_n):
+    """Elements of the uint16 metadata scratch: the largest segment's metadata (an unscaled
+    fp8 segment still needs a dummy ``(B, Hs, Ts)`` view)."""
+    n = 1
+    for s in range(segs.shape[0]):
+        n = max(n, segs[s, SEG_META_LEN] // 2)
+        if segs[s, SEG_KIND] == KIND_FP8:
+            n = max(n, nb * segs[s, SEG_NHEADS] * segs[s, SEG_NTOKENS])
+    return n
+
+
+def _put_bf16(x, heads, tokens, out, off):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_put_bf16, inline="always")
+def _put_bf16_impl(x, heads, tokens, out, off):
+    """Little-endian bfloat16 bits of ``x[:, heads][:, :, tokens]`` into ``out[off:]`` (bytes):
+    a copy for bfloat16-bits input, round to nearest even for float32."""
+
+    def impl(x, heads, tokens, out, off):
+        nb, nh, nt, d_n = x.shape
+        xf = x.reshape(-1)
+        dn = _u(d_n)
+        o = _u(off)
+        for b in range(nb):
+            for hi in range(heads.shape[0]):
+                for ti in range(tokens.shape[0]):
+                    src = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                    for d in range(dn):
+                        v = _bf16_bits_of(xf[src + d])
+                        out[o + U2 * d] = np.uint8(v & 0xFF)
+                        out[o + U2 * d + U1] = np.uint8(v >> 8)
+                    o += U2 * dn
+
+    return impl
+
+
+def _bf16_bits_of(v):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_bf16_bits_of, inline="always")
+def _bf16_bits_of_impl(v):
+    if v == types.uint16:
+        return lambda v: np.int64(v)
+    if v == types.float32:
+        return lambda v: f32_to_bf16_bits(v)
+    return None
+
+
+def _get_bf16(data, off, heads, tokens, out, kind):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_get_bf16, inline="always")
+def _get_bf16_impl(data, off, heads, tokens, out, kind):
+    """Little-endian bfloat16 bits from ``data[off:]`` into ``out[:, heads][:, :, tokens]``: a
+    copy into bfloat16 output (uint16 ``out``, ``kind`` 1), else converted as
+    :func:`~kvtune.codecs.kernels.convert.store_row`."""
+    if out.dtype == types.uint16:
+
+        def impl(data, off, heads, tokens, out, kind):
+            nb, nh, nt, d_n = out.shape
+            of = out.reshape(-1)
+            dn = _u(d_n)
+            o = _u(off)
+            row = np.empty(d_n, np.float32)
+            for b in range(nb):
+                for hi in range(heads.shape[0]):
+                    for ti in range(tokens.shape[0]):
+                        dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                        if kind == 1:
+                            for d in range(dn):
+                                of[dst + d] = np.uint16(data[o + U2 * d]) | (np.uint16(data[o + U2 * d + U1]) << np.uint16(8))
+                        else:
+                            for d in range(dn):
+                                row[d] = bf16_bits_to_f32(np.uint16(data[o + U2 * d]) | (np.uint16(data[o + U2 * d + U1]) << np.uint16(8)))
+                            store_row(of, dst, row, dn, kind)
+                        o += U2 * dn
+
+        return impl
+    if out.dtype == types.float32:
+
+        def impl(data, off, heads, tokens, out, kind):
+            nb, nh, nt, d_n = out.shape
+            of = out.reshape(-1)
+            dn = _u(d_n)
+            o = _u(off)
+            for b in range(nb):
+                for hi in range(heads.shape[0]):
+                    for ti in range(tokens.shape[0]):
+                        dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                        for d in range(dn):
+                            of[dst + d] = bf16_bits_to_f32(np.uint16(data[o + U2 * d]) | (np.uint16(data[o + U2 * d + U1]) << np.uint16(8)))
+                        o += U2 * dn
+
+        return impl
+    return None
+
+
+def _fp8_encode(x, heads, tokens, e5m2, scaled, sym, sc, lut8):  # pragma: no cover - overloaded
+    raise NotImplementedError
+
+
+@overload(_fp8_encode, inline="always")
+def _fp8_encode_impl(x, heads, tokens, e5m2, scaled, sym, sc, lut8):
+    """float8 symbols of a segment. Unscaled bfloat16 input: a lookup in ``lut8`` (the symbol of
+    every bfloat16 pattern, made by torch's own cast, so exact); otherwise
+    :func:`~kvtune.codecs.kernels.fp8_quantize`."""
+    if x.dtype == types.uint16:
+
+        def impl(x, heads, tokens, e5m2, scaled, sym, sc, lut8):
+            if scaled:
+                fp8_quantize(x, heads, tokens, e5m2, 57344.0 if e5m2 else 448.0, scaled, sym, sc)
+                return
+            lut = lut8[1 if e5m2 else 0]
+            nb, nh, nt, d_n = x.shape
+            xf, sf = x.reshape(-1), sym.reshape(-1)
+            dn = _u(d_n)
+            o = _u(0)
+            for b in range(nb):
+                for hi in range(heads.shape[0]):
+                    for ti in range(tokens.shape[0]):
+                        src = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                        for d in range(dn):
+                            sf[o + d] = lut[xf[src + d]]
+                        o += dn
+
+        return impl
+
+    def impl(x, heads, tokens, e5m2, scaled, sym, sc, lut8):
+        fp8_quantize(x, heads, tokens, e5m2, 57344.0 if e5m2 else 448.0, scaled, sym, sc)
+
+    return impl
+
+
+def _fp8_decode(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_fp8_decode, inline="always")
+def _fp8_decode_impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):
+    """Reconstruction of a float8 segment. Unscaled into bfloat16 output: a lookup in ``lut16``
+    (the bfloat16 bits of every float8 value, made by torch); otherwise
+    :func:`~kvtune.codecs.kernels.fp8_dequantize`."""
+    if out.dtype == types.uint16:
+
+        def impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):
+            if scaled or kind != 1:
+                fp8_dequantize(sym, sc, luts[1 if e5m2 else 0], scaled, heads, tokens, out, kind)
+                return
+            lut = lut16[1 if e5m2 else 0]
+            nb, hs, ts, d_n = sym.shape
+            nh, nt = out.shape[1], out.shape[2]
+            sf, of = sym.reshape(-1), out.reshape(-1)
+            dn = _u(d_n)
+            o = _u(0)
+            for b in range(nb):
+                for hi in range(hs):
+                    for ti in range(ts):
+                        dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                        for d in range(dn):
+                            of[dst + d] = lut[sf[o + d]]
+                        o += dn
+
+        return impl
+
+    def impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):
+        fp8_dequantize(sym, sc, luts[1 if e5m2 else 0], scaled, heads, tokens, out, kind)
+
+    return impl
+
+
+@njit(**JIT)
+def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
+    """Quantize every segment of one tensor; write metadata and (if ``pack``) packed payloads.
+
+    Reference: per segment, the block quantizer's ``quantize_block`` on
+    ``x[:, heads][:, :, tokens]`` (:class:`~kvtune.codecs.quantizers.UniformQuantizer`,
+    :class:`~kvtune.codecs.quantizers.NoQuantizer`, :class:`~kvtune.codecs.fp8.FP8Quantizer`),
+    :func:`kvtune.codecs.base.meta_to_bytes` and :func:`kvtune.codecs.bitpack.pack_bits`.
+
+    Args:
+        x: ``(B, H, T, D)`` float32 or uint16 (bfloat16 bits), after the transforms.
+        segs: int64 ``(S, SEG_COLUMNS)`` segment table; idx: int64 head and token indices.
+        out: uint8 buffer of the tensor's sections; metadata (float16, little-endian) and, when
+            ``pack``, the bit-packed payloads (:func:`~kvtune.codecs.kernels.pack_bits`; bfloat16
+            as little-endian words) are written at the table's offsets.
+        symbuf: uint8 scratch; when not ``pack``, each segment's symbols are left at its
+            ``SEG_SYM`` offset (uint8, or little-endian uint16 for bfloat16) for another codec.
+        pack: bit-pack into ``out`` (the ``bitpack`` codec).
+        lut8: uint8 ``(2, 65536)``: the e4m3 and e5m2 symbol of every bfloat16 pattern.
+
+    Returns:
+        The OR of every symbol of widths 1..8 (the caller checks that they fit).
+    """
+    nb, nh, nt, d_n = x.shape
+    meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
+    seen = np.int64(0)
+    for s in range(segs.shape[0]):
+        kind, bits = segs[s, SEG_KIND], segs[s, SEG_BITS]
+        hs, ts = segs[s, SEG_NHEADS], segs[s, SEG_NTOKENS]
+        heads = idx[segs[s, SEG_HEADS] : segs[s, SEG_HEADS] + hs]
+        tokens = idx[segs[s, SEG_TOKENS] : segs[s, SEG_TOKENS] + ts]
+        n = nb * hs * ts * d_n
+        so = 0 if pack else segs[s, SEG_SYM]
+        if kind == KIND_BF16:
+            if pack:
+                _put_bf16(x, heads, tokens, out, segs[s, SEG_PAYLOAD])
+            else:
+                _put_bf16(x, heads, tokens, symbuf, so)
+            continue
+        sym = symbuf[so : so + n].reshape((nb, hs, ts, d_n))
+        m = segs[s, SEG_META_LEN] // 2
+        if kind == KIND_UNIFORM:
+            g, symmetric = segs[s, SEG_G], segs[s, SEG_B] != 0
+            half = m if symmetric else m // 2
+            if segs[s, SEG_A]:
+                ng = (d_n + g - 1) // g
+                sc = meta[:half].reshape((nb, hs, ts, ng))
+                ze = meta[m - half : m].reshape((nb, hs, ts, ng))
+                quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, sc, ze)
+            else:
+                ng = (ts + g - 1) // g
+                sc = meta[:half].reshape((nb, hs, ng, d_n))
+                ze = meta[m - half : m].reshape((nb, hs, ng, d_n))
+                quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, sc, ze)
+        else:
+            e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
+            sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
+            _fp8_encode(x, heads, tokens, e5m2, scaled, sym, sc, lut8)
+        _put_u16(meta, m, out, _u(segs[s, SEG_META]))
+        if pack:
+            po = segs[s, SEG_PAYLOAD]
+            seen |= pack_bits(sym.reshape(-1), bits, out[po : po + segs[s, SEG_PAYLOAD_LEN]])
+    return seen
+
+
+@njit(**JIT)
+def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind):
+    """Inverse of :func:`encode_segments`: reconstruct every segment of one tensor into ``out``.
+
+    Reference: per segment, :func:`kvtune.codecs.bitpack.unpack_bits`,
+    :func:`kvtune.codecs.base.meta_from_bytes` and the block quantizer's ``dequantize_block``,
+    converted to the output dtype and written at the segment's heads and tokens.
+
+    Args:
+        data: uint8 sections of the tensor (lengths already checked against the table).
+        segs, idx: as :func:`encode_segments`.
+        luts: float32 ``(2, 256)`` values of the e4m3 and e5m2 bit patterns.
+        lut16: uint16 ``(2, 256)``: their bfloat16 bits.
+        symbuf: the symbols of each segment at its ``SEG_SYM`` offset when not ``packed``;
+            scratch otherwise.
+        packed: the payloads in ``data`` are bit-packed (``bitpack``).
+        out: ``(B, H, T, D)`` float32, or uint16 bits of ``kind`` (1 bfloat16, 2 float16).
+    """
+    nb, nh, nt, d_n = out.shape
+    meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
+    for s in range(segs.shape[0]):
+        sk, bits = segs[s, SEG_KIND], segs[s, SEG_BITS]
+        hs, ts = segs[s, SEG_NHEADS], segs[s, SEG_NTOKENS]
+        heads = idx[segs[s, SEG_HEADS] : segs[s, SEG_HEADS] + hs]
+        tokens = idx[segs[s, SEG_TOKENS] : segs[s, SEG_TOKENS] + ts]
+        n = nb * hs * ts * d_n
+        so = 0 if packed else segs[s, SEG_SYM]
+        if sk == KIND_BF16:
+            if packed:
+                _get_bf16(data, segs[s, SEG_PAYLOAD], heads, tokens, out, kind)
+            else:
+                _get_bf16(symbuf, so, heads, tokens, out, kind)
+            continue
+        sym = symbuf[so : so + n]
+        if packed:
+            po = segs[s, SEG_PAYLOAD]
+            unpack_bits(data[po : po + segs[s, SEG_PAYLOAD_LEN]], bits, sym)
+        sym4 = sym.reshape((nb, hs, ts, d_n))
+        m = segs[s, SEG_META_LEN] // 2
+        _get_u16(data, _u(segs[s, SEG_META]), m, meta)
+        if sk == KIND_UNIFORM:
+            g, symmetric = segs[s, SEG_G], segs[s, SEG_B] != 0
+            half = m if symmetric else m // 2
+            if segs[s, SEG_A]:
+                ng = (d_n + g - 1) // g
+                sc = meta[:half].reshape((nb, hs, ts, ng))
+                ze = meta[m - half : m].reshape((nb, hs, ts, ng))
+                dequantize_per_token(sym4, sc, ze, g, bits, symmetric, heads, tokens, out, kind)
+            else:
+                ng = (ts + g - 1) // g
+                sc = meta[:half].reshape((nb, hs, ng, d_n))
+                ze = meta[m - half : m].reshape((nb, hs, ng, d_n))
+                dequantize_per_channel(sym4, sc, ze, g, bits, symmetric, heads, tokens, out, kind)
+        else:
+            e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
+            sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
+            _fp8_decode(sym4, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind)

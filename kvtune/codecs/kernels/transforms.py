@@ -1,0 +1,330 @@
+"""The invertible transforms applied before quantization, in place on float32 tensors.
+
+Accelerates :mod:`kvtune.codecs.transforms`:
+
+* :func:`hadamard_rows`: the randomized block Walsh-Hadamard rotation that spreads outlier
+  channels before quantization, as QuaRot ("QuaRot: Outlier-Free 4-Bit Inference in Rotated
+  LLMs", arXiv 2404.00456, sec. 3), with the butterflies unrolled in 8-lane vector registers;
+* :func:`delta_rows`: delta coding of tokens against the anchor token of their group, as
+  CacheGen ("CacheGen: KV Cache Compression and Streaming for Fast Large Language Model
+  Serving", arXiv 2310.07240, sec. 5.1);
+* :func:`affine_fit` / :func:`affine_rows`: per-(head, channel) normalization by a float16
+  scale and shift.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types, uintp
+from numba.extending import intrinsic
+
+from .convert import f16_bits_to_f32, f32_to_f16_bits
+from .lowlevel import FP16_MAX, INLINE, JIT, U1, U8, ZERO, v8_ptr
+
+_u = uintp
+
+
+@intrinsic
+def _wht8(typingctx, arr, off):
+    """In place: the first three butterfly stages (strides 1, 2, 4) on ``arr[off:off + 8]``.
+
+    Each stage pairs lane ``i`` with lane ``i ^ stride``: one shuffle, an add for the low lane
+    of every pair (``a + b``), a subtract for the high lane (``a - b``, computed as
+    ``swapped - v``), a select. The same IEEE operations as the reference butterfly."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1):
+        return None
+    sig = types.void(arr, off)
+
+    def codegen(context, builder, signature, args):
+        ptr = v8_ptr(context, builder, signature, args)
+        i32 = ir.IntType(32)
+        v = builder.load(ptr, align=4)
+        for stride in (1, 2, 4):
+            perm = ir.Constant(ir.VectorType(i32, 8), [ir.Constant(i32, i ^ stride) for i in range(8)])
+            sw = builder.shuffle_vector(v, v, perm)
+            low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [ir.Constant(ir.IntType(1), not (i & stride)) for i in range(8)])
+            v = builder.select(low, builder.fadd(v, sw), builder.fsub(sw, v))
+        builder.store(v, ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _wht_pair8(typingctx, arr, p, q):
+    """In place, 8 lanes: ``(arr[p+i], arr[q+i]) <- (a + b, a - b)`` (a later butterfly stage)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1):
+        return None
+    sig = types.void(arr, p, q)
+
+    def codegen(context, builder, signature, args):
+        pa = v8_ptr(context, builder, signature, args)
+        pb = v8_ptr(context, builder, types.void(signature.args[0], signature.args[2]), [args[0], args[2]])
+        a = builder.load(pa, align=4)
+        b = builder.load(pb, align=4)
+        builder.store(builder.fadd(a, b), pa, align=4)
+        builder.store(builder.fsub(a, b), pb, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_wht(n: int):
+    """An intrinsic ``_wht(arr, off, signs, soff, c, inverse)``: the whole randomized Hadamard
+    block of size ``n`` (8..256) on ``arr[off:off + n]`` held in ``n / 8`` vector registers --
+    forward ``x * signs``, butterflies, ``* c``; inverse butterflies, ``* c``, ``* signs`` --
+    the exact operation sequence of the reference, with no loop control."""
+    nv = n // 8
+
+    @intrinsic
+    def _wht(typingctx, arr, off, signs, soff, c, inverse):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+            return None
+        sig = types.void(arr, off, signs, soff, c, inverse)
+
+        def codegen(context, builder, signature, args):
+            sa = signature.args
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            v8 = ir.VectorType(ir.FloatType(), 8)
+            base = v8_ptr(context, builder, types.void(sa[0], sa[1]), [args[0], args[1]])
+            sbase = v8_ptr(context, builder, types.void(sa[2], sa[3]), [args[2], args[3]])
+            ptrs = [builder.gep(base, [ir.Constant(i64, k)]) for k in range(nv)]
+            sptrs = [builder.gep(sbase, [ir.Constant(i64, k)]) for k in range(nv)]
+            cf = context.cast(builder, args[4], sa[4], types.float32)
+            cv = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), cf, ir.Constant(i32, 0)),
+                                        ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
+            inv = context.cast(builder, args[5], sa[5], types.boolean)
+            vs = [builder.load(p, align=4) for p in ptrs]
+            signed = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
+            vs = [builder.select(inv, v, sv) for v, sv in zip(vs, signed)]
+            for stride in (1, 2, 4):  # inside each vector
+                perm = ir.Constant(ir.VectorType(i32, 8), [ir.Constant(i32, i ^ stride) for i in range(8)])
+                low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [ir.Constant(ir.IntType(1), not (i & stride)) for i in range(8)])
+                out = []
+                for v in vs:
+                    sw = builder.shuffle_vector(v, v, perm)
+                    out.append(builder.select(low, builder.fadd(v, sw), builder.fsub(sw, v)))
+                vs = out
+            step = 1
+            while step < nv:  # across vectors (strides 8, 16, ...)
+                out = list(vs)
+                for i in range(nv):
+                    if not i & step:
+                        a, b = vs[i], vs[i + step]
+                        out[i], out[i + step] = builder.fadd(a, b), builder.fsub(a, b)
+                vs = out
+                step *= 2
+            vs = [builder.fmul(v, cv) for v in vs]
+            unsigned = vs
+            signed = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
+            vs = [builder.select(inv, sv, v) for v, sv in zip(unsigned, signed)]
+            for v, p in zip(vs, ptrs):
+                builder.store(v, p, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _wht
+
+
+_wht8v, _wht16v, _wht32v, _wht64v, _wht128v, _wht256v = (_make_wht(n) for n in (8, 16, 32, 64, 128, 256))
+
+
+@njit(**INLINE)
+def _wht_block(xf, off, n, sg, so, c, inverse):
+    """Dispatch one power-of-two block of size ``n`` in 8..256 to its unrolled intrinsic."""
+    if n == 64:
+        _wht64v(xf, off, sg, so, c, inverse)
+    elif n == 128:
+        _wht128v(xf, off, sg, so, c, inverse)
+    elif n == 256:
+        _wht256v(xf, off, sg, so, c, inverse)
+    elif n == 32:
+        _wht32v(xf, off, sg, so, c, inverse)
+    elif n == 16:
+        _wht16v(xf, off, sg, so, c, inverse)
+    else:
+        _wht8v(xf, off, sg, so, c, inverse)
+
+
+@njit(**JIT)
+def hadamard_rows(x, signs, blocks, scales, inverse):
+    """In-place randomized block Walsh-Hadamard rotation along the last axis of float32 ``x``.
+
+    Forward: ``x * signs[h]``, then a butterfly (``a + b``, ``a - b``; strides 1, 2, 4, ...)
+    in every power-of-two block, then ``* scales[block]``. Inverse: butterfly, scale, signs.
+    Reference: :func:`kvtune.codecs.transforms.rotate` / :func:`~kvtune.codecs.transforms.unrotate`.
+
+    Args:
+        x: float32 ``(B, H, T, D)``, modified in place.
+        signs: float32 ``(H, D)`` of +-1.
+        blocks: int64 block sizes (powers of two summing to ``D``, decreasing).
+        scales: float32 ``1/sqrt(block)`` per block.
+        inverse: apply the inverse rotation.
+    """
+    nb, nh, nt, d_n = x.shape
+    xf, sg = x.reshape(-1), signs.reshape(-1)
+    dn = _u(d_n)
+    unrolled = True
+    for k in range(blocks.shape[0]):
+        unrolled = unrolled and 8 <= blocks[k] <= 256
+    if unrolled:  # every block in registers (head_dim 64, 96 = 64 + 32, 128, 256, ...)
+        for b in range(nb):
+            for h in range(nh):
+                for t in range(nt):
+                    o = _u(((b * nh + h) * nt + t) * d_n)
+                    off = _u(0)
+                    for k in range(blocks.shape[0]):
+                        _wht_block(xf, o + off, blocks[k], sg, _u(h * d_n) + off, scales[k], inverse)
+                        off += _u(blocks[k])
+        return
+    for b in range(nb):
+        for h in range(nh):
+            so = _u(h * d_n)
+            for t in range(nt):
+                o = _u(((b * nh + h) * nt + t) * d_n)
+                if not inverse:
+                    for d in range(dn):
+                        xf[o + d] = xf[o + d] * sg[so + d]
+                off = o
+                for k in range(blocks.shape[0]):
+                    n = _u(blocks[k])
+                    c = scales[k]
+                    step = U1
+                    if n >= U8:  # strides 1, 2, 4 inside every 8 lanes, as vectors
+                        for i in range(off, off + n, U8):
+                            _wht8(xf, i)
+                        step = U8
+                    while step < n:
+                        i = off
+                        while i < off + n:
+                            if step >= U8:
+                                for j in range(i, i + step, U8):
+                                    _wht_pair8(xf, j, j + step)
+                            else:
+                                for j in range(i, i + step):
+                                    a = xf[j]
+                                    bb = xf[j + step]
+                                    xf[j] = a + bb
+                                    xf[j + step] = a - bb
+                            i += step + step
+                        step = step + step
+                    for d in range(off, off + n):
+                        xf[d] = xf[d] * c
+                    off += n
+                if inverse:
+                    for d in range(dn):
+                        xf[o + d] = xf[o + d] * sg[so + d]
+
+
+@njit(**JIT)
+def delta_rows(x, g, inverse):
+    """In-place delta coding along tokens in groups of ``g`` (anchors unchanged).
+
+    Forward ``x[t] -= x[anchor(t)]``; inverse ``x[t] += x[anchor(t)]``.
+    Reference: :func:`kvtune.codecs.transforms.delta_encode` / :func:`~kvtune.codecs.transforms.delta_decode`.
+    """
+    nb, nh, nt, d_n = x.shape
+    xf = x.reshape(-1)
+    dn = _u(d_n)
+    for bh in range(nb * nh):
+        for t in range(nt):
+            a = (t // g) * g
+            if a == t:
+                continue
+            o = _u((bh * nt + t) * d_n)
+            ao = _u((bh * nt + a) * d_n)
+            if inverse:
+                for d in range(dn):
+                    xf[o + d] = xf[o + d] + xf[ao + d]
+            else:
+                for d in range(dn):
+                    xf[o + d] = xf[o + d] - xf[ao + d]
+
+
+@njit(**JIT)
+def affine_fit(x, rms, shift, scale16, shift16):
+    """Per-(head, channel) float16 ``scale`` (RMS or absmax) and ``shift`` (mean) of float32 ``x``.
+
+    Sums run in float64 over (batch, token) in order. Reference:
+    :func:`kvtune.codecs.transforms.channel_stats`. ``scale16``/``shift16`` are uint16 ``(H, D)``.
+    """
+    nb, nh, nt, d_n = x.shape
+    xf = x.reshape(-1)
+    n = nb * nt
+    dn = _u(d_n)
+    mean = np.zeros(d_n, np.float32)
+    acc = np.zeros(d_n, np.float64)
+    for h in range(nh):
+        if shift:
+            acc[:] = 0.0
+            for b in range(nb):
+                for t in range(nt):
+                    o = _u(((b * nh + h) * nt + t) * d_n)
+                    for d in range(dn):
+                        acc[d] += np.float64(xf[o + d])
+            for d in range(dn):
+                m = np.float32(acc[d] / max(n, 1))
+                if m > FP16_MAX:
+                    m = FP16_MAX
+                if m < -FP16_MAX:
+                    m = -FP16_MAX
+                shift16[h, d] = f32_to_f16_bits(m)
+                mean[d] = f16_bits_to_f32(shift16[h, d])
+        acc[:] = 0.0
+        for b in range(nb):
+            for t in range(nt):
+                o = _u(((b * nh + h) * nt + t) * d_n)
+                if rms:
+                    for d in range(dn):
+                        v = np.float64(xf[o + d] - mean[d])
+                        acc[d] += v * v
+                else:
+                    for d in range(dn):
+                        acc[d] = max(acc[d], np.float64(abs(xf[o + d] - mean[d])))
+        for d in range(dn):
+            st = np.float32(math.sqrt(acc[d] / max(n, 1))) if rms else np.float32(acc[d])
+            if st > FP16_MAX:
+                st = FP16_MAX
+            s16 = f32_to_f16_bits(st)
+            sv = f16_bits_to_f32(s16)
+            if not (sv > ZERO and sv < np.inf):
+                s16 = np.int64(0x3C00)  # 1.0
+            scale16[h, d] = s16
+
+
+@njit(**JIT)
+def affine_rows(x, scale16, shift16, has_shift, inverse):
+    """In place: forward ``(x - shift) / scale``; inverse ``x * scale + shift`` (two roundings).
+
+    Reference: :meth:`kvtune.codecs.transforms.Affine.forward` / ``inverse``.
+    """
+    nb, nh, nt, d_n = x.shape
+    xf = x.reshape(-1)
+    dn = _u(d_n)
+    sc = np.empty(d_n, np.float32)
+    sh = np.zeros(d_n, np.float32)
+    for h in range(nh):
+        for d in range(dn):
+            sc[d] = f16_bits_to_f32(scale16[h, d])
+            if has_shift:
+                sh[d] = f16_bits_to_f32(shift16[h, d])
+        for b in range(nb):
+            for t in range(nt):
+                o = _u(((b * nh + h) * nt + t) * d_n)
+                if inverse and has_shift:
+                    for d in range(dn):
+                        v = xf[o + d] * sc[d]
+                        xf[o + d] = v + sh[d]
+                elif inverse:
+                    for d in range(dn):
+                        xf[o + d] = xf[o + d] * sc[d]
+                elif has_shift:
+                    for d in range(dn):
+                        xf[o + d] = (xf[o + d] - sh[d]) / sc[d]
+                else:
+                    for d in range(dn):
+                        xf[o + d] = xf[o + d] / sc[d]

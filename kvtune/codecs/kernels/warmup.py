@@ -1,0 +1,50 @@
+"""Compilation (or loading from numba's on-disk cache) of the kernels the fast path uses."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .convert import store_output, to_float32
+from .crc import crc32_combine
+from .segments import KIND_UNIFORM, SEG_COLUMNS, decode_segments, encode_segments
+from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
+
+
+def warm_up() -> float:
+    """Compile (or load from the on-disk cache) the kernels with the argument types the fast
+    path (:mod:`kvtune.codecs.fastpath`) uses. Not a kernel itself: its test checks that every
+    kernel it lists ends up compiled.
+
+    Returns:
+        Seconds spent: a few minutes on a loaded 2-core machine the first time after an edit
+        of the kernel modules (about a minute when idle), about a second once cached (reading the cache
+        files and linking).
+    """
+    import time
+
+    start = time.perf_counter()
+    shape = (1, 2, 8, 8)
+    seg = np.zeros((1, SEG_COLUMNS), np.int64)
+    seg[0] = (KIND_UNIFORM, 4, 1, 8, 0, 0, 2, 2, 8, 0, 64, 64, 64, 0)  # 2 heads x 8 tokens x 8, groups of 8
+    idx = np.array([0, 1, *range(8)], np.int64)
+    out = np.zeros(128, np.uint8)
+    sym = np.zeros(128, np.uint8)
+    luts = np.zeros((2, 256), np.float32)
+    for x in (np.ones(shape, np.float32), np.full(shape, 0x3F80, np.uint16)):
+        encode_segments(x, seg, idx, out, sym, True, np.zeros((2, 65536), np.uint8))
+    ro = out.copy()
+    ro.flags.writeable = False
+    for data in (out, ro):
+        for y, kind in ((np.zeros(shape, np.float32), 0), (np.zeros(shape, np.uint16), 1)):
+            decode_segments(data, seg, idx, luts, np.zeros((2, 256), np.uint16), sym, True, y, kind)
+    y = np.ones(shape, np.float32)
+    to_float32(np.full(shape, 0x3F80, np.uint16), y)
+    to_float32(np.ones(shape, np.float32), y)
+    store_output(y, 1, np.empty(shape, np.uint16))
+    hadamard_rows(y, np.ones((2, 8), np.float32), np.array([8], np.int64), np.ones(1, np.float32), False)
+    delta_rows(y, 4, False)
+    s16 = np.zeros((2, 8), np.uint16)
+    affine_fit(y, True, True, s16, s16.copy())
+    affine_rows(y, s16, s16, True, False)
+    crc32_combine(1, 2, 5)
+    return time.perf_counter() - start
