@@ -51,8 +51,10 @@ def covers(*names: str):
 
 
 def kernel_modules() -> list:
-    """Every module of the :mod:`kvtune.codecs.kernels` package."""
-    return [importlib.import_module(f"{K.__name__}.{m.name}") for m in pkgutil.iter_modules(K.__path__)]
+    """Every module of the :mod:`kvtune.codecs.kernels` package that holds kernels or their helpers
+    (``cachedir``, which only chooses numba's cache folder, has its own test below)."""
+    return [importlib.import_module(f"{K.__name__}.{m.name}") for m in pkgutil.iter_modules(K.__path__)
+            if m.name != "cachedir"]
 
 
 def imported_from_siblings(modules: list) -> set[str]:
@@ -671,3 +673,21 @@ def test_warm_up_compiles_the_fast_path_kernels():
                K.affine_fit, K.affine_rows, K.crc32_combine):
         assert fn.signatures, fn.__name__
     assert len(K.encode_segments.signatures) >= 2  # float32 and bfloat16-bits inputs
+
+
+def test_kernels_are_cached_under_a_digest_of_every_kernel_source(tmp_path):
+    """Editing any kernel module (a helper that others inline included) changes the cache folder."""
+    import shutil
+
+    from kvtune.codecs.kernels import cachedir
+
+    pkg = Path(cachedir.__file__).parent
+    digest = cachedir.sources_digest()
+    assert Path(K.quantize_per_token._cache._cache_path).parent.name == digest
+    assert Path(K.encode_segments._cache._cache_path).parent.name == digest
+    copy = tmp_path / "kernels"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert cachedir.sources_digest(copy) == digest
+    helper = copy / "lowlevel.py"
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    assert cachedir.sources_digest(copy) != digest

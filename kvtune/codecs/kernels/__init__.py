@@ -53,56 +53,56 @@ First-call cost: compiling every kernel for one input dtype takes ~20-40 s on a 
 machine; with ``cache=True`` later processes load the machine code from ``__pycache__`` in
 well under a second (see :func:`warm_up`).
 
-Cache caveat: numba invalidates a cached kernel only when *its own* source file changes, yet
-a kernel carries the code of everything it calls (the inlined helpers of :mod:`.lowlevel` and
-:mod:`.convert`; :mod:`.segments` calls the kernels of :mod:`.quantize`, :mod:`.fp8` and
-:mod:`.bitpack`). After editing one of those modules, delete the cache files
-(``find kvtune/codecs/kernels -name '*.nb[ic]' -delete``) or the modules that use it keep
-running their old machine code.
+Cache: kernels are cached on disk under one folder per digest of this package's sources
+(:mod:`.cachedir`), so editing or upgrading any kernel module never leaves a caller running
+the stale machine code of a helper it inlined.
 """
 
 from __future__ import annotations
 
-from .bf16 import gather_bf16, scatter_bf16
-from .bitpack import pack_bits, unpack_bits
-from .convert import (
-    f16_bits_to_f32,
-    f16_bits_to_f32_soft,
-    f32_to_bf16_bits,
-    f32_to_f16_bits,
-    f32_to_f16_bits_soft,
-    fp16_round_up_bits,
-    store_output,
-    to_float32,
-)
-from .crc import crc32_combine, crc32_update
-from .finite import all_finite_bf16, all_finite_f32
-from .fp8 import fp8_dequantize, fp8_quantize
-from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
-from .segments import (
-    KIND_BF16,
-    KIND_FP8,
-    KIND_UNIFORM,
-    SEG_A,
-    SEG_B,
-    SEG_BITS,
-    SEG_COLUMNS,
-    SEG_G,
-    SEG_HEADS,
-    SEG_KIND,
-    SEG_META,
-    SEG_META_LEN,
-    SEG_NHEADS,
-    SEG_NTOKENS,
-    SEG_PAYLOAD,
-    SEG_PAYLOAD_LEN,
-    SEG_SYM,
-    SEG_TOKENS,
-    decode_segments,
-    encode_segments,
-)
-from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
-from .warmup import warm_up
+from .cachedir import kernel_cache_dir
+
+with kernel_cache_dir():  # every kernel module is compiled/cached under one source digest
+    from .bf16 import gather_bf16, scatter_bf16
+    from .bitpack import pack_bits, unpack_bits
+    from .convert import (
+        f16_bits_to_f32,
+        f16_bits_to_f32_soft,
+        f32_to_bf16_bits,
+        f32_to_f16_bits,
+        f32_to_f16_bits_soft,
+        fp16_round_up_bits,
+        store_output,
+        to_float32,
+    )
+    from .crc import crc32_combine, crc32_update
+    from .finite import all_finite_bf16, all_finite_f32
+    from .fp8 import fp8_dequantize, fp8_quantize
+    from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+    from .segments import (
+        KIND_BF16,
+        KIND_FP8,
+        KIND_UNIFORM,
+        SEG_A,
+        SEG_B,
+        SEG_BITS,
+        SEG_COLUMNS,
+        SEG_G,
+        SEG_HEADS,
+        SEG_KIND,
+        SEG_META,
+        SEG_META_LEN,
+        SEG_NHEADS,
+        SEG_NTOKENS,
+        SEG_PAYLOAD,
+        SEG_PAYLOAD_LEN,
+        SEG_SYM,
+        SEG_TOKENS,
+        decode_segments,
+        encode_segments,
+    )
+    from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
+    from .warmup import warm_up
 
 __all__ = [
     "f32_to_f16_bits",
