@@ -1246,3 +1246,51 @@ def test_fp8_scaled_uses_a_float16_per_token_scale():
     assert float((y - x).norm()) < float((unscaled - x).norm())  # tiny values: the scale pays off
     z = torch.zeros(1, 1, 2, 8)
     assert torch.equal(quant.dequantize(quant.quantize(z, layer=0, kind="key"), layer=0, kind="key"), z)
+
+
+# ----------------------------------------------------------------------------- import graph
+
+
+def _codec_imports() -> dict[str, set[str]]:
+    """``{module: kvtune modules it imports}`` for every module of kvtune.codecs, counting
+    imports inside functions too (a lazy import still closes a circle)."""
+    import ast
+    from pathlib import Path
+
+    import kvtune
+
+    root = Path(kvtune.__file__).parent
+    modules = {".".join(("kvtune", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if not name.startswith("kvtune.codecs."):
+            continue
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtune"):
+                for a in node.names:
+                    assert not a.name.startswith("_"), f"{name} imports the private name {a.name} from {node.module}"
+                    full = f"{node.module}.{a.name}"
+                    edges.add(full if full in modules else node.module)
+        edges.discard(name)
+    return graph
+
+
+def test_codec_modules_import_each_other_without_circles_or_private_names():
+    graph = _codec_imports()
+    assert {"kvtune.codecs.policy", "kvtune.codecs.fastpath", "kvtune.codecs.stream"} <= set(graph)
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, "import circle: " + " -> ".join(path[path.index(module):] + (module,))
+        if module in done:
+            return
+        for dep in graph.get(module, ()):
+            visit(dep, path + (module,))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())

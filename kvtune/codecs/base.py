@@ -69,6 +69,7 @@ __all__ = [
     "register_codec",
     "param",
     "plan_segments",
+    "transform_min_bits",
     "meta_to_bytes",
     "meta_from_bytes",
     "BF16_BITS",
@@ -405,6 +406,17 @@ class Transform(Component):
     def is_identity(self) -> bool:
         """True when the transform is the identity map (dropped from canonical policies)."""
         return False
+
+
+def transform_min_bits(transforms: Sequence[Transform], tokens: int) -> torch.Tensor | None:
+    """Per-token precision floors the transforms ask for: the elementwise max of their
+    :meth:`Transform.token_min_bits` (int64 ``(tokens,)``), or ``None`` when none asks."""
+    floors = None
+    for t in transforms:
+        f = t.token_min_bits(tokens)
+        if f is not None:
+            floors = f if floors is None else torch.maximum(floors, f)
+    return floors
 
 
 # ----------------------------------------------------------------------------- segments

@@ -29,19 +29,23 @@ on it.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import sys
 import threading
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvtune.codecs.base import BF16_BITS, Quantizer, Segment
+from kvtune.codecs.base import BF16_BITS, Quantizer, Segment, transform_min_bits
+from kvtune.codecs.bitpack import BitPack
+from kvtune.codecs.checksum import crc32
+from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
+from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE
+from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
+from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
+from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
 from kvtune.errors import CorruptStreamError
 
 try:  # numba is a dependency; without it everything still works on the reference path
@@ -56,109 +60,16 @@ __all__ = [
     "set_num_threads",
     "encode_tensors",
     "decode_tensors",
-    "crc32",
+    "sizes_plausible",
+    "LayerDecodeError",
 ]
 
 _OK_BYTEORDER = sys.byteorder == "little"
-
-NON_FINITE = "has non-finite values (NaN or inf); a KV cache with them cannot be quantized meaningfully"
-"""Tail of the error raised for a KV tensor with NaN / inf (same text on both paths)."""
 
 
 def available() -> bool:
     """Whether the compiled kernels can be used here (numba importable, little-endian host)."""
     return K is not None and _OK_BYTEORDER
-
-
-# ----------------------------------------------------------------------------- threads
-
-_threads: int | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def num_threads() -> int:
-    """Worker threads of the fast path: :func:`set_num_threads`, else ``torch.get_num_threads()``."""
-    return max(1, _threads if _threads is not None else torch.get_num_threads())
-
-
-def set_num_threads(n: int | None) -> None:
-    """Use ``n`` worker threads (``None``: follow ``torch.get_num_threads()``)."""
-    global _threads
-    if n is not None and n < 1:
-        raise ValueError(f"need at least one thread, got {n}")
-    _threads = n
-
-
-def _map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-    """``[fn(x) for x in items]``, shared between the calling thread and ``num_threads() - 1``
-    pool threads.
-
-    Every thread takes the next unclaimed item until none is left, the calling thread
-    included, so a pool thread that the OS does not schedule (a loaded machine) delays the
-    result by at most the one item it holds. Exceptions are raised in item order (the first
-    failing item's), as a serial loop would.
-    """
-    n = min(num_threads(), len(items))
-    if n <= 1:
-        return [fn(x) for x in items]
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size != n - 1:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtune-codec")
-            _pool_size = n - 1
-        pool = _pool
-    results: list[Any] = [None] * len(items)
-    errors: list[BaseException | None] = [None] * len(items)
-    counter = itertools.count()
-
-    def work() -> None:
-        while True:
-            i = next(counter)  # atomic under the GIL
-            if i >= len(items):
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as exc:  # re-raised below, in item order
-                errors[i] = exc
-
-    futures = [pool.submit(work) for _ in range(n - 1)]
-    work()
-    for f in futures:
-        f.result()
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
-
-
-# ----------------------------------------------------------------------------- CRC32
-
-try:  # ISA-L's CRC32 (carry-less multiply) is ~3-4x faster than zlib 1.2's tables; same values
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
-
-
-
-def crc32(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> int:
-    """``zlib.crc32(data, value)``: computed by ``isal`` when it is installed (optional, same
-    values, ~3-4x faster), else by zlib; large inputs are split over the codec threads (both
-    release the GIL) and the parts combined with :func:`kvtune.codecs.kernels.crc32_combine`."""
-    mv = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
-    n = len(mv)
-    threads = num_threads()
-    if threads > 1 and n >= 1 << 21:
-        cut = [n * i // threads for i in range(threads + 1)]
-        parts = _map(lambda i: _crc32(mv[cut[i] : cut[i + 1]]), list(range(threads)))
-        crc = value
-        for i, c in enumerate(parts):
-            crc = int(K.crc32_combine(crc, c, cut[i + 1] - cut[i]))
-        return crc
-    return _crc32(mv, value)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -169,9 +80,6 @@ _SUPPORTED_TRANSFORMS = ("hadamard", "delta", "affine")
 def _block_kind(coder: Quantizer) -> str | None:
     """Which kernel family codes a segment of this block quantizer (exact types only: a
     subclass may change the math)."""
-    from kvtune.codecs.fp8 import FP8Quantizer
-    from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-
     return {UniformQuantizer: "uniform", NoQuantizer: "bf16", FP8Quantizer: "fp8"}.get(type(coder))
 
 
@@ -184,8 +92,6 @@ def supports(config) -> bool:
     """
     if not available():
         return False
-    from kvtune.codecs.transforms import Affine, Delta, Hadamard
-
     if any(type(t) not in (Hadamard, Delta, Affine) for t in config.transforms):
         return False
     floors = tuple(sorted({b for t in config.transforms for b in t.min_bits_values()}))
@@ -244,8 +150,6 @@ def _fp8_luts() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     float32 ``(2, 256)`` value of every float8 pattern, uint16 ``(2, 256)`` its bfloat16 bits,
     uint8 ``(2, 65536)`` the float8 symbol of every bfloat16 pattern (saturated as
     :func:`kvtune.codecs.fp8.fp8_encode`)."""
-    from kvtune.codecs.fp8 import FP8_DTYPES, fp8_encode
-
     values, bf16, symbols = [], [], []
     all_bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
     for fmt in ("e4m3", "e5m2"):
@@ -308,8 +212,6 @@ class _Compiled:
     """Per-policy cache of tensor plans."""
 
     def __init__(self, config) -> None:
-        from kvtune.codecs.bitpack import BitPack
-
         self.config = config
         self.plans: dict[tuple, _Plan] = {}
         self.bitpack = type(config.codec) is BitPack
@@ -322,9 +224,6 @@ class _Compiled:
         return p
 
     def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan:
-        from kvtune.codecs.policy import transform_min_bits
-        from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
-
         cfg = self.config
         quant = cfg.key if kind == "key" else cfg.value
         ops = []
@@ -439,7 +338,7 @@ def _encode_one(task) -> tuple[list, int, int]:
     plan = comp.plan(kind, x.shape, layer)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
         payload = x.reshape(-1).view(np.uint8)  # a bfloat16 tensor is its own payload
-        return [b"", b"", payload], _crc32(payload), payload.size
+        return [b"", b"", payload], crc32(payload), payload.size
     out = _empty(plan.nbytes, np.uint8)  # the bitpack layout; other codecs use its state and metadata bytes
     if plan.transforms:
         x = _apply_transforms(x, plan, out)
@@ -448,7 +347,7 @@ def _encode_one(task) -> tuple[list, int, int]:
         if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
             raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
         view = memoryview(out)
-        return [view[a:b] for a, b in plan.bounds], _crc32(out), out.size
+        return [view[a:b] for a, b in plan.bounds], crc32(out), out.size
     symbuf = np.empty(max(plan.sym_nbytes, 1), np.uint8)
     K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2])
     view = memoryview(out)
@@ -464,7 +363,7 @@ def _encode_one(task) -> tuple[list, int, int]:
         sections.append(codec.pack(sym, seg.bits))
     crc, n = 0, 0
     for sec in sections:
-        crc = _crc32(sec, crc)
+        crc = crc32(sec, crc)
         n += len(sec)
     return sections, crc, n
 
@@ -487,7 +386,7 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     for i, (k, v) in enumerate(kv):
         tasks.append((k, comp, "key", layer_offset + i, i))
         tasks.append((v, comp, "value", layer_offset + i, i))
-    results = _map(_encode_one, tasks)
+    results = parallel_map(_encode_one, tasks)
     sections = [(results[2 * i][0], results[2 * i + 1][0]) for i in range(len(kv))]
     crcs = [((results[2 * i][1], results[2 * i][2]), (results[2 * i + 1][1], results[2 * i + 1][2])) for i in range(len(kv))]
     return sections, crcs
@@ -499,9 +398,9 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _decode_one(task) -> torch.Tensor:
-    """Sections of one K or V tensor -> the decoded tensor in ``dtype`` (reference:
-    :func:`kvtune.codecs.policy._decode_tensor` followed by ``.to(dtype)``), with the same
-    checks in the same order; written into ``dest`` when given."""
+    """Sections of one K or V tensor -> the decoded tensor in ``dtype`` (the reference
+    pipeline's tensor decode in :mod:`kvtune.codecs.policy` followed by ``.to(dtype)``), with
+    the same checks in the same order; written into ``dest`` when given."""
     sections, data, shape, comp, kind, layer, dtype, dest = task
     plan = comp.plan(kind, shape, layer)
     if len(sections.state) != plan.state_nbytes:
@@ -602,12 +501,10 @@ def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[tor
     the tensors of ``out`` when given (already checked by the caller).
 
     Raises the first error in layer order (K before V), as the reference path does, wrapped in
-    :class:`_LayerError`.
+    :class:`LayerDecodeError`.
     """
-    from kvtune.codecs.policy import _NAME_DTYPES
-
     comp = _compiled(config)
-    dtype = _NAME_DTYPES[header.dtype]
+    dtype = NAME_DTYPES[header.dtype]
     buf = np.frombuffer(stream, dtype=np.uint8)
     tasks = []
     pos = header.header_nbytes
@@ -625,19 +522,25 @@ def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[tor
         except Exception as exc:  # re-raised in order below
             return None, exc
 
-    results = _map(run, tasks)
+    results = parallel_map(run, tasks)
     out = []
     for i in range(len(header.shapes)):
         for j in (0, 1):
             _, exc = results[2 * i + j]
             if exc is not None:
-                raise _LayerError(header.layer_offset + i, exc)
+                raise LayerDecodeError(header.layer_offset + i, exc)
         out.append((results[2 * i][0], results[2 * i + 1][0]))
     return out
 
 
-class _LayerError(Exception):
-    """Carries the layer index of a decode failure to :func:`kvtune.codecs.decode_kv`."""
+class LayerDecodeError(Exception):
+    """Carries the layer index of a decode failure to :func:`kvtune.codecs.decode_kv`, which
+    re-raises it as the typed stream error it stands for.
+
+    Attributes:
+        layer: absolute index of the layer that failed.
+        exc: the exception of its K or V tensor.
+    """
 
     def __init__(self, layer: int, exc: BaseException) -> None:
         super().__init__(layer, exc)

@@ -52,9 +52,11 @@ from kvtune.codecs.base import (
     Transform,
     meta_from_bytes,
     meta_to_bytes,
+    transform_min_bits,
 )
 from kvtune.codecs.bitpack import BitPack
-from kvtune.codecs.quantizers import UniformQuantizer
+from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE
+from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import TensorSections, canonical_json, read_stream, write_stream
 from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError
 
@@ -76,8 +78,6 @@ KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 POLICY_VERSIONS = (1,)
 _TOP_KEYS = ("version", "transforms", "key", "value", "codec")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,8 +255,6 @@ class PolicyConfig:
     @classmethod
     def uncompressed(cls) -> "PolicyConfig":
         """The "no compression" baseline: K and V sent as raw bfloat16 (16 bits per element)."""
-        from kvtune.codecs.quantizers import NoQuantizer
-
         return cls(key=NoQuantizer(), value=NoQuantizer(), codec=BitPack())
 
 
@@ -294,24 +292,14 @@ def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
                 raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
             if t.device.type == "meta":
                 raise ValueError(f"kv[{i}] {name} is a meta tensor (no data)")
-            if t.dtype not in _DTYPE_NAMES:
+            if t.dtype not in DTYPE_NAMES:
                 raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
             if check_finite and not _all_finite(t):
-                raise ValueError(f"kv[{i}] {name} {fastpath.NON_FINITE}")
+                raise ValueError(f"kv[{i}] {name} {NON_FINITE}")
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
         raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
     return dtypes.pop() if dtypes else torch.bfloat16
-
-
-def transform_min_bits(transforms: tuple[Transform, ...], tokens: int) -> torch.Tensor | None:
-    """Per-token precision floors the transforms ask for: the elementwise max, or ``None``."""
-    floors = None
-    for t in transforms:
-        f = t.token_min_bits(tokens)
-        if f is not None:
-            floors = f if floors is None else torch.maximum(floors, f)
-    return floors
 
 
 def apply_transforms(
@@ -439,7 +427,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         policy=config.to_dict(),
         policy_id=config.policy_id,
         layer_offset=layer_offset,
-        dtype=_DTYPE_NAMES[dtype],
+        dtype=DTYPE_NAMES[dtype],
         shapes=shapes,
         sections=sections,
         crcs=crcs,
@@ -491,13 +479,13 @@ def decode_kv(
     if config.policy_id != header.policy_id:  # the id is the hash of the policy: they must agree
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
-    dtype = _NAME_DTYPES[header.dtype]
+    dtype = NAME_DTYPES[header.dtype]
     if out is not None:
         _check_out(out, header.shapes, dtype)
     if _use_fast(impl, config) and fastpath.sizes_plausible(header):
         try:
             return fastpath.decode_tensors(stream, header, sections, config, out)
-        except fastpath._LayerError as err:
+        except fastpath.LayerDecodeError as err:
             _raise_decode_error(header.policy_id, err.layer, err.exc)
     result: KVLayers = []
     for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):

@@ -68,10 +68,10 @@ import hashlib
 import json
 import math
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+from kvtune.codecs.checksum import crc32_combine, crc32_threaded
 from kvtune.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
 __all__ = [
@@ -241,30 +241,13 @@ def write_stream(
     if crcs is None:
         crc = 0
         for p in parts:
-            crc = _crc32(p, crc)
+            crc = crc32_threaded(p, crc)
     else:
-        crc = _crc32(head)
+        crc = crc32_threaded(head)
         for pair in crcs:
             for tensor_crc, nbytes in pair:
-                crc = _crc32_combine(crc, tensor_crc, nbytes)
+                crc = crc32_combine(crc, tensor_crc, nbytes)
     return b"".join(parts + [_CRC.pack(crc)])
-
-
-def _crc32(data: Any, value: int = 0) -> int:
-    """``zlib.crc32`` (computed by the compiled kernel when available: ~2x faster per thread
-    than zlib 1.2's, and split over the codec threads for large inputs)."""
-    from kvtune.codecs import fastpath
-
-    if fastpath.available():
-        return fastpath.crc32(data, value)
-    return zlib.crc32(data, value)
-
-
-def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (needs the compiled kernels)."""
-    from kvtune.codecs import kernels
-
-    return int(kernels.crc32_combine(crc1, crc2, len2))
 
 
 def _bad(msg: str) -> CorruptStreamError:
@@ -370,7 +353,7 @@ def read_stream(
     if n > total:
         raise _bad(f"{n - total} unexpected bytes after the end of the stream ({total} bytes)")
     (crc,) = _CRC.unpack_from(mv, total - _CRC.size)
-    if _crc32(mv[: total - _CRC.size]) != crc:
+    if crc32_threaded(mv[: total - _CRC.size]) != crc:
         raise _bad("checksum mismatch")
     if expect_policy_id is not None and header.policy_id != expect_policy_id:
         raise PolicyMismatchError(
