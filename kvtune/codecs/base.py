@@ -70,6 +70,7 @@ __all__ = [
     "param",
     "plan_segments",
     "transform_min_bits",
+    "transform_state_nbytes",
     "meta_to_bytes",
     "meta_from_bytes",
     "BF16_BITS",
@@ -417,6 +418,13 @@ def transform_min_bits(transforms: Sequence[Transform], tokens: int) -> torch.Te
         if f is not None:
             floors = f if floors is None else torch.maximum(floors, f)
     return floors
+
+
+def transform_state_nbytes(transforms: Sequence[Transform], shape: Shape, *, layer: int, kind: str) -> int:
+    """Bytes of the transforms' state for a tensor of ``shape`` (the sum of their
+    :meth:`Transform.state_layout` sizes): the length of the tensor's state section. Computed
+    from the layouts alone, without allocating anything of ``shape``."""
+    return sum(f.nbytes for t in transforms for f in t.state_layout(shape, layer=layer, kind=kind))
 
 
 # ----------------------------------------------------------------------------- segments
@@ -791,6 +799,21 @@ class Codec(Component):
     def supports(self, bits: int) -> bool:
         """Whether the codec can pack symbols of this width."""
         raise NotImplementedError
+
+    def max_symbols(self, nbytes: int) -> int | None:
+        """The most symbols (of any width the codec packs) that packed sections of ``nbytes``
+        bytes in total can hold, or ``None`` when the codec has no such bound.
+
+        The decoder compares it with the number of elements a stream header claims for a K or V
+        tensor (against that tensor's payload bytes) before it allocates anything from the
+        claimed shape (:func:`kvtune.codecs.decode_kv`), so that a forged header cannot make it
+        allocate more than the stream's bytes justify. Dense codecs have an exact bound
+        (``bitpack``: 8 one-bit symbols per byte). The default, ``None``, suits entropy coders,
+        which can code a near-constant tensor in a few bytes: their streams are then bounded
+        only by :data:`kvtune.codecs.stream.MAX_TENSOR_ELEMENTS`, and their own :meth:`unpack`
+        checks.
+        """
+        return None
 
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """Pack symbols into bytes.

@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtune.codecs.base import BF16_BITS, Quantizer, Segment, transform_min_bits
+from kvtune.codecs.base import BF16_BITS, Quantizer, Segment, transform_min_bits, transform_state_nbytes
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.checksum import crc32
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
@@ -208,6 +208,10 @@ def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nb
     return segs, idx_arr.astype(np.int64), pos, sym_pos
 
 
+_MAX_PLANS = 1024
+"""Plans cached per policy (each is linear in the tensor's heads and tokens)."""
+
+
 class _Compiled:
     """Per-policy cache of tensor plans."""
 
@@ -220,6 +224,8 @@ class _Compiled:
         key = (kind, shape, layer)
         p = self.plans.get(key)
         if p is None:
+            if len(self.plans) >= _MAX_PLANS:  # many shapes (e.g. streams of other requests): start over
+                self.plans.clear()
             p = self.plans[key] = self._build(kind, shape, layer)  # a race only builds it twice
         return p
 
@@ -402,6 +408,11 @@ def _decode_one(task) -> torch.Tensor:
     pipeline's tensor decode in :mod:`kvtune.codecs.policy` followed by ``.to(dtype)``), with
     the same checks in the same order; written into ``dest`` when given."""
     sections, data, shape, comp, kind, layer, dtype, dest = task
+    if math.prod(shape) == 0:  # no tokens: only the state travels; nothing to plan (as the reference)
+        need = transform_state_nbytes(comp.config.transforms, shape, layer=layer, kind=kind)
+        if len(sections.state) != need:
+            raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {need}")
+        return dest if dest is not None else torch.zeros(shape, dtype=dtype)
     plan = comp.plan(kind, shape, layer)
     if len(sections.state) != plan.state_nbytes:
         raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {plan.state_nbytes}")

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -53,11 +55,12 @@ from kvtune.codecs.base import (
     meta_from_bytes,
     meta_to_bytes,
     transform_min_bits,
+    transform_state_nbytes,
 )
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-from kvtune.codecs.stream import TensorSections, canonical_json, read_stream, write_stream
+from kvtune.codecs.stream import StreamHeader, TensorSections, canonical_json, read_stream, shape_problem, write_stream
 from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError
 
 __all__ = [
@@ -71,6 +74,7 @@ __all__ = [
     "invert_transforms",
     "transform_min_bits",
     "IMPLS",
+    "check_claimed_sizes",
 ]
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -344,11 +348,18 @@ def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, laye
 def _decode_tensor(
     sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
 ) -> torch.Tensor:
-    """The sections of one K or V tensor -> float32 tensor of ``shape``."""
-    layouts = _state_layouts(config.transforms, shape, layer, kind)
-    need = sum(f.nbytes for lay in layouts for f in lay)
+    """The sections of one K or V tensor -> float32 tensor of ``shape``.
+
+    A tensor without tokens carries no symbols: only its state length is checked (the plan of
+    an empty tensor is empty; :func:`check_claimed_sizes` has checked that it records no
+    segments), and nothing is planned, allocated or inverted from its shape.
+    """
+    need = transform_state_nbytes(config.transforms, shape, layer=layer, kind=kind)
     if len(sections.state) != need:
         raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {need}")
+    if math.prod(shape) == 0:
+        return torch.zeros(shape)
+    layouts = _state_layouts(config.transforms, shape, layer, kind)
     states, pos = [], 0
     for lay in layouts:
         n = sum(f.nbytes for f in lay)
@@ -460,7 +471,8 @@ def decode_kv(
 
     Raises:
         TruncatedStreamError: the stream is cut short.
-        CorruptStreamError: bad magic, checksum mismatch, or inconsistent header/sections.
+        CorruptStreamError: bad magic, checksum mismatch, inconsistent header/sections, or a
+            header claiming shapes its sections cannot hold (:func:`check_claimed_sizes`).
         StreamVersionError: unknown wire-format version.
         PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
@@ -474,12 +486,13 @@ def decode_kv(
     header, sections = read_stream(stream, expect_policy_id=None if expect is None else expect.policy_id)
     try:
         config = PolicyConfig.from_dict(header.policy)
-    except ConfigError as exc:
-        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {exc}") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {str(exc)[:500]}") from None
     if config.policy_id != header.policy_id:  # the id is the hash of the policy: they must agree
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
+    check_claimed_sizes(header, config)
     if out is not None:
         _check_out(out, header.shapes, dtype)
     if _use_fast(impl, config) and fastpath.sizes_plausible(header):
@@ -503,6 +516,38 @@ def decode_kv(
     return result if out is None else out
 
 
+def check_claimed_sizes(header: StreamHeader, config: PolicyConfig) -> None:
+    """Refuse a stream whose header claims tensors its sections cannot hold, before anything
+    is allocated from the claimed shapes.
+
+    Per K or V tensor: an empty one records no segment, a non-empty one at least one, and it
+    claims at most
+    ``config.codec.max_symbols(payload bytes)`` elements (:meth:`Codec.max_symbols`; with
+    ``bitpack``, 8 per payload byte); its shape is one an encoder writes
+    (:func:`kvtune.codecs.stream.shape_problem`: no zero batch, heads or head_dim, every
+    dimension and the element count within the format's limits). The claimed element count
+    then bounds everything the decoder allocates for the tensor (plans are linear in heads and
+    tokens, the output in elements); an empty tensor is neither planned nor allocated.
+
+    Raises:
+        CorruptStreamError: the first tensor (layer order, K before V) that breaks a rule.
+    """
+    for i, (shapes, tensors) in enumerate(zip(header.shapes, header.sections)):
+        for name, shape, lengths in zip("KV", shapes, tensors):
+            where = f"corrupt KV stream: layer {header.layer_offset + i} {name} of shape {shape}"
+            numel = math.prod(shape)
+            if bool(numel) != bool(lengths.num_segments):  # plans partition a tensor: empty <=> no segments
+                raise CorruptStreamError(f"{where} has {numel} elements but records {lengths.num_segments} segments")
+            payload = sum(lengths.payload)
+            most = config.codec.max_symbols(payload)
+            if numel and most is not None and numel > most:
+                raise CorruptStreamError(f"{where} claims {numel} elements; its {payload} payload bytes hold at "
+                                         f"most {most} with codec {config.codec.name!r}")
+            problem = shape_problem(shape)
+            if problem is not None:
+                raise CorruptStreamError(f"{where} {problem}")
+
+
 def _check_out(out: KVLayers, shapes, dtype: torch.dtype) -> None:
     """``decode_kv(out=...)`` needs CPU contiguous tensors of the stream's shapes and dtype."""
     if not isinstance(out, (list, tuple)) or len(out) != len(shapes):
@@ -524,6 +569,6 @@ def _raise_decode_error(policy_id: str, layer: int, exc: BaseException):
         raise exc
     if isinstance(exc, ConfigError):
         raise KVStreamError(f"KV stream policy {policy_id} cannot decode layer {layer}: {exc}") from None
-    if isinstance(exc, (ValueError, RuntimeError, IndexError, TypeError)):
+    if isinstance(exc, (ValueError, RuntimeError, LookupError, TypeError, ArithmeticError, struct.error)):
         raise CorruptStreamError(f"corrupt KV stream: layer {layer} does not decode ({exc})") from None
     raise exc
