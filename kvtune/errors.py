@@ -59,3 +59,9 @@ class BiCacheError(KvtuneError):
     """A BiCache (shared-prefix reuse) request is invalid: a reuse depth outside ``0..L``, a
     cached prefix state that belongs to another prefix or covers fewer layers, an unsupported
     encoder family, or a malformed prefix-state payload."""
+
+
+class KVInputError(KvtuneError, ValueError):
+    """A KV cache handed to the encoder cannot be coded faithfully: a degenerate shape (no
+    batch, heads or channels), values beyond the range a quantizer represents (e.g. beyond the
+    float16 range of its scales), or non-finite values. A ``ValueError`` as well."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
+import re
 import struct
 
 import numpy as np
@@ -53,6 +54,7 @@ from kvtune.codecs.transforms import (
 from kvtune.errors import (
     ConfigError,
     CorruptStreamError,
+    KVInputError,
     KVStreamError,
     PolicyMismatchError,
     StreamVersionError,
@@ -273,6 +275,33 @@ def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
     into = decode_kv(stream, impl="fast", out=out)
     assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(into, out))  # decoded in place
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
+
+
+# degenerate but meaningful shapes (one head, one token, no tokens, one channel, batch 2), encoded
+# at layer MATRIX_OFFSET where mixhq's scores have 2 heads; and shapes that are no KV cache
+DEGENERATE_SHAPES = [(1, 2, 1, 1), (1, 2, 0, 16), (2, 2, 3, 1), (1, 2, 1, 16), (1, 2, 0, 1)]
+REFUSED_SHAPES = {(0, 2, 8, 16): "batch = 0", (1, 0, 8, 16): "kv_heads = 0", (1, 2, 8, 0): "head_dim = 0"}
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("cfg", POLICIES, ids=_id)
+def test_every_component_round_trips_degenerate_shapes_and_refuses_empty_axes(cfg, impl):
+    """Every registered component (the matrix) on tiny and empty shapes: they encode, decode to
+    the in-memory pipeline's tensors on both paths, with the same bytes; shapes with no batch,
+    heads or channels are refused at encode with a typed error (an ``affine`` stream of 0 heads
+    used to encode and then fail to decode)."""
+    for shape in DEGENERATE_SHAPES:
+        kv = make_kv([(shape, shape)], seed=11)
+        stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+        assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference" if impl == "fast" else "fast")
+        (k2, v2), = decode_kv(stream, expect=cfg, impl=impl)
+        for orig, dec, quant, kind in ((kv[0][0], k2, cfg.key, "key"), (kv[0][1], v2, cfg.value, "value")):
+            assert dec.shape == shape and torch.equal(dec, reference_pipeline(orig, cfg, quant, MATRIX_OFFSET, kind))
+    assert decode_kv(encode_kv([], cfg, impl=impl), impl=impl) == []  # no layers
+    for shape, what in REFUSED_SHAPES.items():
+        kv = [(torch.zeros(shape), torch.zeros(shape))]
+        with pytest.raises(KVInputError, match=re.escape(f"kv[0] K of shape {shape} has {what}")):
+            encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -46,7 +46,7 @@ from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
-from kvtune.errors import CorruptStreamError
+from kvtune.errors import CorruptStreamError, KVInputError
 
 try:  # numba is a dependency; without it everything still works on the reference path
     from kvtune.codecs import kernels as K
@@ -340,7 +340,7 @@ def _encode_one(task) -> tuple[list, int, int]:
     t, comp, kind, layer, index = task
     x = _input_array(t)
     if not (K.all_finite_bf16(x) if x.dtype == np.uint16 else K.all_finite_f32(x)):
-        raise ValueError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
+        raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     plan = comp.plan(kind, x.shape, layer)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
         payload = x.reshape(-1).view(np.uint8)  # a bfloat16 tensor is its own payload
@@ -381,7 +381,7 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     exponent bits (:func:`kvtune.codecs.kernels.all_finite_bf16`), on the codec threads.
 
     Raises:
-        ValueError: a tensor has a NaN or inf (the first such tensor in layer order, K before V).
+        KVInputError: a tensor has a NaN or inf (the first such tensor in layer order, K before V).
 
     Returns:
         ``(sections, crcs)``: per layer ``(K sections, V sections)`` and per layer

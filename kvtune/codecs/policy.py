@@ -61,7 +61,7 @@ from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import StreamHeader, TensorSections, canonical_json, read_stream, shape_problem, write_stream
-from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError
+from kvtune.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
 
 __all__ = [
     "KVLayers",
@@ -283,8 +283,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
-    """Validate the KV structure (and, with ``check_finite``, that no value is NaN or inf);
-    return its common dtype."""
+    """Validate the KV structure and shapes (:func:`kvtune.codecs.stream.shape_problem`) and,
+    with ``check_finite``, that no value is NaN or inf; return the common dtype."""
     if not isinstance(kv, (list, tuple)):
         raise TypeError(f"kv must be a list of (K, V) tensor pairs, got {type(kv).__name__}")
     dtypes = set()
@@ -294,12 +294,15 @@ def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
         for name, t in zip("KV", pair):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+            problem = shape_problem(tuple(t.shape))
+            if problem is not None:
+                raise KVInputError(f"kv[{i}] {name} of shape {tuple(t.shape)} {problem}")
             if t.device.type == "meta":
                 raise ValueError(f"kv[{i}] {name} is a meta tensor (no data)")
             if t.dtype not in DTYPE_NAMES:
                 raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
             if check_finite and not _all_finite(t):
-                raise ValueError(f"kv[{i}] {name} {NON_FINITE}")
+                raise KVInputError(f"kv[{i}] {name} {NON_FINITE}")
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
         raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
@@ -414,6 +417,9 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     Raises:
         TypeError, ValueError: malformed ``kv`` (not pairs of 4-D tensors, unsupported or
             mixed dtypes) or negative ``layer_offset``.
+        KVInputError (a ``ValueError``): a tensor with no batch, KV heads or channels (0 tokens
+            are fine: an empty cache), beyond the format's limits
+            (:func:`kvtune.codecs.stream.shape_problem`), or with NaN / inf values.
         ConfigError: the policy cannot be applied to this cache, e.g. a ``mixhq`` quantizer
             without head scores or with scores for other layers / head counts.
     """
