@@ -1323,3 +1323,92 @@ def test_codec_modules_import_each_other_without_circles_or_private_names():
 
     for module in graph:
         visit(module, ())
+
+
+# ----------------------------------------------------------------------------- value range
+
+FP16_MAX = 65504.0
+RANGE_POLICIES = {
+    "kivi-2": PolicyConfig.kivi(2),
+    "u8-per-token": PolicyConfig.from_dict({"key": {"bits": 8}, "value": {"bits": 8, "granularity": "per_channel"}}),
+    "u1-symmetric": PolicyConfig.from_dict({"key": {"bits": 1, "symmetric": True}, "value": {"bits": 1}}),
+    "fp8-scaled": PolicyConfig(key=FP8Quantizer(scaled=True), value=FP8Quantizer(format="e5m2", scaled=True)),  # V: e5m2
+    "mixhq": PolicyConfig(key=QUANTIZER_EXAMPLES["mixhq"][0], value=QUANTIZER_EXAMPLES["mixhq"][2]),
+    "none": PolicyConfig.uncompressed(),
+    "hadamard-delta": PolicyConfig(transforms=(Delta(group_size=4), Hadamard()), key=UNIFORM[2], value=UNIFORM[9]),
+}
+# the largest magnitude each policy's blocks code faithfully (float16 scales / zero points;
+# bfloat16 for "none"; 1-bit groups span at most 65504 in one float16 scale)
+RANGE_LIMITS = {"kivi-2": FP16_MAX, "u8-per-token": FP16_MAX, "u1-symmetric": FP16_MAX / 2, "fp8-scaled": FP16_MAX * 57344,
+                "mixhq": FP16_MAX, "none": float(torch.finfo(torch.bfloat16).max), "hadamard-delta": FP16_MAX}
+
+
+def _range_kv(dtype, value: float):
+    """Layers 3 and 4 (mixhq's scores give them 2 and 1 heads) with ``value`` in layer 4's V."""
+    kv = make_kv([((1, 2, 40, 64), (1, 2, 40, 64)), ((1, 1, 40, 64), (1, 1, 40, 64))], dtype=dtype, seed=21)
+    kv[1][1][0, 0, 7, 5] = value
+    return kv
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(RANGE_POLICIES))
+def test_values_beyond_what_a_quantizer_represents_are_refused_at_encode(name, dtype, impl):
+    """A finite value beyond a block's range is refused with a typed error naming the layer,
+    K/V and the limit (float16 scales used to saturate: 3e38 decoded to ~4e6), on both paths;
+    the same value inside the range round-trips."""
+    cfg, limit = RANGE_POLICIES[name], RANGE_LIMITS[name]
+    big = float(torch.finfo(dtype).max)
+    for value in (big, -big, 3e38, 1e6, -70000.0):
+        stored = float(torch.tensor(value, dtype=dtype))
+        kv = _range_kv(dtype, value)
+        spread = 8 if name == "hadamard-delta" else 1  # a rotation spreads one spike over 64 channels: /sqrt(64)
+        if abs(stored) / spread <= limit:
+            continue
+        with pytest.raises(KVInputError, match=r"layer 4 value: .*exceeds " + re.escape(f"{limit:g}")):
+            encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+    inside = 0.9 * min(limit, big) if name != "hadamard-delta" else 1000.0
+    kv = _range_kv(dtype, inside)
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+    assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference")
+    (_, v1), = decode_kv(stream, impl=impl)[1:]
+    assert torch.isfinite(v1).all()
+    assert float(v1[0, 0, 7, 5]) == pytest.approx(float(kv[1][1][0, 0, 7, 5]), rel=0.55)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("name", list(RANGE_POLICIES))
+def test_float16_extremes_decode_finite_and_close(name, impl):
+    """Finite float16 inputs at +-65504 decode to finite float16 values (bfloat16 rounding
+    and float16 scales rounded up used to overflow to inf), or -- where a transform or a 1-bit
+    group pushes them beyond a block's range -- are refused at encode."""
+    cfg = RANGE_POLICIES[name]
+    kv = make_kv([((1, 2, 40, 64), (1, 2, 40, 64))], dtype=torch.float16, seed=4)
+    for t in kv[0]:
+        t[0, 0, :, 0] = FP16_MAX
+        t[0, 1, 3, :] = -FP16_MAX
+        t[0, 0, 10:20, 7] = 65000.0
+    if name in ("u1-symmetric", "hadamard-delta"):
+        with pytest.raises(KVInputError, match=re.escape(f"{RANGE_LIMITS[name]:g}")):
+            encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+        return
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+    (k, v), = decode_kv(stream, impl=impl)
+    (k_ref, v_ref), = decode_kv(stream, impl="reference")
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    for orig, dec in ((kv[0][0], k), (kv[0][1], v)):
+        assert dec.dtype == torch.float16 and torch.isfinite(dec).all()
+        big = orig.abs() >= 65000
+        err = (dec.float() - orig.float())[big].abs().max()
+        assert err <= {"kivi-2": 3 * FP16_MAX / 3 / 2 + 64}.get(name, 0.01 * FP16_MAX), float(err)
+
+
+def test_affine_represents_values_beyond_float16_exactly_enough():
+    """``affine`` divides a channel by its (saturated) float16 scale, so a channel of 1e6 values
+    fits the quantizer's float16 range and round-trips (the scale is applied back exactly)."""
+    kv = make_kv([((1, 2, 40, 64), (1, 2, 40, 64))], seed=9)
+    kv[0][0][..., 3] = 1e6 + 1e4 * kv[0][0][..., 3]
+    cfg = PolicyConfig(transforms=(Affine(statistic="absmax"),), key=UNIFORM[9], value=UNIFORM[9])
+    for impl in ("fast", "reference"):
+        (k, _), = decode_kv(encode_kv(kv, cfg, impl=impl), impl=impl)
+        assert torch.allclose(k[..., 3], kv[0][0][..., 3], rtol=5e-3)

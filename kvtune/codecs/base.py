@@ -50,7 +50,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
-from kvtune.errors import ConfigError, CorruptStreamError
+from kvtune.errors import ConfigError, CorruptStreamError, KVInputError
 
 __all__ = [
     "Component",
@@ -69,6 +69,7 @@ __all__ = [
     "register_codec",
     "param",
     "plan_segments",
+    "check_value_range",
     "transform_min_bits",
     "transform_state_nbytes",
     "meta_to_bytes",
@@ -563,6 +564,33 @@ def plan_segments(
     return tuple(segments)
 
 
+def check_value_range(segments: Sequence[Segment], x: torch.Tensor, *, layer: int, kind: str) -> None:
+    """Refuse a tensor that a segment's block kernel cannot represent.
+
+    Args:
+        segments: the plan of ``x`` (:meth:`Quantizer.plan`).
+        x: ``(batch, kv_heads, tokens, head_dim)`` values the quantizer would code (after the
+            transforms), float32 or bfloat16.
+        layer, kind: where ``x`` belongs (for the message).
+
+    Raises:
+        KVInputError: a segment holds a value whose magnitude exceeds its coder's
+            :attr:`Quantizer.value_limit`, or a NaN / inf; the message names the layer, the
+            kind, the block and the limit.
+    """
+    for seg in segments:
+        limit = seg.coder.value_limit
+        part = seg.take(x)
+        amax = float(part.abs().amax()) if part.numel() else 0.0
+        if not amax <= limit:  # NaN fails too
+            raise KVInputError(
+                f"layer {layer} {kind}: a value of magnitude {amax:g} (after the transforms) exceeds {limit:g}, "
+                f"the largest the {seg.coder.short_label()} block represents (beyond it its float16 or bfloat16 "
+                f"numbers would saturate and decode garbage); scale the KV cache or use a policy that represents it "
+                f"(e.g. the 'affine' transform)"
+            )
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedSegment:
     """The quantized data of one :class:`Segment`.
@@ -671,6 +699,17 @@ class Quantizer(Component):
         """Bits per symbol of this quantizer's block kernel (1..8, or 16 for raw passthrough)."""
         raise NotImplementedError
 
+    @property
+    def value_limit(self) -> float:
+        """The largest magnitude this block kernel codes faithfully (default: no limit).
+
+        A block whose values go beyond it would decode garbage (e.g. float16 scales and zero
+        points that saturate at 65504), so :meth:`quantize` refuses it
+        (:func:`check_value_range`); a quantizer whose metadata cannot hold every float32 value
+        overrides this.
+        """
+        return math.inf
+
     def block_meta_layout(self, shape: Shape) -> tuple[MetaField, ...]:
         """Metadata fields (name, shape, dtype, wire order) of one block of ``shape``.
 
@@ -770,11 +809,17 @@ class Quantizer(Component):
             layer: absolute layer index (layer schedules, head rankings).
             kind: ``"key"`` or ``"value"``.
             min_bits: per-token floors asked by the transforms (:meth:`Transform.token_min_bits`).
+
+        Raises:
+            KVInputError: a segment holds a value beyond its block's :attr:`value_limit` (or a
+                NaN / inf, e.g. from a transform's float32 overflow).
         """
         shape = tuple(x.shape)
         x = x.to(torch.float32)
         parts = []
-        for seg in self.plan(shape, layer=layer, kind=kind, min_bits=min_bits):
+        plan = self.plan(shape, layer=layer, kind=kind, min_bits=min_bits)
+        check_value_range(plan, x, layer=layer, kind=kind)
+        for seg in plan:
             symbols, meta = seg.coder.quantize_block(seg.take(x))
             parts.append(QuantizedSegment(seg, symbols, {k: v.contiguous() for k, v in meta.items()}))
         return QuantizedTensor(shape, tuple(parts))

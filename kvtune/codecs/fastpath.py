@@ -22,6 +22,11 @@ newly registered component, a big-endian host, numba missing -- uses the referen
 (:func:`supports` says which). Select the implementation with ``impl=`` on
 :func:`~kvtune.codecs.encode_kv` / :func:`~kvtune.codecs.decode_kv`.
 
+Ranges: like the reference, encoding refuses a value beyond a segment's block range
+(:func:`kvtune.codecs.base.check_value_range`; one extra pass over the tensor unless its dtype
+cannot exceed the plan's smallest limit, e.g. float16 input for ``uniform`` of 2+ bits), and a
+float16 output saturates at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`).
+
 Threads: :func:`num_threads` (default: ``torch.get_num_threads()``). The output never depends
 on it.
 """
@@ -38,12 +43,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtune.codecs.base import BF16_BITS, Quantizer, Segment, transform_min_bits, transform_state_nbytes
+from kvtune.codecs.base import (
+    BF16_BITS,
+    Quantizer,
+    Segment,
+    check_value_range,
+    transform_min_bits,
+    transform_state_nbytes,
+)
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.checksum import crc32
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
-from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE
-from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
+from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE
+from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
 from kvtune.errors import CorruptStreamError, KVInputError
@@ -127,6 +139,8 @@ class _Plan:
         max_bits: the widest symbol of the integer segments (0 when there are none).
         max_numel: elements of the largest segment.
         checks: per segment ``(bits, count, metadata bytes, bitpack payload bytes)``.
+        value_limit: the smallest :attr:`~kvtune.codecs.base.Quantizer.value_limit` of the
+            segments' coders.
     """
 
     shape: tuple[int, ...]
@@ -142,6 +156,7 @@ class _Plan:
     max_bits: int = 0
     max_numel: int = 0
     checks: tuple[tuple[int, int, int, int], ...] = ()
+    value_limit: float = math.inf
 
 
 @functools.lru_cache(maxsize=1)
@@ -254,8 +269,9 @@ class _Compiled:
         max_bits = max((s.bits for s in segments if s.bits != BF16_BITS), default=0)
         max_numel = max((s.numel for s in segments), default=0)
         checks = tuple((s.bits, s.numel, row[K.SEG_META_LEN], row[K.SEG_PAYLOAD_LEN]) for s, row in zip(segments, segs.tolist()))
+        value_limit = min((s.coder.value_limit for s in segments), default=math.inf)
         return _Plan(shape, tuple(ops), state_nbytes, tuple(segments), segs, idx, nbytes, sym_nbytes, whole,
-                     tuple(bounds), max_bits, max_numel, checks)
+                     tuple(bounds), max_bits, max_numel, checks, value_limit)
 
 
 @functools.lru_cache(maxsize=128)
@@ -304,6 +320,24 @@ def _apply_transforms(x: np.ndarray, plan: _Plan, out: np.ndarray) -> np.ndarray
     return y
 
 
+def _check_value_range(x: np.ndarray, plan: _Plan, layer: int, kind: str) -> None:
+    """Refuse values beyond a segment's block range, as the reference does
+    (:func:`kvtune.codecs.base.check_value_range`, which words the error): one pass for the
+    largest magnitude (a bfloat16's is its bits without the sign), the per-segment check only
+    when it exceeds the smallest limit of the plan."""
+    if x.dtype == np.uint16:
+        mag = _scratch(x.nbytes)[: x.nbytes].view(np.uint16)
+        np.bitwise_and(x.reshape(-1), np.uint16(0x7FFF), out=mag)
+        amax = float(np.array([int(mag.max()) << 16], np.uint32).view(np.float32)[0]) if x.size else 0.0
+    else:
+        hi, lo = (float(x.max()), float(x.min())) if x.size else (0.0, 0.0)
+        amax = hi if hi >= -lo else -lo  # NaN (a transform's overflow) propagates
+    if amax <= plan.value_limit:
+        return
+    y = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if x.dtype == np.uint16 else torch.from_numpy(x)
+    check_value_range(plan.segments, y, layer=layer, kind=kind)
+
+
 _local = threading.local()
 _TORCH_OF = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int16, np.dtype(np.float32): torch.float32}
 
@@ -348,6 +382,8 @@ def _encode_one(task) -> tuple[list, int, int]:
     out = _empty(plan.nbytes, np.uint8)  # the bitpack layout; other codecs use its state and metadata bytes
     if plan.transforms:
         x = _apply_transforms(x, plan, out)
+    if plan.transforms or DTYPE_MAX[t.dtype] > plan.value_limit:  # else every value is in range
+        _check_value_range(x, plan, layer, kind)
     if comp.bitpack:
         seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2])
         if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
@@ -401,6 +437,7 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
 # ----------------------------------------------------------------------------- decode
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT16 = _OUT_KIND[torch.float16]
 
 
 def _decode_one(task) -> torch.Tensor:
@@ -443,7 +480,8 @@ def _decode_one(task) -> torch.Tensor:
             row[K.SEG_META] = pos
             pos += len(meta) + len(payload)
     out_kind = _OUT_KIND[dtype]
-    direct = not plan.transforms  # dequantize straight into the output
+    # dequantize straight into the output, except float16, which saturates (to_output_dtype)
+    direct = not plan.transforms and out_kind != _FLOAT16
     if dest is not None:
         result = dest
         target = dest.numpy() if out_kind == 0 else dest.view(torch.int16).numpy().view(np.uint16)
@@ -457,7 +495,10 @@ def _decode_one(task) -> torch.Tensor:
         luts = _fp8_luts()
         K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, comp.bitpack, y, out_kind if direct else 0)
     if not direct:
-        _invert_transforms(y, plan, sections.state)
+        if plan.transforms:
+            _invert_transforms(y, plan, sections.state)
+        if out_kind == _FLOAT16:
+            np.clip(y, -FP16_MAX, FP16_MAX, out=y)
         if out_kind == 0:
             target[...] = y
         else:

@@ -58,7 +58,7 @@ from kvtune.codecs.base import (
     transform_state_nbytes,
 )
 from kvtune.codecs.bitpack import BitPack
-from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE
+from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import StreamHeader, TensorSections, canonical_json, read_stream, shape_problem, write_stream
 from kvtune.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
@@ -419,7 +419,13 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
             mixed dtypes) or negative ``layer_offset``.
         KVInputError (a ``ValueError``): a tensor with no batch, KV heads or channels (0 tokens
             are fine: an empty cache), beyond the format's limits
-            (:func:`kvtune.codecs.stream.shape_problem`), or with NaN / inf values.
+            (:func:`kvtune.codecs.stream.shape_problem`), with NaN / inf values, or with a
+            value (after the transforms) beyond what its block of the policy represents
+            (:attr:`Quantizer.value_limit`: 65504 for ``uniform``'s float16 scales and zero
+            points, 32752 at 1 bit; ~3.39e38 for ``none``; ``65504 * fp8_max`` for scaled
+            ``fp8``), on every dtype. Such values are refused, never clipped: finite float16
+            input is always within range unless a transform (``hadamard``, ``delta``) or a
+            1-bit group widens it; ``affine`` scales outlier channels into range.
         ConfigError: the policy cannot be applied to this cache, e.g. a ``mixhq`` quantizer
             without head scores or with scores for other layers / head counts.
     """
@@ -473,7 +479,8 @@ def decode_kv(
 
     Returns:
         One ``(K, V)`` pair per layer on the CPU, with the shapes and dtype of the encoded
-        input.
+        input; float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
+        so a stream of finite float16 input never decodes to inf.
 
     Raises:
         TruncatedStreamError: the stream is cut short.
@@ -514,11 +521,12 @@ def decode_kv(
             v = _decode_tensor(vs, vshape, config, config.value, layer, "value")
         except Exception as exc:
             _raise_decode_error(header.policy_id, layer, exc)
+        k, v = to_output_dtype(k, dtype), to_output_dtype(v, dtype)
         if out is None:
-            result.append((k.to(dtype), v.to(dtype)))
+            result.append((k, v))
         else:
-            out[i][0].copy_(k.to(dtype))
-            out[i][1].copy_(v.to(dtype))
+            out[i][0].copy_(k)
+            out[i][1].copy_(v)
     return result if out is None else out
 
 
