@@ -73,3 +73,9 @@ class RunLockedError(RunFolderError):
 class RegistryError(KvtuneError):
     """A registry lookup or registration failed: an unknown name (the message lists the known
     ones) or a name registered twice."""
+
+
+class KVInputError(KvtuneError, ValueError):
+    """A KV cache handed to the encoder cannot be coded faithfully: a degenerate shape (no
+    batch, heads or channels), values beyond the range a quantizer represents (e.g. beyond the
+    float16 range of its scales), or non-finite values. A ``ValueError`` as well."""

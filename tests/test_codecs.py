@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
+import re
 import struct
 
 import numpy as np
@@ -53,6 +54,7 @@ from kvtune.codecs.transforms import (
 from kvtune.errors import (
     ConfigError,
     CorruptStreamError,
+    KVInputError,
     KVStreamError,
     PolicyMismatchError,
     StreamVersionError,
@@ -273,6 +275,33 @@ def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
     into = decode_kv(stream, impl="fast", out=out)
     assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(into, out))  # decoded in place
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
+
+
+# degenerate but meaningful shapes (one head, one token, no tokens, one channel, batch 2), encoded
+# at layer MATRIX_OFFSET where mixhq's scores have 2 heads; and shapes that are no KV cache
+DEGENERATE_SHAPES = [(1, 2, 1, 1), (1, 2, 0, 16), (2, 2, 3, 1), (1, 2, 1, 16), (1, 2, 0, 1)]
+REFUSED_SHAPES = {(0, 2, 8, 16): "batch = 0", (1, 0, 8, 16): "kv_heads = 0", (1, 2, 8, 0): "head_dim = 0"}
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("cfg", POLICIES, ids=_id)
+def test_every_component_round_trips_degenerate_shapes_and_refuses_empty_axes(cfg, impl):
+    """Every registered component (the matrix) on tiny and empty shapes: they encode, decode to
+    the in-memory pipeline's tensors on both paths, with the same bytes; shapes with no batch,
+    heads or channels are refused at encode with a typed error (an ``affine`` stream of 0 heads
+    used to encode and then fail to decode)."""
+    for shape in DEGENERATE_SHAPES:
+        kv = make_kv([(shape, shape)], seed=11)
+        stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+        assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference" if impl == "fast" else "fast")
+        (k2, v2), = decode_kv(stream, expect=cfg, impl=impl)
+        for orig, dec, quant, kind in ((kv[0][0], k2, cfg.key, "key"), (kv[0][1], v2, cfg.value, "value")):
+            assert dec.shape == shape and torch.equal(dec, reference_pipeline(orig, cfg, quant, MATRIX_OFFSET, kind))
+    assert decode_kv(encode_kv([], cfg, impl=impl), impl=impl) == []  # no layers
+    for shape, what in REFUSED_SHAPES.items():
+        kv = [(torch.zeros(shape), torch.zeros(shape))]
+        with pytest.raises(KVInputError, match=re.escape(f"kv[0] K of shape {shape} has {what}")):
+            encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -1246,3 +1275,140 @@ def test_fp8_scaled_uses_a_float16_per_token_scale():
     assert float((y - x).norm()) < float((unscaled - x).norm())  # tiny values: the scale pays off
     z = torch.zeros(1, 1, 2, 8)
     assert torch.equal(quant.dequantize(quant.quantize(z, layer=0, kind="key"), layer=0, kind="key"), z)
+
+
+# ----------------------------------------------------------------------------- import graph
+
+
+def _codec_imports() -> dict[str, set[str]]:
+    """``{module: kvtune modules it imports}`` for every module of kvtune.codecs, counting
+    imports inside functions too (a lazy import still closes a circle)."""
+    import ast
+    from pathlib import Path
+
+    import kvtune
+
+    root = Path(kvtune.__file__).parent
+    modules = {".".join(("kvtune", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+               for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if not name.startswith("kvtune.codecs."):
+            continue
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvtune"):
+                for a in node.names:
+                    assert not a.name.startswith("_"), f"{name} imports the private name {a.name} from {node.module}"
+                    full = f"{node.module}.{a.name}"
+                    edges.add(full if full in modules else node.module)
+        edges.discard(name)
+    return graph
+
+
+def test_codec_modules_import_each_other_without_circles_or_private_names():
+    graph = _codec_imports()
+    assert {"kvtune.codecs.policy", "kvtune.codecs.fastpath", "kvtune.codecs.stream"} <= set(graph)
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, "import circle: " + " -> ".join(path[path.index(module):] + (module,))
+        if module in done:
+            return
+        for dep in graph.get(module, ()):
+            visit(dep, path + (module,))
+        done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+# ----------------------------------------------------------------------------- value range
+
+FP16_MAX = 65504.0
+RANGE_POLICIES = {
+    "kivi-2": PolicyConfig.kivi(2),
+    "u8-per-token": PolicyConfig.from_dict({"key": {"bits": 8}, "value": {"bits": 8, "granularity": "per_channel"}}),
+    "u1-symmetric": PolicyConfig.from_dict({"key": {"bits": 1, "symmetric": True}, "value": {"bits": 1}}),
+    "fp8-scaled": PolicyConfig(key=FP8Quantizer(scaled=True), value=FP8Quantizer(format="e5m2", scaled=True)),  # V: e5m2
+    "mixhq": PolicyConfig(key=QUANTIZER_EXAMPLES["mixhq"][0], value=QUANTIZER_EXAMPLES["mixhq"][2]),
+    "none": PolicyConfig.uncompressed(),
+    "hadamard-delta": PolicyConfig(transforms=(Delta(group_size=4), Hadamard()), key=UNIFORM[2], value=UNIFORM[9]),
+}
+# the largest magnitude each policy's blocks code faithfully (float16 scales / zero points;
+# bfloat16 for "none"; 1-bit groups span at most 65504 in one float16 scale)
+RANGE_LIMITS = {"kivi-2": FP16_MAX, "u8-per-token": FP16_MAX, "u1-symmetric": FP16_MAX / 2, "fp8-scaled": FP16_MAX * 57344,
+                "mixhq": FP16_MAX, "none": float(torch.finfo(torch.bfloat16).max), "hadamard-delta": FP16_MAX}
+
+
+def _range_kv(dtype, value: float):
+    """Layers 3 and 4 (mixhq's scores give them 2 and 1 heads) with ``value`` in layer 4's V."""
+    kv = make_kv([((1, 2, 40, 64), (1, 2, 40, 64)), ((1, 1, 40, 64), (1, 1, 40, 64))], dtype=dtype, seed=21)
+    kv[1][1][0, 0, 7, 5] = value
+    return kv
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(RANGE_POLICIES))
+def test_values_beyond_what_a_quantizer_represents_are_refused_at_encode(name, dtype, impl):
+    """A finite value beyond a block's range is refused with a typed error naming the layer,
+    K/V and the limit (float16 scales used to saturate: 3e38 decoded to ~4e6), on both paths;
+    the same value inside the range round-trips."""
+    cfg, limit = RANGE_POLICIES[name], RANGE_LIMITS[name]
+    big = float(torch.finfo(dtype).max)
+    for value in (big, -big, 3e38, 1e6, -70000.0):
+        stored = float(torch.tensor(value, dtype=dtype))
+        kv = _range_kv(dtype, value)
+        spread = 8 if name == "hadamard-delta" else 1  # a rotation spreads one spike over 64 channels: /sqrt(64)
+        if abs(stored) / spread <= limit:
+            continue
+        with pytest.raises(KVInputError, match=r"layer 4 value: .*exceeds " + re.escape(f"{limit:g}")):
+            encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+    inside = 0.9 * min(limit, big) if name != "hadamard-delta" else 1000.0
+    kv = _range_kv(dtype, inside)
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+    assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference")
+    (_, v1), = decode_kv(stream, impl=impl)[1:]
+    assert torch.isfinite(v1).all()
+    assert float(v1[0, 0, 7, 5]) == pytest.approx(float(kv[1][1][0, 0, 7, 5]), rel=0.55)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("name", list(RANGE_POLICIES))
+def test_float16_extremes_decode_finite_and_close(name, impl):
+    """Finite float16 inputs at +-65504 decode to finite float16 values (bfloat16 rounding
+    and float16 scales rounded up used to overflow to inf), or -- where a transform or a 1-bit
+    group pushes them beyond a block's range -- are refused at encode."""
+    cfg = RANGE_POLICIES[name]
+    kv = make_kv([((1, 2, 40, 64), (1, 2, 40, 64))], dtype=torch.float16, seed=4)
+    for t in kv[0]:
+        t[0, 0, :, 0] = FP16_MAX
+        t[0, 1, 3, :] = -FP16_MAX
+        t[0, 0, 10:20, 7] = 65000.0
+    if name in ("u1-symmetric", "hadamard-delta"):
+        with pytest.raises(KVInputError, match=re.escape(f"{RANGE_LIMITS[name]:g}")):
+            encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+        return
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
+    (k, v), = decode_kv(stream, impl=impl)
+    (k_ref, v_ref), = decode_kv(stream, impl="reference")
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    for orig, dec in ((kv[0][0], k), (kv[0][1], v)):
+        assert dec.dtype == torch.float16 and torch.isfinite(dec).all()
+        big = orig.abs() >= 65000
+        err = (dec.float() - orig.float())[big].abs().max()
+        assert err <= {"kivi-2": 3 * FP16_MAX / 3 / 2 + 64}.get(name, 0.01 * FP16_MAX), float(err)
+
+
+def test_affine_represents_values_beyond_float16_exactly_enough():
+    """``affine`` divides a channel by its (saturated) float16 scale, so a channel of 1e6 values
+    fits the quantizer's float16 range and round-trips (the scale is applied back exactly)."""
+    kv = make_kv([((1, 2, 40, 64), (1, 2, 40, 64))], seed=9)
+    kv[0][0][..., 3] = 1e6 + 1e4 * kv[0][0][..., 3]
+    cfg = PolicyConfig(transforms=(Affine(statistic="absmax"),), key=UNIFORM[9], value=UNIFORM[9])
+    for impl in ("fast", "reference"):
+        (k, _), = decode_kv(encode_kv(kv, cfg, impl=impl), impl=impl)
+        assert torch.allclose(k[..., 3], kv[0][0][..., 3], rtol=5e-3)

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvtune.core.registry import Registry
-from kvtune.errors import ConfigError, CorruptStreamError
+from kvtune.errors import ConfigError, CorruptStreamError, KVInputError
 
 __all__ = [
     "Component",
@@ -70,6 +70,9 @@ __all__ = [
     "register_codec",
     "param",
     "plan_segments",
+    "check_value_range",
+    "transform_min_bits",
+    "transform_state_nbytes",
     "meta_to_bytes",
     "meta_from_bytes",
     "BF16_BITS",
@@ -408,6 +411,24 @@ class Transform(Component):
         return False
 
 
+def transform_min_bits(transforms: Sequence[Transform], tokens: int) -> torch.Tensor | None:
+    """Per-token precision floors the transforms ask for: the elementwise max of their
+    :meth:`Transform.token_min_bits` (int64 ``(tokens,)``), or ``None`` when none asks."""
+    floors = None
+    for t in transforms:
+        f = t.token_min_bits(tokens)
+        if f is not None:
+            floors = f if floors is None else torch.maximum(floors, f)
+    return floors
+
+
+def transform_state_nbytes(transforms: Sequence[Transform], shape: Shape, *, layer: int, kind: str) -> int:
+    """Bytes of the transforms' state for a tensor of ``shape`` (the sum of their
+    :meth:`Transform.state_layout` sizes): the length of the tensor's state section. Computed
+    from the layouts alone, without allocating anything of ``shape``."""
+    return sum(f.nbytes for t in transforms for f in t.state_layout(shape, layer=layer, kind=kind))
+
+
 # ----------------------------------------------------------------------------- segments
 
 
@@ -544,6 +565,33 @@ def plan_segments(
     return tuple(segments)
 
 
+def check_value_range(segments: Sequence[Segment], x: torch.Tensor, *, layer: int, kind: str) -> None:
+    """Refuse a tensor that a segment's block kernel cannot represent.
+
+    Args:
+        segments: the plan of ``x`` (:meth:`Quantizer.plan`).
+        x: ``(batch, kv_heads, tokens, head_dim)`` values the quantizer would code (after the
+            transforms), float32 or bfloat16.
+        layer, kind: where ``x`` belongs (for the message).
+
+    Raises:
+        KVInputError: a segment holds a value whose magnitude exceeds its coder's
+            :attr:`Quantizer.value_limit`, or a NaN / inf; the message names the layer, the
+            kind, the block and the limit.
+    """
+    for seg in segments:
+        limit = seg.coder.value_limit
+        part = seg.take(x)
+        amax = float(part.abs().amax()) if part.numel() else 0.0
+        if not amax <= limit:  # NaN fails too
+            raise KVInputError(
+                f"layer {layer} {kind}: a value of magnitude {amax:g} (after the transforms) exceeds {limit:g}, "
+                f"the largest the {seg.coder.short_label()} block represents (beyond it its float16 or bfloat16 "
+                f"numbers would saturate and decode garbage); scale the KV cache or use a policy that represents it "
+                f"(e.g. the 'affine' transform)"
+            )
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedSegment:
     """The quantized data of one :class:`Segment`.
@@ -652,6 +700,17 @@ class Quantizer(Component):
         """Bits per symbol of this quantizer's block kernel (1..8, or 16 for raw passthrough)."""
         raise NotImplementedError
 
+    @property
+    def value_limit(self) -> float:
+        """The largest magnitude this block kernel codes faithfully (default: no limit).
+
+        A block whose values go beyond it would decode garbage (e.g. float16 scales and zero
+        points that saturate at 65504), so :meth:`quantize` refuses it
+        (:func:`check_value_range`); a quantizer whose metadata cannot hold every float32 value
+        overrides this.
+        """
+        return math.inf
+
     def block_meta_layout(self, shape: Shape) -> tuple[MetaField, ...]:
         """Metadata fields (name, shape, dtype, wire order) of one block of ``shape``.
 
@@ -751,11 +810,17 @@ class Quantizer(Component):
             layer: absolute layer index (layer schedules, head rankings).
             kind: ``"key"`` or ``"value"``.
             min_bits: per-token floors asked by the transforms (:meth:`Transform.token_min_bits`).
+
+        Raises:
+            KVInputError: a segment holds a value beyond its block's :attr:`value_limit` (or a
+                NaN / inf, e.g. from a transform's float32 overflow).
         """
         shape = tuple(x.shape)
         x = x.to(torch.float32)
         parts = []
-        for seg in self.plan(shape, layer=layer, kind=kind, min_bits=min_bits):
+        plan = self.plan(shape, layer=layer, kind=kind, min_bits=min_bits)
+        check_value_range(plan, x, layer=layer, kind=kind)
+        for seg in plan:
             symbols, meta = seg.coder.quantize_block(seg.take(x))
             parts.append(QuantizedSegment(seg, symbols, {k: v.contiguous() for k, v in meta.items()}))
         return QuantizedTensor(shape, tuple(parts))
@@ -780,6 +845,21 @@ class Codec(Component):
     def supports(self, bits: int) -> bool:
         """Whether the codec can pack symbols of this width."""
         raise NotImplementedError
+
+    def max_symbols(self, nbytes: int) -> int | None:
+        """The most symbols (of any width the codec packs) that packed sections of ``nbytes``
+        bytes in total can hold, or ``None`` when the codec has no such bound.
+
+        The decoder compares it with the number of elements a stream header claims for a K or V
+        tensor (against that tensor's payload bytes) before it allocates anything from the
+        claimed shape (:func:`kvtune.codecs.decode_kv`), so that a forged header cannot make it
+        allocate more than the stream's bytes justify. Dense codecs have an exact bound
+        (``bitpack``: 8 one-bit symbols per byte). The default, ``None``, suits entropy coders,
+        which can code a near-constant tensor in a few bytes: their streams are then bounded
+        only by :data:`kvtune.codecs.stream.MAX_TENSOR_ELEMENTS`, and their own :meth:`unpack`
+        checks.
+        """
+        return None
 
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """Pack symbols into bytes.

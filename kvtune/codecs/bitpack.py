@@ -145,6 +145,10 @@ class BitPack(Codec):
         """Widths 1..8 and 16."""
         return 1 <= bits <= 8 or bits == RAW16
 
+    def max_symbols(self, nbytes: int) -> int:
+        """``8 * nbytes``: a symbol takes at least one bit."""
+        return 8 * nbytes
+
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """Pack symbols (any shape, C order) of width ``bits``; see :func:`pack_bits`."""
         a = _as_numpy(symbols)

@@ -22,6 +22,11 @@ newly registered component, a big-endian host, numba missing -- uses the referen
 (:func:`supports` says which). Select the implementation with ``impl=`` on
 :func:`~kvtune.codecs.encode_kv` / :func:`~kvtune.codecs.decode_kv`.
 
+Ranges: like the reference, encoding refuses a value beyond a segment's block range
+(:func:`kvtune.codecs.base.check_value_range`; one extra pass over the tensor unless its dtype
+cannot exceed the plan's smallest limit, e.g. float16 input for ``uniform`` of 2+ bits), and a
+float16 output saturates at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`).
+
 Threads: :func:`num_threads` (default: ``torch.get_num_threads()``). The output never depends
 on it.
 """
@@ -29,20 +34,31 @@ on it.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import sys
 import threading
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvtune.codecs.base import BF16_BITS, Quantizer, Segment
-from kvtune.errors import CorruptStreamError
+from kvtune.codecs.base import (
+    BF16_BITS,
+    Quantizer,
+    Segment,
+    check_value_range,
+    transform_min_bits,
+    transform_state_nbytes,
+)
+from kvtune.codecs.bitpack import BitPack
+from kvtune.codecs.checksum import crc32
+from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
+from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE
+from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
+from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
+from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
+from kvtune.errors import CorruptStreamError, KVInputError
 
 try:  # numba is a dependency; without it everything still works on the reference path
     from kvtune.codecs import kernels as K
@@ -56,109 +72,16 @@ __all__ = [
     "set_num_threads",
     "encode_tensors",
     "decode_tensors",
-    "crc32",
+    "sizes_plausible",
+    "LayerDecodeError",
 ]
 
 _OK_BYTEORDER = sys.byteorder == "little"
-
-NON_FINITE = "has non-finite values (NaN or inf); a KV cache with them cannot be quantized meaningfully"
-"""Tail of the error raised for a KV tensor with NaN / inf (same text on both paths)."""
 
 
 def available() -> bool:
     """Whether the compiled kernels can be used here (numba importable, little-endian host)."""
     return K is not None and _OK_BYTEORDER
-
-
-# ----------------------------------------------------------------------------- threads
-
-_threads: int | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def num_threads() -> int:
-    """Worker threads of the fast path: :func:`set_num_threads`, else ``torch.get_num_threads()``."""
-    return max(1, _threads if _threads is not None else torch.get_num_threads())
-
-
-def set_num_threads(n: int | None) -> None:
-    """Use ``n`` worker threads (``None``: follow ``torch.get_num_threads()``)."""
-    global _threads
-    if n is not None and n < 1:
-        raise ValueError(f"need at least one thread, got {n}")
-    _threads = n
-
-
-def _map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-    """``[fn(x) for x in items]``, shared between the calling thread and ``num_threads() - 1``
-    pool threads.
-
-    Every thread takes the next unclaimed item until none is left, the calling thread
-    included, so a pool thread that the OS does not schedule (a loaded machine) delays the
-    result by at most the one item it holds. Exceptions are raised in item order (the first
-    failing item's), as a serial loop would.
-    """
-    n = min(num_threads(), len(items))
-    if n <= 1:
-        return [fn(x) for x in items]
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size != n - 1:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtune-codec")
-            _pool_size = n - 1
-        pool = _pool
-    results: list[Any] = [None] * len(items)
-    errors: list[BaseException | None] = [None] * len(items)
-    counter = itertools.count()
-
-    def work() -> None:
-        while True:
-            i = next(counter)  # atomic under the GIL
-            if i >= len(items):
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as exc:  # re-raised below, in item order
-                errors[i] = exc
-
-    futures = [pool.submit(work) for _ in range(n - 1)]
-    work()
-    for f in futures:
-        f.result()
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
-
-
-# ----------------------------------------------------------------------------- CRC32
-
-try:  # ISA-L's CRC32 (carry-less multiply) is ~3-4x faster than zlib 1.2's tables; same values
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
-
-
-
-def crc32(data: bytes | bytearray | memoryview | np.ndarray, value: int = 0) -> int:
-    """``zlib.crc32(data, value)``: computed by ``isal`` when it is installed (optional, same
-    values, ~3-4x faster), else by zlib; large inputs are split over the codec threads (both
-    release the GIL) and the parts combined with :func:`kvtune.codecs.kernels.crc32_combine`."""
-    mv = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
-    n = len(mv)
-    threads = num_threads()
-    if threads > 1 and n >= 1 << 21:
-        cut = [n * i // threads for i in range(threads + 1)]
-        parts = _map(lambda i: _crc32(mv[cut[i] : cut[i + 1]]), list(range(threads)))
-        crc = value
-        for i, c in enumerate(parts):
-            crc = int(K.crc32_combine(crc, c, cut[i + 1] - cut[i]))
-        return crc
-    return _crc32(mv, value)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -169,9 +92,6 @@ _SUPPORTED_TRANSFORMS = ("hadamard", "delta", "affine")
 def _block_kind(coder: Quantizer) -> str | None:
     """Which kernel family codes a segment of this block quantizer (exact types only: a
     subclass may change the math)."""
-    from kvtune.codecs.fp8 import FP8Quantizer
-    from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-
     return {UniformQuantizer: "uniform", NoQuantizer: "bf16", FP8Quantizer: "fp8"}.get(type(coder))
 
 
@@ -184,8 +104,6 @@ def supports(config) -> bool:
     """
     if not available():
         return False
-    from kvtune.codecs.transforms import Affine, Delta, Hadamard
-
     if any(type(t) not in (Hadamard, Delta, Affine) for t in config.transforms):
         return False
     floors = tuple(sorted({b for t in config.transforms for b in t.min_bits_values()}))
@@ -221,6 +139,8 @@ class _Plan:
         max_bits: the widest symbol of the integer segments (0 when there are none).
         max_numel: elements of the largest segment.
         checks: per segment ``(bits, count, metadata bytes, bitpack payload bytes)``.
+        value_limit: the smallest :attr:`~kvtune.codecs.base.Quantizer.value_limit` of the
+            segments' coders.
     """
 
     shape: tuple[int, ...]
@@ -236,6 +156,7 @@ class _Plan:
     max_bits: int = 0
     max_numel: int = 0
     checks: tuple[tuple[int, int, int, int], ...] = ()
+    value_limit: float = math.inf
 
 
 @functools.lru_cache(maxsize=1)
@@ -244,8 +165,6 @@ def _fp8_luts() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     float32 ``(2, 256)`` value of every float8 pattern, uint16 ``(2, 256)`` its bfloat16 bits,
     uint8 ``(2, 65536)`` the float8 symbol of every bfloat16 pattern (saturated as
     :func:`kvtune.codecs.fp8.fp8_encode`)."""
-    from kvtune.codecs.fp8 import FP8_DTYPES, fp8_encode
-
     values, bf16, symbols = [], [], []
     all_bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(torch.float32)
     for fmt in ("e4m3", "e5m2"):
@@ -304,12 +223,14 @@ def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nb
     return segs, idx_arr.astype(np.int64), pos, sym_pos
 
 
+_MAX_PLANS = 1024
+"""Plans cached per policy (each is linear in the tensor's heads and tokens)."""
+
+
 class _Compiled:
     """Per-policy cache of tensor plans."""
 
     def __init__(self, config) -> None:
-        from kvtune.codecs.bitpack import BitPack
-
         self.config = config
         self.plans: dict[tuple, _Plan] = {}
         self.bitpack = type(config.codec) is BitPack
@@ -318,13 +239,12 @@ class _Compiled:
         key = (kind, shape, layer)
         p = self.plans.get(key)
         if p is None:
+            if len(self.plans) >= _MAX_PLANS:  # many shapes (e.g. streams of other requests): start over
+                self.plans.clear()
             p = self.plans[key] = self._build(kind, shape, layer)  # a race only builds it twice
         return p
 
     def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan:
-        from kvtune.codecs.policy import transform_min_bits
-        from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
-
         cfg = self.config
         quant = cfg.key if kind == "key" else cfg.value
         ops = []
@@ -349,8 +269,9 @@ class _Compiled:
         max_bits = max((s.bits for s in segments if s.bits != BF16_BITS), default=0)
         max_numel = max((s.numel for s in segments), default=0)
         checks = tuple((s.bits, s.numel, row[K.SEG_META_LEN], row[K.SEG_PAYLOAD_LEN]) for s, row in zip(segments, segs.tolist()))
+        value_limit = min((s.coder.value_limit for s in segments), default=math.inf)
         return _Plan(shape, tuple(ops), state_nbytes, tuple(segments), segs, idx, nbytes, sym_nbytes, whole,
-                     tuple(bounds), max_bits, max_numel, checks)
+                     tuple(bounds), max_bits, max_numel, checks, value_limit)
 
 
 @functools.lru_cache(maxsize=128)
@@ -399,6 +320,24 @@ def _apply_transforms(x: np.ndarray, plan: _Plan, out: np.ndarray) -> np.ndarray
     return y
 
 
+def _check_value_range(x: np.ndarray, plan: _Plan, layer: int, kind: str) -> None:
+    """Refuse values beyond a segment's block range, as the reference does
+    (:func:`kvtune.codecs.base.check_value_range`, which words the error): one pass for the
+    largest magnitude (a bfloat16's is its bits without the sign), the per-segment check only
+    when it exceeds the smallest limit of the plan."""
+    if x.dtype == np.uint16:
+        mag = _scratch(x.nbytes)[: x.nbytes].view(np.uint16)
+        np.bitwise_and(x.reshape(-1), np.uint16(0x7FFF), out=mag)
+        amax = float(np.array([int(mag.max()) << 16], np.uint32).view(np.float32)[0]) if x.size else 0.0
+    else:
+        hi, lo = (float(x.max()), float(x.min())) if x.size else (0.0, 0.0)
+        amax = hi if hi >= -lo else -lo  # NaN (a transform's overflow) propagates
+    if amax <= plan.value_limit:
+        return
+    y = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if x.dtype == np.uint16 else torch.from_numpy(x)
+    check_value_range(plan.segments, y, layer=layer, kind=kind)
+
+
 _local = threading.local()
 _TORCH_OF = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int16, np.dtype(np.float32): torch.float32}
 
@@ -435,20 +374,22 @@ def _encode_one(task) -> tuple[list, int, int]:
     t, comp, kind, layer, index = task
     x = _input_array(t)
     if not (K.all_finite_bf16(x) if x.dtype == np.uint16 else K.all_finite_f32(x)):
-        raise ValueError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
+        raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     plan = comp.plan(kind, x.shape, layer)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
         payload = x.reshape(-1).view(np.uint8)  # a bfloat16 tensor is its own payload
-        return [b"", b"", payload], _crc32(payload), payload.size
+        return [b"", b"", payload], crc32(payload), payload.size
     out = _empty(plan.nbytes, np.uint8)  # the bitpack layout; other codecs use its state and metadata bytes
     if plan.transforms:
         x = _apply_transforms(x, plan, out)
+    if plan.transforms or DTYPE_MAX[t.dtype] > plan.value_limit:  # else every value is in range
+        _check_value_range(x, plan, layer, kind)
     if comp.bitpack:
         seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2])
         if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
             raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
         view = memoryview(out)
-        return [view[a:b] for a, b in plan.bounds], _crc32(out), out.size
+        return [view[a:b] for a, b in plan.bounds], crc32(out), out.size
     symbuf = np.empty(max(plan.sym_nbytes, 1), np.uint8)
     K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2])
     view = memoryview(out)
@@ -464,7 +405,7 @@ def _encode_one(task) -> tuple[list, int, int]:
         sections.append(codec.pack(sym, seg.bits))
     crc, n = 0, 0
     for sec in sections:
-        crc = _crc32(sec, crc)
+        crc = crc32(sec, crc)
         n += len(sec)
     return sections, crc, n
 
@@ -476,7 +417,7 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     exponent bits (:func:`kvtune.codecs.kernels.all_finite_bf16`), on the codec threads.
 
     Raises:
-        ValueError: a tensor has a NaN or inf (the first such tensor in layer order, K before V).
+        KVInputError: a tensor has a NaN or inf (the first such tensor in layer order, K before V).
 
     Returns:
         ``(sections, crcs)``: per layer ``(K sections, V sections)`` and per layer
@@ -487,7 +428,7 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     for i, (k, v) in enumerate(kv):
         tasks.append((k, comp, "key", layer_offset + i, i))
         tasks.append((v, comp, "value", layer_offset + i, i))
-    results = _map(_encode_one, tasks)
+    results = parallel_map(_encode_one, tasks)
     sections = [(results[2 * i][0], results[2 * i + 1][0]) for i in range(len(kv))]
     crcs = [((results[2 * i][1], results[2 * i][2]), (results[2 * i + 1][1], results[2 * i + 1][2])) for i in range(len(kv))]
     return sections, crcs
@@ -496,13 +437,19 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
 # ----------------------------------------------------------------------------- decode
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT16 = _OUT_KIND[torch.float16]
 
 
 def _decode_one(task) -> torch.Tensor:
-    """Sections of one K or V tensor -> the decoded tensor in ``dtype`` (reference:
-    :func:`kvtune.codecs.policy._decode_tensor` followed by ``.to(dtype)``), with the same
-    checks in the same order; written into ``dest`` when given."""
+    """Sections of one K or V tensor -> the decoded tensor in ``dtype`` (the reference
+    pipeline's tensor decode in :mod:`kvtune.codecs.policy` followed by ``.to(dtype)``), with
+    the same checks in the same order; written into ``dest`` when given."""
     sections, data, shape, comp, kind, layer, dtype, dest = task
+    if math.prod(shape) == 0:  # no tokens: only the state travels; nothing to plan (as the reference)
+        need = transform_state_nbytes(comp.config.transforms, shape, layer=layer, kind=kind)
+        if len(sections.state) != need:
+            raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {need}")
+        return dest if dest is not None else torch.zeros(shape, dtype=dtype)
     plan = comp.plan(kind, shape, layer)
     if len(sections.state) != plan.state_nbytes:
         raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {plan.state_nbytes}")
@@ -533,7 +480,8 @@ def _decode_one(task) -> torch.Tensor:
             row[K.SEG_META] = pos
             pos += len(meta) + len(payload)
     out_kind = _OUT_KIND[dtype]
-    direct = not plan.transforms  # dequantize straight into the output
+    # dequantize straight into the output, except float16, which saturates (to_output_dtype)
+    direct = not plan.transforms and out_kind != _FLOAT16
     if dest is not None:
         result = dest
         target = dest.numpy() if out_kind == 0 else dest.view(torch.int16).numpy().view(np.uint16)
@@ -547,7 +495,10 @@ def _decode_one(task) -> torch.Tensor:
         luts = _fp8_luts()
         K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, comp.bitpack, y, out_kind if direct else 0)
     if not direct:
-        _invert_transforms(y, plan, sections.state)
+        if plan.transforms:
+            _invert_transforms(y, plan, sections.state)
+        if out_kind == _FLOAT16:
+            np.clip(y, -FP16_MAX, FP16_MAX, out=y)
         if out_kind == 0:
             target[...] = y
         else:
@@ -602,12 +553,10 @@ def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[tor
     the tensors of ``out`` when given (already checked by the caller).
 
     Raises the first error in layer order (K before V), as the reference path does, wrapped in
-    :class:`_LayerError`.
+    :class:`LayerDecodeError`.
     """
-    from kvtune.codecs.policy import _NAME_DTYPES
-
     comp = _compiled(config)
-    dtype = _NAME_DTYPES[header.dtype]
+    dtype = NAME_DTYPES[header.dtype]
     buf = np.frombuffer(stream, dtype=np.uint8)
     tasks = []
     pos = header.header_nbytes
@@ -625,19 +574,25 @@ def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[tor
         except Exception as exc:  # re-raised in order below
             return None, exc
 
-    results = _map(run, tasks)
+    results = parallel_map(run, tasks)
     out = []
     for i in range(len(header.shapes)):
         for j in (0, 1):
             _, exc = results[2 * i + j]
             if exc is not None:
-                raise _LayerError(header.layer_offset + i, exc)
+                raise LayerDecodeError(header.layer_offset + i, exc)
         out.append((results[2 * i][0], results[2 * i + 1][0]))
     return out
 
 
-class _LayerError(Exception):
-    """Carries the layer index of a decode failure to :func:`kvtune.codecs.decode_kv`."""
+class LayerDecodeError(Exception):
+    """Carries the layer index of a decode failure to :func:`kvtune.codecs.decode_kv`, which
+    re-raises it as the typed stream error it stands for.
+
+    Attributes:
+        layer: absolute index of the layer that failed.
+        exc: the exception of its K or V tensor.
+    """
 
     def __init__(self, layer: int, exc: BaseException) -> None:
         super().__init__(layer, exc)

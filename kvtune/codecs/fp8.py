@@ -9,18 +9,21 @@ Optional per-token scaling (``scaled = True``): each token's ``head_dim`` vector
 ``s = absmax / fp8_max`` (rounded *up* to float16, so the absmax maps to at most ``fp8_max``)
 before the cast and multiplied back after it; ``s`` travels as float16 metadata of shape
 ``(batch, heads, tokens)`` (``16 / head_dim`` bits per element, 0.25 at head_dim 64). An
-all-zero token gets ``s = 0`` and decodes to zeros.
+all-zero token gets ``s = 0`` and decodes to zeros. With scaling, a token whose absmax exceeds
+``65504 * fp8_max`` (its scale would saturate) is refused at encode
+(:attr:`FP8Quantizer.value_limit`); unscaled, values beyond ``fp8_max`` saturate as said above.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
 from kvtune.codecs.base import MetaField, Quantizer, param, register_quantizer
-from kvtune.codecs.quantizers import fp16_round_up
+from kvtune.codecs.quantizers import FP16_MAX, fp16_round_up
 
 __all__ = ["FP8Quantizer", "FP8_DTYPES", "fp8_max", "fp8_encode", "fp8_decode", "fp8_token_scale"]
 
@@ -67,6 +70,13 @@ class FP8Quantizer(Quantizer):
     @property
     def symbol_bits(self) -> int:
         return 8
+
+    @property
+    def value_limit(self) -> float:
+        """Scaled: ``65504 * fp8_max`` (the per-token float16 scale ``absmax / fp8_max`` must not
+        saturate). Unscaled: none -- values beyond ``fp8_max`` saturate to it, the documented
+        behaviour of the float8 cast (a NaN / inf is still refused)."""
+        return FP16_MAX * fp8_max(self.format) if self.scaled else math.inf
 
     def block_meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
         """float16 ``scale`` of shape ``shape[:-1]`` when ``scaled``, else nothing."""

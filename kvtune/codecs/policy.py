@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -52,11 +54,14 @@ from kvtune.codecs.base import (
     Transform,
     meta_from_bytes,
     meta_to_bytes,
+    transform_min_bits,
+    transform_state_nbytes,
 )
 from kvtune.codecs.bitpack import BitPack
-from kvtune.codecs.quantizers import UniformQuantizer
-from kvtune.codecs.stream import TensorSections, canonical_json, read_stream, write_stream
-from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError
+from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
+from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
+from kvtune.codecs.stream import StreamHeader, TensorSections, canonical_json, read_stream, shape_problem, write_stream
+from kvtune.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
 
 __all__ = [
     "KVLayers",
@@ -69,6 +74,7 @@ __all__ = [
     "invert_transforms",
     "transform_min_bits",
     "IMPLS",
+    "check_claimed_sizes",
 ]
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -76,8 +82,6 @@ KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 POLICY_VERSIONS = (1,)
 _TOP_KEYS = ("version", "transforms", "key", "value", "codec")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,8 +259,6 @@ class PolicyConfig:
     @classmethod
     def uncompressed(cls) -> "PolicyConfig":
         """The "no compression" baseline: K and V sent as raw bfloat16 (16 bits per element)."""
-        from kvtune.codecs.quantizers import NoQuantizer
-
         return cls(key=NoQuantizer(), value=NoQuantizer(), codec=BitPack())
 
 
@@ -281,8 +283,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
-    """Validate the KV structure (and, with ``check_finite``, that no value is NaN or inf);
-    return its common dtype."""
+    """Validate the KV structure and shapes (:func:`kvtune.codecs.stream.shape_problem`) and,
+    with ``check_finite``, that no value is NaN or inf; return the common dtype."""
     if not isinstance(kv, (list, tuple)):
         raise TypeError(f"kv must be a list of (K, V) tensor pairs, got {type(kv).__name__}")
     dtypes = set()
@@ -292,26 +294,19 @@ def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
         for name, t in zip("KV", pair):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+            problem = shape_problem(tuple(t.shape))
+            if problem is not None:
+                raise KVInputError(f"kv[{i}] {name} of shape {tuple(t.shape)} {problem}")
             if t.device.type == "meta":
                 raise ValueError(f"kv[{i}] {name} is a meta tensor (no data)")
-            if t.dtype not in _DTYPE_NAMES:
+            if t.dtype not in DTYPE_NAMES:
                 raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
             if check_finite and not _all_finite(t):
-                raise ValueError(f"kv[{i}] {name} {fastpath.NON_FINITE}")
+                raise KVInputError(f"kv[{i}] {name} {NON_FINITE}")
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
         raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
     return dtypes.pop() if dtypes else torch.bfloat16
-
-
-def transform_min_bits(transforms: tuple[Transform, ...], tokens: int) -> torch.Tensor | None:
-    """Per-token precision floors the transforms ask for: the elementwise max, or ``None``."""
-    floors = None
-    for t in transforms:
-        f = t.token_min_bits(tokens)
-        if f is not None:
-            floors = f if floors is None else torch.maximum(floors, f)
-    return floors
 
 
 def apply_transforms(
@@ -356,11 +351,18 @@ def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, laye
 def _decode_tensor(
     sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
 ) -> torch.Tensor:
-    """The sections of one K or V tensor -> float32 tensor of ``shape``."""
-    layouts = _state_layouts(config.transforms, shape, layer, kind)
-    need = sum(f.nbytes for lay in layouts for f in lay)
+    """The sections of one K or V tensor -> float32 tensor of ``shape``.
+
+    A tensor without tokens carries no symbols: only its state length is checked (the plan of
+    an empty tensor is empty; :func:`check_claimed_sizes` has checked that it records no
+    segments), and nothing is planned, allocated or inverted from its shape.
+    """
+    need = transform_state_nbytes(config.transforms, shape, layer=layer, kind=kind)
     if len(sections.state) != need:
         raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {need}")
+    if math.prod(shape) == 0:
+        return torch.zeros(shape)
+    layouts = _state_layouts(config.transforms, shape, layer, kind)
     states, pos = [], 0
     for lay in layouts:
         n = sum(f.nbytes for f in lay)
@@ -415,6 +417,15 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     Raises:
         TypeError, ValueError: malformed ``kv`` (not pairs of 4-D tensors, unsupported or
             mixed dtypes) or negative ``layer_offset``.
+        KVInputError (a ``ValueError``): a tensor with no batch, KV heads or channels (0 tokens
+            are fine: an empty cache), beyond the format's limits
+            (:func:`kvtune.codecs.stream.shape_problem`), with NaN / inf values, or with a
+            value (after the transforms) beyond what its block of the policy represents
+            (:attr:`Quantizer.value_limit`: 65504 for ``uniform``'s float16 scales and zero
+            points, 32752 at 1 bit; ~3.39e38 for ``none``; ``65504 * fp8_max`` for scaled
+            ``fp8``), on every dtype. Such values are refused, never clipped: finite float16
+            input is always within range unless a transform (``hadamard``, ``delta``) or a
+            1-bit group widens it; ``affine`` scales outlier channels into range.
         ConfigError: the policy cannot be applied to this cache, e.g. a ``mixhq`` quantizer
             without head scores or with scores for other layers / head counts.
     """
@@ -439,7 +450,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         policy=config.to_dict(),
         policy_id=config.policy_id,
         layer_offset=layer_offset,
-        dtype=_DTYPE_NAMES[dtype],
+        dtype=DTYPE_NAMES[dtype],
         shapes=shapes,
         sections=sections,
         crcs=crcs,
@@ -468,11 +479,13 @@ def decode_kv(
 
     Returns:
         One ``(K, V)`` pair per layer on the CPU, with the shapes and dtype of the encoded
-        input.
+        input; float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
+        so a stream of finite float16 input never decodes to inf.
 
     Raises:
         TruncatedStreamError: the stream is cut short.
-        CorruptStreamError: bad magic, checksum mismatch, or inconsistent header/sections.
+        CorruptStreamError: bad magic, checksum mismatch, inconsistent header/sections, or a
+            header claiming shapes its sections cannot hold (:func:`check_claimed_sizes`).
         StreamVersionError: unknown wire-format version.
         PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
@@ -486,18 +499,19 @@ def decode_kv(
     header, sections = read_stream(stream, expect_policy_id=None if expect is None else expect.policy_id)
     try:
         config = PolicyConfig.from_dict(header.policy)
-    except ConfigError as exc:
-        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {exc}") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {str(exc)[:500]}") from None
     if config.policy_id != header.policy_id:  # the id is the hash of the policy: they must agree
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
-    dtype = _NAME_DTYPES[header.dtype]
+    dtype = NAME_DTYPES[header.dtype]
+    check_claimed_sizes(header, config)
     if out is not None:
         _check_out(out, header.shapes, dtype)
     if _use_fast(impl, config) and fastpath.sizes_plausible(header):
         try:
             return fastpath.decode_tensors(stream, header, sections, config, out)
-        except fastpath._LayerError as err:
+        except fastpath.LayerDecodeError as err:
             _raise_decode_error(header.policy_id, err.layer, err.exc)
     result: KVLayers = []
     for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):
@@ -507,12 +521,45 @@ def decode_kv(
             v = _decode_tensor(vs, vshape, config, config.value, layer, "value")
         except Exception as exc:
             _raise_decode_error(header.policy_id, layer, exc)
+        k, v = to_output_dtype(k, dtype), to_output_dtype(v, dtype)
         if out is None:
-            result.append((k.to(dtype), v.to(dtype)))
+            result.append((k, v))
         else:
-            out[i][0].copy_(k.to(dtype))
-            out[i][1].copy_(v.to(dtype))
+            out[i][0].copy_(k)
+            out[i][1].copy_(v)
     return result if out is None else out
+
+
+def check_claimed_sizes(header: StreamHeader, config: PolicyConfig) -> None:
+    """Refuse a stream whose header claims tensors its sections cannot hold, before anything
+    is allocated from the claimed shapes.
+
+    Per K or V tensor: an empty one records no segment, a non-empty one at least one, and it
+    claims at most
+    ``config.codec.max_symbols(payload bytes)`` elements (:meth:`Codec.max_symbols`; with
+    ``bitpack``, 8 per payload byte); its shape is one an encoder writes
+    (:func:`kvtune.codecs.stream.shape_problem`: no zero batch, heads or head_dim, every
+    dimension and the element count within the format's limits). The claimed element count
+    then bounds everything the decoder allocates for the tensor (plans are linear in heads and
+    tokens, the output in elements); an empty tensor is neither planned nor allocated.
+
+    Raises:
+        CorruptStreamError: the first tensor (layer order, K before V) that breaks a rule.
+    """
+    for i, (shapes, tensors) in enumerate(zip(header.shapes, header.sections)):
+        for name, shape, lengths in zip("KV", shapes, tensors):
+            where = f"corrupt KV stream: layer {header.layer_offset + i} {name} of shape {shape}"
+            numel = math.prod(shape)
+            if bool(numel) != bool(lengths.num_segments):  # plans partition a tensor: empty <=> no segments
+                raise CorruptStreamError(f"{where} has {numel} elements but records {lengths.num_segments} segments")
+            payload = sum(lengths.payload)
+            most = config.codec.max_symbols(payload)
+            if numel and most is not None and numel > most:
+                raise CorruptStreamError(f"{where} claims {numel} elements; its {payload} payload bytes hold at "
+                                         f"most {most} with codec {config.codec.name!r}")
+            problem = shape_problem(shape)
+            if problem is not None:
+                raise CorruptStreamError(f"{where} {problem}")
 
 
 def _check_out(out: KVLayers, shapes, dtype: torch.dtype) -> None:
@@ -536,6 +583,6 @@ def _raise_decode_error(policy_id: str, layer: int, exc: BaseException):
         raise exc
     if isinstance(exc, ConfigError):
         raise KVStreamError(f"KV stream policy {policy_id} cannot decode layer {layer}: {exc}") from None
-    if isinstance(exc, (ValueError, RuntimeError, IndexError, TypeError)):
+    if isinstance(exc, (ValueError, RuntimeError, LookupError, TypeError, ArithmeticError, struct.error)):
         raise CorruptStreamError(f"corrupt KV stream: layer {layer} does not decode ({exc})") from None
     raise exc

@@ -52,9 +52,14 @@ __all__ = [
     "symmetric_params",
     "quantize_affine",
     "dequantize_affine",
+    "FP16_MAX",
+    "BF16_MAX",
 ]
 
 FP16_MAX = 65504.0
+"""Largest finite float16 value: the range of float16 scales and zero points."""
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+"""Largest finite bfloat16 value (~3.39e38)."""
 
 # ----------------------------------------------------------------------------- pure math
 
@@ -253,6 +258,12 @@ class UniformQuantizer(GroupedWindowsMixin, Quantizer):
 
     Symbols: uint8 of each segment's shape.
 
+    Range: every value a quantized segment codes (after the transforms) must lie within
+    +-65504, the float16 range of ``scale`` and ``zero`` (+-32752 at 1 bit, where one scale spans
+    the whole group); :meth:`quantize` refuses a tensor with a value beyond it with
+    :class:`~kvtune.errors.KVInputError` naming the layer and the limit, instead of letting the
+    metadata saturate (:attr:`value_limit`). bfloat16 windows hold any bfloat16 value.
+
     Args:
         bits: bits per symbol, 1..8.
         symmetric: symmetric grid around zero (scale only) instead of min/max (scale + zero).
@@ -277,6 +288,14 @@ class UniformQuantizer(GroupedWindowsMixin, Quantizer):
     @property
     def symbol_bits(self) -> int:
         return self.bits
+
+    @property
+    def value_limit(self) -> float:
+        """65504 (the float16 maximum; 32752 at 1 bit): within it the group minimum rounded up
+        (``zero``) and ``scale`` -- ``(max - zero) / (2**bits - 1)``, or ``2 * absmax / (2**bits
+        - 1)`` when symmetric, at most ``2 * 65504 / (2**bits - 1)`` -- are finite float16 values
+        that do not saturate."""
+        return FP16_MAX if self.bits >= 2 else FP16_MAX / 2
 
     # ------------------------------------------------------------------ plan
 
@@ -354,11 +373,20 @@ class NoQuantizer(Quantizer):
     ``bits = 16``; a codec stores them as raw little-endian 16-bit words. Reconstruction is
     the input rounded to bfloat16 (exact for bfloat16 inputs). The "no compression" baseline,
     and the block kernel of every bfloat16 segment (sink/recent windows, 16-bit anchors).
+    float32 values beyond the bfloat16 range (~3.39e38) would round to inf and are refused
+    (:attr:`value_limit`); float16 input near 65504 may round up to 65536 in bfloat16, which
+    the decoder saturates back to 65504 in a float16 output
+    (:func:`kvtune.codecs.kvtensors.to_output_dtype`).
     """
 
     @property
     def symbol_bits(self) -> int:
         return BF16_BITS
+
+    @property
+    def value_limit(self) -> float:
+        """The bfloat16 maximum (~3.39e38): larger float32 values would round to inf."""
+        return BF16_MAX
 
     def block_meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
         """No metadata."""

@@ -53,13 +53,22 @@ before any release, so the format version stays 1.
 
 Decoding checks, in order: length of the fixed prefix (:class:`TruncatedStreamError`), magic
 (:class:`CorruptStreamError`), version (:class:`StreamVersionError`), header length and
-header checksum, JSON structure, total length (shorter: truncated; longer: corrupt), final
-checksum, then the expected policy (:class:`PolicyMismatchError`); then, per tensor
-(:func:`kvtune.codecs.decode_kv`), the state length, the number of segments, each segment's
-metadata length and its payload against the plan (:class:`CorruptStreamError`), and whether
-the policy applies to the recorded shapes at all (:class:`KVStreamError`, e.g. ``mixhq``
-scores for another head count). No tensor is produced from a stream that fails any check. Streams are deterministic: the same input and policy give
-the same bytes.
+header checksum, the header JSON's nesting depth (at most :data:`MAX_HEADER_DEPTH`, scanned
+before parsing), that it is canonical JSON (as :func:`canonical_json` writes it: no NaN or
+infinity, no duplicate keys, no whitespace), its structure (keys; ``policy_id`` 12 hex digits;
+``layer_offset`` and the layer indices in ``0..MAX_DIM``; shapes of four non-negative ints;
+section lengths of non-negative ints), total length (shorter: truncated; longer: corrupt),
+final checksum, then the expected policy (:class:`PolicyMismatchError`). Then
+:func:`kvtune.codecs.decode_kv` checks, before it allocates anything from a claimed shape,
+that every tensor's shape is one an encoder writes (:func:`shape_problem`) and fits its
+section lengths (:func:`kvtune.codecs.policy.check_claimed_sizes`: e.g. at most 8 elements
+per payload byte with ``bitpack``), and then per tensor the state length, the number of
+segments, each segment's metadata length and its payload against the plan
+(:class:`CorruptStreamError`), and whether the policy applies to the recorded shapes at all
+(:class:`KVStreamError`, e.g. ``mixhq`` scores for another head count). A tensor without
+tokens is not planned: only its state length is checked. Every failure on untrusted bytes is
+a :class:`~kvtune.errors.KVStreamError`; no tensor is produced from a stream that fails any
+check. Streams are deterministic: the same input and policy give the same bytes.
 """
 
 from __future__ import annotations
@@ -67,17 +76,25 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
+
+from kvtune.codecs.checksum import crc32_combine, crc32_threaded
 from kvtune.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
 __all__ = [
     "MAGIC",
     "FORMAT_VERSION",
     "DTYPES",
+    "MAX_HEADER_BYTES",
+    "MAX_HEADER_DEPTH",
+    "MAX_DIM",
+    "MAX_TENSOR_ELEMENTS",
+    "shape_problem",
     "StreamHeader",
     "TensorSections",
     "canonical_json",
@@ -91,7 +108,20 @@ FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
 _PREFIX = struct.Struct("<4sHI")
 _CRC = struct.Struct("<I")
-MAX_HEADER_BYTES = 1 << 26  # 64 MiB: a longer recorded header length is treated as corruption
+MAX_HEADER_BYTES = 1 << 26
+"""A recorded header length above 64 MiB is treated as corruption."""
+MAX_HEADER_DEPTH = 16
+"""Deepest ``[`` / ``{`` nesting of the header JSON (an encoder writes 5: header, policy,
+quantizer, ``head_scores``, one layer's scores); deeper headers are refused before parsing."""
+MAX_DIM = 2**31 - 1
+"""Largest batch, kv_heads, tokens or head_dim of a tensor, and largest layer index."""
+MAX_TENSOR_ELEMENTS = 2**40
+"""Most elements of one K or V tensor (4 TiB in float32; keeps every byte offset of the codecs
+and kernels far from int64 overflow)."""
+_POLICY_ID = re.compile(r"[0-9a-f]{12}")
+_DEPTH_STEP = np.zeros(256, np.int8)
+_DEPTH_STEP[list(b"[{")], _DEPTH_STEP[list(b"]}")] = 1, -1
+_DEPTH_CHUNK = 1 << 14
 
 
 class TensorSections(NamedTuple):
@@ -241,63 +271,116 @@ def write_stream(
     if crcs is None:
         crc = 0
         for p in parts:
-            crc = _crc32(p, crc)
+            crc = crc32_threaded(p, crc)
     else:
-        crc = _crc32(head)
+        crc = crc32_threaded(head)
         for pair in crcs:
             for tensor_crc, nbytes in pair:
-                crc = _crc32_combine(crc, tensor_crc, nbytes)
+                crc = crc32_combine(crc, tensor_crc, nbytes)
     return b"".join(parts + [_CRC.pack(crc)])
-
-
-def _crc32(data: Any, value: int = 0) -> int:
-    """``zlib.crc32`` (computed by the compiled kernel when available: ~2x faster per thread
-    than zlib 1.2's, and split over the codec threads for large inputs)."""
-    from kvtune.codecs import fastpath
-
-    if fastpath.available():
-        return fastpath.crc32(data, value)
-    return zlib.crc32(data, value)
-
-
-def _crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (needs the compiled kernels)."""
-    from kvtune.codecs import kernels
-
-    return int(kernels.crc32_combine(crc1, crc2, len2))
 
 
 def _bad(msg: str) -> CorruptStreamError:
     return CorruptStreamError(f"corrupt KV stream: {msg}")
 
 
+def shape_problem(shape: Any) -> str | None:
+    """Why ``shape`` cannot be the shape of a K or V tensor in a stream, or ``None`` if it can.
+
+    A shape is four ints ``(batch, kv_heads, tokens, head_dim)`` with ``batch``, ``kv_heads``
+    and ``head_dim`` in ``1..MAX_DIM``, ``tokens`` in ``0..MAX_DIM`` (an empty cache has no
+    tokens; a tensor without heads or channels is no KV cache) and at most
+    :data:`MAX_TENSOR_ELEMENTS` elements. The encoder refuses other shapes and the decoder
+    treats them as corruption (:func:`kvtune.codecs.policy.check_claimed_sizes`), so both
+    apply this one rule.
+    """
+    if not (isinstance(shape, (list, tuple)) and len(shape) == 4 and all(type(d) is int for d in shape)):
+        return "must be 4 integers (batch, kv_heads, tokens, head_dim)"
+    for name, d, low in zip(("batch", "kv_heads", "tokens", "head_dim"), shape, (1, 1, 0, 1)):
+        if not low <= d <= MAX_DIM:
+            return f"has {name} = {d}; allowed: {low}..{MAX_DIM}"
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        return f"has {math.prod(shape)} elements; at most {MAX_TENSOR_ELEMENTS} per tensor"
+    return None
+
+
 def _shape(x: Any) -> tuple[int, ...]:
+    """Four non-negative ints; their limits (:func:`shape_problem`) are checked by the decoder
+    after the section lengths, which refuse most impossible shapes more precisely."""
     if not (isinstance(x, list) and len(x) == 4 and all(type(d) is int and d >= 0 for d in x)):
-        raise _bad(f"bad tensor shape {x!r} in header")
+        raise _bad(f"bad tensor shape {_clip(x)} in header")
     return tuple(x)
 
 
-def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeader:
+def _clip(x: Any, limit: int = 80) -> str:
+    """``repr(x)`` cut to ``limit`` characters (forged headers may hold huge values)."""
     try:
-        h = json.loads(hjson.decode("ascii"))
+        text = canonical_json(x)
+    except ValueError:  # NaN / inf
+        text = "a non-finite number"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _nesting_depth(text: bytes) -> int:
+    """Deepest ``[`` / ``{`` nesting of JSON ``text``, brackets inside strings not counted.
+
+    Linear time without recursion (the json module recurses once per level, so a deep enough
+    text raises ``RecursionError`` there), in chunks of :data:`_DEPTH_CHUNK` bytes: a quote
+    opens or closes a string unless an odd number of backslashes precedes it.
+    """
+    depth = deepest = 0
+    in_string, backslashes = 0, 0  # carried across chunks: inside a string; trailing backslash run
+    for start in range(0, len(text), _DEPTH_CHUNK):
+        c = np.frombuffer(text, np.uint8, count=min(_DEPTH_CHUNK, len(text) - start), offset=start)
+        idx = np.arange(len(c))
+        last_plain = np.maximum.accumulate(np.where(c != ord("\\"), idx, -1 - backslashes))
+        run_before = idx - 1 - np.concatenate(([-1 - backslashes], last_plain[:-1]))
+        quote = (c == ord('"')) & (run_before % 2 == 0)
+        inside = (np.cumsum(quote) - quote + in_string) % 2
+        levels = np.cumsum(_DEPTH_STEP[c] * (inside == 0), dtype=np.int64) + depth
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+        in_string = (in_string + int(quote.sum())) % 2
+        backslashes = len(c) - 1 - int(last_plain[-1])
+    return deepest
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _is_int(x: Any, low: int, high: int) -> bool:
+    return type(x) is int and low <= x <= high
+
+
+def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeader:
+    depth = _nesting_depth(hjson)
+    if depth > MAX_HEADER_DEPTH:
+        raise _bad(f"header JSON nests {depth} levels deep; at most {MAX_HEADER_DEPTH}")
+    try:
+        h = json.loads(hjson.decode("ascii"), parse_constant=_reject_constant)
+        canonical = canonical_json(h).encode("ascii") == hjson
     except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(f"header is not valid JSON ({exc})") from None
+        raise _bad(f"header is not valid JSON ({str(exc)[:200]})") from None
+    if not canonical:  # also rules out duplicate keys, whitespace, non-canonical numbers
+        raise _bad("header is not canonical JSON (sorted keys, no whitespace), as every encoder writes it")
     keys = {"policy", "policy_id", "layer_offset", "dtype", "shapes", "sections"}
     if not isinstance(h, dict) or set(h) != keys:
         raise _bad(f"header keys must be {sorted(keys)}")
-    if not isinstance(h["policy"], dict) or not isinstance(h["policy_id"], str):
+    if not isinstance(h["policy"], dict):
         raise _bad("bad policy in header")
-    if type(h["layer_offset"]) is not int or h["layer_offset"] < 0:
-        raise _bad(f"bad layer_offset {h['layer_offset']!r}")
-    if h["dtype"] not in DTYPES:
-        raise _bad(f"unknown dtype {h['dtype']!r} (known: {', '.join(DTYPES)})")
+    if not (isinstance(h["policy_id"], str) and _POLICY_ID.fullmatch(h["policy_id"])):
+        raise _bad(f"bad policy_id {_clip(h['policy_id'])} (12 hex digits)")
+    if not isinstance(h["dtype"], str) or h["dtype"] not in DTYPES:
+        raise _bad(f"unknown dtype {_clip(h['dtype'])} (known: {', '.join(DTYPES)})")
     shapes, sections = h["shapes"], h["sections"]
     if not (isinstance(shapes, list) and isinstance(sections, list) and len(shapes) == len(sections)):
         raise _bad("'shapes' and 'sections' must be lists of equal length")
+    if not _is_int(h["layer_offset"], 0, MAX_DIM - max(len(shapes) - 1, 0)):
+        raise _bad(f"bad layer_offset {_clip(h['layer_offset'])} for {len(shapes)} layers (layers 0..{MAX_DIM})")
     out_shapes = []
     for pair in shapes:
         if not (isinstance(pair, list) and len(pair) == 2):
-            raise _bad(f"bad per-layer shapes {pair!r}")
+            raise _bad(f"bad per-layer shapes {_clip(pair)}")
         out_shapes.append((_shape(pair[0]), _shape(pair[1])))
     out_sections = []
     for pair in sections:
@@ -309,7 +392,7 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
                 for lengths in pair
             )
         ):
-            raise _bad(f"bad section lengths {pair!r}")
+            raise _bad(f"bad section lengths {_clip(pair)}")
         out_sections.append((TensorSections.from_flat(pair[0]), TensorSections.from_flat(pair[1])))
     return StreamHeader(
         version=version,
@@ -339,8 +422,9 @@ def read_stream(
     Raises:
         TruncatedStreamError: the stream is shorter than its prefix, header or recorded
             section lengths.
-        CorruptStreamError: bad magic, header or final checksum mismatch, malformed header,
-            trailing bytes.
+        CorruptStreamError: bad magic, header or final checksum mismatch, malformed header
+            (too deeply nested, not canonical JSON, wrong keys or types, out-of-range
+            ``layer_offset``), trailing bytes.
         StreamVersionError: the format version is not one this kvtune reads.
         PolicyMismatchError: ``expect_policy_id`` differs from the stream's policy id.
     """
@@ -370,7 +454,7 @@ def read_stream(
     if n > total:
         raise _bad(f"{n - total} unexpected bytes after the end of the stream ({total} bytes)")
     (crc,) = _CRC.unpack_from(mv, total - _CRC.size)
-    if _crc32(mv[: total - _CRC.size]) != crc:
+    if crc32_threaded(mv[: total - _CRC.size]) != crc:
         raise _bad("checksum mismatch")
     if expect_policy_id is not None and header.policy_id != expect_policy_id:
         raise PolicyMismatchError(

@@ -352,6 +352,11 @@ class Affine(Transform):
     float16. Outlier channels (keys have a few channels x10-x100 larger, KVQuant sec. 3.1) are
     scaled down, so they no longer set the range of per-token quantization groups.
 
+    Range: a channel statistic beyond the float16 range saturates ``scale`` at 65504 (and
+    ``shift`` at +-65504); the decoder applies the same saturated values back, so the map stays
+    invertible, and a channel of values around 1e6 is divided into the range of a float16-scaled
+    quantizer (whatever still exceeds the quantizer's range is refused there).
+
     State (in the stream, counted in its size): float16 ``scale`` and, if ``shift``, ``shift``,
     each ``(kv_heads, head_dim)``: ``2 * kv_heads * head_dim`` bytes per tensor and statistic
     (384 bytes for 3 heads x 64 channels). Encoder and decoder use the float16 values, so

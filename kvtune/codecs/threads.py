@@ -1,0 +1,85 @@
+"""Worker threads of the codec fast path (:mod:`kvtune.codecs.fastpath`) and of the stream
+checksum (:mod:`kvtune.codecs.checksum`).
+
+:func:`parallel_map` shares a list of independent tasks (K and V tensors, checksum chunks)
+between the calling thread and a small pool; the compiled kernels, zlib and isal release the
+GIL, so the tasks run in parallel. The number of threads (:func:`num_threads`, default
+``torch.get_num_threads()``) never changes any output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["num_threads", "set_num_threads", "parallel_map"]
+
+_threads: int | None = None
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    """Worker threads of the fast path: :func:`set_num_threads`, else ``torch.get_num_threads()``."""
+    return max(1, _threads if _threads is not None else torch.get_num_threads())
+
+
+def set_num_threads(n: int | None) -> None:
+    """Use ``n`` worker threads (``None``: follow ``torch.get_num_threads()``).
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"need at least one thread, got {n}")
+    _threads = n
+
+
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[fn(x) for x in items]``, shared between the calling thread and ``num_threads() - 1``
+    pool threads.
+
+    Every thread takes the next unclaimed item until none is left, the calling thread
+    included, so a pool thread that the OS does not schedule (a loaded machine) delays the
+    result by at most the one item it holds. Exceptions are raised in item order (the first
+    failing item's), as a serial loop would. ``fn`` must not call :func:`parallel_map` itself.
+    """
+    n = min(num_threads(), len(items))
+    if n <= 1:
+        return [fn(x) for x in items]
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size != n - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtune-codec")
+            _pool_size = n - 1
+        pool = _pool
+    results: list[Any] = [None] * len(items)
+    errors: list[BaseException | None] = [None] * len(items)
+    counter = itertools.count()
+
+    def work() -> None:
+        while True:
+            i = next(counter)  # atomic under the GIL
+            if i >= len(items):
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:  # re-raised below, in item order
+                errors[i] = exc
+
+    futures = [pool.submit(work) for _ in range(n - 1)]
+    work()
+    for f in futures:
+        f.result()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
