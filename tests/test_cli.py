@@ -93,8 +93,10 @@ def test_unknown_method_lists_the_known_ones():
 
 
 def test_method_subcommands_are_mounted():
-    res = runner.invoke(app, ["bicache", "profile", "--help"])
-    assert res.exit_code == 0 and "--run" in res.output
+    res = runner.invoke(app, ["scd", "make-consumer", "--help"])
+    assert res.exit_code == 0 and "--producer" in res.output
+    for method in ("scd", "bicache"):  # their profiles are `kvtune profile --method X --set ...`
+        assert runner.invoke(app, [method, "profile", "--help"]).exit_code == 2
 
 
 def test_unknown_workload_fails_before_loading_the_model(tmp_path):

@@ -303,11 +303,12 @@ def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
     rec = res.trials[res.trials["method"] == "recompute"].iloc[0]
     assert rec["relative_accuracy_raw"] == pytest.approx(1.0)
     assert (res.trials["relative_accuracy_lo"] <= res.trials["relative_accuracy_raw"] + 1e-12).all()
-    for name in ("scd_trials.parquet", "scd_policy_table.parquet", "scd_policy_table.json", "scd_maps.pt",
-                 "scd_calibration.json", "scd_run.json", "scd_summary.md"):
+    for name in ("trials.parquet", "policy_table.parquet", "policy_table.json", "scd_maps.pt",
+                 "scd_calibration.json", "run.json", "summary.md", "pareto.parquet"):
         assert (tmp_path / "run" / name).is_file()
-    assert res.run["calibration_artifact_bytes"]["total"] > 0
-    table = PolicyTable.load(tmp_path / "run" / "scd_policy_table.parquet")
+    assert not list((tmp_path / "run").glob("scd_*.parquet")) and not (tmp_path / "run" / "scd_run.json").exists()
+    assert res.info["calibration_artifact_bytes"]["total"] > 0
+    table = PolicyTable.load(tmp_path / "run" / "policy_table.parquet")
     assert "none" not in set(table.frame["policy_id"]) if hasattr(table, "frame") else True
     sel = table.select(1000.0, 0.99)
     assert sel.method in methods

@@ -17,7 +17,6 @@ Modules (one concept each):
 * :mod:`~kvtune.bicache.table` -- policy-table rows and their lower envelope per bucket;
 * :mod:`~kvtune.bicache.dlm` -- the diffusion-LM unmasking loop with deep-layer refresh;
 * :mod:`~kvtune.bicache.api` -- :func:`run_bicache_profile`, the run folder;
-* :mod:`~kvtune.bicache.cli` -- the Typer sub-app.
 """
 
 from kvtune.bicache.adapters import ADAPTERS, BertFamilyAdapter, EncoderAdapter, ReuseOutput, load_encoder, register_adapter

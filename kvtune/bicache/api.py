@@ -1,6 +1,9 @@
 """``run_bicache_profile``: the BiCache reuse-depth profile of an encoder, written to a run folder.
 
-Steps (BiCache paper, Sec. 3-4; ``BRIEF.md`` Sec. 4):
+Steps (BiCache, "Enabling KV Caching of Shared Prefix for Diffusion Language Models",
+arXiv 2606.07571, Sec. 3-4), on the shared runner (:mod:`kvtune.run.runner`): step 1 is
+:meth:`BiCacheMethod.prepare`, steps 2-3 evaluate one bucket (:func:`measure_bucket`, one
+trial row per bucket), steps 4-5 :meth:`BiCacheMethod.compile`:
 
 1. load the encoder and build requests per prefix-ratio bucket
    (:mod:`kvtune.bicache.workload`), cache the shared prefix's state (prefix alone);
@@ -30,10 +33,8 @@ summary.md           the tables above in Markdown
 from __future__ import annotations
 
 import dataclasses
-import json
 import platform
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kvtune.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.bicache.adapters import EncoderAdapter, load_encoder
 from kvtune.bicache.quality import EXACT, POOLINGS, encode_queries, measure_bucket_quality
 from kvtune.bicache.state import prefix_state_bf16_bytes
@@ -61,12 +61,12 @@ from kvtune.core.jsonio import jsonable, plain, strict_dumps
 from kvtune.core.registry import Registry
 from kvtune.errors import BiCacheError, KvtuneError
 from kvtune.run.settings import RunSettings
-from kvtune.run.folder import open_run_folder
+from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
 from kvtune.store import TrialStore
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
 
-__all__ = ["CODEC_POLICIES", "BiCacheResult", "BiCacheSettings", "compile_run_table", "mark_admissible",
-           "run_bicache_profile"]
+__all__ = ["CODEC_POLICIES", "BiCacheMethod", "BiCacheResult", "BiCacheSettings", "compile_run_table",
+           "mark_admissible", "measure_bucket", "run_bicache_profile"]
 
 SETTINGS_VERSION = 1
 
@@ -191,6 +191,220 @@ def _noop(*_: Any, **__: Any) -> None:
     return None
 
 
+@dataclass
+class BiCacheContext:
+    """What :meth:`BiCacheMethod.prepare` builds once per run: the encoder, the shared prefix
+    and its cached state, the requests per bucket and the codec policies."""
+
+    settings: BiCacheSettings
+    adapter: EncoderAdapter
+    depths: list[int]
+    buckets: list[Any]
+    prefix: list[int]
+    state: Any
+    requests: dict[str, list[Any]]
+    policies: dict[str, PolicyConfig | None]
+    reference_bytes: float
+    info: dict[str, Any]
+    say: Callable[[str], None]
+    threads_before: int
+
+
+@dataclass(frozen=True)
+class BucketCandidate:
+    """One prefix-ratio bucket as a candidate of the ``buckets`` stage (id = its key)."""
+
+    index: int
+    bucket: Any
+
+    @property
+    def policy_id(self) -> str:
+        return self.bucket.key
+
+
+class BiCacheMethod(Method):
+    """``--method bicache`` on the shared runner (:mod:`kvtune.run.runner`).
+
+    Candidates: the prefix-ratio buckets (a fixed list, ``exhaustive``); a bucket's trial row
+    holds all its measurements (quality, per-layer cosine, throughput, depth choice, table
+    lines). Table: :func:`~kvtune.bicache.table.compile_bicache_table` over the admissible
+    lines (:func:`mark_admissible`), keyed by bucket, no implicit ``"none"``.
+    """
+
+    name = "bicache"
+    description = "shared-prefix KV reuse depth for bidirectional encoders (BiCache)"
+    settings_class = BiCacheSettings
+    flat_trials = False
+    report_title = "kvtune BiCache profile"
+
+    def settings_for(self, request: ProfileRequest) -> BiCacheSettings:
+        from kvtune.run.settings import parse_overrides
+
+        return BiCacheSettings(**{"seed": request.seed, "device": "cpu" if request.device == "auto" else request.device,
+                                  **({"model": request.model} if request.model else {}),
+                                  **parse_overrides(BiCacheSettings, request.options)})
+
+    def run_name(self, settings: BiCacheSettings) -> str:
+        return f"bicache-{Path(settings.model).name}"
+
+    def prepare(self, settings: BiCacheSettings, run_dir: Path, hooks: Hooks, **given: Any) -> BiCacheContext:
+        threads_before = torch.get_num_threads()
+        if settings.threads:
+            torch.set_num_threads(int(settings.threads))
+        adapter, tokenizer, say = given.get("adapter"), given.get("tokenizer"), hooks.say
+        if adapter is None:
+            say(f"loading encoder {settings.model}")
+            adapter, tokenizer = load_encoder(settings.model, device=settings.device)
+        elif tokenizer is None:
+            raise BiCacheError("run_bicache_profile: pass the tokenizer with the adapter")
+        L = adapter.num_layers
+        depths = sorted(set(settings.depths) | {0}) if settings.depths else list(range(L + 1))
+        if depths[-1] > L or depths[0] < 0:
+            raise BiCacheError(f"depths {depths} outside 0..{L}")
+        buckets = parse_buckets(settings.buckets)
+        prefix = instruction_prefix(tokenizer, settings.instruction)
+        P = len(prefix)
+        say(f"building requests: {len(buckets)} buckets x {settings.requests_per_bucket}, prefix {P} tokens")
+        requests, data_info = build_requests(
+            tokenizer, prefix, buckets, n_per_bucket=settings.requests_per_bucket, data=settings.data,
+            seed=settings.seed, max_positions=adapter.max_positions,
+        )
+        policies: dict[str, PolicyConfig | None] = {EXACT: None}
+        policies.update({name: CODEC_POLICIES[name]() for name in settings.codecs})
+        reference_bytes = float(prefix_state_bf16_bytes(P, adapter.hidden_size, L))
+        info = {"model_info": adapter.describe(), "prefix": {"tokens": P, "instruction": settings.instruction},
+                "depths": depths, "data": data_info, "kv_bytes_per_request": reference_bytes,
+                "torch_threads": torch.get_num_threads(), "platform": platform.platform(), "files": list(FILES)}
+        return BiCacheContext(settings=settings, adapter=adapter, depths=depths, buckets=buckets, prefix=prefix,
+                              state=adapter.prefix_state(prefix), requests=requests, policies=policies,
+                              reference_bytes=reference_bytes, info=info, say=say, threads_before=threads_before)
+
+    def run_info(self, context: BiCacheContext) -> dict[str, Any]:
+        return context.info
+
+    def close(self, context: BiCacheContext) -> None:
+        torch.set_num_threads(context.threads_before)
+
+    def stages(self, context: BiCacheContext, stored: list[dict[str, Any]]) -> Iterator[Stage]:
+        from kvtune.run.loop import in_order
+
+        cands = [BucketCandidate(i, b) for i, b in enumerate(context.buckets)]
+        by_key = {r["key"]: r for r in stored}
+        yield Stage("buckets", cands, in_order(cands), len(cands),
+                    {c.policy_id: by_key[c.policy_id] for c in cands if c.policy_id in by_key},
+                    title="measure prefix-ratio buckets")
+
+    def describe_row(self, row: dict[str, Any]) -> str:
+        return str(row["key"])
+
+    def evaluate(self, context: BiCacheContext, candidate: BucketCandidate, stage: Stage) -> dict[str, Any]:
+        return measure_bucket(context, candidate.bucket)
+
+    def compile(self, run_dir: Path, info: dict[str, Any], records: list[dict[str, Any]],
+                floors: Sequence[float] | None = None) -> Compiled:
+        if info.get("method") != "bicache":
+            raise BiCacheError(f"{run_dir}: run.json is not a BiCache run")
+        settings = BiCacheSettings.from_dict(info["settings"])
+        frames = {name: pd.DataFrame([row for r in records for row in r[name]]) for name in FRAMES}
+        meta = {
+            "kv_bytes_per_request": float(info["kv_bytes_per_request"]), "method": "bicache",
+            "prefix_tokens": int(info["prefix"]["tokens"]),
+            "reference_volume": "bf16 bytes of the full-depth prefix state (L layers of K/V + final hidden)",
+            "run": run_dir.name,
+        }
+        candidates = mark_admissible(frames["candidates"], frames["quality"], frames["depth_table"], settings.floors)
+        lines = candidates[candidates["admissible"]].reset_index(drop=True)
+        table = compile_bicache_table(lines, model=settings.model, workload=settings.workload, device=settings.device,
+                                      floors=settings.table_floors if floors is None else tuple(floors), metadata=meta)
+        depth_table = frames["depth_table"]
+        return Compiled(
+            trials=None, points=lines, table=table,
+            frames={"quality.parquet": frames["quality"], "layer_cosine.parquet": frames["layer_cosine"],
+                    "throughput.parquet": frames["throughput"], "candidates.parquet": candidates,
+                    "depth_table.parquet": depth_table},
+            texts={"depth_table.csv": depth_table.to_csv(index=False),
+                   "depth_table.json": strict_dumps(jsonable(depth_table.to_dict("records")), indent=2),
+                   "summary.md": summary_markdown(depth_table, frames["quality"], frames["throughput"],
+                                                  frames["layer_cosine"], settings)})
+
+
+#: The per-bucket frames of a BiCache trial row.
+FRAMES = ("quality", "layer_cosine", "throughput", "candidates", "depth_table")
+#: The files of a BiCache run folder (module docstring).
+FILES = ("run.json", "depth_table.json", "depth_table.csv", "depth_table.parquet", "quality.parquet",
+         "layer_cosine.parquet", "throughput.parquet", "candidates.parquet", "policy_table.parquet",
+         "policy_table.json", "summary.md")
+
+
+def measure_bucket(ctx: BiCacheContext, b: Any) -> dict[str, Any]:
+    """One bucket's trial row: ``key`` and the rows of every frame in :data:`FRAMES`
+    (quality at every depth and codec, per-layer cosines, throughput, the chosen depth and the
+    table lines)."""
+    settings, adapter, prefix, depths, policies = ctx.settings, ctx.adapter, ctx.prefix, ctx.depths, ctx.policies
+    L, P = adapter.num_layers, len(prefix)
+    reqs = ctx.requests[b.key]
+    summary = ratio_summary(reqs)
+    ctx.say(f"{b.key}: quality at depths {depths} x {len(policies)} cache variants ({len(reqs)} requests)")
+    q_emb = encode_queries(adapter, [r.query_ids for r in reqs], batch_size=settings.batch_size)
+    bq = measure_bucket_quality(
+        adapter, prefix, ctx.state, reqs, q_emb, depths=depths, policies=policies,
+        batch_size=settings.batch_size, pooling=settings.pooling, seed=settings.seed,
+    )
+    common = {"key": b.key, "prefix_ratio_lo": b.lo, "prefix_ratio_hi": b.hi, **summary}
+    for row in bq.rows:
+        row.update(common)
+        if row["depth"] > 0 and row["policy"] != EXACT:
+            row.update(bq.payload[(row["depth"], row["policy"])])
+    ctx.say(f"{b.key}: throughput at depths {depths} (batch {settings.throughput_batch}, {settings.repeats} repeats)")
+    thr = measure_throughput(adapter, prefix, ctx.state, reqs, depths=depths, batch_size=settings.throughput_batch,
+                             repeats=settings.repeats)
+    for r in thr:
+        r["token_layer_fraction"] = token_layer_fraction(P, summary["suffix_tokens_mean"], r["depth"], L)
+    by_depth = {r["depth"]: r for r in thr}
+
+    # ratio -> depth (exact cache, lower bounds)
+    exact = {r["depth"]: r for r in bq.rows if r["policy"] in (EXACT, "recompute")}
+    stats = {c: [exact[d][CRITERIA[c].column()] for d in depths] for c in settings.floors}
+    chosen = choose_depth(depths, stats, settings.floors, use="criterion statistic")
+    at = exact[chosen]
+    drow = {**common, "chosen_depth": chosen, "num_layers": L, "requests": len(reqs)}
+    for c in CRITERIA:
+        drow.update({c: at[c], f"{c}_lo": at[f"{c}_lo"], f"{c}_hi": at[f"{c}_hi"]})
+    drow.update({
+        "top1_agreement": at["top1_agreement"],
+        "retrieval_accuracy": at["retrieval_accuracy"],
+        "retrieval_accuracy_base": at["retrieval_accuracy_base"],
+        "requests_per_s_recompute": by_depth[0]["requests_per_s"],
+        "requests_per_s_reuse": by_depth[chosen]["requests_per_s"],
+        "speedup": by_depth[chosen]["speedup"],
+        "speedup_min_time": by_depth[chosen]["speedup_min_time"],
+        "token_layer_fraction": by_depth[chosen]["token_layer_fraction"],
+    })
+
+    # table candidates
+    recompute_s = by_depth[0]["compute_s_per_request"]
+    cand_rows = []
+    for row in bq.rows:
+        d, pname = row["depth"], row["policy"]
+        if pname == EXACT:
+            continue
+        pay = bq.payload.get((d, pname), {"payload_bytes": 0.0, "encode_s": 0.0, "decode_s": 0.0})
+        cand_rows.append(bicache_candidate(
+            bucket_key=b.key, ratio_lo=b.lo, ratio_hi=b.hi, depth=d, codec=pname,
+            codec_config=policies[pname].to_dict() if d and policies.get(pname) else None,
+            model=settings.model, prefix_tokens=P, reference_bytes=ctx.reference_bytes,
+            wire_bytes=pay["payload_bytes"], compute_s=by_depth[d]["compute_s_per_request"],
+            recompute_s=recompute_s, encode_s=pay["encode_s"], decode_s=pay["decode_s"],
+            bf16_bytes=float(prefix_state_bf16_bytes(P, adapter.hidden_size, d)),
+            relative_accuracy=row["relative_retrieval"], relative_accuracy_lo=row["relative_retrieval_lo"],
+            relative_accuracy_hi=row["relative_retrieval_hi"], kv_cosine=row["kv_cosine"],
+            embedding_cosine=row["embedding_cosine"],
+        ))
+    return {"key": b.key, **plain({"quality": bq.rows, "layer_cosine": [{**common, **r} for r in bq.layer_rows],
+                                   "throughput": [{**common, **r} for r in thr], "candidates": cand_rows,
+                                   "depth_table": [drow]})}
+
+
 def run_bicache_profile(
     settings: BiCacheSettings,
     run_dir: str | Path,
@@ -202,7 +416,8 @@ def run_bicache_profile(
     reports: str | Path | None = None,
     on_trial: Callable[[str], None] = _noop,
 ) -> BiCacheResult:
-    """Profile BiCache reuse on an encoder and write the run folder (see the module docstring).
+    """Profile BiCache reuse on an encoder and write the run folder (see the module docstring)
+    with the shared runner (:func:`kvtune.run.runner.run_method`, :class:`BiCacheMethod`).
 
     Each prefix-ratio bucket's measurements are appended to ``trials.jsonl`` as one record
     when the bucket is done; with ``resume`` the stored buckets are not measured again.
@@ -215,183 +430,32 @@ def run_bicache_profile(
         on_stage: called with a one-line progress message at each stage.
         resume: continue the buckets stored in ``run_dir`` (without it, stored trials are an
             error).
-        reports: folder receiving the HTML report ``<run>.html`` (None: no report).
+        reports: folder receiving the HTML report ``<run>.html`` (None: ``<run_dir>/report.html``).
         on_trial: called with a bucket's key after its record is stored.
 
     Returns:
         :class:`BiCacheResult`.
 
     Raises:
-        BiCacheError, AssetError, DataError: bad settings, model or data (a run that fails
-            before writing its first file leaves no folder behind).
+        BiCacheError, AssetError, DataError: bad settings, model or data, trials stored without
+            ``resume`` (a run that fails before writing its first file leaves no folder behind).
         RunLockedError: another process is working on ``run_dir``.
     """
-    threads_before = torch.get_num_threads()
-    if settings.threads:
-        torch.set_num_threads(int(settings.threads))
-    try:
-        with open_run_folder(run_dir):
-            if (Path(run_dir) / TrialStore.LOG).exists() and not resume:
-                raise BiCacheError(f"run folder {run_dir} already has trials; resume it or use another run name")
-            result = _run(settings, Path(run_dir), adapter, tokenizer, on_stage, on_trial, reports)
-            if reports is not None:
-                write_bicache_report(result.run_dir, Path(reports) / f"{Path(run_dir).name}.html")
-            return result
-    finally:
-        torch.set_num_threads(threads_before)
+    from kvtune.methods import METHODS
+    from kvtune.run.runner import run_method
+
+    if (Path(run_dir) / TrialStore.LOG).exists() and not resume:
+        raise BiCacheError(f"run folder {run_dir} already has trials; resume it or use another run name")
+    res = run_method(METHODS["bicache"], settings, run_dir, resume=resume, reports=reports,
+                     hooks=Hooks(say=on_stage, on_trial=lambda row: on_trial(row["key"])), adapter=adapter,
+                     tokenizer=tokenizer)
+    f = res.compiled.frames
+    return BiCacheResult(Path(run_dir), f["depth_table.parquet"], f["quality.parquet"], f["layer_cosine.parquet"],
+                         f["throughput.parquet"], f["candidates.parquet"], res.table)
 
 
-def _run(settings: BiCacheSettings, run_dir: Path, adapter: EncoderAdapter | None, tokenizer: Any,
-         on_stage: Callable[[str], None], on_trial: Callable[[str], None], reports: str | Path | None
-         ) -> BiCacheResult:
-    t_start = time.perf_counter()
-    if adapter is None:
-        on_stage(f"loading encoder {settings.model}")
-        adapter, tokenizer = load_encoder(settings.model, device=settings.device)
-    elif tokenizer is None:
-        raise BiCacheError("run_bicache_profile: pass the tokenizer with the adapter")
-    L = adapter.num_layers
-    depths = sorted(set(settings.depths) | {0}) if settings.depths else list(range(L + 1))
-    if depths[-1] > L or depths[0] < 0:
-        raise BiCacheError(f"depths {depths} outside 0..{L}")
-    buckets = parse_buckets(settings.buckets)
-    prefix = instruction_prefix(tokenizer, settings.instruction)
-    P = len(prefix)
-    on_stage(f"building requests: {len(buckets)} buckets x {settings.requests_per_bucket}, prefix {P} tokens")
-    requests, data_info = build_requests(
-        tokenizer, prefix, buckets, n_per_bucket=settings.requests_per_bucket, data=settings.data,
-        seed=settings.seed, max_positions=adapter.max_positions,
-    )
-    state = adapter.prefix_state(prefix)
-    policies: dict[str, PolicyConfig | None] = {EXACT: None}
-    policies.update({name: CODEC_POLICIES[name]() for name in settings.codecs})
-    reference_bytes = float(prefix_state_bf16_bytes(P, adapter.hidden_size, L))
-
-    quality_rows, layer_rows, thr_rows, cand_rows, depth_rows = [], [], [], [], []
-    frames = {"quality": quality_rows, "layer_cosine": layer_rows, "throughput": thr_rows, "candidates": cand_rows,
-              "depth_table": depth_rows}
-    store = TrialStore(run_dir, table=False)  # one record per finished bucket: a resumed run skips it
-    if not store.log_path.exists():  # what --resume needs, before the first bucket
-        atomic_write_text(run_dir / "run.json", strict_dumps(jsonable(
-            {"method": "bicache", "settings": settings.to_dict(), "model_info": adapter.describe()}), indent=2))
-    done = {r["key"]: r for r in store.load()}
-    for b in buckets:
-        if b.key in done:
-            for name, rows in frames.items():
-                rows += done[b.key][name]
-            continue
-        start = {name: len(rows) for name, rows in frames.items()}
-        reqs = requests[b.key]
-        summary = ratio_summary(reqs)
-        on_stage(f"{b.key}: quality at depths {depths} x {len(policies)} cache variants ({len(reqs)} requests)")
-        q_emb = encode_queries(adapter, [r.query_ids for r in reqs], batch_size=settings.batch_size)
-        bq = measure_bucket_quality(
-            adapter, prefix, state, reqs, q_emb, depths=depths, policies=policies,
-            batch_size=settings.batch_size, pooling=settings.pooling, seed=settings.seed,
-        )
-        common = {"key": b.key, "prefix_ratio_lo": b.lo, "prefix_ratio_hi": b.hi, **summary}
-        for row in bq.rows:
-            row.update(common)
-            if row["depth"] > 0 and row["policy"] != EXACT:
-                row.update(bq.payload[(row["depth"], row["policy"])])
-        quality_rows += bq.rows
-        layer_rows += [{**common, **r} for r in bq.layer_rows]
-        on_stage(f"{b.key}: throughput at depths {depths} (batch {settings.throughput_batch}, {settings.repeats} repeats)")
-        thr = measure_throughput(adapter, prefix, state, reqs, depths=depths, batch_size=settings.throughput_batch,
-                                 repeats=settings.repeats)
-        for r in thr:
-            r["token_layer_fraction"] = token_layer_fraction(P, summary["suffix_tokens_mean"], r["depth"], L)
-        thr_rows += [{**common, **r} for r in thr]
-        by_depth = {r["depth"]: r for r in thr}
-
-        # ratio -> depth (exact cache, lower bounds)
-        exact = {r["depth"]: r for r in bq.rows if r["policy"] in (EXACT, "recompute")}
-        stats = {c: [exact[d][CRITERIA[c].column()] for d in depths] for c in settings.floors}
-        chosen = choose_depth(depths, stats, settings.floors, use="criterion statistic")
-        at = exact[chosen]
-        drow = {**common, "chosen_depth": chosen, "num_layers": L, "requests": len(reqs)}
-        for c in CRITERIA:
-            drow.update({c: at[c], f"{c}_lo": at[f"{c}_lo"], f"{c}_hi": at[f"{c}_hi"]})
-        drow.update({
-            "top1_agreement": at["top1_agreement"],
-            "retrieval_accuracy": at["retrieval_accuracy"],
-            "retrieval_accuracy_base": at["retrieval_accuracy_base"],
-            "requests_per_s_recompute": by_depth[0]["requests_per_s"],
-            "requests_per_s_reuse": by_depth[chosen]["requests_per_s"],
-            "speedup": by_depth[chosen]["speedup"],
-            "speedup_min_time": by_depth[chosen]["speedup_min_time"],
-            "token_layer_fraction": by_depth[chosen]["token_layer_fraction"],
-        })
-        depth_rows.append(drow)
-
-        # table candidates
-        recompute_s = by_depth[0]["compute_s_per_request"]
-        for row in bq.rows:
-            d, pname = row["depth"], row["policy"]
-            if pname == EXACT:
-                continue
-            pay = bq.payload.get((d, pname), {"payload_bytes": 0.0, "encode_s": 0.0, "decode_s": 0.0})
-            cand_rows.append(bicache_candidate(
-                bucket_key=b.key, ratio_lo=b.lo, ratio_hi=b.hi, depth=d, codec=pname,
-                codec_config=policies[pname].to_dict() if d and policies.get(pname) else None,
-                model=settings.model, prefix_tokens=P, reference_bytes=reference_bytes,
-                wire_bytes=pay["payload_bytes"], compute_s=by_depth[d]["compute_s_per_request"],
-                recompute_s=recompute_s, encode_s=pay["encode_s"], decode_s=pay["decode_s"],
-                bf16_bytes=float(prefix_state_bf16_bytes(P, adapter.hidden_size, d)),
-                relative_accuracy=row["relative_retrieval"], relative_accuracy_lo=row["relative_retrieval_lo"],
-                relative_accuracy_hi=row["relative_retrieval_hi"], kv_cosine=row["kv_cosine"],
-                embedding_cosine=row["embedding_cosine"],
-            ))
-        store.append({"trial": len(store.load()), "key": b.key,
-                      **{name: plain(rows[start[name]:]) for name, rows in frames.items()}})
-        on_trial(b.key)
-
-    quality = pd.DataFrame(quality_rows)
-    layer_cos = pd.DataFrame(layer_rows)
-    throughput = pd.DataFrame(thr_rows)
-    candidates = pd.DataFrame(cand_rows)
-    depth_table = pd.DataFrame(depth_rows)
-    meta = {
-        "kv_bytes_per_request": reference_bytes, "method": "bicache", "prefix_tokens": P,
-        "reference_volume": "bf16 bytes of the full-depth prefix state (L layers of K/V + final hidden)",
-        "run": run_dir.name,
-    }
-    candidates = mark_admissible(candidates, quality, depth_table, settings.floors)
-    table = compile_bicache_table(candidates[candidates["admissible"]], model=settings.model,
-                                  workload=settings.workload, device=settings.device, floors=settings.table_floors,
-                                  metadata=meta)
-    on_stage("writing run folder")
-    atomic_write_parquet(quality, run_dir / "quality.parquet")
-    atomic_write_parquet(layer_cos, run_dir / "layer_cosine.parquet")
-    atomic_write_parquet(throughput, run_dir / "throughput.parquet")
-    atomic_write_parquet(candidates, run_dir / "candidates.parquet")
-    atomic_write_parquet(depth_table, run_dir / "depth_table.parquet")
-    atomic_write_text(run_dir / "depth_table.csv", depth_table.to_csv(index=False))
-    atomic_write_text(run_dir / "depth_table.json", strict_dumps(jsonable(depth_table.to_dict("records")), indent=2))
-    table.to_parquet(run_dir / "policy_table.parquet")
-    table.to_json(run_dir / "policy_table.json")
-    info = {
-        "method": "bicache",
-        "settings": settings.to_dict(),
-        "model_info": adapter.describe(),
-        "prefix": {"tokens": P, "instruction": settings.instruction},
-        "depths": depths,
-        "data": data_info,
-        "kv_bytes_per_request": reference_bytes,
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "seconds": time.perf_counter() - t_start,
-        "reports": None if reports is None else str(reports),
-        "files": ["run.json", "depth_table.json", "depth_table.csv", "depth_table.parquet", "quality.parquet",
-                  "layer_cosine.parquet", "throughput.parquet", "candidates.parquet", "policy_table.parquet",
-                  "policy_table.json", "summary.md"],
-    }
-    atomic_write_text(run_dir / "summary.md", summary_markdown(depth_table, quality, throughput, layer_cos, settings))
-    atomic_write_text(run_dir / "run.json", strict_dumps(jsonable(info), indent=2))
-    return BiCacheResult(run_dir, depth_table, quality, layer_cos, throughput, candidates, table)
-
-
-def mark_admissible(candidates: pd.DataFrame, quality: pd.DataFrame, depth_table: pd.DataFrame,
+def mark_admissible(
+candidates: pd.DataFrame, quality: pd.DataFrame, depth_table: pd.DataFrame,
                     floors: Mapping[str, float]) -> pd.DataFrame:
     """Add the bool column ``admissible``: a (bucket, depth, codec) line may enter the table iff
     its depth is at most the bucket's chosen depth and its own quality (after the codec round
@@ -416,96 +480,24 @@ def mark_admissible(candidates: pd.DataFrame, quality: pd.DataFrame, depth_table
     return candidates.assign(admissible=ok)
 
 
-def recompile_run_table(run_dir: str | Path, *, floors: Sequence[float] | None = None
-                        ) -> tuple[PolicyTable, pd.DataFrame]:
-    """The policy table of a BiCache run folder compiled again from its saved candidates,
-    quality and depth table (no re-measurement, nothing written), with
-    :func:`mark_admissible`.
-
-    Args:
-        floors: table accuracy floors (default: the run's ``table_floors``).
-
-    Returns:
-        ``(table, candidates with the admissible column)``.
+def compile_run_table(run_dir: str | Path, floors: Sequence[float] | None = None) -> PolicyTable:
+    """The policy table of a BiCache run folder compiled again from its stored bucket records
+    (no re-measurement, nothing written; :meth:`BiCacheMethod.compile`).
 
     Raises:
-        BiCacheError: the folder is not a BiCache run.
+        BiCacheError: the folder is not a readable BiCache run.
     """
+    from kvtune.methods import METHODS
+    from kvtune.tables.run import read_run_info
+
     run_dir = Path(run_dir)
     try:
-        info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-        candidates = pd.read_parquet(run_dir / "candidates.parquet")
-        quality = pd.read_parquet(run_dir / "quality.parquet")
-        depth_table = pd.read_parquet(run_dir / "depth_table.parquet")
-    except (OSError, ValueError) as exc:
+        info = read_run_info(run_dir)
+    except KvtuneError as exc:
         raise BiCacheError(f"{run_dir}: not a readable BiCache run folder ({exc})") from None
     if info.get("method") != "bicache":
         raise BiCacheError(f"{run_dir}: run.json is not a BiCache run")
-    settings = BiCacheSettings.from_dict(info["settings"])
-    candidates = mark_admissible(candidates.drop(columns="admissible", errors="ignore"), quality, depth_table,
-                                 settings.floors)
-    meta = {
-        "kv_bytes_per_request": float(info["kv_bytes_per_request"]), "method": "bicache",
-        "prefix_tokens": int(info["prefix"]["tokens"]),
-        "reference_volume": "bf16 bytes of the full-depth prefix state (L layers of K/V + final hidden)",
-        "run": run_dir.name,
-    }
-    table = compile_bicache_table(candidates[candidates["admissible"]], model=settings.model,
-                                  workload=settings.workload, device=settings.device,
-                                  floors=settings.table_floors if floors is None else tuple(floors), metadata=meta)
-    return table, candidates
-
-
-def compile_run_table(run_dir: str | Path) -> PolicyTable:
-    """Recompile ``policy_table.{parquet,json}`` of a BiCache run folder from its saved
-    candidates, quality and depth table (:func:`recompile_run_table`) and write them.
-
-    Raises:
-        BiCacheError: the folder is not a BiCache run.
-    """
-    run_dir = Path(run_dir)
-    table, candidates = recompile_run_table(run_dir)
-    atomic_write_parquet(candidates, run_dir / "candidates.parquet")
-    table.to_parquet(run_dir / "policy_table.parquet")
-    table.to_json(run_dir / "policy_table.json")
-    return table
-
-
-def write_bicache_report(run_dir: str | Path, path: str | Path) -> Path:
-    """The HTML report of a BiCache run (:func:`kvtune.report.html.write_report`): every
-    admissible (bucket, depth, codec) line as a trial, their Pareto front, the per-key and
-    per-floor table intervals, and ``run.json``.
-
-    Raises:
-        BiCacheError: the folder is not a BiCache run.
-    """
-    from kvtune.pareto import pareto_front
-    from kvtune.report.html import write_report
-
-    run_dir = Path(run_dir)
-    table, candidates = recompile_run_table(run_dir)
-    lines = candidates[candidates["admissible"]].reset_index(drop=True)
-    info = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    return write_report(lines, pareto_front(lines), table, path, title=f"kvtune BiCache profile: {run_dir.name}",
-                        run_config=info)
-
-
-def finalize_bicache_run(run_dir: str | Path) -> dict[str, Path]:
-    """``kvtune report`` of a BiCache run: the tables (:func:`compile_run_table`) and the HTML
-    report, to ``<reports>/<run>.html`` when ``run.json`` records ``reports``, else
-    ``<run_dir>/report.html``.
-
-    Raises:
-        BiCacheError: the folder is not a finished BiCache run.
-    """
-    run_dir = Path(run_dir)
-    with open_run_folder(run_dir, create=False):
-        recompile_run_table(run_dir)  # everything checked before anything is written
-        compile_run_table(run_dir)
-        reports = json.loads((run_dir / "run.json").read_text(encoding="utf-8")).get("reports")
-        path = Path(reports) / f"{run_dir.name}.html" if isinstance(reports, str) else run_dir / "report.html"
-        return {"policy_table": run_dir / "policy_table.parquet", "policy_table_json": run_dir / "policy_table.json",
-                "report": write_bicache_report(run_dir, path)}
+    return METHODS["bicache"].compile_table(run_dir, info, floors)
 
 
 def _fmt_iv(m: float, lo: float, hi: float, digits: int = 3) -> str:

@@ -13,7 +13,7 @@
 
 from kvtune.scd.consumer import ConsumerInfo, ConsumerRecipe, make_consumer
 from kvtune.scd.methods import METHODS, Pair, Transfer, TransferMethod, register_method
-from kvtune.scd.profile import SCDProfileResult, SCDProfileSettings, run_scd_profile
+from kvtune.scd.profile import SCDMethod, SCDProfileSettings, run_scd_profile
 
 __all__ = [
     "ConsumerInfo",
@@ -24,7 +24,7 @@ __all__ = [
     "Transfer",
     "TransferMethod",
     "register_method",
-    "SCDProfileResult",
+    "SCDMethod",
     "SCDProfileSettings",
     "run_scd_profile",
 ]
