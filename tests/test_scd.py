@@ -482,3 +482,20 @@ def test_scd_run_resumes_after_a_kill_and_its_folder_answers_select_export_repor
     rep = cli.invoke(app, ["report", str(run)])
     assert rep.exit_code == 0 and "report" in rep.output, rep.output
     pd.testing.assert_frame_equal(PolicyTable.load(run / "policy_table.parquet").frame, res.table.frame)
+
+
+@pytest.mark.parametrize("version, scd_at_97", [(2, False), (1, True)])
+def test_scd_table_gates_floors_on_the_interval_lower_end(version, scd_at_97):
+    """SCD rows carry a paired-bootstrap interval: a configuration whose point estimate meets a
+    floor but whose interval's lower end does not is kept out (settings version 2); version-1
+    runs recompile on the point estimate, as they were written."""
+    from kvtune.scd.profile import compile_scd_table
+
+    front = _mixed_front()
+    front["relative_accuracy_lo"] = front["relative_accuracy"] - 0.001
+    front.loc[front["method"] == "scd", "relative_accuracy_lo"] = 0.96  # point 0.975, lower end below 0.97
+    run = {"settings": {"version": version, "floors": [0.97], "data": "xsum"}, "kv_bytes_per_request": 1e9,
+           "producer": {"model": "A"}, "consumer": {"model": "B", "device": "cpu"}}
+    ids = set(compile_scd_table(front, run).frame["policy_id"])
+    assert ("scd000000000" in ids) is scd_at_97
+    assert "rec000000000" in ids
