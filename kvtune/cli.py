@@ -73,7 +73,7 @@ def profile(
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
     from kvtune.methods import METHODS
-    from kvtune.profile import load_settings, run_profile
+    from kvtune.methods.tqc.profile import load_settings, run_profile
     from kvtune.run.method import Hooks, ProfileRequest
     from kvtune.run.runner import run_request
 
@@ -303,7 +303,7 @@ def main() -> None:  # pragma: no cover - console entry point
     app()
 
 
-from kvtune.scd.cli import app as _scd_app  # noqa: E402  (sub-apps after the main commands)
+from kvtune.methods.scd.cli import app as _scd_app  # noqa: E402  (sub-apps after the main commands)
 
 app.add_typer(_scd_app, name="scd")
 

@@ -51,7 +51,7 @@ class ProfileSettings(RunSettings):
         refine: re-evaluate the search's Pareto set at full fidelity; the tables and the report
             then use the full-fidelity results (no effect when ``search_fidelity`` is ``full``).
         refine_budget: at most this many Pareto policies are re-evaluated (0 = all), in the
-            order of :func:`kvtune.profile.refinement_order`.
+            order of :func:`kvtune.methods.tqc.profile.refinement_order`.
         optimizer: registered optimizer name.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: seeds the optimizer (and anything random) so runs reproduce.

@@ -1,4 +1,4 @@
-"""Tests of kvtune.bicache: reuse exactness, payloads, depth choice, tables, DLM loop, profile run.
+"""Tests of kvtune.methods.bicache: reuse exactness, payloads, depth choice, tables, DLM loop, profile run.
 
 Tiny randomly initialised BERT models (2 layers, hidden 32) keep the file fast; the tests
 marked ``real_model`` load the real all-MiniLM-L6-v2 once per session.
@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvtune.bicache import (
+from kvtune.methods.bicache import (
     BiCacheSettings,
     choose_depth,
     compile_bicache_table,
@@ -26,13 +26,13 @@ from kvtune.bicache import (
     unmask_loop,
     unpack_prefix_state,
 )
-from kvtune.bicache.adapters import adapter_for, load_encoder
-from kvtune.bicache.dlm import tokens_per_step
-from kvtune.bicache.quality import EXACT, pad_batch
-from kvtune.bicache.state import merge_states, roundtrip_prefix_state
-from kvtune.bicache.stats import CRITERIA, bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
-from kvtune.bicache.table import bicache_candidate, line_for, min_bandwidth_gbps
-from kvtune.bicache.workload import best_window, parse_buckets, suffix_tokens_for_ratio
+from kvtune.methods.bicache.adapters import adapter_for, load_encoder
+from kvtune.methods.bicache.dlm import tokens_per_step
+from kvtune.methods.bicache.quality import EXACT, pad_batch
+from kvtune.methods.bicache.state import merge_states, roundtrip_prefix_state
+from kvtune.methods.bicache.stats import CRITERIA, bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
+from kvtune.methods.bicache.table import bicache_candidate, line_for, min_bandwidth_gbps
+from kvtune.methods.bicache.workload import best_window, parse_buckets, suffix_tokens_for_ratio
 from kvtune.codecs import PolicyConfig
 from kvtune.errors import BiCacheError, TableError
 from kvtune.tables import PolicyTable
@@ -433,7 +433,7 @@ def test_profile_table_rows_load_and_select(tiny_run):
 
 
 def test_compile_run_table_recompiles_from_saved_frames(tiny_run):
-    from kvtune.bicache.api import compile_run_table
+    from kvtune.methods.bicache.api import compile_run_table
 
     res, _ = tiny_run
     before = PolicyTable.load(res.run_dir / "policy_table.parquet")

@@ -373,7 +373,7 @@ def test_run_holds_its_folder_lock_and_resumes_after_a_kill_without_repeating_or
     import fcntl
     import os
 
-    from kvtune.profile import load_settings, run_profile
+    from kvtune.methods.tqc.profile import load_settings, run_profile
     from kvtune.settings import ProfileSettings
 
     settings = ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), contexts=3, context_tokens=48,

@@ -1,10 +1,10 @@
-"""Pure helpers of :mod:`kvtune.profile` (the end-to-end runs are in test_cli.py)."""
+"""Pure helpers of :mod:`kvtune.methods.tqc.profile` (the end-to-end runs are in test_cli.py)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from kvtune.profile import refinement_order, split_fidelities
+from kvtune.methods.tqc.profile import refinement_order, split_fidelities
 
 
 def test_refinement_order_covers_every_floor_then_the_2d_front_by_ratio():

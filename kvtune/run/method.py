@@ -26,7 +26,9 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["Compiled", "Hooks", "Method", "ProfileRequest", "Stage"]
+from kvtune.core.registry import Registry
+
+__all__ = ["METHODS", "Compiled", "Hooks", "Method", "ProfileRequest", "Stage", "register_method"]
 
 
 def _noop(*_: Any, **__: Any) -> None:
@@ -240,3 +242,17 @@ class Method:
         """Where the run's report goes (``<folder>/<run>.html``); None: ``<run_dir>/report.html``."""
         reports = info.get("reports")
         return Path(reports) if isinstance(reports, str) else None
+
+
+METHODS: Registry[Method] = Registry("method")
+"""``--method`` name -> :class:`Method`; filled when :mod:`kvtune.methods` is imported (each
+method package registers itself)."""
+
+
+def register_method(method: Method) -> Method:
+    """Add ``method`` to :data:`METHODS` under ``method.name``; return it.
+
+    Raises:
+        DuplicateNameError: another method already has that name.
+    """
+    return METHODS.register(method.name, method)

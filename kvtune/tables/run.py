@@ -1,6 +1,6 @@
 """The policy table of a profiling run folder: load, (re)compile with run metadata, export.
 
-A run folder (``profiles/<run>/``, written by :mod:`kvtune.profile`) holds ``run.json``,
+A run folder (``profiles/<run>/``, written by :mod:`kvtune.methods.tqc.profile`) holds ``run.json``,
 ``trials.parquet``, ``pareto.parquet`` and ``policy_table.parquet``/``.json``. This module
 turns it into a :class:`~kvtune.tables.policy_table.PolicyTable` whose metadata records the
 run name and the KV volume of one profiled request (``kv_bytes_per_request``, the default

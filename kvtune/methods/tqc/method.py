@@ -5,7 +5,7 @@ Serving", arXiv 2605.13734) on the shared runner (:mod:`kvtune.run.runner`).
 Context: the model, the workload (prefilled samples, the uncompressed baseline), the space
 (MixHQ heads calibrated when it needs them) and the ratio estimates of model-based optimizers.
 Stages: ``search`` (the space at ``search_fidelity`` with ``settings.optimizer``), then
-``refine`` (the search's Pareto set again at full fidelity, :func:`kvtune.profile.refinement_order`).
+``refine`` (the search's Pareto set again at full fidelity, :func:`kvtune.methods.tqc.profile.refinement_order`).
 Table: the Pareto front of the final-fidelity rows, gated on the 95 % interval's lower end
 (:func:`kvtune.tables.run.interval_gate`), with the implicit ``"none"`` policy.
 """
@@ -53,12 +53,12 @@ class TQCMethod(Method):
                                   **parse_overrides(ProfileSettings, request.options)})
 
     def run_name(self, settings: ProfileSettings) -> str:
-        from kvtune.profile import default_run_name
+        from kvtune.methods.tqc.profile import default_run_name
 
         return default_run_name(settings)
 
     def check(self, settings: ProfileSettings) -> None:
-        from kvtune.profile import check_profile_settings
+        from kvtune.methods.tqc.profile import check_profile_settings
 
         check_profile_settings(settings)
 
@@ -72,7 +72,7 @@ class TQCMethod(Method):
         from kvtune.evaluate.ratio import estimate_ratios
         from kvtune.evaluate.workloads import make_workload, workload_sample_counts
         from kvtune.optimize import OPTIMIZERS
-        from kvtune.profile import calibrated_space
+        from kvtune.methods.tqc.profile import calibrated_space
         from kvtune.space import load_space
 
         torch.manual_seed(settings.seed)
@@ -112,7 +112,7 @@ class TQCMethod(Method):
 
         from kvtune.optimize import make_optimizer
         from kvtune.pareto import pareto_front
-        from kvtune.profile import done_by_fidelity, refinement_order
+        from kvtune.methods.tqc.profile import done_by_fidelity, refinement_order
         from kvtune.run.loop import in_order
 
         st, space = context.settings, context.space
@@ -135,14 +135,14 @@ class TQCMethod(Method):
         context.times["refine"] = time.perf_counter() - t_searched
 
     def evaluate(self, context: TQCContext, candidate: Any, stage: Stage) -> dict[str, Any]:
-        from kvtune.profile import trial_record
+        from kvtune.methods.tqc.profile import trial_record
 
         fid = context.settings.search_fidelity if stage.name == "search" else "full"
         return trial_record(stage.name, candidate, context.workload.evaluate(candidate.config, fidelity=fid),
                             context.ratios)
 
     def describe_row(self, row: dict[str, Any]) -> str:
-        from kvtune.profile import progress_line
+        from kvtune.methods.tqc.profile import progress_line
 
         return progress_line(row)
 
@@ -154,7 +154,7 @@ class TQCMethod(Method):
         import pandas as pd
 
         from kvtune.pareto import pareto_front
-        from kvtune.profile import check_trials, run_settings, split_fidelities
+        from kvtune.methods.tqc.profile import check_trials, run_settings, split_fidelities
         from kvtune.store import TrialStore
         from kvtune.tables.policy_table import compile_policy_table
         from kvtune.tables.run import interval_gate, run_table_metadata
@@ -183,5 +183,3 @@ class TQCMethod(Method):
     def reports_folder(self, info: dict[str, Any]) -> Path | None:
         return Path(ProfileSettings.from_dict(info["settings"]).reports)
 
-
-METHOD = TQCMethod()

@@ -6,13 +6,13 @@ arXiv 2606.07571, Sec. 3-4), on the shared runner (:mod:`kvtune.run.runner`): st
 trial row per bucket), steps 4-5 :meth:`BiCacheMethod.compile`:
 
 1. load the encoder and build requests per prefix-ratio bucket
-   (:mod:`kvtune.bicache.workload`), cache the shared prefix's state (prefix alone);
+   (:mod:`kvtune.methods.bicache.workload`), cache the shared prefix's state (prefix alone);
 2. per bucket: quality at every depth vs full recompute, with the exact in-memory cache and
-   with every codec policy of the payload (:mod:`kvtune.bicache.quality`);
-3. per bucket: requests/s at every depth (:mod:`kvtune.bicache.throughput`);
+   with every codec policy of the payload (:mod:`kvtune.methods.bicache.quality`);
+3. per bucket: requests/s at every depth (:mod:`kvtune.methods.bicache.throughput`);
 4. the ratio -> depth table: per bucket the deepest d whose lower bootstrap bounds stay above
-   every floor (:func:`kvtune.bicache.stats.choose_depth`);
-5. ``method = "bicache"`` policy-table rows keyed by bucket (:mod:`kvtune.bicache.table`), from
+   every floor (:func:`kvtune.methods.bicache.stats.choose_depth`);
+5. ``method = "bicache"`` policy-table rows keyed by bucket (:mod:`kvtune.methods.bicache.table`), from
    the admissible lines only (:func:`mark_admissible`: depth <= the bucket's chosen depth and
    the codec's own quality above the floors).
 
@@ -42,13 +42,13 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kvtune.bicache.adapters import EncoderAdapter, load_encoder
-from kvtune.bicache.quality import EXACT, POOLINGS, encode_queries, measure_bucket_quality
-from kvtune.bicache.state import prefix_state_bf16_bytes
-from kvtune.bicache.stats import CRITERIA, choose_depth
-from kvtune.bicache.table import bicache_candidate, compile_bicache_table
-from kvtune.bicache.throughput import measure_throughput, token_layer_fraction
-from kvtune.bicache.workload import (
+from kvtune.methods.bicache.adapters import EncoderAdapter, load_encoder
+from kvtune.methods.bicache.quality import EXACT, POOLINGS, encode_queries, measure_bucket_quality
+from kvtune.methods.bicache.state import prefix_state_bf16_bytes
+from kvtune.methods.bicache.stats import CRITERIA, choose_depth
+from kvtune.methods.bicache.table import bicache_candidate, compile_bicache_table
+from kvtune.methods.bicache.throughput import measure_throughput, token_layer_fraction
+from kvtune.methods.bicache.workload import (
     DEFAULT_BUCKETS,
     DEFAULT_INSTRUCTION,
     build_requests,
@@ -91,7 +91,7 @@ class BiCacheSettings(RunSettings):
         requests_per_bucket: requests drawn per bucket.
         depths: reuse depths to measure; empty = ``0..L``.
         codecs: names in :data:`CODEC_POLICIES` for the payload of table rows.
-        floors: criterion name (:data:`~kvtune.bicache.stats.CRITERIA`) -> floor for the depth
+        floors: criterion name (:data:`~kvtune.methods.bicache.stats.CRITERIA`) -> floor for the depth
             choice; applied to the lower 95 % bootstrap bound.
         table_floors: accuracy floors (relative retrieval accuracy) of the policy table.
         batch_size: requests per forward pass in the quality pass.
@@ -227,7 +227,7 @@ class BiCacheMethod(Method):
 
     Candidates: the prefix-ratio buckets (a fixed list, ``exhaustive``); a bucket's trial row
     holds all its measurements (quality, per-layer cosine, throughput, depth choice, table
-    lines). Table: :func:`~kvtune.bicache.table.compile_bicache_table` over the admissible
+    lines). Table: :func:`~kvtune.methods.bicache.table.compile_bicache_table` over the admissible
     lines (:func:`mark_admissible`), keyed by bucket, no implicit ``"none"``.
     """
 
@@ -426,7 +426,7 @@ def run_bicache_profile(
         settings: what to measure.
         run_dir: output folder (created; files are replaced atomically).
         adapter, tokenizer: an already loaded encoder (tests pass a tiny one); default: load
-            ``settings.model`` with :func:`~kvtune.bicache.adapters.load_encoder`.
+            ``settings.model`` with :func:`~kvtune.methods.bicache.adapters.load_encoder`.
         on_stage: called with a one-line progress message at each stage.
         resume: continue the buckets stored in ``run_dir`` (without it, stored trials are an
             error).
@@ -441,7 +441,7 @@ def run_bicache_profile(
             ``resume`` (a run that fails before writing its first file leaves no folder behind).
         RunLockedError: another process is working on ``run_dir``.
     """
-    from kvtune.methods import METHODS
+    from kvtune.run.method import METHODS
     from kvtune.run.runner import run_method
 
     if (Path(run_dir) / TrialStore.LOG).exists() and not resume:
@@ -459,7 +459,7 @@ candidates: pd.DataFrame, quality: pd.DataFrame, depth_table: pd.DataFrame,
                     floors: Mapping[str, float]) -> pd.DataFrame:
     """Add the bool column ``admissible``: a (bucket, depth, codec) line may enter the table iff
     its depth is at most the bucket's chosen depth and its own quality (after the codec round
-    trip) passes the same floors as the depth choice (:data:`~kvtune.bicache.stats.CRITERIA`
+    trip) passes the same floors as the depth choice (:data:`~kvtune.methods.bicache.stats.CRITERIA`
     statistics). Full recompute is always admissible.
 
     The table's accuracy axis (relative retrieval accuracy) alone is too coarse to keep deep
@@ -487,7 +487,7 @@ def compile_run_table(run_dir: str | Path, floors: Sequence[float] | None = None
     Raises:
         BiCacheError: the folder is not a readable BiCache run.
     """
-    from kvtune.methods import METHODS
+    from kvtune.run.method import METHODS
     from kvtune.tables.run import read_run_info
 
     run_dir = Path(run_dir)

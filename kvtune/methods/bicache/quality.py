@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtune.bicache.adapters import EncoderAdapter
-from kvtune.bicache.state import PrefixState, roundtrip_prefix_state
-from kvtune.bicache.stats import bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
-from kvtune.bicache.workload import BiCacheRequest
+from kvtune.methods.bicache.adapters import EncoderAdapter
+from kvtune.methods.bicache.state import PrefixState, roundtrip_prefix_state
+from kvtune.methods.bicache.stats import bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
+from kvtune.methods.bicache.workload import BiCacheRequest
 from kvtune.codecs import PolicyConfig
 from kvtune.evaluate.metrics import bootstrap_ratio_of_means, ratio_of_means
 

@@ -1,7 +1,7 @@
-"""``kvtune scd ...``: thin Typer commands over :mod:`kvtune.scd`.
+"""``kvtune scd ...``: thin Typer commands over :mod:`kvtune.methods.scd`.
 
-Mounted by the main CLI with ``app.add_typer(kvtune.scd.cli.app, name="scd")``; also
-runnable alone: ``python -m kvtune.scd.cli make-consumer``.
+Mounted by the main CLI with ``app.add_typer(kvtune.methods.scd.cli.app, name="scd")``; also
+runnable alone: ``python -m kvtune.methods.scd.cli make-consumer``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from kvtune.errors import KvtuneError
-from kvtune.scd.consumer import ConsumerRecipe
+from kvtune.methods.scd.consumer import ConsumerRecipe
 
 app = typer.Typer(help="Semantic Cache Distillation: cross-model KV transfer (producer -> fine-tuned consumer).",
                   no_args_is_help=True, add_completion=False)
@@ -49,7 +49,7 @@ def make_consumer_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the consumer info as JSON."),
 ) -> None:
     """Fine-tune the producer with LoRA on domain text, merge, cache it; print its path and perplexities."""
-    from kvtune.scd.consumer import ConsumerRecipe, make_consumer
+    from kvtune.methods.scd.consumer import ConsumerRecipe, make_consumer
 
     try:
         recipe = ConsumerRecipe(producer=producer, data=data, holdout_fraction=holdout_fraction, steps=steps,

@@ -40,8 +40,8 @@ from kvtune.codecs import PolicyConfig, original_nbytes
 from kvtune.core.registry import Registry
 from kvtune.errors import ConfigError
 from kvtune.evaluate.model import KVLayers, LoadedModel, round_kv
-from kvtune.scd.calibration import SCDCalibration
-from kvtune.scd.states import LayerStates, capture_states, kv_from_hidden, kv_from_pre, rotary, run_layers
+from kvtune.methods.scd.calibration import SCDCalibration
+from kvtune.methods.scd.states import LayerStates, capture_states, kv_from_hidden, kv_from_pre, rotary, run_layers
 
 TOKEN_ID_BYTES = 4
 """Bytes per token id on the wire (int32)."""

@@ -13,7 +13,7 @@ skipped work is the prefix tokens' projections, attention and feed-forward in la
 
 An adapter exposes three primitives per layer (embedding, K/V projection, the rest of the
 layer given K/V) and the generic :meth:`EncoderAdapter.run` builds reuse on them, so the
-same interface serves sentence encoders and the diffusion-LM loop (:mod:`kvtune.bicache.dlm`).
+same interface serves sentence encoders and the diffusion-LM loop (:mod:`kvtune.methods.bicache.dlm`).
 Adapters are registered by ``config.model_type`` in :data:`ADAPTERS`.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvtune.bicache.state import PrefixState
+from kvtune.methods.bicache.state import PrefixState
 from kvtune.core.registry import Registry
 from kvtune.errors import BiCacheError, ModelLayoutError
 

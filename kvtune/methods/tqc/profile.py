@@ -109,7 +109,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
             before writing its first file leaves no folder behind.
         RunLockedError: another process is working on the run folder.
     """
-    from kvtune.methods import METHODS
+    from kvtune.run.method import METHODS
     from kvtune.run.method import Hooks
     from kvtune.run.runner import run_method
 

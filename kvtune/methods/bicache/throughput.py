@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from kvtune.bicache.adapters import EncoderAdapter
-from kvtune.bicache.quality import pad_batch
-from kvtune.bicache.state import PrefixState
-from kvtune.bicache.workload import BiCacheRequest
+from kvtune.methods.bicache.adapters import EncoderAdapter
+from kvtune.methods.bicache.quality import pad_batch
+from kvtune.methods.bicache.state import PrefixState
+from kvtune.methods.bicache.workload import BiCacheRequest
 
 __all__ = ["measure_throughput", "speedup", "token_layer_fraction"]
 

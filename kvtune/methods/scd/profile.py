@@ -6,11 +6,11 @@ Steps:
 1. Load the pair (same architecture), split the domain data (:func:`domain_split`):
    calibration windows from the training split, evaluation windows (prefix + continuation)
    from the held-out split; both cut by :func:`kvtune.evaluate.capture.build_contexts`.
-2. Calibrate the SCD maps (:func:`kvtune.scd.calibration.calibrate`) on the calibration
+2. Calibrate the SCD maps (:func:`kvtune.methods.scd.calibration.calibrate`) on the calibration
    prefixes; choose the DroidSpeak block of each length by offline profiling on the first
    ``profile_contexts`` calibration windows (the start with the best relative accuracy).
 3. Evaluate every configuration (:meth:`SCDMethod.stages`): for each evaluation prefix the
-   method's :class:`~kvtune.scd.methods.Transfer`, then the consumer's teacher-forced
+   method's :class:`~kvtune.methods.scd.methods.Transfer`, then the consumer's teacher-forced
    continuation on that cache. Quality = relative accuracy vs ``recompute``
    (``ppl_recompute / ppl_method``, paired bootstrap 95 % interval over prefixes,
    :mod:`kvtune.evaluate.metrics`).
@@ -51,9 +51,9 @@ from kvtune.evaluate.capture import build_contexts, logits_on_cache
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores, report_relative_accuracy
 from kvtune.evaluate.model import KVLayers, LoadedModel, load_model
 from kvtune.evaluate.workloads.base import median_after_warmup
-from kvtune.scd.calibration import SCDCalibration, calibrate
-from kvtune.scd.consumer import domain_split
-from kvtune.scd.methods import (
+from kvtune.methods.scd.calibration import SCDCalibration, calibrate
+from kvtune.methods.scd.consumer import domain_split
+from kvtune.methods.scd.methods import (
     SCD,
     DroidSpeak,
     Pair,
@@ -69,7 +69,7 @@ from kvtune.run.loop import ask_tell
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
 from kvtune.run.runner import RunResult
 from kvtune.run.settings import RunSettings
-from kvtune.scd.states import check_same_architecture
+from kvtune.methods.scd.states import check_same_architecture
 
 REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
 
@@ -89,7 +89,7 @@ class SCDProfileSettings(RunSettings):
         ranks: uniform SCD ranks searched.
         patch_counts: numbers of patched transition layers searched.
         code_bits: widths of the SCD codes searched (16 = bfloat16, fewer = quantized by
-            the T/Q/C pipeline, :func:`kvtune.scd.methods.code_policy`).
+            the T/Q/C pipeline, :func:`kvtune.methods.scd.methods.code_policy`).
         optimizer: registered optimizer (:data:`kvtune.optimize.OPTIMIZERS`) that explores the
             SCD grid (rank x patch count x code bits); the baselines are always evaluated.
         budget: SCD configurations to evaluate (0 = as many as the optimizer proposes).
@@ -105,7 +105,7 @@ class SCDProfileSettings(RunSettings):
         device: ``cpu`` / ``cuda`` / ``auto``.
         producer: ``--model`` spec of the producer ("" = the default model).
         consumer: ``--model`` spec of the consumer ("" = the LoRA fine-tune of the producer made
-            by :func:`kvtune.scd.consumer.make_consumer`, cached after the first run).
+            by :func:`kvtune.methods.scd.consumer.make_consumer`, cached after the first run).
         version: settings version (2: floors gated on the interval's lower end; 1: on the
             point estimate, still readable).
     """
@@ -365,12 +365,12 @@ def check_scd_settings(st: SCDProfileSettings) -> None:
     """Fail before any model loads on settings that cannot work.
 
     Raises:
-        ConfigError: unknown optimizer, code bits outside :data:`kvtune.scd.methods.CODE_BITS`,
+        ConfigError: unknown optimizer, code bits outside :data:`kvtune.methods.scd.methods.CODE_BITS`,
             a negative budget.
     """
     from kvtune.errors import ConfigError
     from kvtune.optimize import OPTIMIZERS
-    from kvtune.scd.methods import CODE_BITS
+    from kvtune.methods.scd.methods import CODE_BITS
 
     if st.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {st.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
@@ -480,7 +480,7 @@ class SCDMethod(Method):
         producer = given.get("producer") or st.producer or old.get("producer_spec") or DEFAULT_MODEL
         consumer = given.get("consumer") or st.consumer or old.get("consumer_spec")
         if not consumer:
-            from kvtune.scd.consumer import ConsumerRecipe, make_consumer
+            from kvtune.methods.scd.consumer import ConsumerRecipe, make_consumer
 
             say("consumer: LoRA fine-tune of the producer (cached after the first run)")
             consumer = str(make_consumer(ConsumerRecipe(producer=producer), device=st.device).path)
@@ -569,7 +569,7 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
 
     Args:
         producer, consumer: ``--model`` specs (or loaded models) with the same architecture;
-            the consumer is typically :func:`kvtune.scd.consumer.make_consumer`'s folder.
+            the consumer is typically :func:`kvtune.methods.scd.consumer.make_consumer`'s folder.
         out_dir: run folder (created); see the module docstring for the files.
         settings: :class:`SCDProfileSettings`.
         progress: optional ``progress(message)``.
@@ -587,7 +587,7 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
         KvtuneError: data too short, unknown preset, trials stored without ``resume``, ...
         RunLockedError: another process is working on ``out_dir``.
     """
-    from kvtune.methods import METHODS
+    from kvtune.run.method import METHODS
     from kvtune.run.runner import run_method
 
     hooks = Hooks(say=progress or (lambda _m: None), on_trial=on_trial or (lambda _r: None))
