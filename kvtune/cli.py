@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Optional
@@ -105,8 +106,7 @@ def profile(
         if options:
             raise KvtuneError("--set is for the settings of --method scd/bicache; tqc has its own options")
         if resume is not None:
-            settings = load_settings(resume)
-            settings.out, settings.run = str(resume.parent), resume.name
+            settings = dataclasses.replace(load_settings(resume), out=str(resume.parent), run=resume.name)
         else:
             settings = ProfileSettings(
                 model=model, text=text, space=space, budget=budget, optimizer=optimizer, contexts=contexts,

@@ -19,10 +19,11 @@ defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
 READABLE_VERSIONS = (1, 2)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileSettings(RunSettings):
-    """Everything that defines a profiling run (saved as ``run.json``; round-trips through JSON,
-    :class:`kvtune.run.settings.RunSettings`).
+    """Everything that defines a T/Q/C profiling run (saved as ``run.json``; frozen, versioned and
+    round-trips through JSON like every method's settings, :class:`kvtune.run.settings.RunSettings`;
+    derive changed settings with :func:`dataclasses.replace`).
 
     Attributes:
         model: ``--model`` spec (asset name, ``.gguf`` path, HF folder or id).

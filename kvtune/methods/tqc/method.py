@@ -12,6 +12,7 @@ Table: the Pareto front of the final-fidelity rows, gated on the 95 % interval's
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ class TQCMethod(Method):
         hooks.on_stage(f"prefill {settings.workload} samples", n_full)
         wl = make_workload(settings.workload, lm, settings=settings, progress=lambda n: hooks.on_progress(n))
         if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine
-            settings.search_fidelity = "full"
+            settings = dataclasses.replace(settings, search_fidelity="full")
         space = calibrated_space(space, lm, wl.calibration_ids(), run_dir, hooks.on_stage, hooks.on_progress)
         ratios = None
         if getattr(OPTIMIZERS[settings.optimizer], "needs_ratios", True):  # model-based optimizers use them

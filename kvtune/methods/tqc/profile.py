@@ -14,6 +14,7 @@ and the report is ``<reports>/<run>.html``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -95,7 +96,8 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     :func:`kvtune.run.runner.run_method`, with the ``tqc`` method).
 
     Args:
-        settings: the run's settings; ``settings.run`` is filled in when empty.
+        settings: the run's settings (frozen; ``run`` "" = :func:`default_run_name`, the
+            result's ``settings`` hold the name used).
         resume: continue the trials already in the run folder (never re-evaluating a policy at
             a fidelity it already has).
         on_stage: ``on_stage(name, total)`` when a stage with ``total`` steps starts.
@@ -114,7 +116,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     from kvtune.run.runner import run_method
 
     method = METHODS["tqc"]
-    settings.run = check_run_name(settings.run or default_run_name(settings))
+    settings = dataclasses.replace(settings, run=check_run_name(settings.run or default_run_name(settings)))
     check_out_folder(settings.out, "--out")
     check_out_folder(settings.reports, "--reports")
     if not resume and (settings.run_dir / TrialStore.LOG).exists():
