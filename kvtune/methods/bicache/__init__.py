@@ -1,4 +1,5 @@
-"""BiCache: shared-prefix KV reuse for bidirectional models (``BRIEF.md`` Sec. 4).
+"""BiCache: shared-prefix KV reuse for bidirectional models (BiCache,
+"Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571).
 
 A shared prefix (an embedding instruction, a system prompt) is encoded alone once; later
 requests ``prefix + suffix`` reuse its cached per-layer keys/values in layers ``1..d`` and

@@ -1,6 +1,7 @@
 """Bidirectional-encoder adapters: run a request with the shared prefix reused up to depth d.
 
-BiCache paper, Sec. 3 (``BRIEF.md`` Sec. 4). A request is ``prefix + suffix`` (token ids);
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3. A request is ``prefix + suffix`` (token ids);
 every token attends to every other token. With reuse depth ``d``:
 
 * layers ``1..d``: only the suffix tokens are computed; their attention uses the prefix's

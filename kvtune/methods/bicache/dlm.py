@@ -1,6 +1,7 @@
 """Diffusion-LM path: prefix reuse with periodic deep-layer refresh in an unmasking loop.
 
-BiCache paper, Sec. 3-4 (``BRIEF.md`` Sec. 4); loop of LLaDA (Nie et al. 2025, Sec. 2.4,
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3-4; loop of LLaDA ("Large Language Diffusion Models", Nie et al. 2025, arXiv 2502.09992, Sec. 2.4,
 "low-confidence remasking"). A masked diffusion LM generates ``gen_length`` tokens by starting
 from all ``[MASK]`` and, over ``steps`` denoising steps, predicting every masked token and
 keeping the most confident ``k`` predictions per step (``k`` spread evenly over the steps).

@@ -1,6 +1,7 @@
 """Quality of prefix reuse at each depth vs full recompute, per prefix-ratio bucket.
 
-BiCache paper, Sec. 3 (profiling the reuse depth; ``BRIEF.md`` Sec. 4). For every request of a
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3 (profiling the reuse depth). For every request of a
 bucket and every reuse depth ``d`` (and, for table rows, every codec policy the cached prefix
 state is sent with), three numbers against full recompute of the same request:
 

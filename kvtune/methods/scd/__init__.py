@@ -1,6 +1,7 @@
 """Semantic Cache Distillation (SCD): cross-model KV transfer from a producer to a consumer.
 
-``BRIEF.md`` sec. 3. One concept per module:
+SCD, "Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching",
+arXiv 2606.07684. One concept per module:
 
 - :mod:`kvtune.methods.scd.consumer`: the reproducible LoRA consumer (``make_consumer``);
 - :mod:`kvtune.methods.scd.lowrank`: reduced-rank ridge maps (the Reuse math);

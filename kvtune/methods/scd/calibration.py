@@ -1,6 +1,7 @@
 """SCD calibration: fit the per-layer Reuse and Patch maps on real calibration prefixes.
 
-SCD paper, "Reuse" and "Patch" (``BRIEF.md`` sec. 3). Both models prefill the same
+SCD ("Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching",
+arXiv 2606.07684), "Reuse" and "Patch". Both models prefill the same
 calibration token windows; per layer l, with N calibration tokens:
 
 - Reuse map: producer's normalized pre-attention input ``x_l^A (N, hidden)`` -> consumer's
