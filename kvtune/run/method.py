@@ -2,7 +2,7 @@
 
 A method (T/Q/C compression ``tqc``, SCD cross-model transfer ``scd``, BiCache shared-prefix
 reuse ``bicache``) is one package in :mod:`kvtune.methods` holding a :class:`Method` subclass
-and its registration. It declares:
+and its registration (:func:`register_method`, in the package's ``__init__``). It declares:
 
 - ``settings_class``: its frozen, versioned settings (:class:`kvtune.run.settings.RunSettings`);
 - :meth:`Method.prepare`: build the run's context once (load models, capture, calibrate);
@@ -133,7 +133,6 @@ class Method:
         description: one line for ``--help``.
         settings_class: the settings dataclass; its field names are the ``--set`` names.
         flat_trials: trial rows form a flat table (``trials.parquet`` is kept up to date).
-        record_key: the trial-row field that identifies a candidate (``policy_id``).
         report_title: the report's title prefix.
     """
 
@@ -141,7 +140,6 @@ class Method:
     description: str = ""
     settings_class: type = object
     flat_trials: bool = True
-    record_key: str = "policy_id"
     report_title: str = "kvtune profile"
 
     # ------------------------------------------------------------------ settings and names
@@ -186,7 +184,7 @@ class Method:
 
     def describe_row(self, row: dict[str, Any]) -> str:
         """One progress line for a finished trial row."""
-        return str(row.get("label") or row.get(self.record_key) or "")
+        return str(row.get("label") or row.get("policy_id") or "")
 
     def finish(self, context: Any) -> dict[str, Any]:
         """Keys added to ``run.json`` after the last stage (timings, calibration summary...)."""
