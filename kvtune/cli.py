@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Optional
@@ -73,8 +74,9 @@ def profile(
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
     from kvtune.methods import METHODS
-    from kvtune.profile import load_settings, run_profile
-    from kvtune.run.method import ProfileRequest
+    from kvtune.methods.tqc.profile import load_settings, run_profile
+    from kvtune.run.method import Hooks, ProfileRequest
+    from kvtune.run.runner import run_request
 
     try:
         if resume is not None:  # the run folder says which method it is
@@ -90,10 +92,11 @@ def profile(
     if method != "tqc":
         try:
             with _progress_hooks() as (on_stage, on_progress):
-                run_dir = METHODS[method].profile(ProfileRequest(
+                run_dir = run_request(METHODS[method], ProfileRequest(
                     model=None if model == _D.model else model, out=out, reports=reports, run=run, resume=resume,
-                    device=device, seed=seed, options=options, on_stage=on_stage, on_progress=on_progress,
-                    say=lambda m: console.print(m, markup=False)))
+                    device=device, seed=seed, options=options,
+                    hooks=Hooks(on_stage=on_stage, on_progress=on_progress,
+                                say=lambda m: console.print(m, markup=False)))).run_dir
         except KvtuneError as exc:
             _fail(exc)
             return
@@ -103,8 +106,7 @@ def profile(
         if options:
             raise KvtuneError("--set is for the settings of --method scd/bicache; tqc has its own options")
         if resume is not None:
-            settings = load_settings(resume)
-            settings.out, settings.run = str(resume.parent), resume.name
+            settings = dataclasses.replace(load_settings(resume), out=str(resume.parent), run=resume.name)
         else:
             settings = ProfileSettings(
                 model=model, text=text, space=space, budget=budget, optimizer=optimizer, contexts=contexts,
@@ -198,20 +200,20 @@ def _print_summary(result) -> None:
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="A run folder, e.g. profiles/<run>.")) -> None:
     """Rebuild a run's Pareto front, policy tables and HTML report from its stored trials."""
-    from kvtune.profile import finalize_run
+    from kvtune.methods import METHODS
+    from kvtune.run.runner import finalize_run
     from kvtune.tables.run import read_run_info, run_method
 
     try:
-        method = run_method(read_run_info(run_dir), run_dir) if run_dir.is_dir() else None
-        if method is not None and method.name != "tqc":
-            files = method.finalize(run_dir)
-        else:
-            _print_summary(finalize_run(run_dir))
-            return
+        method = run_method(read_run_info(run_dir), run_dir) if run_dir.is_dir() else METHODS["tqc"]
+        result = finalize_run(method, run_dir)
     except KvtuneError as exc:
         _fail(exc)
         return
-    for name, path in files.items():
+    if method.name == "tqc":
+        _print_summary(result)
+        return
+    for name, path in result.files.items():
         console.print(f"  {name:<18} {path}", markup=False)
 
 
@@ -301,11 +303,8 @@ def main() -> None:  # pragma: no cover - console entry point
     app()
 
 
-from kvtune.bicache.cli import app as _bicache_app  # noqa: E402  (sub-apps after the main commands)
+from kvtune.methods.scd.cli import app as _scd_app  # noqa: E402  (sub-apps after the main commands)
 
-from kvtune.scd.cli import app as _scd_app  # noqa: E402
-
-app.add_typer(_bicache_app, name="bicache")
 app.add_typer(_scd_app, name="scd")
 
 if __name__ == "__main__":  # pragma: no cover

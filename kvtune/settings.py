@@ -19,10 +19,11 @@ defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
 READABLE_VERSIONS = (1, 2)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileSettings(RunSettings):
-    """Everything that defines a profiling run (saved as ``run.json``; round-trips through JSON,
-    :class:`kvtune.run.settings.RunSettings`).
+    """Everything that defines a T/Q/C profiling run (saved as ``run.json``; frozen, versioned and
+    round-trips through JSON like every method's settings, :class:`kvtune.run.settings.RunSettings`;
+    derive changed settings with :func:`dataclasses.replace`).
 
     Attributes:
         model: ``--model`` spec (asset name, ``.gguf`` path, HF folder or id).
@@ -51,7 +52,7 @@ class ProfileSettings(RunSettings):
         refine: re-evaluate the search's Pareto set at full fidelity; the tables and the report
             then use the full-fidelity results (no effect when ``search_fidelity`` is ``full``).
         refine_budget: at most this many Pareto policies are re-evaluated (0 = all), in the
-            order of :func:`kvtune.profile.refinement_order`.
+            order of :func:`kvtune.methods.tqc.profile.refinement_order`.
         optimizer: registered optimizer name.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: seeds the optimizer (and anything random) so runs reproduce.

@@ -1,4 +1,4 @@
-"""Tests of kvtune.bicache: reuse exactness, payloads, depth choice, tables, DLM loop, profile run.
+"""Tests of kvtune.methods.bicache: reuse exactness, payloads, depth choice, tables, DLM loop, profile run.
 
 Tiny randomly initialised BERT models (2 layers, hidden 32) keep the file fast; the tests
 marked ``real_model`` load the real all-MiniLM-L6-v2 once per session.
@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvtune.bicache import (
+from kvtune.methods.bicache import (
     BiCacheSettings,
     choose_depth,
     compile_bicache_table,
@@ -26,13 +26,13 @@ from kvtune.bicache import (
     unmask_loop,
     unpack_prefix_state,
 )
-from kvtune.bicache.adapters import adapter_for, load_encoder
-from kvtune.bicache.dlm import tokens_per_step
-from kvtune.bicache.quality import EXACT, pad_batch
-from kvtune.bicache.state import merge_states, roundtrip_prefix_state
-from kvtune.bicache.stats import CRITERIA, bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
-from kvtune.bicache.table import bicache_candidate, line_for, min_bandwidth_gbps
-from kvtune.bicache.workload import best_window, parse_buckets, suffix_tokens_for_ratio
+from kvtune.methods.bicache.adapters import adapter_for, load_encoder
+from kvtune.methods.bicache.dlm import tokens_per_step
+from kvtune.methods.bicache.quality import EXACT, pad_batch
+from kvtune.methods.bicache.state import merge_states, roundtrip_prefix_state
+from kvtune.methods.bicache.stats import CRITERIA, bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
+from kvtune.methods.bicache.table import bicache_candidate, line_for, min_bandwidth_gbps
+from kvtune.methods.bicache.workload import best_window, parse_buckets, suffix_tokens_for_ratio
 from kvtune.codecs import PolicyConfig
 from kvtune.errors import BiCacheError, TableError
 from kvtune.tables import PolicyTable
@@ -433,7 +433,7 @@ def test_profile_table_rows_load_and_select(tiny_run):
 
 
 def test_compile_run_table_recompiles_from_saved_frames(tiny_run):
-    from kvtune.bicache.api import compile_run_table
+    from kvtune.methods.bicache.api import compile_run_table
 
     res, _ = tiny_run
     before = PolicyTable.load(res.run_dir / "policy_table.parquet")
@@ -446,16 +446,17 @@ def test_compile_run_table_recompiles_from_saved_frames(tiny_run):
 def test_cli_profile_on_tiny_model(tiny_folder, tiny_data, tmp_path):
     from typer.testing import CliRunner
 
-    from kvtune.bicache.cli import app
+    from kvtune.cli import app
 
     res = CliRunner().invoke(app, [
-        "profile", "--model", str(tiny_folder), "--data", str(tiny_data), "--out", str(tmp_path), "--run", "r",
-        "--buckets", "0.4,0.9", "--requests", "4", "--codecs", "bf16", "--repeats", "1",
-        "--floors", "kv_cosine=0.9",
+        "profile", "--method", "bicache", "--model", str(tiny_folder), "--set", f"data={tiny_data}",
+        "--out", str(tmp_path), "--run", "r", "--set", "buckets=0.4,0.9", "--set", "requests_per_bucket=4",
+        "--set", "codecs=bf16", "--set", "repeats=1", "--set", 'floors={"kv_cosine": 0.9}',
     ])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "r" / "policy_table.parquet").is_file()
-    bad = CliRunner().invoke(app, ["profile", "--model", str(tiny_folder), "--codecs", "nope", "--out", str(tmp_path)])
+    bad = CliRunner().invoke(app, ["profile", "--method", "bicache", "--model", str(tiny_folder), "--set", "codecs=nope",
+                                   "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "unknown codec" in bad.output
 
 
@@ -463,14 +464,15 @@ def test_cli_profile_on_tiny_model(tiny_folder, tiny_data, tmp_path):
 def test_cli_profile_with_a_bad_model_path_is_a_typed_error_and_leaves_no_run_folder(tmp_path, kind):
     from typer.testing import CliRunner
 
-    from kvtune.bicache.cli import app
+    from kvtune.cli import app
 
     model = tmp_path / "model"
     if kind == "empty folder":
         model.mkdir()
     elif kind == "file":
         model.write_text("not a model")
-    res = CliRunner().invoke(app, ["profile", "--model", str(model), "--out", str(tmp_path / "p"), "--run", "r"])
+    res = CliRunner().invoke(app, ["profile", "--method", "bicache", "--model", str(model), "--out", str(tmp_path / "p"),
+                                   "--run", "r"])
     out = " ".join(res.output.split())
     assert res.exit_code == 2 and f"--model {str(model)!r}" in out and "Traceback" not in out, (out, res.exception)
     assert not (tmp_path / "p").exists()

@@ -93,8 +93,10 @@ def test_unknown_method_lists_the_known_ones():
 
 
 def test_method_subcommands_are_mounted():
-    res = runner.invoke(app, ["bicache", "profile", "--help"])
-    assert res.exit_code == 0 and "--run" in res.output
+    res = runner.invoke(app, ["scd", "make-consumer", "--help"])
+    assert res.exit_code == 0 and "--producer" in res.output
+    for method in ("scd", "bicache"):  # their profiles are `kvtune profile --method X --set ...`
+        assert runner.invoke(app, [method, "profile", "--help"]).exit_code == 2
 
 
 def test_unknown_workload_fails_before_loading_the_model(tmp_path):
@@ -371,7 +373,7 @@ def test_run_holds_its_folder_lock_and_resumes_after_a_kill_without_repeating_or
     import fcntl
     import os
 
-    from kvtune.profile import load_settings, run_profile
+    from kvtune.methods.tqc.profile import load_settings, run_profile
     from kvtune.settings import ProfileSettings
 
     settings = ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), contexts=3, context_tokens=48,

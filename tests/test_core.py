@@ -14,7 +14,7 @@ from kvtune.core.jsonio import canonical_json, dec_float, enc_float, jsonable, p
 
 
 def test_policy_ids_of_every_method_are_the_one_function():
-    from kvtune.bicache.table import bicache_policy_id
+    from kvtune.methods.bicache.table import bicache_policy_id
     from kvtune.codecs import PolicyConfig
 
     cfg = PolicyConfig.kivi(4, 32)

@@ -1,10 +1,10 @@
-"""Pure helpers of :mod:`kvtune.profile` (the end-to-end runs are in test_cli.py)."""
+"""Pure helpers of :mod:`kvtune.methods.tqc.profile` (the end-to-end runs are in test_cli.py)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from kvtune.profile import refinement_order, split_fidelities
+from kvtune.methods.tqc.profile import refinement_order, split_fidelities
 
 
 def test_refinement_order_covers_every_floor_then_the_2d_front_by_ratio():
@@ -45,7 +45,8 @@ def test_example_profile_recompiles_to_its_stored_outputs_exactly(tmp_path):
     import shutil
     from pathlib import Path
 
-    from kvtune.profile import finalize_run
+    from kvtune.methods import METHODS
+    from kvtune.run.runner import finalize_run
     from kvtune.tables.policy_table import PolicyTable
 
     example = Path(__file__).parent.parent / "profiles" / "example"
@@ -56,7 +57,7 @@ def test_example_profile_recompiles_to_its_stored_outputs_exactly(tmp_path):
         (run / name).unlink()
     info["settings"]["reports"] = str(tmp_path / "reports")
     (run / "run.json").write_text(json.dumps(info, indent=2))
-    finalize_run(run)
+    finalize_run(METHODS["tqc"], run)
     pd.testing.assert_frame_equal(pd.read_parquet(run / "pareto.parquet"), pd.read_parquet(example / "pareto.parquet"))
     pd.testing.assert_frame_equal(pd.read_parquet(run / "trials.parquet"), pd.read_parquet(example / "trials.parquet"))
     new, old = PolicyTable.load(run / "policy_table.parquet"), PolicyTable.load(example / "policy_table.parquet")

@@ -49,13 +49,13 @@ def test_a_name_clash_is_an_error(how):
 
 
 def test_every_kvtune_registry_is_a_registry():
-    from kvtune.bicache.adapters import ADAPTERS
-    from kvtune.bicache.api import CODEC_POLICIES
+    from kvtune.methods.bicache.adapters import ADAPTERS
+    from kvtune.methods.bicache.api import CODEC_POLICIES
     from kvtune.codecs.base import CODECS, QUANTIZERS, TRANSFORMS
     from kvtune.evaluate.workloads import WORKLOADS
     from kvtune.methods import METHODS as RUN_METHODS
     from kvtune.optimize import OPTIMIZERS
-    from kvtune.scd.methods import METHODS as TRANSFER_METHODS
+    from kvtune.methods.scd.methods import METHODS as TRANSFER_METHODS
 
     for reg in (ADAPTERS, CODEC_POLICIES, CODECS, QUANTIZERS, TRANSFORMS, WORKLOADS, RUN_METHODS, OPTIMIZERS,
                 TRANSFER_METHODS):

@@ -1,4 +1,4 @@
-"""Tests of kvtune.scd: low-rank maps, state capture and rebuild, transfer methods, mixed-method tables."""
+"""Tests of kvtune.methods.scd: low-rank maps, state capture and rebuild, transfer methods, mixed-method tables."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 
 from kvtune.errors import ConfigError, KvtuneError, ModelLayoutError, TableError
 from kvtune.evaluate.model import LoadedModel, load_model
-from kvtune.scd.calibration import calibrate
-from kvtune.scd.consumer import ConsumerRecipe, consumer_dir, is_held_out, lr_at, token_windows
-from kvtune.scd.lowrank import fit_low_rank_map, relative_error
-from kvtune.scd.methods import (
+from kvtune.methods.scd.calibration import calibrate
+from kvtune.methods.scd.consumer import ConsumerRecipe, consumer_dir, is_held_out, lr_at, token_windows
+from kvtune.methods.scd.lowrank import fit_low_rank_map, relative_error
+from kvtune.methods.scd.methods import (
     METHODS,
     SCD,
     DroidSpeak,
@@ -26,7 +26,7 @@ from kvtune.scd.methods import (
     prefix_context,
     ttft_seconds,
 )
-from kvtune.scd.states import capture_states, check_same_architecture, run_layers
+from kvtune.methods.scd.states import capture_states, check_same_architecture, run_layers
 from kvtune.tables import PolicyTable, compile_policy_table
 
 # ------------------------------------------------------------------------------ low-rank maps
@@ -159,7 +159,7 @@ def test_full_rank_scd_generalizes_when_the_consumer_kv_is_linear(tiny_lm):
 
 def test_quantized_scd_codes_go_through_the_tqc_pipeline(tiny_lm):
     from kvtune.codecs import decode_kv
-    from kvtune.scd.methods import code_policy
+    from kvtune.methods.scd.methods import code_policy
 
     consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
     windows = _windows(2, 40)
@@ -189,7 +189,7 @@ def test_quantized_scd_codes_go_through_the_tqc_pipeline(tiny_lm):
 
 
 def test_scd_grid_is_searched_by_the_shared_optimizers(tiny_lm):
-    from kvtune.scd.profile import SCDProfileSettings, scd_methods, scd_space, search_scd, evaluate_method
+    from kvtune.methods.scd.profile import SCDProfileSettings, scd_methods, scd_space, search_scd, evaluate_method
 
     consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
     windows = _windows(3, 24)
@@ -215,7 +215,7 @@ def test_scd_grid_is_searched_by_the_shared_optimizers(tiny_lm):
 @pytest.mark.parametrize("change, match", [({"optimizer": "simplex"}, "unknown optimizer"),
                                            ({"code_bits": (16, 5)}, "code bits"), ({"budget": -1}, "budget")])
 def test_scd_profile_rejects_bad_settings_before_loading_models(change, match):
-    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+    from kvtune.methods.scd.profile import SCDProfileSettings, run_scd_profile
 
     with pytest.raises(ConfigError, match=match):  # model names that do not exist: never loaded
         run_scd_profile("no-such-model", "no-such-model", "/nonexistent/out", settings=SCDProfileSettings(**change))
@@ -279,7 +279,7 @@ def test_tiny_gemma_is_rejected(tiny_gemma_dir):
 def _tiny_pair_run(tiny_lm, tmp_path, **settings):
     """A consumer perturbed from ``tiny_lm``, domain data and small SCD settings (``settings``
     override them)."""
-    from kvtune.scd.profile import SCDProfileSettings
+    from kvtune.methods.scd.profile import SCDProfileSettings
 
     rng = np.random.default_rng(0)
     data = tmp_path / "docs.jsonl"
@@ -294,7 +294,7 @@ def _tiny_pair_run(tiny_lm, tmp_path, **settings):
 
 
 def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
-    from kvtune.scd.profile import run_scd_profile
+    from kvtune.methods.scd.profile import run_scd_profile
 
     consumer, st = _tiny_pair_run(tiny_lm, tmp_path)
     res = run_scd_profile(tiny_lm, consumer, tmp_path / "run", settings=st)
@@ -303,11 +303,12 @@ def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
     rec = res.trials[res.trials["method"] == "recompute"].iloc[0]
     assert rec["relative_accuracy_raw"] == pytest.approx(1.0)
     assert (res.trials["relative_accuracy_lo"] <= res.trials["relative_accuracy_raw"] + 1e-12).all()
-    for name in ("scd_trials.parquet", "scd_policy_table.parquet", "scd_policy_table.json", "scd_maps.pt",
-                 "scd_calibration.json", "scd_run.json", "scd_summary.md"):
+    for name in ("trials.parquet", "policy_table.parquet", "policy_table.json", "scd_maps.pt",
+                 "scd_calibration.json", "run.json", "summary.md", "pareto.parquet"):
         assert (tmp_path / "run" / name).is_file()
-    assert res.run["calibration_artifact_bytes"]["total"] > 0
-    table = PolicyTable.load(tmp_path / "run" / "scd_policy_table.parquet")
+    assert not list((tmp_path / "run").glob("scd_*.parquet")) and not (tmp_path / "run" / "scd_run.json").exists()
+    assert res.info["calibration_artifact_bytes"]["total"] > 0
+    table = PolicyTable.load(tmp_path / "run" / "policy_table.parquet")
     assert "none" not in set(table.frame["policy_id"]) if hasattr(table, "frame") else True
     sel = table.select(1000.0, 0.99)
     assert sel.method in methods
@@ -395,7 +396,7 @@ def test_token_windows(tiny_lm):
 
 def test_make_consumer_on_tiny_model(tiny_model_dir, tmp_path):
     pytest.importorskip("peft")
-    from kvtune.scd.consumer import make_consumer
+    from kvtune.methods.scd.consumer import make_consumer
 
     rng = np.random.default_rng(1)
     data = tmp_path / "docs.jsonl"
@@ -415,15 +416,17 @@ def test_make_consumer_on_tiny_model(tiny_model_dir, tmp_path):
 def test_scd_cli_help_and_typed_errors(tmp_path):
     from typer.testing import CliRunner
 
-    from kvtune.scd.cli import app
+    from kvtune.cli import app as main_app
+    from kvtune.methods.scd.cli import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["--help"])
-    assert res.exit_code == 0 and "make-consumer" in res.output and "profile" in res.output
-    res = runner.invoke(app, ["profile", "--consumer", str(tmp_path), "--ranks", "a,b"])
-    assert res.exit_code == 2 and "--ranks" in res.output
-    res = runner.invoke(app, ["profile", "--consumer", str(tmp_path / "missing"), "--producer", str(tmp_path / "nope")])
-    assert res.exit_code == 2 and "error" in res.output
+    assert res.exit_code == 0 and "make-consumer" in res.output
+    scd = ["profile", "--method", "scd", "--out", str(tmp_path / "p")]  # the SCD profile is kvtune profile --method scd
+    res = runner.invoke(main_app, [*scd, "--set", f"consumer={tmp_path}", "--set", "ranks=a,b"])
+    assert res.exit_code == 2 and "--set ranks=a,b" in res.output
+    res = runner.invoke(main_app, [*scd, "--set", f"consumer={tmp_path / 'missing'}", "--model", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "error" in res.output and not (tmp_path / "p").exists()
 
 
 def test_scd_artifact_bytes_count_the_truncated_maps(tiny_lm):
@@ -445,7 +448,7 @@ def test_scd_run_resumes_after_a_kill_and_its_folder_answers_select_export_repor
     from typer.testing import CliRunner
 
     from kvtune.cli import app
-    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
+    from kvtune.methods.scd.profile import SCDProfileSettings, run_scd_profile
 
     consumer, st = _tiny_pair_run(tiny_lm, tmp_path, optimizer="random", budget=3)
     assert SCDProfileSettings.from_dict(json.loads(json.dumps(st.to_dict()))) == st
@@ -481,3 +484,20 @@ def test_scd_run_resumes_after_a_kill_and_its_folder_answers_select_export_repor
     rep = cli.invoke(app, ["report", str(run)])
     assert rep.exit_code == 0 and "report" in rep.output, rep.output
     pd.testing.assert_frame_equal(PolicyTable.load(run / "policy_table.parquet").frame, res.table.frame)
+
+
+@pytest.mark.parametrize("version, scd_at_97", [(2, False), (1, True)])
+def test_scd_table_gates_floors_on_the_interval_lower_end(version, scd_at_97):
+    """SCD rows carry a paired-bootstrap interval: a configuration whose point estimate meets a
+    floor but whose interval's lower end does not is kept out (settings version 2); version-1
+    runs recompile on the point estimate, as they were written."""
+    from kvtune.methods.scd.profile import compile_scd_table
+
+    front = _mixed_front()
+    front["relative_accuracy_lo"] = front["relative_accuracy"] - 0.001
+    front.loc[front["method"] == "scd", "relative_accuracy_lo"] = 0.96  # point 0.975, lower end below 0.97
+    run = {"settings": {"version": version, "floors": [0.97], "data": "xsum"}, "kv_bytes_per_request": 1e9,
+           "producer": {"model": "A"}, "consumer": {"model": "B", "device": "cpu"}}
+    ids = set(compile_scd_table(front, run).frame["policy_id"])
+    assert ("scd000000000" in ids) is scd_at_97
+    assert "rec000000000" in ids

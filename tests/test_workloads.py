@@ -301,7 +301,7 @@ def test_workloads_on_a_sliding_window_model(tiny_gemma_dir, tiny):
     assert r["relative_accuracy_raw"] == 1.0
     assert r["original_bytes"] == 2 * 2 * (7 + 7 + 24 + 7) * 16 * 2 * 1  # 2 ctx x (K+V) x positions x dim x bf16
     assert wl.evaluate(KIVI2, fidelity="cheap")["relative_accuracy_raw"] != 1.0
-    st.workload, st.max_new_tokens, st.context_tokens = "needle", 3, 96
+    st = dataclasses.replace(st, workload="needle", max_new_tokens=3, context_tokens=96)
     needle = make_workload("needle", lm, settings=st)
     assert needle.evaluate(NONE, fidelity="full")["relative_accuracy_raw"] == 1.0
 

@@ -1,32 +1,25 @@
-"""The registry of profiling methods (``kvtune profile --method NAME``).
+"""The profiling methods (``kvtune profile --method NAME``), one package each.
 
-A method is one module in this package defining a :class:`kvtune.run.method.Method` as
-``METHOD``, plus its line in :func:`_register_builtin`; the run machinery (run folder, lock, trial store, tables, report, CLI)
-is shared. Method modules import their heavy dependencies lazily, so listing the methods is
-cheap.
+Adding a method is one package here: a :class:`kvtune.run.method.Method` subclass (its
+settings class, ``prepare``, ``stages``, ``evaluate``, ``compile``) and, in the package's
+``__init__``, its registration ``register_method(MyMethod())``. Importing this package imports
+every sub-package, so every method is registered; the shared runner (:mod:`kvtune.run.runner`)
+does the run folder, lock, trial store with resume, ask/tell loop, Pareto, tables and report.
+
+- :mod:`kvtune.methods.tqc`: Transform -> Quantize -> Codec KV compression search (KVServe);
+- :mod:`kvtune.methods.scd`: cross-model KV transfer (Semantic Cache Distillation);
+- :mod:`kvtune.methods.bicache`: shared-prefix reuse depth for bidirectional encoders (BiCache).
 """
 
 from __future__ import annotations
 
-from kvtune.core.registry import Registry
-from kvtune.run.method import Method
+import importlib
+import pkgutil
+
+from kvtune.run.method import METHODS, Method, register_method
 
 __all__ = ["METHODS", "Method", "register_method"]
 
-METHODS: Registry[Method] = Registry("method")
-"""``--method`` name -> :class:`~kvtune.run.method.Method`."""
-
-
-def register_method(method: Method) -> Method:
-    """Add ``method`` to :data:`METHODS` under ``method.name`` (a clash: DuplicateNameError)."""
-    return METHODS.register(method.name, method)
-
-
-def _register_builtin() -> None:
-    from kvtune.methods import bicache, scd, tqc
-
-    for module in (tqc, scd, bicache):
-        register_method(module.METHOD)
-
-
-_register_builtin()
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _info.ispkg:
+        importlib.import_module(f"{__name__}.{_info.name}")

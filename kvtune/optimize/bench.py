@@ -1,7 +1,7 @@
 """Search benchmark: every optimizer against a replay table with a known answer.
 
 Used by ``benchmarks/search.py`` (the command line) and the tests. For each optimizer and
-seed, the optimizer is driven exactly as :func:`kvtune.profile.run_profile` drives it (ask ->
+seed, the optimizer is driven exactly as :func:`kvtune.methods.tqc.profile.run_profile` drives it (ask ->
 evaluate -> tell, results carrying their ``trial`` number) against a
 :class:`~kvtune.optimize.replay.ReplayObjective`, up to the **largest** budget; smaller budgets
 are read off the same run as prefixes (no optimizer here looks at the budget, so a run with

@@ -8,9 +8,10 @@ and never evaluates a stored candidate again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ask_tell"]
+__all__ = ["ask_tell", "in_order"]
 
 
 def ask_tell(optimizer: Any, candidates: Iterable[Any], *, budget: int, done: Mapping[str, dict[str, Any]],
@@ -43,3 +44,16 @@ def ask_tell(optimizer: Any, candidates: Iterable[Any], *, budget: int, done: Ma
         optimizer.tell(cand, record)
         n += 1
     return n
+
+
+def in_order(candidates: Iterable[Any]) -> Any:
+    """The ``exhaustive`` optimizer over a fixed list of candidates (asked in list order).
+
+    ``candidates``: objects with distinct ``index`` values and a ``policy_id``.
+    """
+    from kvtune.optimize import make_optimizer
+    from kvtune.space import SearchSpace
+
+    space = SearchSpace(name="list", path=Path("<list>"), description="a fixed list of candidates", parameters=[],
+                        fixed={}, candidates=list(candidates))
+    return make_optimizer("exhaustive", space)

@@ -1,26 +1,55 @@
-"""What a profiling method supplies to the shared run machinery.
+"""What a profiling method supplies to the shared runner (:mod:`kvtune.run.runner`).
 
 A method (T/Q/C compression ``tqc``, SCD cross-model transfer ``scd``, BiCache shared-prefix
-reuse ``bicache``) is one module in :mod:`kvtune.methods` registering a :class:`Method`:
-its settings class, how to run (or resume) a profile into a run folder, and how to rebuild
-its policy table and report from a finished run folder. The run folder itself (name, lock,
-``run.json`` with ``method`` and ``settings``, ``trials.jsonl`` with resume), the ask/tell
-loop (:mod:`kvtune.run.loop`), the table compiler (:mod:`kvtune.tables.policy_table`),
-``select``, ``export`` and ``report`` are shared.
+reuse ``bicache``) is one package in :mod:`kvtune.methods` holding a :class:`Method` subclass
+and its registration (:func:`register_method`, in the package's ``__init__``). It declares:
+
+- ``settings_class``: its frozen, versioned settings (:class:`kvtune.run.settings.RunSettings`);
+- :meth:`Method.prepare`: build the run's context once (load models, capture, calibrate);
+- :meth:`Method.stages`: its candidates, as one or more ask/tell :class:`Stage` s (a fixed list
+  uses the ``exhaustive`` optimizer);
+- :meth:`Method.evaluate`: ``evaluate(context, candidate, stage) -> trial row``;
+- :meth:`Method.compile`: the rows its Pareto front and table are built on, the table
+  (floors, keys, ``include_none``, extra columns) and any extra frames and plots.
+
+The runner does the rest, the same way for every method: the run folder and its lock,
+``run.json``, the trial store with resume, the ask/tell loop, Pareto, the table files and the
+HTML report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Method", "ProfileRequest"]
+import pandas as pd
+
+from kvtune.core.registry import Registry
+
+__all__ = ["METHODS", "Compiled", "Hooks", "Method", "ProfileRequest", "Stage", "register_method"]
 
 
 def _noop(*_: Any, **__: Any) -> None:
     return None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Progress callbacks of a run.
+
+    Attributes:
+        on_stage: ``on_stage(name, total)`` when a stage with ``total`` steps starts.
+        on_progress: ``on_progress(n=1, info="")`` after each step of the current stage.
+        say: one-line messages.
+        on_trial: called with each new trial row after it is stored.
+    """
+
+    on_stage: Callable[..., None] = _noop
+    on_progress: Callable[..., None] = _noop
+    say: Callable[[str], None] = _noop
+    on_trial: Callable[[dict[str, Any]], None] = _noop
 
 
 @dataclass(frozen=True)
@@ -34,8 +63,7 @@ class ProfileRequest:
         device: ``auto``, ``cpu`` or ``cuda``; seed: seeds every random choice.
         options: the method's settings as ``name -> text`` (``--set name=value``), converted
             with :func:`kvtune.run.settings.parse_overrides`.
-        on_stage: ``on_stage(name, total)``; on_progress: ``on_progress(n=1, info="")``;
-        say: one-line messages.
+        hooks: progress callbacks.
     """
 
     model: str | None = None
@@ -46,33 +74,183 @@ class ProfileRequest:
     device: str = "auto"
     seed: int = 0
     options: Mapping[str, str] = field(default_factory=dict)
-    on_stage: Callable[..., None] = _noop
-    on_progress: Callable[..., None] = _noop
-    say: Callable[[str], None] = _noop
+    hooks: Hooks = Hooks()
 
 
 @dataclass(frozen=True)
-class Method:
-    """A registered profiling method.
+class Stage:
+    """One ask/tell pass over some of a method's candidates.
 
     Attributes:
-        name: ``--method`` value, also the ``method`` of its ``run.json``.
-        description: one line for ``--help``.
-        settings_class: the method's settings (a frozen, versioned dataclass with
-            ``to_dict``/``from_dict``); its field names are the ``--set`` names.
-        profile: ``profile(request) -> run folder``: run or resume (``request.resume``) a
-            profile, writing trials, ``run.json``, the policy table and the HTML report.
-        compile_table: ``compile_table(run_dir, run_info, floors) -> PolicyTable``: the run's
-            table compiled again from its stored trials (``floors`` None: the run's floors);
-            used by ``export --floors/--recompile`` and ``select`` on a folder without a table.
-        finalize: ``finalize(run_dir) -> files``: rebuild the table and the report from the
-            stored trials (``kvtune report``); returns ``{name: path}``.
-        table_floors: names of the settings field holding the table's floors.
+        name: the stage (``search``, ``refine``, ``baselines``, ``buckets``...), passed to
+            :meth:`Method.evaluate` and shown as progress.
+        candidates: the candidates (each with ``policy_id`` and ``index``).
+        optimizer: a :class:`kvtune.optimize.Optimizer` over them.
+        budget: total evaluations wanted in this stage, stored ones included.
+        done: this stage's stored trial rows by ``policy_id`` (told, not evaluated again).
+        title: the progress line of the stage (default: ``name``).
     """
 
     name: str
-    description: str
-    settings_class: type
-    profile: Callable[[ProfileRequest], Path]
-    compile_table: Callable[[Path, dict[str, Any], Sequence[float] | None], Any]
-    finalize: Callable[[Path], dict[str, Path]]
+    candidates: Sequence[Any]
+    optimizer: Any
+    budget: int
+    done: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    title: str = ""
+
+
+@dataclass
+class Compiled:
+    """What :meth:`Method.compile` derives from a run's stored trials (nothing written yet).
+
+    Attributes:
+        trials: the trial rows as a flat frame (``trials.parquet``), or None when the rows
+            are nested (BiCache's one record per bucket).
+        points: the rows the Pareto front is built on (also the report's trials).
+        table: the :class:`~kvtune.tables.policy_table.PolicyTable`.
+        frames: extra Parquet files ``{file name: frame}``.
+        texts: extra text files ``{file name: text}``.
+        info: keys added to ``run.json``.
+        pareto: the front of ``points`` (filled in by the runner when None).
+        shown: the report's trial rows (None: ``points``).
+    """
+
+    trials: pd.DataFrame | None
+    points: pd.DataFrame
+    table: Any
+    frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    pareto: pd.DataFrame | None = None
+    shown: pd.DataFrame | None = None
+
+
+class Method:
+    """A registered profiling method; subclass it in ``kvtune/methods/<name>/``.
+
+    Class attributes:
+        name: ``--method`` value, also the ``method`` of its ``run.json``.
+        description: one line for ``--help``.
+        settings_class: the settings dataclass; its field names are the ``--set`` names.
+        flat_trials: trial rows form a flat table (``trials.parquet`` is kept up to date).
+        report_title: the report's title prefix.
+    """
+
+    name: str = ""
+    description: str = ""
+    settings_class: type = object
+    flat_trials: bool = True
+    report_title: str = "kvtune profile"
+
+    # ------------------------------------------------------------------ settings and names
+
+    def settings_for(self, request: ProfileRequest) -> Any:
+        """The settings of a new run from the common options and ``--set`` values."""
+        from kvtune.run.settings import parse_overrides
+
+        return self.settings_class(**parse_overrides(self.settings_class, request.options))
+
+    def run_name(self, settings: Any) -> str:
+        """Default run folder name."""
+        return self.name
+
+    def check(self, settings: Any) -> None:
+        """Fail before any model loads on settings that cannot work (typed errors)."""
+
+    # ------------------------------------------------------------------ the run
+
+    def prepare(self, settings: Any, run_dir: Path, hooks: Hooks, **given: Any) -> Any:
+        """Build the run's context once (load models, build requests, capture, calibrate).
+
+        ``given``: already loaded objects (tests pass tiny models). Runs with the folder locked.
+        """
+        raise NotImplementedError
+
+    def run_info(self, context: Any) -> dict[str, Any]:
+        """Keys of ``run.json`` known once the context is built (written before the first trial)."""
+        return {}
+
+    def stages(self, context: Any, stored: list[dict[str, Any]]) -> Iterator[Stage]:
+        """The ask/tell stages, in order; ``stored``: the trial rows already in the store.
+
+        A generator: a later stage may depend on the trials of an earlier one (they are in
+        the store by the time it is asked for).
+        """
+        raise NotImplementedError
+
+    def evaluate(self, context: Any, candidate: Any, stage: Stage) -> dict[str, Any]:
+        """One trial row for ``candidate`` (the runner adds its ``trial`` number first)."""
+        raise NotImplementedError
+
+    def describe_row(self, row: dict[str, Any]) -> str:
+        """One progress line for a finished trial row."""
+        return str(row.get("label") or row.get("policy_id") or "")
+
+    def finish(self, context: Any) -> dict[str, Any]:
+        """Keys added to ``run.json`` after the last stage (timings, calibration summary...)."""
+        return {}
+
+    def close(self, context: Any) -> None:
+        """Release what :meth:`prepare` set up (threads, files)."""
+
+    # ------------------------------------------------------------------ outputs
+
+    def compile(self, run_dir: Path, info: dict[str, Any], records: list[dict[str, Any]],
+                floors: Sequence[float] | None = None) -> Compiled:
+        """Derive the table (and extra outputs) from the stored rows; ``floors`` None: the run's.
+
+        Raises:
+            KvtuneError: rows that cannot be compiled (the runner adds the trial log's name).
+        """
+        raise NotImplementedError
+
+    def compile_stored(self, run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None = None) -> Compiled:
+        """:meth:`compile` of the rows in ``<run_dir>/trials.jsonl``, with the Pareto front of
+        its points filled in.
+
+        Raises:
+            KvtuneError: no trials, or rows that do not compile; the message names the log.
+        """
+        from kvtune.errors import KvtuneError
+        from kvtune.pareto import pareto_front
+        from kvtune.store import TrialStore
+
+        store = TrialStore(run_dir, table=False)
+        records = store.load()
+        if not records:
+            raise KvtuneError(f"{run_dir}: no finished trials yet")
+        try:
+            compiled = self.compile(run_dir, info, records, floors)
+        except KeyError as exc:
+            raise KvtuneError(f"{store.log_path}: trial records lack column {exc}") from None
+        except KvtuneError as exc:
+            if str(store.log_path) in str(exc):
+                raise
+            raise type(exc)(f"{store.log_path}: {exc}") from None
+        if compiled.pareto is None:
+            compiled.pareto = pareto_front(compiled.points)
+        return compiled
+
+    def compile_table(self, run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None = None) -> Any:
+        """The run's table compiled again (``kvtune export --floors/--recompile``, ``select`` on a
+        folder without a table); nothing written. Default: from the stored trials."""
+        return self.compile_stored(run_dir, info, floors).table
+
+    def reports_folder(self, info: dict[str, Any]) -> Path | None:
+        """Where the run's report goes (``<folder>/<run>.html``); None: ``<run_dir>/report.html``."""
+        reports = info.get("reports")
+        return Path(reports) if isinstance(reports, str) else None
+
+
+METHODS: Registry[Method] = Registry("method")
+"""``--method`` name -> :class:`Method`; filled when :mod:`kvtune.methods` is imported (each
+method package registers itself)."""
+
+
+def register_method(method: Method) -> Method:
+    """Add ``method`` to :data:`METHODS` under ``method.name``; return it.
+
+    Raises:
+        DuplicateNameError: another method already has that name.
+    """
+    return METHODS.register(method.name, method)

@@ -1,6 +1,6 @@
 """The policy table of a profiling run folder: load, (re)compile with run metadata, export.
 
-A run folder (``profiles/<run>/``, written by :mod:`kvtune.profile`) holds ``run.json``,
+A run folder (``profiles/<run>/``, written by :mod:`kvtune.methods.tqc.profile`) holds ``run.json``,
 ``trials.parquet``, ``pareto.parquet`` and ``policy_table.parquet``/``.json``. This module
 turns it into a :class:`~kvtune.tables.policy_table.PolicyTable` whose metadata records the
 run name and the KV volume of one profiled request (``kv_bytes_per_request``, the default
@@ -80,8 +80,8 @@ def _read_parquet(path: Path) -> pd.DataFrame:
 def kv_bytes_per_request(run_info: dict[str, Any]) -> float | None:
     """Bytes of original bf16 KV of one profiled request (one context), from ``run.json``.
 
-    ``2 (K and V) x num_layers x kv_heads x head_dim x context_tokens x 2 bytes`` (BRIEF
-    Sec. 1); for SmolLM2-135M at 1,024 tokens: 2 x 30 x 3 x 64 x 1024 x 2 = 23,592,960 B.
+    ``2 (K and V) x num_layers x kv_heads x head_dim x context_tokens x 2 bytes`` (the volume V
+    of the KVServe latency model, "KVServe: Service-Aware KV Cache Compression for Communication-Efficient Disaggregated LLM Serving", arXiv 2605.13734); for SmolLM2-135M at 1,024 tokens: 2 x 30 x 3 x 64 x 1024 x 2 = 23,592,960 B.
 
     Returns:
         bytes (float), or None when the geometry or the context length is missing.

@@ -1,6 +1,7 @@
 """SCD calibration: fit the per-layer Reuse and Patch maps on real calibration prefixes.
 
-SCD paper, "Reuse" and "Patch" (``BRIEF.md`` sec. 3). Both models prefill the same
+SCD ("Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching",
+arXiv 2606.07684), "Reuse" and "Patch". Both models prefill the same
 calibration token windows; per layer l, with N calibration tokens:
 
 - Reuse map: producer's normalized pre-attention input ``x_l^A (N, hidden)`` -> consumer's
@@ -36,8 +37,8 @@ import torch
 from kvtune.atomic import atomic_path, atomic_write_text
 from kvtune.errors import ConfigError
 from kvtune.evaluate.model import LoadedModel
-from kvtune.scd.lowrank import LowRankMap, fit_low_rank_map, relative_error
-from kvtune.scd.states import capture_states, check_same_architecture
+from kvtune.methods.scd.lowrank import LowRankMap, fit_low_rank_map, relative_error
+from kvtune.methods.scd.states import capture_states, check_same_architecture
 
 
 @dataclass
@@ -129,7 +130,7 @@ class SCDCalibration:
 
 def _kv_pre_from_hidden(consumer: LoadedModel, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     """``(N, 2 * kv_heads * head_dim)`` consumer pre-RoPE [K, V] computed from a residual stream."""
-    from kvtune.scd.states import decoder_layers
+    from kvtune.methods.scd.states import decoder_layers
 
     lay = decoder_layers(consumer)[layer]
     with torch.inference_mode():
@@ -146,7 +147,7 @@ def calibrate(producer: LoadedModel, consumer: LoadedModel, windows: list[list[i
         producer, consumer: the pair (same architecture, see :func:`check_same_architecture`).
         windows: calibration token-id windows (each prefilled at batch 1, positions from 0).
         ranks: ranks at which per-layer errors are recorded (for transition layers and the report).
-        ridge: relative ridge strength (see :func:`kvtune.scd.lowrank.ridge_solution`).
+        ridge: relative ridge strength (see :func:`kvtune.methods.scd.lowrank.ridge_solution`).
 
     Returns:
         :class:`SCDCalibration`.

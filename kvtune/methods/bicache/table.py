@@ -1,8 +1,11 @@
 """BiCache configurations as policy-table rows (``method = "bicache"``), keyed by prefix ratio.
 
-``BRIEF.md`` Sec. 4 ("a fetched prefix cache can itself be compressed; same table machinery,
-different key") and the KVServe latency model of Sec. 2. When the cached prefix state lives
-in a remote store, a request at reuse depth ``d`` with codec policy ``p`` costs
+A fetched prefix cache (BiCache, "Enabling KV Caching of Shared Prefix for Diffusion Language
+Models", arXiv 2606.07571) can itself be compressed, so its configurations are rows of the
+same policy tables as KV compression, with another key (the prefix-ratio bucket), under the
+latency model of KVServe ("KVServe: Service-Aware KV Cache Compression for
+Communication-Efficient Disaggregated LLM Serving", arXiv 2605.13734). When the cached prefix
+state lives in a remote store, a request at reuse depth ``d`` with codec policy ``p`` costs
 
     T(B) = compute_s(d) + decode_s(d, p) + wire_bytes(d, p) / B
 

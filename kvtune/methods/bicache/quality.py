@@ -1,6 +1,7 @@
 """Quality of prefix reuse at each depth vs full recompute, per prefix-ratio bucket.
 
-BiCache paper, Sec. 3 (profiling the reuse depth; ``BRIEF.md`` Sec. 4). For every request of a
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3 (profiling the reuse depth). For every request of a
 bucket and every reuse depth ``d`` (and, for table rows, every codec policy the cached prefix
 state is sent with), three numbers against full recompute of the same request:
 
@@ -30,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtune.bicache.adapters import EncoderAdapter
-from kvtune.bicache.state import PrefixState, roundtrip_prefix_state
-from kvtune.bicache.stats import bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
-from kvtune.bicache.workload import BiCacheRequest
+from kvtune.methods.bicache.adapters import EncoderAdapter
+from kvtune.methods.bicache.state import PrefixState, roundtrip_prefix_state
+from kvtune.methods.bicache.stats import bootstrap_mean, mean_pool, per_token_cosine, retrieval_hits
+from kvtune.methods.bicache.workload import BiCacheRequest
 from kvtune.codecs import PolicyConfig
 from kvtune.evaluate.metrics import bootstrap_ratio_of_means, ratio_of_means
 

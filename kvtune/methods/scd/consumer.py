@@ -1,6 +1,7 @@
 """The consumer model of an SCD pair: a reproducible LoRA fine-tune of the producer.
 
-SCD (``BRIEF.md`` sec. 3) needs a producer A and a consumer B with the same architecture and
+SCD ("Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching",
+arXiv 2606.07684) needs a producer A and a consumer B with the same architecture and
 different weights (a base model and its fine-tune). kvtune makes B itself: LoRA adapters
 (``peft``) trained on real domain text (XSum news documents, the ``xsum`` data asset) with a
 fixed seed, merged into the weights, and saved as a Hugging Face folder under the kvtune

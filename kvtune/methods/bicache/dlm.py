@@ -1,11 +1,12 @@
 """Diffusion-LM path: prefix reuse with periodic deep-layer refresh in an unmasking loop.
 
-BiCache paper, Sec. 3-4 (``BRIEF.md`` Sec. 4); loop of LLaDA (Nie et al. 2025, Sec. 2.4,
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3-4; loop of LLaDA ("Large Language Diffusion Models", Nie et al. 2025, arXiv 2502.09992, Sec. 2.4,
 "low-confidence remasking"). A masked diffusion LM generates ``gen_length`` tokens by starting
 from all ``[MASK]`` and, over ``steps`` denoising steps, predicting every masked token and
 keeping the most confident ``k`` predictions per step (``k`` spread evenly over the steps).
 Every token attends to every other, so the shared prefix's state changes as the response
-fills in. BiCache's recipe, behind the same :class:`~kvtune.bicache.adapters.EncoderAdapter`
+fills in. BiCache's recipe, behind the same :class:`~kvtune.methods.bicache.adapters.EncoderAdapter`
 interface as the encoder path:
 
 * layers ``1..d``: the prefix's K/V (and the hidden entering layer ``d + 1``) come from the
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.bicache.adapters import EncoderAdapter
-from kvtune.bicache.state import PrefixState, merge_states
+from kvtune.methods.bicache.adapters import EncoderAdapter
+from kvtune.methods.bicache.state import PrefixState, merge_states
 from kvtune.errors import BiCacheError
 
 __all__ = ["DenoiseResult", "tokens_per_step", "unmask_loop"]

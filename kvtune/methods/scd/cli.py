@@ -1,21 +1,19 @@
-"""``kvtune scd ...``: thin Typer commands over :mod:`kvtune.scd`.
+"""``kvtune scd ...``: thin Typer commands over :mod:`kvtune.methods.scd`.
 
-Mounted by the main CLI with ``app.add_typer(kvtune.scd.cli.app, name="scd")``; also
-runnable alone: ``python -m kvtune.scd.cli make-consumer``.
+Mounted by the main CLI with ``app.add_typer(kvtune.methods.scd.cli.app, name="scd")``; also
+runnable alone: ``python -m kvtune.methods.scd.cli make-consumer``.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
 from kvtune.errors import KvtuneError
-from kvtune.scd.consumer import ConsumerRecipe
+from kvtune.methods.scd.consumer import ConsumerRecipe
 
 app = typer.Typer(help="Semantic Cache Distillation: cross-model KV transfer (producer -> fine-tuned consumer).",
                   no_args_is_help=True, add_completion=False)
@@ -28,13 +26,6 @@ _R = ConsumerRecipe()  # the defaults of make-consumer are the recipe's
 def _fail(exc: Exception) -> None:
     console.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(code=2)
-
-
-def _ints(text: str, what: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise KvtuneError(f"{what} {text!r}: expected comma-separated integers, e.g. 16,32,64") from None
 
 
 @app.command("make-consumer")
@@ -58,7 +49,7 @@ def make_consumer_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the consumer info as JSON."),
 ) -> None:
     """Fine-tune the producer with LoRA on domain text, merge, cache it; print its path and perplexities."""
-    from kvtune.scd.consumer import ConsumerRecipe, make_consumer
+    from kvtune.methods.scd.consumer import ConsumerRecipe, make_consumer
 
     try:
         recipe = ConsumerRecipe(producer=producer, data=data, holdout_fraction=holdout_fraction, steps=steps,
@@ -88,53 +79,6 @@ def make_consumer_cmd(
                                                f"{time.perf_counter() - t0:.0f} s in all)"))
     console.print(f"held-out perplexity: producer {info.producer_ppl:.2f}, consumer {info.consumer_ppl:.2f} "
                   f"({info.heldout_windows} windows of {recipe.seq_tokens} tokens)")
-
-
-@app.command("profile")
-def profile_cmd(
-    consumer: str = typer.Option(..., help="Consumer model (e.g. the folder make-consumer printed)."),
-    producer: str = typer.Option("smollm2-135m-instruct", help="Producer model, same architecture."),
-    out: Path = typer.Option(Path("profiles/scd"), help="Run folder for tables, trials and calibration maps."),
-    data: str = typer.Option("xsum", help="Domain data (must match the consumer's split)."),
-    contexts: int = typer.Option(16, min=2, help="Evaluation prefixes (held-out split)."),
-    context_tokens: int = typer.Option(256, min=8, help="Tokens per prefix."),
-    continuation_tokens: int = typer.Option(64, min=2, help="Teacher-forced continuation tokens scored."),
-    calib_windows: int = typer.Option(16, min=1, help="Calibration prefixes (training split)."),
-    calib_tokens: int = typer.Option(256, min=8, help="Tokens per calibration prefix."),
-    ranks: str = typer.Option("32,64,128,192,256,384", help="SCD ranks searched."),
-    patch_counts: str = typer.Option("0,2", help="Numbers of patched transition layers searched."),
-    code_bits: str = typer.Option("16,8,4", help="SCD code widths searched (16 = bf16, fewer = quantized)."),
-    optimizer: str = typer.Option("exhaustive", help="Optimizer over the SCD grid (mobo, kvserve, random, ...)."),
-    budget: int = typer.Option(0, min=0, help="SCD configurations to evaluate (0 = all the optimizer proposes)."),
-    seed: int = typer.Option(0, help="Optimizer seed."),
-    droidspeak_lengths: str = typer.Option("2,4,8", help="DroidSpeak block lengths searched."),
-    tqc_presets: str = typer.Option("kivi-4,kivi-2", help="T/Q/C presets for raw+tqc."),
-    device: str = typer.Option("cpu", help="auto, cpu or cuda."),
-) -> None:
-    """Profile recompute / raw / raw+tqc / droidspeak / scd and write one policy table."""
-    from kvtune.scd.profile import SCDProfileSettings, run_scd_profile
-
-    try:
-        st = SCDProfileSettings(
-            data=data, contexts=contexts, context_tokens=context_tokens, continuation_tokens=continuation_tokens,
-            calib_windows=calib_windows, calib_tokens=calib_tokens, ranks=_ints(ranks, "--ranks"),
-            patch_counts=_ints(patch_counts, "--patch-counts"),
-            droidspeak_lengths=_ints(droidspeak_lengths, "--droidspeak-lengths"),
-            code_bits=_ints(code_bits, "--code-bits"), optimizer=optimizer, budget=budget, seed=seed,
-            tqc_presets=tuple(t.strip() for t in tqc_presets.split(",") if t.strip()), device=device)
-        with console.status("profiling") as status:
-            def say(message: str) -> None:
-                if console.is_terminal:
-                    status.update(message)
-                else:  # a log file gets every step
-                    console.print(message, markup=False)
-
-            res = run_scd_profile(producer, consumer, out, settings=st, progress=say)
-    except KvtuneError as exc:
-        _fail(exc)
-        return
-    console.print((out / "scd_summary.md").read_text())
-    console.print(f"table: {res.paths['table']}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,6 +1,7 @@
 """Small pure functions for BiCache quality numbers: cosines, pooling, bootstrap, depth choice.
 
-BiCache paper, Sec. 3-4 (``BRIEF.md`` Sec. 4): the reuse depth of a prefix-ratio bucket is
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3-4: the reuse depth of a prefix-ratio bucket is
 the deepest ``d`` whose quality, measured against full recompute, stays above a threshold
 (the paper uses prefix-KV cosine similarity, 0.95-0.97). kvtune checks several quality
 criteria at once and decides on the lower end of a bootstrap interval, so the chosen depth

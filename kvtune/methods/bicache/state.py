@@ -1,6 +1,7 @@
 """The cached state of a shared prefix, and its wire payload at a reuse depth.
 
-BiCache (``BRIEF.md`` Sec. 4; BiCache paper, Sec. 3 "prefix KV reuse"): a shared prefix (an
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571,
+Sec. 3, "prefix KV reuse"): a shared prefix (an
 instruction, a system prompt) is run through the encoder *alone* once; its per-layer keys,
 values and hidden states are cached. A later request ``prefix + suffix`` reuses them in the
 layers ``1..d`` (the reuse depth) and recomputes everything above ``d``.

@@ -1,6 +1,7 @@
 """Bidirectional-encoder adapters: run a request with the shared prefix reused up to depth d.
 
-BiCache paper, Sec. 3 (``BRIEF.md`` Sec. 4). A request is ``prefix + suffix`` (token ids);
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 3. A request is ``prefix + suffix`` (token ids);
 every token attends to every other token. With reuse depth ``d``:
 
 * layers ``1..d``: only the suffix tokens are computed; their attention uses the prefix's
@@ -13,7 +14,7 @@ skipped work is the prefix tokens' projections, attention and feed-forward in la
 
 An adapter exposes three primitives per layer (embedding, K/V projection, the rest of the
 layer given K/V) and the generic :meth:`EncoderAdapter.run` builds reuse on them, so the
-same interface serves sentence encoders and the diffusion-LM loop (:mod:`kvtune.bicache.dlm`).
+same interface serves sentence encoders and the diffusion-LM loop (:mod:`kvtune.methods.bicache.dlm`).
 Adapters are registered by ``config.model_type`` in :data:`ADAPTERS`.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvtune.bicache.state import PrefixState
+from kvtune.methods.bicache.state import PrefixState
 from kvtune.core.registry import Registry
 from kvtune.errors import BiCacheError, ModelLayoutError
 

@@ -1,6 +1,8 @@
 """Ways a consumer gets its KV for a prefix the producer has prefilled (SCD and its baselines).
 
-``BRIEF.md`` sec. 3 and the SCD paper's baselines. Every method is a small frozen dataclass
+SCD ("Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching",
+arXiv 2606.07684) and its baselines,
+among them DroidSpeak (arXiv 2411.02820). Every method is a small frozen dataclass
 registered in :data:`METHODS` by name; :meth:`TransferMethod.transfer` turns one context's
 :class:`PrefixContext` (the producer's states, the token ids) into a :class:`Transfer`: the
 consumer-side cache, the bytes that crossed the wire and the seconds of extra work on each
@@ -40,8 +42,8 @@ from kvtune.codecs import PolicyConfig, original_nbytes
 from kvtune.core.registry import Registry
 from kvtune.errors import ConfigError
 from kvtune.evaluate.model import KVLayers, LoadedModel, round_kv
-from kvtune.scd.calibration import SCDCalibration
-from kvtune.scd.states import LayerStates, capture_states, kv_from_hidden, kv_from_pre, rotary, run_layers
+from kvtune.methods.scd.calibration import SCDCalibration
+from kvtune.methods.scd.states import LayerStates, capture_states, kv_from_hidden, kv_from_pre, rotary, run_layers
 
 TOKEN_ID_BYTES = 4
 """Bytes per token id on the wire (int32)."""

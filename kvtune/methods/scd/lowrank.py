@@ -1,6 +1,7 @@
 """Reduced-rank ridge maps: the Reuse step of SCD (pure tensor math).
 
-SCD paper, "Reuse" (``BRIEF.md`` sec. 3): for a layer, the consumer's K/V is reconstructed
+SCD ("Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching",
+arXiv 2606.07684), "Reuse": for a layer, the consumer's K/V is reconstructed
 from a low-rank projection of the producer's states, through a linear map fitted by ridge
 least squares on calibration data. kvtune fits it as reduced-rank ridge regression:
 

@@ -1,19 +1,21 @@
 """Profile SCD and its baselines on a producer/consumer pair and write one policy table.
 
-:func:`run_scd_profile` is the Python API behind ``kvtune profile --method scd`` and
-``kvtune scd profile``. Steps:
+:func:`run_scd_profile` is the Python API behind ``kvtune profile --method scd``.
+Steps:
 
 1. Load the pair (same architecture), split the domain data (:func:`domain_split`):
    calibration windows from the training split, evaluation windows (prefix + continuation)
    from the held-out split; both cut by :func:`kvtune.evaluate.capture.build_contexts`.
-2. Calibrate the SCD maps (:func:`kvtune.scd.calibration.calibrate`) on the calibration
+2. Calibrate the SCD maps (:func:`kvtune.methods.scd.calibration.calibrate`) on the calibration
    prefixes; choose the DroidSpeak block of each length by offline profiling on the first
    ``profile_contexts`` calibration windows (the start with the best relative accuracy).
-3. Evaluate every configuration (:func:`candidate_methods`): for each evaluation prefix the
-   method's :class:`~kvtune.scd.methods.Transfer`, then the consumer's teacher-forced
+3. Evaluate every configuration (:meth:`SCDMethod.stages`): for each evaluation prefix the
+   method's :class:`~kvtune.methods.scd.methods.Transfer`, then the consumer's teacher-forced
    continuation on that cache. Quality = relative accuracy vs ``recompute``
    (``ppl_recompute / ppl_method``, paired bootstrap 95 % interval over prefixes,
    :mod:`kvtune.evaluate.metrics`).
+   Steps 1-2 are :meth:`SCDMethod.prepare`; step 3 the runner's stages (baselines, then the SCD
+   grid explored by ``settings.optimizer``).
 4. Latency of a request = ``a + b / B`` with ``a`` = median producer + consumer seconds per
    prefix (after a warm-up prefix) and ``b`` = mean payload bytes. In the policy table
    (per volume V = bytes of the consumer's KV in bf16): ``compression_ratio = V / payload``,
@@ -22,39 +24,36 @@
    ``x = 8 / bandwidth_gbps`` is the same line. The table has no implicit ``"none"`` policy
    (the consumer cannot receive its own KV; ``recompute`` is the full-quality candidate).
 
-Outputs in ``out_dir`` (all written atomically): ``scd_trials.parquet`` and ``.csv`` (one row
-per configuration), ``scd_policy_table.parquet`` and ``.json``, ``scd_maps.pt`` and
-``scd_calibration.json`` (calibration artifacts), ``scd_run.json`` (settings, pair, timings,
-artifact bytes, TTFT at the report bandwidths) and ``scd_summary.md`` (the README table).
+Outputs in the run folder (all written atomically; :mod:`kvtune.run.runner` writes the common
+ones): ``run.json`` (settings, pair, calibration, timings, artifact bytes, the front summary),
+``trials.jsonl``/``trials.parquet`` (one row per configuration), ``pareto.parquet``,
+``policy_table.parquet``/``.json``, ``summary.md`` (the README table) and the calibration
+artifacts ``scd_maps.pt`` and ``scd_calibration.json``.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable, ClassVar
 
 import pandas as pd
 import torch
 
-from kvtune.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.codecs import original_nbytes
 from kvtune.errors import KvtuneError
 from kvtune.core.ids import policy_id
-from kvtune.core.jsonio import jsonable, strict_dumps
 from kvtune.evaluate.capture import build_contexts, logits_on_cache
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores, report_relative_accuracy
 from kvtune.evaluate.model import KVLayers, LoadedModel, load_model
 from kvtune.evaluate.workloads.base import median_after_warmup
-from kvtune.scd.calibration import SCDCalibration, calibrate
-from kvtune.scd.consumer import domain_split
-from kvtune.scd.methods import (
+from kvtune.methods.scd.calibration import SCDCalibration, calibrate
+from kvtune.methods.scd.consumer import domain_split
+from kvtune.methods.scd.methods import (
     SCD,
     DroidSpeak,
     Pair,
@@ -66,11 +65,11 @@ from kvtune.scd.methods import (
     prefix_context,
     ttft_seconds,
 )
-from kvtune.run.folder import open_run_folder
 from kvtune.run.loop import ask_tell
+from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
+from kvtune.run.runner import RunResult
 from kvtune.run.settings import RunSettings
-from kvtune.store import TrialStore
-from kvtune.scd.states import check_same_architecture
+from kvtune.methods.scd.states import check_same_architecture
 
 REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
 
@@ -90,7 +89,7 @@ class SCDProfileSettings(RunSettings):
         ranks: uniform SCD ranks searched.
         patch_counts: numbers of patched transition layers searched.
         code_bits: widths of the SCD codes searched (16 = bfloat16, fewer = quantized by
-            the T/Q/C pipeline, :func:`kvtune.scd.methods.code_policy`).
+            the T/Q/C pipeline, :func:`kvtune.methods.scd.methods.code_policy`).
         optimizer: registered optimizer (:data:`kvtune.optimize.OPTIMIZERS`) that explores the
             SCD grid (rank x patch count x code bits); the baselines are always evaluated.
         budget: SCD configurations to evaluate (0 = as many as the optimizer proposes).
@@ -104,7 +103,11 @@ class SCDProfileSettings(RunSettings):
         ridge: relative ridge of the maps.
         floors: accuracy floors of the table.
         device: ``cpu`` / ``cuda`` / ``auto``.
-        version: settings version (1).
+        producer: ``--model`` spec of the producer ("" = the default model).
+        consumer: ``--model`` spec of the consumer ("" = the LoRA fine-tune of the producer made
+            by :func:`kvtune.methods.scd.consumer.make_consumer`, cached after the first run).
+        version: settings version (2: floors gated on the interval's lower end; 1: on the
+            point estimate, still readable).
     """
 
     data: str = "xsum"
@@ -129,26 +132,12 @@ class SCDProfileSettings(RunSettings):
     ridge: float = 1e-4
     floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
     device: str = "cpu"
-    version: int = 1
+    producer: str = ""
+    consumer: str = ""
+    version: int = 2
 
-
-@dataclass
-class SCDProfileResult:
-    """What :func:`run_scd_profile` returns.
-
-    Attributes:
-        trials: one row per configuration (see :func:`trial_row`).
-        table: the compiled :class:`~kvtune.tables.policy_table.PolicyTable`.
-        calibration: the fitted maps.
-        run: the ``scd_run.json`` dict.
-        paths: written files by role.
-    """
-
-    trials: pd.DataFrame
-    table: Any
-    calibration: SCDCalibration
-    run: dict[str, Any]
-    paths: dict[str, Path] = field(default_factory=dict)
+    VERSION: ClassVar[int] = 2
+    READABLE_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -280,10 +269,10 @@ def scd_methods(cal: SCDCalibration, settings: SCDProfileSettings) -> list[SCD]:
 
 
 @dataclass(frozen=True)
-class _SCDPolicy:
-    """A candidate's ``config`` in the SCD search space: the method, its id and label."""
+class TransferPolicy:
+    """A candidate's ``config`` in an SCD run: the transfer method, its id and label."""
 
-    method: SCD
+    method: TransferMethod
 
     @property
     def policy_id(self) -> str:
@@ -311,55 +300,9 @@ def scd_space(methods: list[SCD]) -> Any:
     parameters = [Parameter("rank", "ordinal", values["rank"], precision="increasing"),
                   Parameter("patches", "ordinal", values["patches"], precision="none"),
                   Parameter("code_bits", "ordinal", values["code_bits"], precision="increasing")]
-    cands = [Candidate(index=i, params=params(m), config=_SCDPolicy(m)) for i, m in enumerate(methods)]
+    cands = [Candidate(index=i, params=params(m), config=TransferPolicy(m)) for i, m in enumerate(methods)]
     return SearchSpace(name="scd", path=Path("<scd grid>"), description="SCD rank x patch count x code bits",
                        parameters=parameters, fixed={}, candidates=cands)
-
-
-def search_scd(pair: Pair, methods: list[SCD], contexts: list[PrefixContext], continuation: torch.Tensor,
-               base_logits: torch.Tensor, settings: SCDProfileSettings,
-               progress: Callable[[str], None] | None = None, *, done: Mapping[str, dict[str, Any]] | None = None,
-               on_record: Callable[[dict[str, Any]], None] | None = None) -> list[MethodResult]:
-    """Explore the SCD grid with ``settings.optimizer`` (the shared ask/tell loop,
-    :func:`kvtune.run.loop.ask_tell`).
-
-    Each proposal is evaluated on every prefix and told back as its trials row
-    (:func:`trial_row`: relative accuracy with interval, ratio, encode/decode GB/s).
-
-    Args:
-        done: stored trial rows by policy id (a resumed run): told, not evaluated again.
-        on_record: called with each new row before it is told (append it to the trial store).
-
-    Returns:
-        The configurations evaluated now, in evaluation order.
-
-    Raises:
-        ConfigError: unknown optimizer.
-    """
-    from kvtune.optimize import make_optimizer
-
-    if not methods:
-        return []
-    space = scd_space(methods)
-    opt = make_optimizer(settings.optimizer, space, seed=settings.seed, q_min=settings.q_min)
-    done = {pid: row for pid, row in (done or {}).items() if row.get("method") == "scd"}
-    budget = min(settings.budget or len(space), len(space))
-    results: list[MethodResult] = []
-
-    def evaluate(cand: Any) -> dict[str, Any]:
-        res, _ = evaluate_method(pair, cand.config.method, contexts, continuation, base_logits)
-        results.append(res)
-        if progress:
-            progress(f"[{settings.optimizer} {len(done) + len(results)}/{budget}] {cand.config.label}: relative "
-                     f"accuracy {res.scores['relative_accuracy']:.4f}, payload {res.payload_bytes / 1e6:.3f} MB")
-        return {**trial_row(res), "trial": len(done) + len(results) - 1}
-
-    ask_tell(opt, space.candidates, budget=budget, done=done, evaluate=evaluate, on_record=on_record or _ignore)
-    return results
-
-
-def _ignore(*_: Any) -> None:
-    return None
 
 
 def choose_droidspeak_blocks(pair: Pair, contexts: list[PrefixContext], continuation: torch.Tensor,
@@ -418,11 +361,16 @@ def _split_windows(ids: torch.Tensor, context_tokens: int) -> tuple[list[list[in
     return [r[:context_tokens].tolist() for r in ids], ids[:, context_tokens:]
 
 
-def _check_settings(st: SCDProfileSettings) -> None:
-    """Fail before any model loads on settings that cannot work."""
+def check_scd_settings(st: SCDProfileSettings) -> None:
+    """Fail before any model loads on settings that cannot work.
+
+    Raises:
+        ConfigError: unknown optimizer, code bits outside :data:`kvtune.methods.scd.methods.CODE_BITS`,
+            a negative budget.
+    """
     from kvtune.errors import ConfigError
     from kvtune.optimize import OPTIMIZERS
-    from kvtune.scd.methods import CODE_BITS
+    from kvtune.methods.scd.methods import CODE_BITS
 
     if st.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {st.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
@@ -433,30 +381,205 @@ def _check_settings(st: SCDProfileSettings) -> None:
         raise ConfigError(f"budget must be >= 0 (0 = no limit); got {st.budget}")
 
 
+@dataclass
+class SCDContext:
+    """What :meth:`SCDMethod.prepare` builds once per run: the pair with its calibration, the
+    evaluation prefixes and the reference (``recompute``) result and logits."""
+
+    settings: SCDProfileSettings
+    pair: Pair
+    specs: dict[str, str]
+    contexts: list[PrefixContext]
+    continuation: torch.Tensor
+    base: MethodResult
+    base_logits: torch.Tensor
+    baselines: list[TransferMethod]
+    info: dict[str, Any]
+    say: Callable[[str], None]
+
+
+def transfer_candidates(methods: Sequence[TransferMethod]) -> list[Any]:
+    """Transfer configurations as search candidates (``index``, ``policy_id``, ``config``)."""
+    from kvtune.space import Candidate
+
+    return [Candidate(index=i, params={}, config=TransferPolicy(m)) for i, m in enumerate(methods)]
+
+
+def scd_stage(methods: list[SCD], settings: SCDProfileSettings, stored: Mapping[str, dict[str, Any]]) -> Stage:
+    """The SCD grid as one ask/tell :class:`~kvtune.run.method.Stage` explored by
+    ``settings.optimizer`` (``done``: the stored rows of SCD configurations)."""
+    from kvtune.optimize import make_optimizer
+
+    space = scd_space(methods)
+    opt = make_optimizer(settings.optimizer, space, seed=settings.seed, q_min=settings.q_min)
+    done = {pid: row for pid, row in stored.items() if row.get("method") == "scd"}
+    return Stage("scd", space.candidates, opt, min(settings.budget or len(space), len(space)), done,
+                 title=f"SCD grid ({settings.optimizer})")
+
+
+def search_scd(pair: Pair, methods: list[SCD], contexts: list[PrefixContext], continuation: torch.Tensor,
+               base_logits: torch.Tensor, settings: SCDProfileSettings) -> list[MethodResult]:
+    """Explore the SCD grid with ``settings.optimizer`` outside a run folder (the shared
+    ask/tell loop, :func:`kvtune.run.loop.ask_tell`, on :func:`scd_stage`).
+
+    Returns:
+        The configurations evaluated, in evaluation order.
+
+    Raises:
+        ConfigError: unknown optimizer.
+    """
+    if not methods:
+        return []
+    stage = scd_stage(methods, settings, {})
+    results: list[MethodResult] = []
+
+    def evaluate(cand: Any) -> dict[str, Any]:
+        res, _ = evaluate_method(pair, cand.config.method, contexts, continuation, base_logits)
+        results.append(res)
+        return {**trial_row(res), "trial": len(results) - 1}
+
+    ask_tell(stage.optimizer, stage.candidates, budget=stage.budget, done={}, evaluate=evaluate,
+             on_record=lambda _row: None)
+    return results
+
+
+class SCDMethod(Method):
+    """``--method scd`` on the shared runner (:mod:`kvtune.run.runner`).
+
+    Context (:meth:`prepare`): the pair, calibration, DroidSpeak blocks, evaluation prefixes and
+    the ``recompute`` reference. Stages: ``baselines`` (recompute, raw, raw+tqc, droidspeak; a
+    fixed list) and ``scd`` (the grid, ``settings.optimizer``). Table: :func:`compile_scd_table`.
+    """
+
+    name = "scd"
+    description = "cross-model KV transfer (SCD) from a producer to a fine-tuned consumer"
+    settings_class = SCDProfileSettings
+    report_title = "kvtune SCD profile"
+
+    def settings_for(self, request: ProfileRequest) -> SCDProfileSettings:
+        from kvtune.run.settings import parse_overrides
+
+        return SCDProfileSettings(**{"device": "cpu" if request.device == "auto" else request.device,
+                                     "seed": request.seed, **({"producer": request.model} if request.model else {}),
+                                     **parse_overrides(SCDProfileSettings, request.options)})
+
+    def run_name(self, settings: SCDProfileSettings) -> str:
+        from kvtune.assets import DEFAULT_MODEL
+
+        return f"scd-{Path(settings.producer or DEFAULT_MODEL).stem}"
+
+    def check(self, settings: SCDProfileSettings) -> None:
+        check_scd_settings(settings)
+
+    def prepare(self, settings: SCDProfileSettings, run_dir: Path, hooks: Hooks, **given: Any) -> SCDContext:
+        from kvtune.assets import DEFAULT_MODEL
+        from kvtune.tables.run import read_run_info
+
+        st, say = settings, hooks.say
+        old = read_run_info(run_dir) if (run_dir / "run.json").is_file() else {}  # a resumed run's pair
+        producer = given.get("producer") or st.producer or old.get("producer_spec") or DEFAULT_MODEL
+        consumer = given.get("consumer") or st.consumer or old.get("consumer_spec")
+        if not consumer:
+            from kvtune.methods.scd.consumer import ConsumerRecipe, make_consumer
+
+            say("consumer: LoRA fine-tune of the producer (cached after the first run)")
+            consumer = str(make_consumer(ConsumerRecipe(producer=producer), device=st.device).path)
+        prod = producer if isinstance(producer, LoadedModel) else load_model(producer, st.device)
+        cons = consumer if isinstance(consumer, LoadedModel) else load_model(consumer, st.device)
+        check_same_architecture(prod, cons)
+        specs = {"producer_spec": producer if isinstance(producer, str) else prod.name,
+                 "consumer_spec": consumer if isinstance(consumer, str) else cons.name}
+        train_docs, held_docs, source = domain_split(st.data, st.holdout_fraction)
+        tok = prod.tokenizer
+        calib_need = st.calib_windows * (st.calib_tokens + st.continuation_tokens)
+        eval_need = st.contexts * (st.context_tokens + st.continuation_tokens)
+        calib_ids = _windows(tok, train_docs, calib_need, st.calib_windows, st.calib_tokens, st.continuation_tokens)
+        eval_ids = _windows(tok, held_docs, eval_need, st.contexts, st.context_tokens, st.continuation_tokens)
+        calib_prefixes, calib_cont = _split_windows(calib_ids, st.calib_tokens)
+        eval_prefixes, eval_cont = _split_windows(eval_ids, st.context_tokens)
+
+        say(f"calibrating on {len(calib_prefixes)} x {st.calib_tokens} tokens")
+        t0 = time.perf_counter()
+        cal = calibrate(prod, cons, calib_prefixes, ranks=tuple(sorted(set(st.ranks))), ridge=st.ridge)
+        calib_seconds = time.perf_counter() - t0
+        pair = Pair(producer=prod, consumer=cons, calibration=cal)
+        artifact_files = cal.save(run_dir)
+
+        t0 = time.perf_counter()
+        k = max(1, min(st.profile_contexts, len(calib_prefixes)))
+        prof_ctx = [prefix_context(prod, p) for p in calib_prefixes[:k]]
+        ds_methods, ds_profile = choose_droidspeak_blocks(pair, prof_ctx, calib_cont[:k], st.droidspeak_lengths, say,
+                                                          stride=st.droidspeak_stride)
+        droidspeak_seconds = time.perf_counter() - t0
+        contexts = [prefix_context(prod, p) for p in eval_prefixes]
+        base, base_logits = evaluate_method(pair, Recompute(), contexts, eval_cont, None)
+        info = {**specs, "producer": prod.describe(), "consumer": cons.describe(), "data": source.describe(),
+                "calibration_tokens": cal.tokens, "calibration_seconds": calib_seconds,
+                "calibration_artifact_bytes": cal.artifact_bytes(), "calibration_files_bytes": artifact_files,
+                "droidspeak_profile": ds_profile, "droidspeak_profile_seconds": droidspeak_seconds,
+                "kv_bytes_per_request": base.kv_bytes, "report_bandwidths_gbps": list(REPORT_BANDWIDTHS_GBPS)}
+        return SCDContext(settings=st, pair=pair, specs=specs, contexts=contexts, continuation=eval_cont, base=base,
+                          base_logits=base_logits, baselines=[Recompute(), Raw(), *tqc_methods(st), *ds_methods],
+                          info=info, say=say)
+
+    def run_info(self, context: SCDContext) -> dict[str, Any]:
+        return context.info
+
+    def stages(self, context: SCDContext, stored: list[dict[str, Any]]) -> Iterator[Stage]:
+        from kvtune.run.loop import in_order
+
+        by_id = {r["policy_id"]: r for r in stored}
+        cands = transfer_candidates(context.baselines)
+        yield Stage("baselines", cands, in_order(cands), len(cands),
+                    {c.policy_id: by_id[c.policy_id] for c in cands if c.policy_id in by_id})
+        methods = scd_methods(context.pair.calibration, context.settings)
+        if methods:
+            yield scd_stage(methods, context.settings, by_id)
+
+    def evaluate(self, context: SCDContext, candidate: Any, stage: Stage) -> dict[str, Any]:
+        method = candidate.config.method
+        if isinstance(method, Recompute):
+            return trial_row(context.base)
+        res, _ = evaluate_method(context.pair, method, context.contexts, context.continuation, context.base_logits)
+        context.say(f"{method.label()}: relative accuracy {res.scores['relative_accuracy']:.4f}, "
+                    f"payload {res.payload_bytes / 1e6:.3f} MB")
+        return trial_row(res)
+
+    def compile(self, run_dir: Path, info: dict[str, Any], records: list[dict[str, Any]],
+                floors: Sequence[float] | None = None) -> Compiled:
+        trials = pd.DataFrame(records)
+        front = front_summary(trials)
+        table = compile_scd_table(trials, info, floors)
+        return Compiled(trials=trials, points=trials, table=table, info={"front": front},
+                        texts={"summary.md": summary_markdown(trials, {**info, "front": front})})
+
+
 def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, out_dir: str | Path, *,
                     settings: SCDProfileSettings | None = None,
                     progress: Callable[[str], None] | None = None, resume: bool = False,
                     reports: str | Path | None = None, on_trial: Callable[[dict[str, Any]], None] | None = None
-                    ) -> SCDProfileResult:
-    """Profile recompute, raw, raw+tqc, droidspeak and scd on a pair and write the policy table.
+                    ) -> RunResult:
+    """Profile recompute, raw, raw+tqc, droidspeak and scd on a pair and write the run folder
+    (:func:`kvtune.run.runner.run_method` with :class:`SCDMethod`).
 
     Every evaluated configuration is appended to the run folder's trial store
-    (``trials.jsonl``, :class:`kvtune.store.TrialStore`) as it finishes; with ``resume`` the
-    stored configurations are not evaluated again (``recompute`` is re-run for its logits,
-    the reference of every score, but not stored twice) and the SCD search continues.
+    (``trials.jsonl``) as it finishes; with ``resume`` the stored configurations are not
+    evaluated again (``recompute`` is re-run for its logits, the reference of every score,
+    but not stored twice) and the SCD search continues.
 
     Args:
         producer, consumer: ``--model`` specs (or loaded models) with the same architecture;
-            the consumer is typically :func:`kvtune.scd.consumer.make_consumer`'s folder.
+            the consumer is typically :func:`kvtune.methods.scd.consumer.make_consumer`'s folder.
         out_dir: run folder (created); see the module docstring for the files.
         settings: :class:`SCDProfileSettings`.
         progress: optional ``progress(message)``.
         resume: continue the trials stored in ``out_dir``.
-        reports: folder receiving the HTML report ``<run>.html`` (None: no report).
+        reports: folder receiving the HTML report ``<run>.html`` (None: ``<out_dir>/report.html``).
         on_trial: called with each new trial row after it is stored.
 
     Returns:
-        :class:`SCDProfileResult`.
+        :class:`~kvtune.run.runner.RunResult` (``trials``, ``table``, ``info`` = ``run.json``,
+        ``context.pair.calibration`` = the fitted maps, ``files``).
 
     Raises:
         ModelLayoutError: the models differ in architecture or are not Llama-style.
@@ -464,120 +587,22 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
         KvtuneError: data too short, unknown preset, trials stored without ``resume``, ...
         RunLockedError: another process is working on ``out_dir``.
     """
-    st = settings or SCDProfileSettings()
-    _check_settings(st)
-    with open_run_folder(out_dir):
-        store = TrialStore(Path(out_dir))
-        if store.log_path.exists() and not resume:
-            raise KvtuneError(f"run folder {out_dir} already has trials; resume it or use another run name")
-        return _run_scd_locked(producer, consumer, Path(out_dir), st, progress or (lambda _m: None), store,
-                               reports, on_trial or _ignore)
+    from kvtune.run.method import METHODS
+    from kvtune.run.runner import run_method
 
-
-def _run_scd_locked(producer: str | LoadedModel, consumer: str | LoadedModel, out: Path, st: SCDProfileSettings,
-                    say: Callable[[str], None], store: TrialStore, reports: str | Path | None,
-                    on_trial: Callable[[dict[str, Any]], None]) -> SCDProfileResult:
-    """:func:`run_scd_profile` with its run folder locked."""
-    t_start = time.perf_counter()
-    done = {r["policy_id"]: r for r in store.load()}
-    numbers = itertools.count(len(done))
-
-    def keep(row: dict[str, Any]) -> None:
-        row["trial"] = next(numbers)
-        store.append(row)
-        on_trial(row)
-
-    prod = producer if isinstance(producer, LoadedModel) else load_model(producer, st.device)
-    cons = consumer if isinstance(consumer, LoadedModel) else load_model(consumer, st.device)
-    check_same_architecture(prod, cons)
-    specs = {"producer_spec": producer if isinstance(producer, str) else prod.name,
-             "consumer_spec": consumer if isinstance(consumer, str) else cons.name}
-    if not store.log_path.exists():  # what --resume needs, before the first trial
-        atomic_write_text(out / "run.json", strict_dumps(jsonable(
-            {"method": "scd", "settings": st.to_dict(), **specs, "producer": prod.describe(),
-             "consumer": cons.describe()}), indent=2, default=str))
-    train_docs, held_docs, source = domain_split(st.data, st.holdout_fraction)
-    tok = prod.tokenizer
-    calib_need = st.calib_windows * (st.calib_tokens + st.continuation_tokens)
-    eval_need = st.contexts * (st.context_tokens + st.continuation_tokens)
-    calib_ids = _windows(tok, train_docs, calib_need, st.calib_windows, st.calib_tokens, st.continuation_tokens)
-    eval_ids = _windows(tok, held_docs, eval_need, st.contexts, st.context_tokens, st.continuation_tokens)
-    calib_prefixes, calib_cont = _split_windows(calib_ids, st.calib_tokens)
-    eval_prefixes, eval_cont = _split_windows(eval_ids, st.context_tokens)
-
-    say(f"calibrating on {len(calib_prefixes)} x {st.calib_tokens} tokens")
-    t0 = time.perf_counter()
-    cal = calibrate(prod, cons, calib_prefixes, ranks=tuple(sorted(set(st.ranks))), ridge=st.ridge)
-    calib_seconds = time.perf_counter() - t0
-    pair = Pair(producer=prod, consumer=cons, calibration=cal)
-
-    t0 = time.perf_counter()
-    k = max(1, min(st.profile_contexts, len(calib_prefixes)))
-    prof_ctx = [prefix_context(prod, p) for p in calib_prefixes[:k]]
-    ds_methods, ds_profile = choose_droidspeak_blocks(pair, prof_ctx, calib_cont[:k], st.droidspeak_lengths, say,
-                                                      stride=st.droidspeak_stride)
-    droidspeak_seconds = time.perf_counter() - t0
-
-    contexts = [prefix_context(prod, p) for p in eval_prefixes]
-    baselines: list[TransferMethod] = [Raw(), *tqc_methods(st), *ds_methods]
-    base, base_logits = evaluate_method(pair, Recompute(), contexts, eval_cont, None)
-    if policy_id(Recompute().config_json()) not in done:
-        keep(trial_row(base))
-    for m in baselines:
-        if policy_id(m.config_json()) in done:
-            continue
-        res, _ = evaluate_method(pair, m, contexts, eval_cont, base_logits)
-        keep(trial_row(res))
-        say(f"{m.label()}: relative accuracy {res.scores['relative_accuracy']:.4f}, "
-            f"payload {res.payload_bytes / 1e6:.3f} MB")
-    search_scd(pair, scd_methods(cal, st), contexts, eval_cont, base_logits, st, say, done=done, on_record=keep)
-    trials = store.frame()
-
-    artifact_files = cal.save(out)
-    kv_bytes = float(trials["kv_bytes"].iloc[0])
-    run = {
-        "method": "scd",
-        **specs,
-        "producer": prod.describe(),
-        "consumer": cons.describe(),
-        "settings": st.to_dict(),
-        "data": source.describe(),
-        "calibration_tokens": cal.tokens,
-        "calibration_seconds": calib_seconds,
-        "calibration_artifact_bytes": cal.artifact_bytes(),
-        "calibration_files_bytes": artifact_files,
-        "droidspeak_profile": ds_profile,
-        "droidspeak_profile_seconds": droidspeak_seconds,
-        "kv_bytes_per_request": kv_bytes,
-        "report_bandwidths_gbps": list(REPORT_BANDWIDTHS_GBPS),
-        "front": front_summary(trials),
-        "total_seconds": time.perf_counter() - t_start,
-        "reports": None if reports is None else str(reports),
-    }
-    table = compile_scd_table(trials, run)
-    paths = {
-        "trials": atomic_write_parquet(trials, out / "scd_trials.parquet"),
-        "trials_csv": atomic_write_text(out / "scd_trials.csv", trials.to_csv(index=False)),
-        "table": table.to_parquet(out / "scd_policy_table.parquet"),
-        "table_json": table.to_json(out / "scd_policy_table.json"),
-        "policy_table": table.to_parquet(out / "policy_table.parquet"),
-        "policy_table_json": table.to_json(out / "policy_table.json"),
-        "maps": out / "scd_maps.pt",
-        "calibration": out / "scd_calibration.json",
-    }
-    text = strict_dumps(jsonable(run), indent=2, default=str)
-    paths["run"] = atomic_write_text(out / "run.json", text)
-    paths["scd_run"] = atomic_write_text(out / "scd_run.json", text)
-    paths["summary"] = atomic_write_text(out / "scd_summary.md", summary_markdown(trials, run))
-    if reports is not None:
-        paths["report"] = write_scd_report(trials, table, run, _report_path(out, run), title=out.name)
-    return SCDProfileResult(trials=trials, table=table, calibration=cal, run=run, paths=paths)
+    hooks = Hooks(say=progress or (lambda _m: None), on_trial=on_trial or (lambda _r: None))
+    return run_method(METHODS["scd"], settings or SCDProfileSettings(), out_dir, resume=resume, reports=reports,
+                      hooks=hooks, producer=producer, consumer=consumer)
 
 
 def compile_scd_table(trials: pd.DataFrame, run: Mapping[str, Any], floors: Sequence[float] | None = None) -> Any:
     """The SCD policy table of a run's trials: no implicit ``"none"`` (``recompute`` is the
-    full-quality candidate), floors gated on the point estimate, model ``producer -> consumer``,
-    workload ``continuation:<data>``.
+    full-quality candidate), model ``producer -> consumer``, workload ``continuation:<data>``.
+
+    Floors are gated on the lower end of the 95 % paired-bootstrap interval
+    (``relative_accuracy_lo``, :func:`kvtune.tables.run.interval_gate`) like the T/Q/C tables,
+    so a floor holds with confidence; runs with version-1 settings were compiled on the point
+    estimate and recompile the same way.
 
     Args:
         trials: the run's trial rows (:func:`trial_row`).
@@ -589,6 +614,7 @@ def compile_scd_table(trials: pd.DataFrame, run: Mapping[str, Any], floors: Sequ
         TableError: see :func:`kvtune.tables.policy_table.compile_policy_table`.
     """
     from kvtune.tables.policy_table import compile_policy_table
+    from kvtune.tables.run import interval_gate
 
     st = run["settings"]
     prod, cons = run["producer"]["model"], run["consumer"]["model"]
@@ -596,51 +622,8 @@ def compile_scd_table(trials: pd.DataFrame, run: Mapping[str, Any], floors: Sequ
                                 model=f"{prod} -> {cons}", workload=f"continuation:{st['data']}",
                                 device=str(run["consumer"]["device"]), include_none=False,
                                 metadata={"kv_bytes_per_request": float(run["kv_bytes_per_request"]), "method": "scd",
-                                          "producer": prod, "consumer": cons})
-
-
-def finalize_scd_run(run_dir: str | Path) -> dict[str, Path]:
-    """Rebuild an SCD run's policy tables and HTML report from its stored trials
-    (``kvtune report``). The report goes to ``<reports>/<run>.html`` (the ``reports`` folder
-    recorded in ``run.json``), or ``<run_dir>/report.html`` when none was recorded. The table
-    is compiled before anything is written.
-
-    Raises:
-        KvtuneError: not a finished SCD run folder, or trials that do not compile (the
-            message names the trial log).
-    """
-    from kvtune.tables.run import read_run_info
-
-    out = Path(run_dir)
-    with open_run_folder(out, create=False):
-        run = read_run_info(out)
-        store = TrialStore(out)
-        trials = store.frame()
-        if trials.empty or "front" not in run:
-            raise KvtuneError(f"{out}: not a finished SCD run (no trials or an incomplete run.json)")
-        try:
-            table = compile_scd_table(trials, run)
-        except (KeyError, KvtuneError) as exc:
-            raise KvtuneError(f"{store.log_path}: {exc}") from None
-        return {"trials": store.write_table(trials),
-                "policy_table": table.to_parquet(out / "policy_table.parquet"),
-                "policy_table_json": table.to_json(out / "policy_table.json"),
-                "report": write_scd_report(trials, table, run, _report_path(out, run), title=out.name)}
-
-
-def _report_path(run_dir: Path, run: Mapping[str, Any]) -> Path:
-    reports = run.get("reports")
-    return Path(reports) / f"{run_dir.name}.html" if isinstance(reports, str) else run_dir / "report.html"
-
-
-def write_scd_report(trials: pd.DataFrame, table: Any, run: Mapping[str, Any], path: Path, *, title: str) -> Path:
-    """The HTML report of an SCD run (:func:`kvtune.report.html.write_report`): every
-    configuration, the 3-D Pareto front, the per-floor tables and the run settings."""
-    from kvtune.pareto import pareto_front
-    from kvtune.report.html import write_report
-
-    return write_report(trials, pareto_front(trials), table, path, title=f"kvtune SCD profile: {title}",
-                        run_config=run)
+                                          "producer": prod, "consumer": cons},
+                                gate=interval_gate(trials, dict(run)))
 
 
 # ---------------------------------------------------------------------------- reporting

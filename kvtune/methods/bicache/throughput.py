@@ -1,7 +1,8 @@
 """Measured encoder throughput with and without prefix reuse (requests per second).
 
-BiCache paper, Sec. 4 (throughput gain of reuse; ``BRIEF.md`` Sec. 4 quotes +36-98 % for
-diffusion LMs). For one bucket, one fixed batch of real requests is encoded at every reuse
+BiCache ("Enabling KV Caching of Shared Prefix for Diffusion Language Models", arXiv 2606.07571),
+Sec. 4 (the throughput gain of reuse; +36-98 % for diffusion LMs as summarized from that paper,
+not re-measured here). For one bucket, one fixed batch of real requests is encoded at every reuse
 depth; the depths are interleaved within each repeat (rotating the order) so that a change
 in machine load hits all depths alike. Time = wall clock (``time.perf_counter``) of one
 forward pass of the batch, after ``warmup`` untimed rounds; the median over ``repeats``.
@@ -18,10 +19,10 @@ from typing import Any
 
 import torch
 
-from kvtune.bicache.adapters import EncoderAdapter
-from kvtune.bicache.quality import pad_batch
-from kvtune.bicache.state import PrefixState
-from kvtune.bicache.workload import BiCacheRequest
+from kvtune.methods.bicache.adapters import EncoderAdapter
+from kvtune.methods.bicache.quality import pad_batch
+from kvtune.methods.bicache.state import PrefixState
+from kvtune.methods.bicache.workload import BiCacheRequest
 
 __all__ = ["measure_throughput", "speedup", "token_layer_fraction"]
 

@@ -1,6 +1,7 @@
 """Per-layer states of a Llama-family decoder, and the consumer's own K/V projections.
 
-SCD works on three kinds of per-layer, per-token states (``BRIEF.md`` sec. 3):
+SCD works on three kinds of per-layer, per-token states (SCD,
+"Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching", arXiv 2606.07684):
 
 - the residual stream entering layer l, ``h_l`` (``hidden``);
 - the normalized pre-attention input ``x_l = input_layernorm(h_l)`` (``normed``), from which

@@ -1,0 +1,186 @@
+"""``--method tqc``: Transform -> Quantize -> Codec KV compression search (KVServe,
+"KVServe: Service-Aware KV Cache Compression for Communication-Efficient Disaggregated LLM
+Serving", arXiv 2605.13734) on the shared runner (:mod:`kvtune.run.runner`).
+
+Context: the model, the workload (prefilled samples, the uncompressed baseline), the space
+(MixHQ heads calibrated when it needs them) and the ratio estimates of model-based optimizers.
+Stages: ``search`` (the space at ``search_fidelity`` with ``settings.optimizer``), then
+``refine`` (the search's Pareto set again at full fidelity, :func:`kvtune.methods.tqc.profile.refinement_order`).
+Table: the Pareto front of the final-fidelity rows, gated on the 95 % interval's lower end
+(:func:`kvtune.tables.run.interval_gate`), with the implicit ``"none"`` policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
+from kvtune.settings import ProfileSettings
+
+
+@dataclass
+class TQCContext:
+    """What :meth:`TQCMethod.prepare` builds once per run."""
+
+    settings: ProfileSettings
+    lm: Any
+    workload: Any
+    space: Any
+    ratios: Any
+    info: dict[str, Any]
+    t_start: float
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class TQCMethod(Method):
+    """The T/Q/C policy search (module docstring)."""
+
+    name = "tqc"
+    description = "KV compression search over Transform -> Quantize -> Codec policies"
+    settings_class = ProfileSettings
+    report_title = "kvtune profile"
+
+    def settings_for(self, request: ProfileRequest) -> ProfileSettings:
+        from kvtune.run.settings import parse_overrides
+
+        return ProfileSettings(**{"out": str(request.out), "reports": str(request.reports), "run": request.run,
+                                  "device": request.device, "seed": request.seed,
+                                  **({"model": request.model} if request.model else {}),
+                                  **parse_overrides(ProfileSettings, request.options)})
+
+    def run_name(self, settings: ProfileSettings) -> str:
+        from kvtune.methods.tqc.profile import default_run_name
+
+        return default_run_name(settings)
+
+    def check(self, settings: ProfileSettings) -> None:
+        from kvtune.methods.tqc.profile import check_profile_settings
+
+        check_profile_settings(settings)
+
+    def prepare(self, settings: ProfileSettings, run_dir: Path, hooks: Hooks, **given: Any) -> TQCContext:
+        import platform
+
+        import torch
+
+        from kvtune import __version__
+        from kvtune.evaluate.model import load_model
+        from kvtune.evaluate.ratio import estimate_ratios
+        from kvtune.evaluate.workloads import make_workload, workload_sample_counts
+        from kvtune.optimize import OPTIMIZERS
+        from kvtune.methods.tqc.profile import calibrated_space
+        from kvtune.space import load_space
+
+        torch.manual_seed(settings.seed)
+        t_start = time.perf_counter()
+        space = load_space(settings.space)
+        n_full, _ = workload_sample_counts(settings.workload, settings)
+        hooks.on_stage("load model", 1)
+        lm = load_model(settings.model, settings.device)
+        hooks.on_progress(1)
+        hooks.on_stage(f"prefill {settings.workload} samples", n_full)
+        wl = make_workload(settings.workload, lm, settings=settings, progress=lambda n: hooks.on_progress(n))
+        if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine
+            settings = dataclasses.replace(settings, search_fidelity="full")
+        space = calibrated_space(space, lm, wl.calibration_ids(), run_dir, hooks.on_stage, hooks.on_progress)
+        ratios = None
+        if getattr(OPTIMIZERS[settings.optimizer], "needs_ratios", True):  # model-based optimizers use them
+            hooks.on_stage("estimate ratios", len(space))
+            ratios = estimate_ratios([c.config for c in space.candidates], wl.kv_sample(), progress=hooks.on_progress)
+        info = {
+            "settings": settings.to_dict(),
+            "space": {"name": space.name, "path": str(space.path), "candidates": len(space)},
+            "model_info": lm.describe(),
+            "workload": settings.workload,
+            "workload_info": wl.describe(),
+            "versions": {"kvtune": __version__, "torch": torch.__version__, "python": platform.python_version()},
+            "host": {"machine": platform.machine(), "threads": torch.get_num_threads()},
+        }
+        ctx = TQCContext(settings=settings, lm=lm, workload=wl, space=space, ratios=ratios, info=info, t_start=t_start)
+        ctx.times["load_and_prefill"] = time.perf_counter() - t_start
+        return ctx
+
+    def run_info(self, context: TQCContext) -> dict[str, Any]:
+        return context.info
+
+    def stages(self, context: TQCContext, stored: list[dict[str, Any]]) -> Iterator[Stage]:
+        import pandas as pd
+
+        from kvtune.optimize import make_optimizer
+        from kvtune.pareto import pareto_front
+        from kvtune.methods.tqc.profile import done_by_fidelity, refinement_order
+        from kvtune.run.loop import in_order
+
+        st, space = context.settings, context.space
+        done = done_by_fidelity(stored)
+        fid = st.search_fidelity
+        optimizer = make_optimizer(st.optimizer, space, seed=st.seed, ratios=context.ratios)
+        budget = len(space) if st.budget <= 0 else min(st.budget, len(space))
+        yield Stage("search", space.candidates, optimizer, budget, done.get(fid, {}),
+                    title=f"evaluate policies ({fid})")
+        t_searched = time.perf_counter()
+        context.times["search"] = t_searched - context.t_start - context.times["load_and_prefill"]
+        if st.refine and fid != "full":
+            front = pareto_front(pd.DataFrame(list(optimizer.told.values())))
+            by_id = {c.policy_id: c for c in space.candidates}
+            chosen = [by_id[pid] for pid in refinement_order(front, st.refine_budget, tuple(st.floors))]
+            full = done.get("full", {})
+            yield Stage("refine", chosen, in_order(chosen), len(chosen),
+                        {c.policy_id: full[c.policy_id] for c in chosen if c.policy_id in full},
+                        title="re-evaluate Pareto set (full)")
+        context.times["refine"] = time.perf_counter() - t_searched
+
+    def evaluate(self, context: TQCContext, candidate: Any, stage: Stage) -> dict[str, Any]:
+        from kvtune.methods.tqc.profile import trial_record
+
+        fid = context.settings.search_fidelity if stage.name == "search" else "full"
+        return trial_record(stage.name, candidate, context.workload.evaluate(candidate.config, fidelity=fid),
+                            context.ratios)
+
+    def describe_row(self, row: dict[str, Any]) -> str:
+        from kvtune.methods.tqc.profile import progress_line
+
+        return progress_line(row)
+
+    def finish(self, context: TQCContext) -> dict[str, Any]:
+        return {"timing_seconds": dict(context.times)}
+
+    def compile(self, run_dir: Path, info: dict[str, Any], records: list[dict[str, Any]],
+                floors: Sequence[float] | None = None) -> Compiled:
+        import pandas as pd
+
+        from kvtune.pareto import pareto_front
+        from kvtune.methods.tqc.profile import check_trials, run_settings, split_fidelities
+        from kvtune.store import TrialStore
+        from kvtune.tables.policy_table import compile_policy_table
+        from kvtune.tables.run import interval_gate, run_table_metadata
+
+        settings = run_settings(info, run_dir / "run.json")
+        trials = pd.DataFrame(records)
+        check_trials(trials, run_dir / TrialStore.LOG)
+        model_info = info.get("model_info")
+        searched, final, fidelity_info = split_fidelities(trials, settings.search_fidelity)
+        pareto = pareto_front(final)
+        table = compile_policy_table(pareto, floors=settings.floors if floors is None else tuple(floors),
+                                     model=settings.model, workload=str(info.get("workload") or "continuation"),
+                                     device=str((model_info if isinstance(model_info, dict) else {}).get("device")
+                                                or "cpu"),
+                                     metadata=run_table_metadata(run_dir, info), gate=interval_gate(pareto, info))
+        return Compiled(trials=trials, points=final, table=table, pareto=pareto, shown=searched,
+                        info={"fidelity": fidelity_info, "trials": len(trials)})
+
+    def compile_table(self, run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None = None) -> Any:
+        """From ``pareto.parquet`` (or ``trials.parquet``), so folders holding only the
+        Parquet files recompile too (:func:`kvtune.tables.run.compile_tqc_run_table`)."""
+        from kvtune.tables.run import compile_tqc_run_table
+
+        return compile_tqc_run_table(run_dir, info, floors)
+
+    def reports_folder(self, info: dict[str, Any]) -> Path | None:
+        return Path(ProfileSettings.from_dict(info["settings"]).reports)
+

@@ -1,0 +1,214 @@
+"""The shared runner: every method's run, resume, table compile and report, written once.
+
+:func:`run_method` takes a registered :class:`~kvtune.run.method.Method`, its settings and a
+run folder, and does, for every method alike:
+
+1. check the settings (before any model loads) and lock the folder
+   (:func:`kvtune.run.folder.open_run_folder`); stored trials without ``resume`` are an error;
+2. ``context = method.prepare(settings, ...)`` and write ``run.json`` (``method``,
+   ``settings``, ``reports`` and the method's :meth:`~kvtune.run.method.Method.run_info`);
+3. for each of ``method.stages(context, stored)``: the ask/tell loop
+   (:func:`kvtune.run.loop.ask_tell`), each new row numbered (``trial``), appended to
+   ``trials.jsonl`` (:class:`kvtune.store.TrialStore`) and told to the stage's optimizer;
+4. :func:`finalize_run`: compile, Pareto front, write every output.
+
+:func:`finalize_run` is also ``kvtune report`` on any run folder; recompiling alone is :meth:`~kvtune.run.method.Method.compile_table` (``kvtune export --floors`` and ``kvtune select``
+on a folder without a table).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from kvtune.atomic import atomic_write_parquet, atomic_write_text
+from kvtune.core.jsonio import jsonable, strict_dumps
+from kvtune.errors import KvtuneError
+from kvtune.run.folder import open_run_folder
+from kvtune.run.loop import ask_tell
+from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest
+from kvtune.store import TrialStore
+
+__all__ = ["RunResult", "finalize_run", "run_method", "run_request", "stored_trial_count", "write_run_info"]
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced.
+
+    Attributes:
+        run_dir: the run folder; settings: its settings; info: its ``run.json``.
+        trials: the flat trial rows (None for nested rows); pareto: the front; table: the table.
+        files: written files by role; compiled: the method's :class:`Compiled`;
+        context: the method's context (None after :func:`finalize_run` alone).
+    """
+
+    run_dir: Path
+    settings: Any
+    info: dict[str, Any]
+    trials: pd.DataFrame | None
+    pareto: pd.DataFrame
+    table: Any
+    files: dict[str, Path] = field(default_factory=dict)
+    compiled: Compiled | None = None
+    context: Any = None
+
+
+def write_run_info(run_dir: Path, info: dict[str, Any]) -> Path:
+    """Write ``run.json`` atomically (strict JSON: NaN/inf as strings)."""
+    return atomic_write_text(run_dir / "run.json", strict_dumps(jsonable(info), indent=2, default=str))
+
+
+def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bool = False,
+               reports: str | Path | None = None, hooks: Hooks = Hooks(), **given: Any) -> RunResult:
+    """Run (or resume) ``method`` into ``run_dir`` and write every output (module docstring).
+
+    Args:
+        settings: an instance of ``method.settings_class``.
+        resume: continue the trials stored in ``run_dir`` (never evaluating a stored candidate
+            of a stage again).
+        reports: folder receiving ``<run>.html`` (None: ``<run_dir>/report.html``).
+        given: passed to :meth:`Method.prepare` (already loaded models).
+
+    Raises:
+        KvtuneError (and subclasses): bad settings (before anything loads), trials stored
+            without ``resume``, or the method's own errors.
+        RunLockedError: another process is working on the run folder.
+    """
+    method.check(settings)
+    run_dir = Path(run_dir)
+    t_start = time.perf_counter()
+    with open_run_folder(run_dir):
+        store = TrialStore(run_dir, table=method.flat_trials)
+        if store.log_path.exists() and not resume:
+            raise KvtuneError(f"run folder {run_dir} already has trials; use --resume {run_dir} or another --run name")
+        stored = store.load()
+        context = method.prepare(settings, run_dir, hooks, **given)
+        try:
+            info = {"method": method.name, "settings": settings.to_dict(), **method.run_info(context),
+                    "reports": None if reports is None else str(reports)}
+            write_run_info(run_dir, info)
+            _run_stages(method, context, store, stored, hooks)
+            hooks.on_stage("pareto + tables + report", 1)
+            info.update(method.finish(context))
+            info["total_seconds"] = time.perf_counter() - t_start
+            result = finalize_run(method, run_dir, info=info)
+            hooks.on_progress(1)
+        finally:
+            method.close(context)
+    result.context = context
+    return result
+
+
+def _run_stages(method: Method, context: Any, store: TrialStore, stored: list[dict[str, Any]], hooks: Hooks) -> None:
+    """Every stage's ask/tell loop; new rows are numbered after the stored ones."""
+    numbers = itertools.count(len(stored))
+
+    def on_record(row: dict[str, Any]) -> None:
+        store.append(row)
+        hooks.on_progress(1, info=method.describe_row(row))
+        hooks.on_trial(row)
+
+    for stage in method.stages(context, stored):
+        hooks.on_stage(stage.title or stage.name, max(stage.budget - len(stage.done), 0))
+        ask_tell(stage.optimizer, stage.candidates, budget=stage.budget, done=stage.done, on_record=on_record,
+                 evaluate=lambda cand, stage=stage: {"trial": next(numbers), **method.evaluate(context, cand, stage)})
+
+
+def stored_trial_count(path: Path) -> int:
+    """Rows of a stored ``trials.parquet`` (0 when it is missing or unreadable)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except Exception:  # missing, truncated or not Parquet: nothing good to keep
+        return 0
+
+
+def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | None = None) -> RunResult:
+    """Derive every output of a run from its trial store and write it: ``trials.parquet``
+    (flat rows), ``pareto.parquet``, the method's extra frames and texts,
+    ``policy_table.parquet``/``.json``, ``run.json`` and the HTML report. Everything is
+    derived and checked in memory first; files are written only when all of it succeeded.
+    Needs no model.
+
+    Raises:
+        KvtuneError: not a run folder, no ``run.json``, no trials, or trials that do not
+            compile (the message names the file); a ``trials.parquet`` holding more rows than
+            the log (the log was cut: nothing is rewritten).
+    """
+    from kvtune.report.html import write_report
+    from kvtune.tables.run import read_run_info
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise KvtuneError(f"{run_dir}: not a folder (expected a run folder such as profiles/<run>)")
+    with open_run_folder(run_dir, create=False):
+        if info is None:
+            info = read_run_info(run_dir)
+        settings = _settings(method, info, run_dir)
+        compiled = method.compile_stored(run_dir, info)
+        files: dict[str, Path] = {"run": run_dir / "run.json"}
+        store = TrialStore(run_dir)
+        if compiled.trials is not None:
+            stored = stored_trial_count(run_dir / TrialStore.TABLE)
+            if len(compiled.trials) < stored:
+                raise KvtuneError(f"{store.log_path} holds {len(compiled.trials)} trial records but "
+                                  f"{run_dir / TrialStore.TABLE} holds {stored}: the log was cut or edited; "
+                                  "restore it (nothing was rewritten)")
+            files["trials"] = store.write_table(compiled.trials)
+        files["pareto"] = atomic_write_parquet(compiled.pareto, run_dir / "pareto.parquet")
+        for name, frame in compiled.frames.items():
+            files[name.split(".")[0]] = atomic_write_parquet(frame, run_dir / name)
+        for name, text in compiled.texts.items():
+            files[name.replace(".", "_")] = atomic_write_text(run_dir / name, text)
+        files["policy_table"] = compiled.table.to_parquet(run_dir / "policy_table.parquet")
+        files["policy_table_json"] = compiled.table.to_json(run_dir / "policy_table.json")
+        info.update(compiled.info)
+        write_run_info(run_dir, info)
+        folder = method.reports_folder(info)
+        path = folder / f"{run_dir.name}.html" if folder is not None else run_dir / "report.html"
+        files["report"] = write_report(compiled.points if compiled.shown is None else compiled.shown, compiled.pareto, compiled.table, path,
+                                       title=f"{method.report_title}: {run_dir.name}", run_config=info)
+    return RunResult(run_dir=run_dir, settings=settings, info=info, trials=compiled.trials, pareto=compiled.pareto,
+                     table=compiled.table, files=files, compiled=compiled)
+
+
+def _settings(method: Method, info: dict[str, Any], run_dir: Path) -> Any:
+    """The settings stored in ``run.json`` (errors name the file)."""
+    path = run_dir / "run.json"
+    if not isinstance(info.get("settings"), dict):
+        raise KvtuneError(f"{path}: no 'settings' object; is it a kvtune run.json?")
+    try:
+        return method.settings_class.from_dict(info["settings"])
+    except KvtuneError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+
+
+def run_request(method: Method, request: ProfileRequest) -> RunResult:
+    """``kvtune profile --method X``: a new run from the common options and ``--set`` values
+    (folder ``<out>/<run or the method's default name>``), or ``request.resume``'s run with
+    its stored settings.
+
+    Raises:
+        KvtuneError: see :func:`run_method`; an unsafe run name, a bad ``--set``, a resume
+            folder without a readable ``run.json``.
+    """
+    from kvtune.run.folder import check_out_folder, check_run_name
+    from kvtune.tables.run import read_run_info
+
+    if request.resume is not None:
+        info = read_run_info(request.resume)
+        settings = _settings(method, info, request.resume)
+        reports = info.get("reports") or request.reports
+        return run_method(method, settings, request.resume, resume=True, reports=reports, hooks=request.hooks)
+    settings = method.settings_for(request)
+    check_out_folder(request.out, "--out")
+    check_out_folder(request.reports, "--reports")
+    run_dir = request.out / check_run_name(request.run or method.run_name(settings))
+    return run_method(method, settings, run_dir, reports=request.reports, hooks=request.hooks)
