@@ -73,7 +73,7 @@ def load_kv(device: str, contexts: int, tokens: int, cache: Path | None):
             print(f"KV and head scores from {cache}")
             kv = [(k.to(device), v.to(device)) for k, v in blob["kv"]]
             return kv, blob["scores"]
-    from kvtune.assets import read_texts
+    from kvtune.evaluate.assets import read_texts
     from kvtune.evaluate.calibrate import calibrate_head_scores
     from kvtune.evaluate.capture import build_contexts, capture
     from kvtune.evaluate.model import load_model

@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 from kvtune.tables import PolicyTable  # noqa: E402
 from kvtune.tables.controller import Controller, Feedback  # noqa: E402
 from kvtune.tables.policy_table import PolicyEntry  # noqa: E402
-from kvtune.tables.units import format_bytes, parse_bytes  # noqa: E402
+from kvtune.core.units import format_bytes, parse_bytes  # noqa: E402
 
 DEFAULT_TABLE = ROOT / "profiles" / "smollm2-default" / "policy_table.parquet"
 FALLBACK_TABLE = ROOT / "tests" / "data" / "smollm2-default" / "policy_table.parquet"

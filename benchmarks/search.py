@@ -5,20 +5,20 @@ space) against a table of fully evaluated candidates, and is scored on
 
 (a) hypervolume of the evaluated trials / hypervolume of the exhaustive front (normalized
     objectives, fixed reference point: accuracy 0.5, ratio 1.0, latency 1.1 x the table's
-    worst, latency divided by the table's worst -- :class:`kvtune.optimize.replay.HypervolumeSpec`);
+    worst, latency divided by the table's worst -- :class:`kvtune.search.optimizers.replay.HypervolumeSpec`);
 (b) best feasible ratio found at each ``--q-mins`` floor (``relative_accuracy_lo >= q``) /
     the exhaustive best, and the number of seeds that hit the exhaustive best exactly;
 (c) optimizer wall time per iteration (ask + tell, excluding the evaluation).
 
-Real table (once ``kvtune/search_spaces/full.yaml`` has been evaluated exhaustively)::
+Real table (once ``kvtune/search/spaces/full.yaml`` has been evaluated exhaustively)::
 
     python benchmarks/search.py --table benchmarks/data/full_replay.parquet \\
-        --space kvtune/search_spaces/full.yaml --seeds 10 --budgets 0.01,0.02,0.05,0.1 \\
+        --space kvtune/search/spaces/full.yaml --seeds 10 --budgets 0.01,0.02,0.05,0.1 \\
         --out benchmarks/results/search
 
 (MixHQ head scores from ``benchmarks/data/full_replay_calibration.json``, next to the table.)
 
-Synthetic problem with a known answer (2,025 candidates, :mod:`kvtune.optimize.synthetic`)::
+Synthetic problem with a known answer (2,025 candidates, :mod:`kvtune.search.optimizers.synthetic`)::
 
     python benchmarks/search.py --synthetic --seeds 10 --out benchmarks/results/synthetic
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     src = parser.add_argument_group("problem")
     src.add_argument("--table", default="benchmarks/data/full_replay.parquet",
                      help="replay table (Parquet: policy_id + trial result columns)")
-    src.add_argument("--space", default="kvtune/search_spaces/full.yaml", help="search space the table was made from")
+    src.add_argument("--space", default="kvtune/search/spaces/full.yaml", help="search space the table was made from")
     src.add_argument("--calibration", default=None,
                      help="calibration.json of the run that made the table (MixHQ head scores; their values are "
                           "part of the policy ids); default: <table stem>_calibration.json when it exists")
@@ -65,20 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/search", help="output path without suffix")
     args = parser.parse_args(argv)
 
-    from kvtune.errors import KvtuneError
-    from kvtune.optimize import OPTIMIZERS
-    from kvtune.optimize.bench import run_search_benchmark, summarize, write_outputs
-    from kvtune.optimize.replay import ReplayObjective
+    from kvtune.core.errors import KvtuneError
+    from kvtune.search.optimizers import OPTIMIZERS
+    from kvtune.search.optimizers.bench import run_search_benchmark, summarize, write_outputs
+    from kvtune.search.optimizers.replay import ReplayObjective
 
     try:
         if args.synthetic:
-            from kvtune.optimize.synthetic import synthetic_problem
+            from kvtune.search.optimizers.synthetic import synthetic_problem
 
             space, table = synthetic_problem(args.synthetic_size, seed=args.synthetic_seed)
             replay = ReplayObjective(table, source=f"<synthetic {args.synthetic_size}>")
             problem = f"synthetic-{args.synthetic_size} ({len(space)} candidates)"
         else:
-            from kvtune.space import load_space
+            from kvtune.search.space import load_space
 
             space = load_space(args.space)
             if space.needs_head_scores:

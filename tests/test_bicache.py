@@ -34,7 +34,7 @@ from kvtune.methods.bicache.stats import CRITERIA, bootstrap_mean, mean_pool, pe
 from kvtune.methods.bicache.table import bicache_candidate, line_for, min_bandwidth_gbps
 from kvtune.methods.bicache.workload import best_window, parse_buckets, suffix_tokens_for_ratio
 from kvtune.codecs import PolicyConfig
-from kvtune.errors import BiCacheError, TableError
+from kvtune.core.errors import BiCacheError, TableError
 from kvtune.tables import PolicyTable
 
 WORDS = [f"w{i}" for i in range(120)]

@@ -58,7 +58,7 @@ def test_bad_shapes_raise():
 def test_contexts_too_short_for_calibration_are_a_config_error():
     from types import SimpleNamespace
 
-    from kvtune.errors import ConfigError
+    from kvtune.core.errors import ConfigError
     from kvtune.evaluate.calibrate import calibrate_head_scores
 
     lm = SimpleNamespace(model=None)  # the length check comes before any model call

@@ -137,7 +137,7 @@ def test_error_messages_keep_bracketed_values(tmp_path):
 
 def _run_folder(tmp_path):
     """A small finished run folder (no model needed): run.json and four trial records."""
-    from kvtune.settings import ProfileSettings
+    from kvtune.methods.tqc.settings import ProfileSettings
 
     run = tmp_path / "run"
     run.mkdir()
@@ -226,7 +226,7 @@ def test_select_on_a_run_folder_with_a_truncated_parquet_names_the_file(tmp_path
 
 def _missing_model_run(tmp_path, run_name="x"):
     """A run folder whose settings name a missing model: reaching the model loader fails fast."""
-    from kvtune.settings import ProfileSettings
+    from kvtune.methods.tqc.settings import ProfileSettings
 
     run = tmp_path / "profiles" / run_name
     run.mkdir(parents=True)
@@ -374,7 +374,7 @@ def test_run_holds_its_folder_lock_and_resumes_after_a_kill_without_repeating_or
     import os
 
     from kvtune.methods.tqc.profile import load_settings, run_profile
-    from kvtune.settings import ProfileSettings
+    from kvtune.methods.tqc.settings import ProfileSettings
 
     settings = ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), contexts=3, context_tokens=48,
                                continuation_tokens=8, budget=6, device="cpu", out=str(tmp_path / "profiles"),

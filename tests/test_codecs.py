@@ -51,7 +51,7 @@ from kvtune.codecs.transforms import (
     power_of_two_blocks,
     random_signs,
 )
-from kvtune.errors import (
+from kvtune.core.errors import (
     ConfigError,
     CorruptStreamError,
     KVInputError,

@@ -22,8 +22,8 @@ import pandas as pd
 import pytest
 
 import kvtune.tables.controller as controller_mod
-import kvtune.tables.units as units_mod
-from kvtune.errors import KvtuneError, TableError
+import kvtune.core.units as units_mod
+from kvtune.core.errors import KvtuneError, TableError
 from kvtune.tables import compile_policy_table
 from kvtune.tables.controller import Controller, ControllerConfig, Feedback
 

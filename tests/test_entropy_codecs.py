@@ -35,7 +35,7 @@ from kvtune.codecs.range_coder import (
     unfuse_symbols,
 )
 from kvtune.codecs.zstd_codec import ZstdCodec
-from kvtune.errors import ConfigError, CorruptStreamError, KVStreamError, StreamVersionError
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, StreamVersionError
 
 MODELS = ("per_channel", "per_head", "global")
 # odd counts and head dims (7, 9, 5: unfused remainders), 1-D and 2-D inputs (one head), one symbol

@@ -1,5 +1,5 @@
 """mobo never hangs on the lock file torch leaves when a process is killed while BoTorch's fused
-qLogEHVI kernel is being built or loaded (kvtune.optimize.fused_kernel)."""
+qLogEHVI kernel is being built or loaded (kvtune.search.optimizers.fused_kernel)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtune import assets
-from kvtune.optimize import fused_kernel
+from kvtune.evaluate import assets
+from kvtune.search.optimizers import fused_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,9 +26,9 @@ FIRST_ASK = textwrap.dedent("""
     def no_compiler(**kw):
         raise RuntimeError("no C++ compiler in this test")
     ce._write_ninja_file_and_build_library = no_compiler
-    from kvtune.optimize import make_optimizer
-    from kvtune.optimize.replay import ReplayObjective
-    from kvtune.optimize.synthetic import synthetic_problem
+    from kvtune.search.optimizers import make_optimizer
+    from kvtune.search.optimizers.replay import ReplayObjective
+    from kvtune.search.optimizers.synthetic import synthetic_problem
     space, table = synthetic_problem("small")
     replay = ReplayObjective(table)
     opt = make_optimizer("mobo", space, ratios=replay.ratios(space), n_init=3, maxiter=20, mc_samples=8, prescreen=16)
@@ -47,7 +47,7 @@ FIRST_ASK = textwrap.dedent("""
 def test_mobo_first_model_step_does_not_wait_on_a_stale_build_lock(tmp_path):
     """A stale ``lock`` in the build folder used to make every later mobo run wait forever."""
     env = {**os.environ, assets.CACHE_ENV: str(tmp_path / "cache"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    root = subprocess.run([sys.executable, "-c", "from kvtune.optimize.fused_kernel import extensions_root as r; print(r())"],
+    root = subprocess.run([sys.executable, "-c", "from kvtune.search.optimizers.fused_kernel import extensions_root as r; print(r())"],
                           env=env, capture_output=True, text=True, check=True).stdout.strip()
     stale = Path(root) / fused_kernel.EXTENSION / "lock"
     stale.parent.mkdir(parents=True)

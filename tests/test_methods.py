@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.methods import METHODS
 from kvtune.run.method import Method
 from kvtune.run.settings import RunSettings, parse_overrides

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvtune.errors import ConfigError
-from kvtune.optimize import OPTIMIZERS, make_optimizer
-from kvtune.space import Candidate, SearchSpace
+from kvtune.core.errors import ConfigError
+from kvtune.search.optimizers import OPTIMIZERS, make_optimizer
+from kvtune.search.space import Candidate, SearchSpace
 
 
 def _cands(n):

@@ -12,14 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtune.errors import ConfigError, KvtuneError
-from kvtune.optimize import OPTIMIZERS, make_optimizer
-from kvtune.optimize.gp import fit_gp
-from kvtune.optimize.kvserve import KVServeOptimizer, kvserve_acquisition
-from kvtune.optimize.replay import HypervolumeSpec, ReplayObjective, best_feasible_ratio
-from kvtune.optimize.synthetic import synthetic_problem
-from kvtune.pareto import hypervolume
-from kvtune.space import Candidate, Parameter, SearchSpace
+from kvtune.core.errors import ConfigError, KvtuneError
+from kvtune.search.optimizers import OPTIMIZERS, make_optimizer
+from kvtune.search.optimizers.gp import fit_gp
+from kvtune.search.optimizers.kvserve import KVServeOptimizer, kvserve_acquisition
+from kvtune.search.optimizers.replay import HypervolumeSpec, ReplayObjective, best_feasible_ratio
+from kvtune.search.optimizers.synthetic import synthetic_problem
+from kvtune.search.pareto import hypervolume
+from kvtune.search.space import Candidate, Parameter, SearchSpace
 
 # Fast settings for the model-based optimizers (small initial designs, few GP iterations).
 FAST = {
@@ -298,7 +298,7 @@ def test_replay_hypervolume_and_best_ratio_closed_form():
 
 
 def test_benchmark_exhaustive_is_the_known_answer(small):
-    from kvtune.optimize.bench import run_search_benchmark, summarize
+    from kvtune.search.optimizers.bench import run_search_benchmark, summarize
 
     space, replay, _ = small
     results, runs = run_search_benchmark(space, replay, optimizers=["exhaustive", "random"], seeds=1,

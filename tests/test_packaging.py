@@ -37,12 +37,12 @@ def test_the_wheel_ships_the_spaces_and_an_install_loads_them(tmp_path):
     wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as zf:
         members = set(zf.namelist())
-    assert {f"kvtune/search_spaces/{name}" for name in SPACES} <= members
+    assert {f"kvtune/search/spaces/{name}" for name in SPACES} <= members
     site = tmp_path / "site"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q",
                            "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    probe = ("import kvtune, kvtune.space as s, kvtune.codecs.presets as p; "
+    probe = ("import kvtune, kvtune.search.space as s, kvtune.codecs.presets as p; "
              "print(kvtune.__file__); print(s.SPACES_DIR); print(p.PRESETS_PATH); "
              "print(len(s.load_space('default')), len(s.load_space('presets')), len(p.load_presets(skip_unavailable=True)))")
     env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
@@ -50,6 +50,6 @@ def test_the_wheel_ships_the_spaces_and_an_install_loads_them(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     init, spaces_dir, presets_path, counts = run.stdout.strip().splitlines()
-    assert Path(init).is_relative_to(site) and Path(spaces_dir) == site / "kvtune" / "search_spaces"
-    assert Path(presets_path) == site / "kvtune" / "search_spaces" / "presets.yaml"
+    assert Path(init).is_relative_to(site) and Path(spaces_dir) == site / "kvtune" / "search" / "spaces"
+    assert Path(presets_path) == site / "kvtune" / "search" / "spaces" / "presets.yaml"
     assert counts.split()[:2] == ["256", "7"] and int(counts.split()[2]) >= 6

@@ -1,4 +1,4 @@
-"""Tests of kvtune.pareto: non-domination against brute force, exact hypervolume."""
+"""Tests of kvtune.search.pareto: non-domination against brute force, exact hypervolume."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvtune.errors import KvtuneError
-from kvtune.pareto import add_codec_latency, hypervolume, non_dominated_mask, pareto_front
+from kvtune.core.errors import KvtuneError
+from kvtune.search.pareto import add_codec_latency, hypervolume, non_dominated_mask, pareto_front
 
 
 def brute_force_mask(points: np.ndarray, maximize) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Tests of the reference presets (kvtune/search_spaces/presets.yaml): they load, encode, decode, and cost
+"""Tests of the reference presets (kvtune/search/spaces/presets.yaml): they load, encode, decode, and cost
 the bits per element the published methods cost."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from kvtune.codecs import CODECS, BitPack, PolicyConfig, decode_kv, encode_kv, read_header
 from kvtune.codecs.presets import PRESETS_PATH, load_presets, missing_components, read_presets
-from kvtune.errors import ConfigError
+from kvtune.core.errors import ConfigError
 
 try:  # the range codec is written alongside this library; the cachegen preset needs it
     importlib.import_module("kvtune.codecs.range_coder")
@@ -201,4 +201,4 @@ def test_unavailable_components_are_skipped_only_on_request(tmp_path):
 
 
 def test_default_path_is_the_repository_file():
-    assert PRESETS_PATH.name == "presets.yaml" and PRESETS_PATH.parent.name == "search_spaces" and PRESETS_PATH.is_file()
+    assert PRESETS_PATH.name == "presets.yaml" and PRESETS_PATH.parent.name == "spaces" and PRESETS_PATH.is_file()

@@ -14,7 +14,7 @@ import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.evaluate.workloads import ContinuationWorkload
-from kvtune.settings import ProfileSettings
+from kvtune.methods.tqc.settings import ProfileSettings
 
 pytestmark = pytest.mark.real_model
 
@@ -111,7 +111,7 @@ def test_eight_bit_policy_is_within_its_interval_of_100_percent(real_lm, name):
     """Per workload: KIVI-8 on real data is lossless within its paired-bootstrap interval, and
     2-bit per-token keys (no rotation) measurably are not, at the cheap fidelity the search uses."""
     from kvtune.evaluate.workloads import make_workload
-    from kvtune.settings import ProfileSettings
+    from kvtune.methods.tqc.settings import ProfileSettings
 
     wl = make_workload(name, real_lm, settings=ProfileSettings(workload=name, **REAL_SIZES[name]))
     r8 = wl.evaluate(_uniform(8), fidelity="cheap")
@@ -138,7 +138,7 @@ def gemma_lm():
 def test_gemma_identity_round_trip_reproduces_its_logits(gemma_lm):
     """Sliding layers (window 512) send only their last 511 positions; injecting the captured KV
     gives the logits of the model's own cache exactly, and the bf16 round trip of bf16 KV too."""
-    from kvtune.assets import read_texts
+    from kvtune.evaluate.assets import read_texts
     from kvtune.evaluate.capture import build_contexts, capture, continuation_logits
     from kvtune.evaluate.model import forward_cache
 

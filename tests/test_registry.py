@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtune.core.registry import DuplicateNameError, Registry, UnknownNameError
-from kvtune.errors import KvtuneError, RegistryError
+from kvtune.core.errors import KvtuneError, RegistryError
 
 
 class A:
@@ -54,7 +54,7 @@ def test_every_kvtune_registry_is_a_registry():
     from kvtune.codecs.base import CODECS, QUANTIZERS, TRANSFORMS
     from kvtune.evaluate.workloads import WORKLOADS
     from kvtune.methods import METHODS as RUN_METHODS
-    from kvtune.optimize import OPTIMIZERS
+    from kvtune.search.optimizers import OPTIMIZERS
     from kvtune.methods.scd.methods import METHODS as TRANSFER_METHODS
 
     for reg in (ADAPTERS, CODEC_POLICIES, CODECS, QUANTIZERS, TRANSFORMS, WORKLOADS, RUN_METHODS, OPTIMIZERS,

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.offline
 import pytest
 
-from kvtune.pareto import pareto_front
+from kvtune.search.pareto import pareto_front
 from kvtune.report import plot_data
 from kvtune.report.html import write_report
 from kvtune.tables import compile_policy_table
@@ -135,7 +135,7 @@ def test_hover_shows_components_and_threshold():
 
 
 def test_convergence_hypervolume():
-    from kvtune.pareto import hypervolume
+    from kvtune.search.pareto import hypervolume
 
     trials = synthetic_trials(40, seed=3).sample(frac=1.0, random_state=0)  # rows out of trial order
     conv = plot_data.convergence(trials)

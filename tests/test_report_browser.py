@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvtune.pareto import pareto_front
+from kvtune.search.pareto import pareto_front
 from kvtune.report.html import write_report
 from kvtune.tables import compile_policy_table
 

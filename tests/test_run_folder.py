@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvtune.errors import RunFolderError, RunLockedError
+from kvtune.core.errors import RunFolderError, RunLockedError
 from kvtune.run.folder import LOCK_NAME, check_out_folder, check_run_name, open_run_folder, remove_stale_temps
 
 

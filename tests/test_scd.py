@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvtune.errors import ConfigError, KvtuneError, ModelLayoutError, TableError
+from kvtune.core.errors import ConfigError, KvtuneError, ModelLayoutError, TableError
 from kvtune.evaluate.model import LoadedModel, load_model
 from kvtune.methods.scd.calibration import calibrate
 from kvtune.methods.scd.consumer import ConsumerRecipe, consumer_dir, is_held_out, lr_at, token_windows

@@ -7,8 +7,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvtune.errors import SpaceError
-from kvtune.space import assignment_to_policy_dict, load_space
+from kvtune.core.errors import SpaceError
+from kvtune.search.space import assignment_to_policy_dict, load_space
 
 
 def _write(tmp_path, body: str):
@@ -164,7 +164,7 @@ def test_a_huge_space_is_refused_before_enumeration(tmp_path):
     """12 parameters of 10 values: 10^12 combinations; counted, not enumerated (used to hang)."""
     import time
 
-    from kvtune.space import MAX_COMBINATIONS
+    from kvtune.search.space import MAX_COMBINATIONS
 
     body = "fixed: {codec: bitpack, kv.name: uniform}\nparameters:\n" + "".join(
         f"  {key}: {{type: ordinal, values: [{', '.join(str(v) for v in vals)}]}}\n"
@@ -185,7 +185,7 @@ def test_a_huge_space_is_refused_before_enumeration(tmp_path):
 
 def test_the_cap_counts_active_combinations_exactly(tmp_path, monkeypatch):
     """Conditional parameters that are inactive do not multiply the count: 3 x 2 uniform + 1 none = 7."""
-    import kvtune.space as space_mod
+    import kvtune.search.space as space_mod
 
     p = _write(tmp_path, """\
         fixed: {codec: bitpack, value.name: uniform}

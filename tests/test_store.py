@@ -7,9 +7,9 @@ import logging
 import pandas as pd
 import pytest
 
-from kvtune.atomic import atomic_write_text
-from kvtune.errors import KvtuneError
-from kvtune.store import TrialStore
+from kvtune.core.atomic import atomic_write_text
+from kvtune.core.errors import KvtuneError
+from kvtune.run.store import TrialStore
 
 
 def test_append_load_and_parquet(tmp_path):
@@ -26,7 +26,7 @@ def test_torn_last_line_is_skipped_and_next_append_is_clean(tmp_path, caplog):
     store.append({"policy_id": "a"})
     with open(store.log_path, "a") as f:
         f.write('{"policy_id": "b", "compr')  # crash in the middle of a write
-    with caplog.at_level(logging.WARNING, logger="kvtune.store"):
+    with caplog.at_level(logging.WARNING, logger="kvtune.run.store"):
         assert [r["policy_id"] for r in store.load()] == ["a"]
     assert "torn last line" in caplog.text
     store.append({"policy_id": "c"})

@@ -2,7 +2,7 @@
 
 The header checksum (BLAKE2b) and the final CRC32 catch accidents, not forgers: anyone can edit
 the header JSON and recompute both (:func:`forge`). Every such stream must raise a
-:class:`~kvtune.errors.KVStreamError` subclass -- never ``RecursionError``, ``OverflowError``,
+:class:`~kvtune.core.errors.KVStreamError` subclass -- never ``RecursionError``, ``OverflowError``,
 ``MemoryError``, ``ValueError``, ``IndexError`` or ``struct.error`` -- quickly and without a
 large allocation, on the fast path and on the reference path.
 """
@@ -31,7 +31,7 @@ from kvtune.codecs.mixhq import MixHQ
 from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.codecs.stream import write_stream
 from kvtune.codecs.transforms import Affine, Delta, Hadamard
-from kvtune.errors import ConfigError, KVStreamError
+from kvtune.core.errors import ConfigError, KVStreamError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

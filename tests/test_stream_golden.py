@@ -1,6 +1,6 @@
 """Golden stream hashes: the bytes of existing policies must not change.
 
-Every preset of ``search_spaces/presets.yaml`` (``duo-like`` with fixed head scores) plus a few
+Every preset of ``kvtune/search/spaces/presets.yaml`` (``duo-like`` with fixed head scores) plus a few
 policies covering the stateful ``affine`` transform, ``hadamard``, ``delta`` anchors and the
 ``fp8`` scaled quantizer is encoded on a fixed seeded random KV cache (two layers, float32,
 bfloat16 and float16 inputs), on both the fast path and the reference path; the SHA-256 of

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvtune.errors import KvtuneError, TableError
-from kvtune.pareto import pareto_front
+from kvtune.core.errors import KvtuneError, TableError
+from kvtune.search.pareto import pareto_front
 from kvtune.tables import (
     PolicyTable,
     bytes_per_s_to_gbps,
@@ -29,7 +29,7 @@ from kvtune.tables import (
     uncompressed_seconds,
     x_s_per_gb_to_gbps,
 )
-from kvtune.atomic import atomic_path
+from kvtune.core.atomic import atomic_path
 
 # ------------------------------------------------------------------------------ latency
 
@@ -599,7 +599,7 @@ def test_malformed_key_in_json(tmp_path, hand_table):
 
 # ------------------------------------------------------------------------------ units
 
-from kvtune.tables.units import UnitError, parse_bandwidth_gbps, parse_bytes, parse_duration_s  # noqa: E402
+from kvtune.core.units import UnitError, parse_bandwidth_gbps, parse_bytes, parse_duration_s  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -716,7 +716,7 @@ def test_cli_select_real_table(gbps):
     assert out.count("dropped: B >= B*, slower than uncompressed") == 2
     sel = PolicyTable.load(REAL_RUN / "policy_table.parquet").select(gbps, 0.97)
     assert sel.predicted_seconds == pytest.approx(expected)
-    from kvtune.tables.units import format_seconds
+    from kvtune.core.units import format_seconds
 
     assert f"predicted  {format_seconds(expected)} for 1 GB of KV" in out
 

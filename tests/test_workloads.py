@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from kvtune.codecs import PolicyConfig, original_nbytes
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate import metrics
 from kvtune.evaluate.model import cache_to_kv, forward_cache, kv_to_cache, load_model
 from kvtune.evaluate.workloads import WORKLOADS, DataError, Field, make_workload, read_jsonl, spearman
 from kvtune.evaluate.workloads.base import PromptBuilder, target_nll
 from kvtune.evaluate.workloads.scoring import best_f1, normalize_answer, rouge_l, token_f1
-from kvtune.settings import ProfileSettings
+from kvtune.methods.tqc.settings import ProfileSettings
 
 from conftest import make_tiny_llama, make_word_text
 
@@ -127,7 +127,7 @@ def test_model_dtype_kv_is_nearly_lossless_through_bf16(tiny):
 def test_continuation_full_matches_the_former_evaluator(tiny):
     """The continuation workload at full fidelity, on a given capture, computes exactly the numbers
     of the former ContinuationEvaluator (perplexity ratio, KL, bootstrap interval, ratio)."""
-    from kvtune.assets import read_texts
+    from kvtune.evaluate.assets import read_texts
     from kvtune.evaluate.capture import build_contexts, capture, continuation_logits
     from kvtune.evaluate.workloads import ContinuationWorkload
 

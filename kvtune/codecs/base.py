@@ -14,7 +14,7 @@ Every component is a small frozen dataclass registered by name with a decorator
 (:func:`register_transform`, :func:`register_quantizer`, :func:`register_codec`), in the style
 of kvpress presses and torchao configs. Its dataclass fields are its parameters, declared with
 :func:`param` so that values are validated on construction (a bad value raises
-:class:`~kvtune.errors.ConfigError` naming the component, the parameter and the allowed
+:class:`~kvtune.core.errors.ConfigError` naming the component, the parameter and the allowed
 values). ``to_dict()``/``from_dict()`` round-trip a component through JSON.
 
 Adding a component::
@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvtune.core.registry import Registry
-from kvtune.errors import ConfigError, CorruptStreamError, KVInputError
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError
 
 __all__ = [
     "Component",

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvtune.codecs.base import Codec, register_codec
-from kvtune.errors import CorruptStreamError
+from kvtune.core.errors import CorruptStreamError
 
 __all__ = ["BitPack", "pack_bits", "unpack_bits", "packed_nbytes"]
 

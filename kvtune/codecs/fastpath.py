@@ -58,7 +58,7 @@ from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
-from kvtune.errors import CorruptStreamError, KVInputError
+from kvtune.core.errors import CorruptStreamError, KVInputError
 
 try:  # numba is a dependency; without it everything still works on the reference path
     from kvtune.codecs import kernels as K

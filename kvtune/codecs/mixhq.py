@@ -32,7 +32,7 @@ import torch
 
 from kvtune.codecs.base import BF16_BITS, Quantizer, param, register_quantizer
 from kvtune.codecs.quantizers import GroupedWindowsMixin
-from kvtune.errors import ConfigError
+from kvtune.core.errors import ConfigError
 
 __all__ = ["MixHQ", "rank_heads", "normalize_head_scores"]
 

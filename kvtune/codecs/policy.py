@@ -61,7 +61,7 @@ from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import StreamHeader, TensorSections, canonical_json, read_stream, shape_problem, write_stream
-from kvtune.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
 
 __all__ = [
     "KVLayers",

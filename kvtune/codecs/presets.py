@@ -1,6 +1,6 @@
 """Reference presets: published KV-cache compression baselines as fixed kvtune policies.
 
-The presets live in ``kvtune/search_spaces/presets.yaml``, package data read through
+The presets live in ``kvtune/search/spaces/presets.yaml``, package data read through
 :mod:`importlib.resources` (issue 3). File format::
 
     version: 1                     # presets-file schema version
@@ -33,11 +33,11 @@ import yaml
 
 from kvtune.codecs.base import CODECS, QUANTIZERS, TRANSFORMS
 from kvtune.codecs.policy import PolicyConfig
-from kvtune.errors import ConfigError
+from kvtune.core.errors import ConfigError
 
 __all__ = ["PRESETS_PATH", "PRESETS_VERSION", "Preset", "read_presets", "load_presets", "missing_components"]
 
-PRESETS_PATH = Path(str(resources.files("kvtune").joinpath("search_spaces", "presets.yaml")))
+PRESETS_PATH = Path(str(resources.files("kvtune.search").joinpath("spaces", "presets.yaml")))
 PRESETS_VERSION = 1
 _TOP_KEYS = ("version", "name", "description", "presets")
 _ENTRY_KEYS = ("name", "description", "reference", "policy")
@@ -161,7 +161,7 @@ def load_presets(path: str | Path = PRESETS_PATH, *, skip_unavailable: bool = Fa
     """The presets of a file as ``{name: PolicyConfig}``, in file order.
 
     Args:
-        path: the presets file (default: the bundled ``kvtune/search_spaces/presets.yaml``).
+        path: the presets file (default: the bundled ``kvtune/search/spaces/presets.yaml``).
         skip_unavailable: leave out presets that name components not registered in this
             install (e.g. the ``range`` codec before it is available) instead of raising.
 

@@ -261,7 +261,7 @@ class UniformQuantizer(GroupedWindowsMixin, Quantizer):
     Range: every value a quantized segment codes (after the transforms) must lie within
     +-65504, the float16 range of ``scale`` and ``zero`` (+-32752 at 1 bit, where one scale spans
     the whole group); :meth:`quantize` refuses a tensor with a value beyond it with
-    :class:`~kvtune.errors.KVInputError` naming the layer and the limit, instead of letting the
+    :class:`~kvtune.core.errors.KVInputError` naming the layer and the limit, instead of letting the
     metadata saturate (:attr:`value_limit`). bfloat16 windows hold any bfloat16 value.
 
     Args:

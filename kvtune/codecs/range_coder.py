@@ -95,7 +95,7 @@ allocating what it sizes (``G * 2**bits <= MAX_TABLE_ENTRIES``, ``R <= 2Q``, wor
 against the bytes present), then the CRC, then that the table decodes to codes in ``0..Q``
 (maximum exactly ``Q``), every group has a symbol and the decoded residuals have exactly the
 histogram sent; it turns any exception of the coder into
-:class:`~kvtune.errors.CorruptStreamError` and requires both range decoders to be exhausted. A flipped bit
+:class:`~kvtune.core.errors.CorruptStreamError` and requires both range decoders to be exhausted. A flipped bit
 inside the coder words may still decode to ``count`` wrong symbols (a range code has no
 redundancy to notice it; ~4 % of single-bit flips in our tests): the outer stream's CRC32
 catches those.
@@ -115,7 +115,7 @@ import torch
 
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
-from kvtune.errors import CorruptStreamError, StreamVersionError
+from kvtune.core.errors import CorruptStreamError, StreamVersionError
 
 __all__ = [
     "RangeCodec",

@@ -67,7 +67,7 @@ segments, each segment's metadata length and its payload against the plan
 (:class:`CorruptStreamError`), and whether the policy applies to the recorded shapes at all
 (:class:`KVStreamError`, e.g. ``mixhq`` scores for another head count). A tensor without
 tokens is not planned: only its state length is checked. Every failure on untrusted bytes is
-a :class:`~kvtune.errors.KVStreamError`; no tensor is produced from a stream that fails any
+a :class:`~kvtune.core.errors.KVStreamError`; no tensor is produced from a stream that fails any
 check. Streams are deterministic: the same input and policy give the same bytes.
 """
 
@@ -84,7 +84,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from kvtune.codecs.checksum import crc32_combine, crc32_threaded
-from kvtune.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
+from kvtune.core.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
 __all__ = [
     "MAGIC",

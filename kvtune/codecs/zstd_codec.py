@@ -10,7 +10,7 @@ Wire layout: exactly one zstd frame with the content size in its header, no zstd
 (the outer stream has a CRC32). Decoding first reads the frame's content size and requires
 it to equal the packed size implied by ``count`` and ``bits`` (``ceil(count * bits / 8)``, or
 ``2 * count``) before decompressing with that size as the output bound and no trailing data
-allowed; every failure raises :class:`~kvtune.errors.CorruptStreamError`.
+allowed; every failure raises :class:`~kvtune.core.errors.CorruptStreamError`.
 
 Zstandard works on bytes: it finds repeated byte strings (LZ matches) and Huffman-codes
 literals with tables built per block; it has no notion of channels or heads. Still, on real
@@ -32,7 +32,7 @@ import zstandard
 
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
-from kvtune.errors import CorruptStreamError
+from kvtune.core.errors import CorruptStreamError
 
 __all__ = ["ZstdCodec"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-from kvtune.errors import RegistryError
+from kvtune.core.errors import RegistryError
 
 __all__ = ["DuplicateNameError", "Registry", "UnknownNameError"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.errors import ConfigError
+from kvtune.core.errors import ConfigError
 from kvtune.evaluate.model import LoadedModel
 
 DEFAULT_SINK_TOKENS = 4

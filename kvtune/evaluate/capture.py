@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.model import (
     KVLayers,
     LoadedModel,

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kvtune.assets import ASSETS, resolve_asset, seal_folder, verify_sealed_folder
-from kvtune.errors import AssetError, KvtuneError, ModelLayoutError
+from kvtune.evaluate.assets import ASSETS, resolve_asset, seal_folder, verify_sealed_folder
+from kvtune.core.errors import AssetError, KvtuneError, ModelLayoutError
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -156,7 +156,7 @@ def converted_dir(spec: str) -> Path | None:
     ~15-45 s); the first load saves the dequantized model and its tokenizer with
     ``save_pretrained`` so later loads read safetensors in seconds. The folder name holds the
     asset's sha256 and the transformers version that did the conversion, and ends in
-    ``-sealed``: the folder lists the sha256 of its files (:func:`kvtune.assets.seal_folder`);
+    ``-sealed``: the folder lists the sha256 of its files (:func:`kvtune.evaluate.assets.seal_folder`);
     folders of older kvtune versions, which did not, are not used. None for specs that are not
     named GGUF assets.
     """
@@ -165,7 +165,7 @@ def converted_dir(spec: str) -> Path | None:
         return None
     import transformers
 
-    from kvtune.assets import cache_root
+    from kvtune.evaluate.assets import cache_root
 
     return cache_root() / "converted" / f"{asset.name}-{asset.sha256[:16]}-transformers-{transformers.__version__}-sealed"
 

@@ -35,7 +35,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from kvtune.report import plot_data as pdl
-from kvtune.atomic import atomic_write_text
+from kvtune.core.atomic import atomic_write_text
 from kvtune.tables.policy_table import PolicyTable
 
 __all__ = [
@@ -499,7 +499,7 @@ def write_report(
             optional ``trial`` (order of the convergence plot), ``param.*`` (shown on hover)
             and ``preset`` (preset name, null for searched policies; rows with
             ``method == "preset"`` count as presets too).
-        pareto: the Pareto rows (:func:`kvtune.pareto.pareto_front`).
+        pareto: the Pareto rows (:func:`kvtune.search.pareto.pareto_front`).
         table: the compiled :class:`~kvtune.tables.policy_table.PolicyTable`.
         path: destination ``.html`` file (parent directories are created).
         title: page title.

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from kvtune.pareto import OBJECTIVE_COLUMNS, OBJECTIVE_MAXIMIZE, add_codec_latency, hypervolume, non_dominated_mask
+from kvtune.search.pareto import OBJECTIVE_COLUMNS, OBJECTIVE_MAXIMIZE, add_codec_latency, hypervolume, non_dominated_mask
 from kvtune.tables.latency import gbps_to_x_s_per_gb, threshold_gbps
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
 
@@ -105,7 +105,7 @@ def trial_points(trials: pd.DataFrame, pareto: pd.DataFrame) -> pd.DataFrame:
     """One row per plottable trial, flagged when it is on the Pareto front.
 
     Membership is by ``policy_id`` when both frames have it, otherwise by index (as
-    returned by :func:`kvtune.pareto.pareto_front`). Trials with a non-finite accuracy,
+    returned by :func:`kvtune.search.pareto.pareto_front`). Trials with a non-finite accuracy,
     ratio or codec latency (failed evaluations) are dropped.
 
     Args:
@@ -326,11 +326,11 @@ def convergence(
 ) -> pd.DataFrame:
     """Search convergence: hypervolume of the Pareto front found so far vs trial number.
 
-    Objectives (:data:`kvtune.pareto.OBJECTIVE_COLUMNS`): relative accuracy up, compression
+    Objectives (:data:`kvtune.search.pareto.OBJECTIVE_COLUMNS`): relative accuracy up, compression
     ratio up, codec seconds per GB down. Each is mapped to a *loss* in [0, 1]:
     ``(best - v) / (best - worst)`` with ``best``/``worst`` the best and worst finite values
     over all trials of the run (or ``bounds[col] = (worst, best)``), so 0 is the run's best and
-    1 its worst. The hypervolume (:func:`kvtune.pareto.hypervolume`, exact) of the losses of
+    1 its worst. The hypervolume (:func:`kvtune.search.pareto.hypervolume`, exact) of the losses of
     trials ``0..t`` w.r.t. the reference point :data:`HV_REFERENCE_LOSS` = (1.1, 1.1, 1.1) is
     divided by the reference box ``1.1^3``, so it lies in [0, 1]; it never decreases. With
     run-specific bounds, values compare trials of one run; pass the same ``bounds`` to

@@ -5,7 +5,7 @@ a process works on a folder it holds an exclusive ``flock`` on ``<run>/.kvtune.l
 file records the holder's pid), so two ``--resume`` of one folder, or a ``kvtune report``
 during a run, cannot interleave their trials: the second gets :class:`RunLockedError`. The
 kernel drops the lock when the holder dies, even on ``kill -9``. Opening a folder also removes
-the temporary files of :mod:`kvtune.atomic` that a killed process left behind (they are never
+the temporary files of :mod:`kvtune.core.atomic` that a killed process left behind (they are never
 in use: the lock is held).
 """
 
@@ -18,12 +18,12 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvtune.errors import RunFolderError, RunLockedError
+from kvtune.core.errors import RunFolderError, RunLockedError
 
 __all__ = ["LOCK_NAME", "check_out_folder", "check_run_name", "open_run_folder", "remove_stale_temps"]
 
 LOCK_NAME = ".kvtune.lock"
-#: The temporary files :func:`kvtune.atomic.atomic_path` creates: ``.<name>.<8 random chars>.tmp``.
+#: The temporary files :func:`kvtune.core.atomic.atomic_path` creates: ``.<name>.<8 random chars>.tmp``.
 _TEMP = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
 _UNSAFE = re.compile(r"[\x00-\x1f/\\]")
 

@@ -19,7 +19,7 @@ def ask_tell(optimizer: Any, candidates: Iterable[Any], *, budget: int, done: Ma
     """Tell ``optimizer`` the stored trials, then ask, evaluate and tell up to the budget.
 
     Args:
-        optimizer: a :class:`kvtune.optimize.Optimizer` (``ask() -> candidate | None``,
+        optimizer: a :class:`kvtune.search.optimizers.Optimizer` (``ask() -> candidate | None``,
             ``tell(candidate, record)``).
         candidates: the space's candidates (``policy_id`` attribute).
         budget: total evaluations wanted, stored ones included.
@@ -51,8 +51,8 @@ def in_order(candidates: Iterable[Any]) -> Any:
 
     ``candidates``: objects with distinct ``index`` values and a ``policy_id``.
     """
-    from kvtune.optimize import make_optimizer
-    from kvtune.space import SearchSpace
+    from kvtune.search.optimizers import make_optimizer
+    from kvtune.search.space import SearchSpace
 
     space = SearchSpace(name="list", path=Path("<list>"), description="a fixed list of candidates", parameters=[],
                         fixed={}, candidates=list(candidates))

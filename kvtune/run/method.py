@@ -85,7 +85,7 @@ class Stage:
         name: the stage (``search``, ``refine``, ``baselines``, ``buckets``...), passed to
             :meth:`Method.evaluate` and shown as progress.
         candidates: the candidates (each with ``policy_id`` and ``index``).
-        optimizer: a :class:`kvtune.optimize.Optimizer` over them.
+        optimizer: a :class:`kvtune.search.optimizers.Optimizer` over them.
         budget: total evaluations wanted in this stage, stored ones included.
         done: this stage's stored trial rows by ``policy_id`` (told, not evaluated again).
         title: the progress line of the stage (default: ``name``).
@@ -211,9 +211,9 @@ class Method:
         Raises:
             KvtuneError: no trials, or rows that do not compile; the message names the log.
         """
-        from kvtune.errors import KvtuneError
-        from kvtune.pareto import pareto_front
-        from kvtune.store import TrialStore
+        from kvtune.core.errors import KvtuneError
+        from kvtune.search.pareto import pareto_front
+        from kvtune.run.store import TrialStore
 
         store = TrialStore(run_dir, table=False)
         records = store.load()

@@ -9,7 +9,7 @@ run folder, and does, for every method alike:
    ``settings``, ``reports`` and the method's :meth:`~kvtune.run.method.Method.run_info`);
 3. for each of ``method.stages(context, stored)``: the ask/tell loop
    (:func:`kvtune.run.loop.ask_tell`), each new row numbered (``trial``), appended to
-   ``trials.jsonl`` (:class:`kvtune.store.TrialStore`) and told to the stage's optimizer;
+   ``trials.jsonl`` (:class:`kvtune.run.store.TrialStore`) and told to the stage's optimizer;
 4. :func:`finalize_run`: compile, Pareto front, write every output.
 
 :func:`finalize_run` is also ``kvtune report`` on any run folder; recompiling alone is :meth:`~kvtune.run.method.Method.compile_table` (``kvtune export --floors`` and ``kvtune select``
@@ -26,13 +26,13 @@ from typing import Any
 
 import pandas as pd
 
-from kvtune.atomic import atomic_write_parquet, atomic_write_text
+from kvtune.core.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.core.jsonio import jsonable, strict_dumps
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.run.folder import open_run_folder
 from kvtune.run.loop import ask_tell
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest
-from kvtune.store import TrialStore
+from kvtune.run.store import TrialStore
 
 __all__ = ["RunResult", "finalize_run", "run_method", "run_request", "stored_trial_count", "write_run_info"]
 

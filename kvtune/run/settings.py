@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 
 __all__ = ["RunSettings", "parse_overrides", "same_type"]
 

@@ -6,7 +6,7 @@
 * :mod:`kvtune.tables.controller` -- online controller: residual EWMA, epsilon-greedy,
   SLO fallback, bandwidth estimation and per-chunk re-selection.
 * :mod:`kvtune.tables.run` -- compile / export the table of a profiling run folder.
-* :mod:`kvtune.tables.units` -- parse ``10Gbps``, ``200ms``, ``24MB``.
+* :mod:`kvtune.core.units` -- parse ``10Gbps``, ``200ms``, ``24MB``.
 """
 
 from kvtune.tables.controller import ChunkedTransfer, Controller, ControllerConfig, Decision, Feedback, Observation
@@ -37,7 +37,7 @@ from kvtune.tables.policy_table import (
     SelectedPolicy,
     compile_policy_table,
 )
-from kvtune.tables.units import UnitError, parse_bandwidth_gbps, parse_bytes, parse_duration_s
+from kvtune.core.units import UnitError, parse_bandwidth_gbps, parse_bytes, parse_duration_s
 
 __all__ = [
     "COLUMNS",

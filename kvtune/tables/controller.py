@@ -70,7 +70,7 @@ import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.tables.policy_table import (
     DEFAULT_KEY,
     STATUS_CHOSEN,

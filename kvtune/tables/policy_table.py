@@ -76,9 +76,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from kvtune.errors import KvtuneError, TableError
+from kvtune.core.errors import KvtuneError, TableError
 from kvtune.core.jsonio import dec_float, enc_float, strict_dumps
-from kvtune.atomic import atomic_path, atomic_write_text
+from kvtune.core.atomic import atomic_path, atomic_write_text
 from kvtune.tables.envelope import lower_envelope
 from kvtune.tables.latency import (
     gbps_to_x_s_per_gb,
@@ -380,7 +380,7 @@ class SelectedPolicy(NamedTuple):
     def reason(self) -> str:
         """Why this policy: the interval, the candidates and why others were dropped
         (multi-line plain text, used by ``kvtune select``)."""
-        from kvtune.tables.units import format_bytes, format_seconds
+        from kvtune.core.units import format_bytes, format_seconds
 
         lines = [
             f"accuracy floor {100 * self.accuracy_floor:g} % (smallest configured floor >= "
@@ -535,7 +535,7 @@ def compile_policy_table(
     "none" is always a candidate.
 
     Args:
-        pareto: output of :func:`kvtune.pareto.pareto_front` (any frame with
+        pareto: output of :func:`kvtune.search.pareto.pareto_front` (any frame with
             ``policy_id``, ``label``, ``method``, ``config_json``, ``compression_ratio``,
             ``relative_accuracy``, ``encode_gbps`` and ``decode_gbps`` in GB/s works;
             dominated rows never reach the envelope anyway).

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from kvtune.core.jsonio import enc_float
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable, compile_policy_table
 
 __all__ = [
@@ -175,7 +175,7 @@ def compile_tqc_run_table(run_dir: Path, info: dict[str, Any], floors: Sequence[
     if (run_dir / "pareto.parquet").is_file():
         pareto = _read_parquet(run_dir / "pareto.parquet")
     elif (run_dir / "trials.parquet").is_file():
-        from kvtune.pareto import pareto_front
+        from kvtune.search.pareto import pareto_front
 
         pareto = pareto_front(_read_parquet(run_dir / "trials.parquet"))
     else:
@@ -280,7 +280,7 @@ def selection_text(sel: Any, table: PolicyTable, volume_source: str) -> str:
     """Plain-text answer of ``kvtune select``: the chosen policy, its predicted time for the
     KV volume (and where that volume came from), B*, the SLO verdict and the reason
     (:meth:`~kvtune.tables.policy_table.SelectedPolicy.reason`)."""
-    from kvtune.tables.units import format_bytes, format_seconds
+    from kvtune.core.units import format_bytes, format_seconds
 
     if sel.policy_id == "none":
         bstar = (

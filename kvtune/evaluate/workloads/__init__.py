@@ -18,7 +18,7 @@ on SmolLM2-135M the references' likelihood rose with a broken cache (see
 
 Example::
 
-    >>> from kvtune.settings import ProfileSettings
+    >>> from kvtune.methods.tqc.settings import ProfileSettings
     >>> wl = make_workload("qa", lm, settings=ProfileSettings(workload="qa"))  # doctest: +SKIP
     >>> row = wl.evaluate(PolicyConfig.kivi(4), fidelity="cheap")               # doctest: +SKIP
     >>> row["relative_accuracy_lo"], row["compression_ratio"]                   # doctest: +SKIP
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.metrics import spearman
 from kvtune.evaluate.model import LoadedModel
 from kvtune.evaluate.workloads.base import FIDELITIES, PROMPT_FORMATS, WORKLOADS, Sample, Workload, register
@@ -89,7 +89,7 @@ def make_workload(name: str, lm: LoadedModel, *, settings: WorkloadSettings,
     Args:
         name: a key of :data:`WORKLOADS`.
         lm: the loaded model.
-        settings: the run settings (a :class:`~kvtune.settings.ProfileSettings` has the
+        settings: the run settings (a :class:`~kvtune.methods.tqc.settings.ProfileSettings` has the
             :class:`~kvtune.evaluate.workloads.settings.WorkloadSettings` fields).
         progress: optional ``progress(n)`` called after each prefilled sample
             (``workload_sample_counts(name, settings)[0]`` calls in total).

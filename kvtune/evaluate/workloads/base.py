@@ -41,7 +41,7 @@ import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.core.registry import Registry
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
 from kvtune.evaluate.metrics import (
     bootstrap_ratio_of_means,
@@ -300,7 +300,7 @@ class Workload(ABC):
 
     Args:
         lm: the loaded model.
-        settings: the run settings, e.g. a :class:`kvtune.settings.ProfileSettings`; the fields
+        settings: the run settings, e.g. a :class:`kvtune.methods.tqc.settings.ProfileSettings`; the fields
             of :class:`~kvtune.evaluate.workloads.settings.WorkloadSettings` are read.
         progress: optional ``progress(n)`` called after each prefilled sample.
 

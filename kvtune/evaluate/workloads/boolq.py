@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.model import KVLayers
 from kvtune.evaluate.workloads.base import (
     PromptBuilder,

@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from kvtune.assets import read_texts
+from kvtune.evaluate.assets import read_texts
 from kvtune.codecs import PolicyConfig, original_nbytes
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.capture import Capture, build_contexts, capture, continuation_logits
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores
 from kvtune.evaluate.model import KVLayers, LoadedModel

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtune.assets import ASSETS, file_sha256, resolve_asset
-from kvtune.errors import KvtuneError
+from kvtune.evaluate.assets import ASSETS, file_sha256, resolve_asset
+from kvtune.core.errors import KvtuneError
 
 
 class DataError(KvtuneError):

@@ -6,8 +6,8 @@ import random
 import re
 from typing import Any
 
-from kvtune.assets import read_texts
-from kvtune.errors import KvtuneError
+from kvtune.evaluate.assets import read_texts
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.model import KVLayers
 from kvtune.evaluate.workloads.base import (
     PromptBuilder,

@@ -48,7 +48,7 @@ def _rouge_scorer():
     try:
         from rouge_score import rouge_scorer
     except ImportError as exc:  # pragma: no cover - dependency declared in pyproject
-        from kvtune.errors import KvtuneError
+        from kvtune.core.errors import KvtuneError
 
         raise KvtuneError("the summarize workload needs the rouge-score package: pip install rouge-score") from exc
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)

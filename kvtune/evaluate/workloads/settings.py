@@ -1,8 +1,8 @@
 """The settings a workload reads, as a typed protocol.
 
-Workloads are built from a run's :class:`kvtune.settings.ProfileSettings`, which has these
+Workloads are built from a run's :class:`kvtune.methods.tqc.settings.ProfileSettings`, which has these
 fields (and more). The protocol names only what the workloads read, so this package does not
-import :mod:`kvtune.settings` (which sits above the evaluation layer), and a settings object
+import :mod:`kvtune.methods.tqc.settings` (which sits above the evaluation layer), and a settings object
 that lacks a field, or holds a value of the wrong type, is refused when the workload is built
 instead of being read through a silent default.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Protocol, get_type_hints, runtime_checkable
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 
 __all__ = ["WorkloadSettings", "checked_settings"]
 
 
 @runtime_checkable
 class WorkloadSettings(Protocol):
-    """What a workload reads from the run settings (see :class:`kvtune.settings.ProfileSettings`
+    """What a workload reads from the run settings (see :class:`kvtune.methods.tqc.settings.ProfileSettings`
     for their meaning and defaults).
 
     Attributes:

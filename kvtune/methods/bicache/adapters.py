@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kvtune.methods.bicache.state import PrefixState
 from kvtune.core.registry import Registry
-from kvtune.errors import BiCacheError, ModelLayoutError
+from kvtune.core.errors import BiCacheError, ModelLayoutError
 
 __all__ = ["ADAPTERS", "BertFamilyAdapter", "EncoderAdapter", "ReuseOutput", "load_encoder", "register_adapter"]
 
@@ -303,7 +303,7 @@ def load_encoder(spec: str, *, device: str = "cpu", masked_lm: bool = False) -> 
     """
     from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer
 
-    from kvtune.assets import ASSETS, resolve_asset
+    from kvtune.evaluate.assets import ASSETS, resolve_asset
 
     if spec in ASSETS:
         path = resolve_asset(spec)

@@ -59,10 +59,10 @@ from kvtune.methods.bicache.workload import (
 from kvtune.codecs import PolicyConfig
 from kvtune.core.jsonio import jsonable, plain, strict_dumps
 from kvtune.core.registry import Registry
-from kvtune.errors import BiCacheError, KvtuneError
+from kvtune.core.errors import BiCacheError, KvtuneError
 from kvtune.run.settings import RunSettings
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
-from kvtune.store import TrialStore
+from kvtune.run.store import TrialStore
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
 
 __all__ = ["CODEC_POLICIES", "BiCacheMethod", "BiCacheResult", "BiCacheSettings", "compile_run_table",

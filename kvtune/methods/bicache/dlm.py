@@ -31,7 +31,7 @@ import torch
 
 from kvtune.methods.bicache.adapters import EncoderAdapter
 from kvtune.methods.bicache.state import PrefixState, merge_states
-from kvtune.errors import BiCacheError
+from kvtune.core.errors import BiCacheError
 
 __all__ = ["DenoiseResult", "tokens_per_step", "unmask_loop"]
 

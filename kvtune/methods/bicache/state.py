@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv
-from kvtune.errors import BiCacheError, KVStreamError
+from kvtune.core.errors import BiCacheError, KVStreamError
 
 __all__ = [
     "PAYLOAD_MAGIC",

@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 
 from kvtune.core.ids import config_policy_id
-from kvtune.errors import TableError
+from kvtune.core.errors import TableError
 from kvtune.evaluate.metrics import report_relative_accuracy
 from kvtune.tables.policy_table import DEFAULT_FLOORS, SCHEMA_VERSION, PolicyEntry, PolicyTable, envelope_rows
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtune.errors import BiCacheError
+from kvtune.core.errors import BiCacheError
 from kvtune.evaluate.workloads.data import Field, resolve_data, stable_seed
 
 __all__ = [

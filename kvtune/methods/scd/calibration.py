@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvtune.atomic import atomic_path, atomic_write_text
-from kvtune.errors import ConfigError
+from kvtune.core.atomic import atomic_path, atomic_write_text
+from kvtune.core.errors import ConfigError
 from kvtune.evaluate.model import LoadedModel
 from kvtune.methods.scd.lowrank import LowRankMap, fit_low_rank_map, relative_error
 from kvtune.methods.scd.states import capture_states, check_same_architecture

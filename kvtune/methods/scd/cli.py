@@ -12,7 +12,7 @@ import time
 import typer
 from rich.console import Console
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.methods.scd.consumer import ConsumerRecipe
 
 app = typer.Typer(help="Semantic Cache Distillation: cross-model KV transfer (producer -> fine-tuned consumer).",

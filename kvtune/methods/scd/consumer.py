@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvtune.errors import ConfigError, KvtuneError
+from kvtune.core.errors import ConfigError, KvtuneError
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ConsumerRecipe:
 
 def consumer_dir(recipe: ConsumerRecipe, root: Path | None = None) -> Path:
     """Cache folder of the consumer made by ``recipe``: ``<kvtune cache>/scd-consumers/<name>-<digest16>``."""
-    from kvtune.assets import cache_root
+    from kvtune.evaluate.assets import cache_root
 
     base = root if root is not None else cache_root() / "scd-consumers"
     name = Path(recipe.producer).name.removesuffix(".gguf") or "model"
@@ -286,7 +286,7 @@ def make_consumer(recipe: ConsumerRecipe | None = None, *, root: Path | None = N
     Raises:
         ConsumerError: peft is missing or the data cannot be split.
     """
-    from kvtune.atomic import atomic_write_text
+    from kvtune.core.atomic import atomic_write_text
     from kvtune.evaluate.model import load_model
 
     recipe = recipe or ConsumerRecipe()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtune.errors import ConfigError
+from kvtune.core.errors import ConfigError
 
 
 @dataclass

@@ -40,7 +40,7 @@ import torch
 
 from kvtune.codecs import PolicyConfig, original_nbytes
 from kvtune.core.registry import Registry
-from kvtune.errors import ConfigError
+from kvtune.core.errors import ConfigError
 from kvtune.evaluate.model import KVLayers, LoadedModel, round_kv
 from kvtune.methods.scd.calibration import SCDCalibration
 from kvtune.methods.scd.states import LayerStates, capture_states, kv_from_hidden, kv_from_pre, rotary, run_layers

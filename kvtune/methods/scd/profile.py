@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 
 from kvtune.codecs import original_nbytes
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.core.ids import policy_id
 from kvtune.evaluate.capture import build_contexts, logits_on_cache
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores, report_relative_accuracy
@@ -90,14 +90,14 @@ class SCDProfileSettings(RunSettings):
         patch_counts: numbers of patched transition layers searched.
         code_bits: widths of the SCD codes searched (16 = bfloat16, fewer = quantized by
             the T/Q/C pipeline, :func:`kvtune.methods.scd.methods.code_policy`).
-        optimizer: registered optimizer (:data:`kvtune.optimize.OPTIMIZERS`) that explores the
+        optimizer: registered optimizer (:data:`kvtune.search.optimizers.OPTIMIZERS`) that explores the
             SCD grid (rank x patch count x code bits); the baselines are always evaluated.
         budget: SCD configurations to evaluate (0 = as many as the optimizer proposes).
         q_min: accuracy floor of constrained optimizers (``kvserve``).
         seed: optimizer seed.
         droidspeak_lengths: recomputed block lengths searched.
         droidspeak_stride: step between candidate block starts in the offline profiling.
-        tqc_presets: preset names (``search_spaces/presets.yaml``) for ``raw+tqc``.
+        tqc_presets: preset names (``kvtune/search/spaces/presets.yaml``) for ``raw+tqc``.
         tqc_policies: extra T/Q/C policies as ``PolicyConfig.to_dict()`` dicts (e.g. a
             profile's Pareto set), labelled by policy id.
         ridge: relative ridge of the maps.
@@ -286,12 +286,12 @@ class TransferPolicy:
 
 
 def scd_space(methods: list[SCD]) -> Any:
-    """The SCD grid as a :class:`~kvtune.space.SearchSpace` for the shared optimizers.
+    """The SCD grid as a :class:`~kvtune.search.space.SearchSpace` for the shared optimizers.
 
     Parameters: ``rank`` (ordinal, more is more precise), ``patches`` (ordinal, number of
     patched layers, no precision direction), ``code_bits`` (ordinal, more is more precise).
     """
-    from kvtune.space import Candidate, Parameter, SearchSpace
+    from kvtune.search.space import Candidate, Parameter, SearchSpace
 
     def params(m: SCD) -> dict[str, Any]:
         return {"rank": max(m.ranks), "patches": len(m.patch_layers), "code_bits": m.code_bits}
@@ -368,8 +368,8 @@ def check_scd_settings(st: SCDProfileSettings) -> None:
         ConfigError: unknown optimizer, code bits outside :data:`kvtune.methods.scd.methods.CODE_BITS`,
             a negative budget.
     """
-    from kvtune.errors import ConfigError
-    from kvtune.optimize import OPTIMIZERS
+    from kvtune.core.errors import ConfigError
+    from kvtune.search.optimizers import OPTIMIZERS
     from kvtune.methods.scd.methods import CODE_BITS
 
     if st.optimizer not in OPTIMIZERS:
@@ -400,7 +400,7 @@ class SCDContext:
 
 def transfer_candidates(methods: Sequence[TransferMethod]) -> list[Any]:
     """Transfer configurations as search candidates (``index``, ``policy_id``, ``config``)."""
-    from kvtune.space import Candidate
+    from kvtune.search.space import Candidate
 
     return [Candidate(index=i, params={}, config=TransferPolicy(m)) for i, m in enumerate(methods)]
 
@@ -408,7 +408,7 @@ def transfer_candidates(methods: Sequence[TransferMethod]) -> list[Any]:
 def scd_stage(methods: list[SCD], settings: SCDProfileSettings, stored: Mapping[str, dict[str, Any]]) -> Stage:
     """The SCD grid as one ask/tell :class:`~kvtune.run.method.Stage` explored by
     ``settings.optimizer`` (``done``: the stored rows of SCD configurations)."""
-    from kvtune.optimize import make_optimizer
+    from kvtune.search.optimizers import make_optimizer
 
     space = scd_space(methods)
     opt = make_optimizer(settings.optimizer, space, seed=settings.seed, q_min=settings.q_min)
@@ -464,7 +464,7 @@ class SCDMethod(Method):
                                      **parse_overrides(SCDProfileSettings, request.options)})
 
     def run_name(self, settings: SCDProfileSettings) -> str:
-        from kvtune.assets import DEFAULT_MODEL
+        from kvtune.evaluate.assets import DEFAULT_MODEL
 
         return f"scd-{Path(settings.producer or DEFAULT_MODEL).stem}"
 
@@ -472,7 +472,7 @@ class SCDMethod(Method):
         check_scd_settings(settings)
 
     def prepare(self, settings: SCDProfileSettings, run_dir: Path, hooks: Hooks, **given: Any) -> SCDContext:
-        from kvtune.assets import DEFAULT_MODEL
+        from kvtune.evaluate.assets import DEFAULT_MODEL
         from kvtune.tables.run import read_run_info
 
         st, say = settings, hooks.say

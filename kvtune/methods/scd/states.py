@@ -18,7 +18,7 @@ model's own projections and rotary embedding, exactly as its attention module do
 
 Supported: decoders whose layers have ``input_layernorm`` and ``self_attn.{k_proj, v_proj}``
 (Llama, Mistral, Qwen2, SmolLM) with full attention. Models with sliding-window layers or
-key norms (Gemma-3) raise :class:`~kvtune.errors.ModelLayoutError`.
+key norms (Gemma-3) raise :class:`~kvtune.core.errors.ModelLayoutError`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvtune.errors import ModelLayoutError
+from kvtune.core.errors import ModelLayoutError
 from kvtune.evaluate.model import KVLayers, LoadedModel, cache_to_kv, forward_cache
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
-from kvtune.settings import ProfileSettings
+from kvtune.methods.tqc.settings import ProfileSettings
 
 
 @dataclass
@@ -72,9 +72,9 @@ class TQCMethod(Method):
         from kvtune.evaluate.model import load_model
         from kvtune.evaluate.ratio import estimate_ratios
         from kvtune.evaluate.workloads import make_workload, workload_sample_counts
-        from kvtune.optimize import OPTIMIZERS
+        from kvtune.search.optimizers import OPTIMIZERS
         from kvtune.methods.tqc.profile import calibrated_space
-        from kvtune.space import load_space
+        from kvtune.search.space import load_space
 
         torch.manual_seed(settings.seed)
         t_start = time.perf_counter()
@@ -111,8 +111,8 @@ class TQCMethod(Method):
     def stages(self, context: TQCContext, stored: list[dict[str, Any]]) -> Iterator[Stage]:
         import pandas as pd
 
-        from kvtune.optimize import make_optimizer
-        from kvtune.pareto import pareto_front
+        from kvtune.search.optimizers import make_optimizer
+        from kvtune.search.pareto import pareto_front
         from kvtune.methods.tqc.profile import done_by_fidelity, refinement_order
         from kvtune.run.loop import in_order
 
@@ -154,9 +154,9 @@ class TQCMethod(Method):
                 floors: Sequence[float] | None = None) -> Compiled:
         import pandas as pd
 
-        from kvtune.pareto import pareto_front
+        from kvtune.search.pareto import pareto_front
         from kvtune.methods.tqc.profile import check_trials, run_settings, split_fidelities
-        from kvtune.store import TrialStore
+        from kvtune.run.store import TrialStore
         from kvtune.tables.policy_table import compile_policy_table
         from kvtune.tables.run import interval_gate, run_table_metadata
 

@@ -3,7 +3,7 @@
 A run lives in ``<out>/<run>/``:
 
 - ``run.json``: the :class:`ProfileSettings`, model geometry, library versions, timings;
-- ``trials.jsonl`` / ``trials.parquet``: one row per evaluated policy (see :mod:`kvtune.store`);
+- ``trials.jsonl`` / ``trials.parquet``: one row per evaluated policy (see :mod:`kvtune.run.store`);
 - ``pareto.parquet``: the 3-D non-dominated set (relative accuracy up, compression ratio up,
   codec seconds per GB down);
 - ``policy_table.parquet`` / ``policy_table.json``: the lower envelope over x = 1/B of the Pareto
@@ -24,21 +24,21 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
 from kvtune.evaluate.metrics import spearman
-from kvtune.assets import read_texts
+from kvtune.evaluate.assets import read_texts
 from kvtune.evaluate.workloads import FIDELITIES, PROMPT_FORMATS, WORKLOADS, workload_sample_counts
 from kvtune.evaluate.workloads.data import resolve_data
 from kvtune.evaluate.model import KV_DTYPES, resolve_device
-from kvtune.optimize import OPTIMIZERS
-from kvtune.pareto import non_dominated_mask
-from kvtune.settings import ProfileSettings
-from kvtune.space import load_space
-from kvtune.atomic import atomic_write_text
+from kvtune.search.optimizers import OPTIMIZERS
+from kvtune.search.pareto import non_dominated_mask
+from kvtune.methods.tqc.settings import ProfileSettings
+from kvtune.search.space import load_space
+from kvtune.core.atomic import atomic_write_text
 from kvtune.run.folder import check_out_folder, check_run_name
 from kvtune.run.runner import RunResult
-from kvtune.store import TrialStore
+from kvtune.run.store import TrialStore
 from kvtune.tables.run import read_run_info
 
 

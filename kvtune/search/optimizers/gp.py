@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtune.space import SearchSpace
+from kvtune.search.space import SearchSpace
 
 __all__ = ["GaussianProcess", "torch_threads", "candidate_inputs", "exp_decay", "fit_gp", "normal_cdf", "ratio_spread_design",
            "result_value", "space_features", "step_rng", "step_seed"]

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 
 __all__ = [
     "OBJECTIVE_COLUMNS",

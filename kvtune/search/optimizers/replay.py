@@ -1,7 +1,7 @@
 """Replay objective: answer evaluations from a table of fully evaluated candidates.
 
 Evaluating a candidate on the real model takes seconds to minutes; a *replay table* holds the
-result of every candidate of a space, evaluated once (``kvtune/search_spaces/full.yaml`` on the
+result of every candidate of a space, evaluated once (``kvtune/search/spaces/full.yaml`` on the
 default model, ``benchmarks/data/full_replay.parquet``), so optimizers can be compared in
 seconds against the exhaustive answer (the BoTorch habit: benchmark problems carry their known
 optimum).
@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvtune.errors import KvtuneError
-from kvtune.pareto import hypervolume, non_dominated_mask
-from kvtune.space import Candidate, SearchSpace
+from kvtune.core.errors import KvtuneError
+from kvtune.search.pareto import hypervolume, non_dominated_mask
+from kvtune.search.space import Candidate, SearchSpace
 
 __all__ = ["REQUIRED_COLUMNS", "HypervolumeSpec", "ReplayObjective", "best_feasible_ratio", "objective_points"]
 
@@ -118,7 +118,7 @@ class ReplayObjective:
     Raises:
         KvtuneError: a required column is missing or a ``policy_id`` appears twice.
 
-    >>> from kvtune.optimize.synthetic import synthetic_problem
+    >>> from kvtune.search.optimizers.synthetic import synthetic_problem
     >>> space, table = synthetic_problem("small")
     >>> replay = ReplayObjective(table)
     >>> replay.evaluate(space.candidates[0])["policy_id"] == space.candidates[0].policy_id

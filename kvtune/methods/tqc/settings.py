@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvtune.assets import DEFAULT_MODEL, DEFAULT_TEXT
+from kvtune.evaluate.assets import DEFAULT_MODEL, DEFAULT_TEXT
 from kvtune.run.settings import RunSettings
 
 SETTINGS_VERSION = 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from kvtune.optimize.base import Optimizer, register_optimizer
-from kvtune.space import Candidate
+from kvtune.search.optimizers.base import Optimizer, register_optimizer
+from kvtune.search.space import Candidate
 
 
 @register_optimizer("exhaustive")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kvtune.assets import cache_root
+from kvtune.evaluate.assets import cache_root
 
 __all__ = ["EXTENSION", "LOCK_TIMEOUT_S", "extensions_root", "load_fused_kernel"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from kvtune.core.registry import Registry
-from kvtune.errors import ConfigError
-from kvtune.space import Candidate, SearchSpace
+from kvtune.core.errors import ConfigError
+from kvtune.search.space import Candidate, SearchSpace
 
 OPTIMIZERS: Registry[type["Optimizer"]] = Registry("optimizer")
 

@@ -3,7 +3,7 @@
 Used by ``benchmarks/search.py`` (the command line) and the tests. For each optimizer and
 seed, the optimizer is driven exactly as :func:`kvtune.methods.tqc.profile.run_profile` drives it (ask ->
 evaluate -> tell, results carrying their ``trial`` number) against a
-:class:`~kvtune.optimize.replay.ReplayObjective`, up to the **largest** budget; smaller budgets
+:class:`~kvtune.search.optimizers.replay.ReplayObjective`, up to the **largest** budget; smaller budgets
 are read off the same run as prefixes (no optimizer here looks at the budget, so a run with
 budget b is exactly the first b steps of a longer one). An optimizer that stops early simply
 has fewer evaluations.
@@ -11,7 +11,7 @@ has fewer evaluations.
 Metrics at each budget (fraction of the space, rounded up to whole evaluations):
 
 * ``hv_ratio`` -- hypervolume of the evaluated trials / hypervolume of the whole table, in
-  normalized objectives with a fixed reference point (:class:`~kvtune.optimize.replay.HypervolumeSpec`:
+  normalized objectives with a fixed reference point (:class:`~kvtune.search.optimizers.replay.HypervolumeSpec`:
   accuracy ref 0.5, ratio ref 1.0, latency normalized by the table's worst, ref 1.1);
 * ``ratio_q<q>`` -- best feasible ratio found at floor ``q`` (``relative_accuracy_lo >= q``)
   / the exhaustive best; ``hit_q<q>`` -- 1 when it equals the exhaustive best exactly;
@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvtune.optimize.base import make_optimizer
-from kvtune.optimize.replay import ReplayObjective, best_feasible_ratio
-from kvtune.space import SearchSpace
+from kvtune.search.optimizers.base import make_optimizer
+from kvtune.search.optimizers.replay import ReplayObjective, best_feasible_ratio
+from kvtune.search.space import SearchSpace
 
 __all__ = ["Run", "convergence", "run_optimizer", "run_search_benchmark", "summarize", "write_outputs"]
 

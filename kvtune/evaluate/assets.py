@@ -34,8 +34,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtune.atomic import atomic_write_text
-from kvtune.errors import AssetError
+from kvtune.core.atomic import atomic_write_text
+from kvtune.core.errors import AssetError
 
 CACHE_ENV = "KVTUNE_CACHE"
 SEAL_NAME = ".complete"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 
-from kvtune.errors import KvtuneError
+from kvtune.core.errors import KvtuneError
 
 __all__ = ["UnitError", "format_bytes", "format_seconds", "parse_bandwidth_gbps", "parse_bytes", "parse_duration_s"]
 

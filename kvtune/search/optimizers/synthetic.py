@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from kvtune.space import Candidate, Parameter, SearchSpace
+from kvtune.search.space import Candidate, Parameter, SearchSpace
 
 __all__ = ["SIZES", "SyntheticPolicy", "synthetic_space", "synthetic_table", "synthetic_problem"]
 
@@ -97,7 +97,7 @@ def synthetic_space(size: str = "full") -> SearchSpace:
         candidates.append(Candidate(index=len(candidates), params=active,
                                     config=SyntheticPolicy(_policy_id(active), label)))
     return SearchSpace(name=f"synthetic-{size}", path=Path(f"<synthetic-{size}>"),
-                       description="synthetic problem with a known answer (kvtune.optimize.synthetic)",
+                       description="synthetic problem with a known answer (kvtune.search.optimizers.synthetic)",
                        parameters=params, fixed={}, candidates=candidates)
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pandas as pd
 
-from kvtune.atomic import atomic_write_parquet
-from kvtune.errors import KvtuneError
+from kvtune.core.atomic import atomic_write_parquet
+from kvtune.core.errors import KvtuneError
 
 log = logging.getLogger(__name__)
 

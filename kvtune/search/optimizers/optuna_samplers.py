@@ -9,7 +9,7 @@ Search space. One Optuna distribution per space parameter: a ``CategoricalDistri
 the values for categorical parameters, an ``IntDistribution`` over the value *index* for
 ordinal and float parameters (so the samplers see the order). Every parameter is always
 sampled; a suggestion is turned into a candidate by applying the space's ``when`` conditions
-(inactive parameters dropped, exactly as :func:`kvtune.space.load_space` does). Told trials
+(inactive parameters dropped, exactly as :func:`kvtune.search.space.load_space` does). Told trials
 carry every parameter too: an inactive one is recorded at its first value (index 0), so all
 trials share one search space (which the GP sampler and NSGA-II need). A space without
 parameters is searched as one integer parameter, the candidate index.
@@ -17,11 +17,11 @@ parameters is searched as one integer parameter, the candidate index.
 No repeats. Optuna suggests the same point again in a discrete space, and may suggest a
 combination that is not a candidate (forbidden, or de-duplicated by policy id). Such a
 suggestion is mapped to the **nearest untold candidate** by squared Euclidean distance of
-the space embedding (:meth:`~kvtune.space.SearchSpace.features`; ties: lowest index), and
+the space embedding (:meth:`~kvtune.search.space.SearchSpace.features`; ties: lowest index), and
 Optuna is told the candidate actually evaluated. So no candidate is ever evaluated twice.
 
 Determinism and resume. Each ``ask`` rebuilds an in-memory study from the told results (in
-evaluation order, :meth:`~kvtune.optimize.base.Optimizer.chronology`) with a sampler seeded
+evaluation order, :meth:`~kvtune.search.optimizers.base.Optimizer.chronology`) with a sampler seeded
 by (seed, number of results told), then asks it once. The proposal is therefore a pure
 function of the seed and the told results: a resumed run continues exactly. NSGA-II's
 generation bookkeeping is reproduced when the trials are rebuilt (population size 20 by
@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtune.optimize.base import Optimizer, register_optimizer
-from kvtune.optimize.gp import result_value, space_features, step_seed, torch_threads
-from kvtune.optimize.mobo import codec_latency
-from kvtune.space import Candidate
+from kvtune.search.optimizers.base import Optimizer, register_optimizer
+from kvtune.search.optimizers.gp import result_value, space_features, step_seed, torch_threads
+from kvtune.search.optimizers.mobo import codec_latency
+from kvtune.search.space import Candidate
 
 __all__ = ["OptunaOptimizer", "OptunaTPEOptimizer", "OptunaNSGA2Optimizer", "OptunaGPOptimizer"]
 
@@ -52,7 +52,7 @@ class OptunaOptimizer(Optimizer):
     Subclasses implement :meth:`make_sampler`.
 
     Args:
-        space, seed, q_min, ratios: as :class:`~kvtune.optimize.base.Optimizer` (``q_min``
+        space, seed, q_min, ratios: as :class:`~kvtune.search.optimizers.base.Optimizer` (``q_min``
             unused: the samplers search the whole front).
         n_startup_trials: random trials before the model-based samplers (TPE, GP) start.
     """

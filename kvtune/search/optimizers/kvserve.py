@@ -11,13 +11,13 @@ its trials asks exactly what the uninterrupted run would have asked):
 1. **Feasibility score.** ``s = relative_accuracy_lo`` (the lower end of the 95 % interval)
    when the result has it, else ``relative_accuracy``; a candidate is feasible iff ``s >=
    q_min``. Results without either (failed trials) are ignored by the model and the pruning.
-2. **Surrogate.** A GP (:mod:`kvtune.optimize.gp`: BoTorch's ``SingleTaskGP`` model and
+2. **Surrogate.** A GP (:mod:`kvtune.search.optimizers.gp`: BoTorch's ``SingleTaskGP`` model and
    priors) on the warped score ``z = -log(1 + delta - s)`` (``delta = 0.01``; ``s`` clipped
    at ``1 + 3 delta / 4``) over ``space.features()`` (one-hot categoricals, min-max numerics).
    Quantization error shrinks ~4x per extra bit, so ``log(1 - accuracy)`` is close to
    additive in the features; the warp is monotone, so ``P(s >= q_min) = P(z >= z_q)``
    exactly. The posterior std is multiplied by the GP's leave-one-out calibration factor
-   (:meth:`~kvtune.optimize.gp.GaussianProcess.loo_scale`, >= 1). At most ``max_train``
+   (:meth:`~kvtune.search.optimizers.gp.GaussianProcess.loo_scale`, >= 1). At most ``max_train``
    observations (the highest-ratio ones; lower ratios are pruned anyway) are used.
 3. **Acquisition** (:func:`kvserve_acquisition`)::
 
@@ -33,7 +33,7 @@ its trials asks exactly what the uninterrupted run would have asked):
    30). The argmax is asked (ties: lowest index).
 4. **Cold start.** The first ``n_init`` (default 6) proposals spread along the ratio axis:
    one candidate drawn (seeded) from each of ``n_init`` equal-count ratio strata, highest
-   first (:func:`~kvtune.optimize.gp.ratio_spread_design`); pruned ones are skipped.
+   first (:func:`~kvtune.search.optimizers.gp.ratio_spread_design`); pruned ones are skipped.
 5. **Bidirectional pruning** (:attr:`KVServeOptimizer.pruned`):
 
    * *ratio rule* -- a feasible result at ratio ``r`` prunes every active candidate with ratio
@@ -55,7 +55,7 @@ its trials asks exactly what the uninterrupted run would have asked):
    span_tol`` over the active candidates the GP still gives at least ``p_stop`` probability
    of being feasible (span 0 when there are none: candidates the model is sure fail do not
    keep the search alive); and failures repeat -- the last ``repeat_failures`` results were
-   all infeasible (in evaluation order, :meth:`~kvtune.optimize.base.Optimizer.chronology`).
+   all infeasible (in evaluation order, :meth:`~kvtune.search.optimizers.base.Optimizer.chronology`).
    Defaults ``span_tol = 0``, ``p_stop = 1e-4``, ``repeat_failures = 5``. On the synthetic
    2,025-candidate problem the paper-like ``span_tol = 0.02, p_stop = 0.02,
    repeat_failures = 3`` stopped after 20-45 evaluations but missed the exact best ratio at
@@ -76,8 +76,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtune.optimize.base import Optimizer, register_optimizer
-from kvtune.optimize.gp import (
+from kvtune.search.optimizers.base import Optimizer, register_optimizer
+from kvtune.search.optimizers.gp import (
     candidate_inputs,
     exp_decay,
     fit_gp,
@@ -87,7 +87,7 @@ from kvtune.optimize.gp import (
     step_rng,
     torch_threads,
 )
-from kvtune.space import Candidate
+from kvtune.search.space import Candidate
 
 __all__ = ["KVServeOptimizer", "feasibility_score", "kvserve_acquisition", "warp_accuracy"]
 
@@ -145,7 +145,7 @@ class KVServeOptimizer(Optimizer):
     See the module docstring for every rule and threshold.
 
     Args:
-        space, seed, q_min, ratios: as :class:`~kvtune.optimize.base.Optimizer`.
+        space, seed, q_min, ratios: as :class:`~kvtune.search.optimizers.base.Optimizer`.
         n_init: initial design size (ratio-spread).
         lambda0, half_life: exploration schedule ``lambda_t = lambda0 * 0.5 ** (t / half_life)``.
         span_tol, repeat_failures, p_stop: early-stop thresholds.

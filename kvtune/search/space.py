@@ -48,7 +48,7 @@ file, the count and the cap. Enumeration costs about 1.5 ms per combination (``f
 2,064 candidates: 3 s on a 2-core machine), so the cap bounds loading to a few minutes.
 
 The bundled spaces (``default``, ``full``, ``presets``) are package data in
-``kvtune/search_spaces/`` (:data:`SPACES_DIR`), so they are found from a regular install too.
+``kvtune/search/spaces/`` (:data:`SPACES_DIR`), so they are found from a regular install too.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-from kvtune.errors import ConfigError, SpaceError
+from kvtune.core.errors import ConfigError, SpaceError
 
-SPACES_DIR = Path(str(resources.files("kvtune").joinpath("search_spaces")))
+SPACES_DIR = Path(str(resources.files("kvtune.search").joinpath("spaces")))
 """The bundled spaces, package data of :mod:`kvtune` (``--space default|full|presets``)."""
 MAX_COMBINATIONS = 100_000
 """Most active parameter combinations :func:`load_space` enumerates (~2.5 min at ~1.5 ms each)."""

@@ -1,6 +1,6 @@
 """``mobo``: multi-objective Bayesian optimization of the whole 3-D Pareto front.
 
-Objectives (as :mod:`kvtune.pareto`): relative accuracy (up), compression ratio (up), codec
+Objectives (as :mod:`kvtune.search.pareto`): relative accuracy (up), compression ratio (up), codec
 latency ``1 / encode_gbps + 1 / decode_gbps`` in s/GB (down). Unlike ``kvserve`` there is no
 accuracy floor: the search maximizes the hypervolume of the evaluated front, so one run serves
 every floor of the policy table.
@@ -9,14 +9,14 @@ Rules (each a pure function of the seed and the set of results told, so runs res
 
 1. **Initial design.** The first ``n_init`` (default 8) proposals spread along the ratio axis:
    one seeded draw from each of ``n_init`` equal-count ratio strata
-   (:func:`~kvtune.optimize.gp.ratio_spread_design`); a seeded uniform sample without
+   (:func:`~kvtune.search.optimizers.gp.ratio_spread_design`); a seeded uniform sample without
    ``ratios``.
 2. **Surrogates.** Independent GPs (BoTorch ``SingleTaskGP`` model and priors, one batch
-   element per output, fitted by :func:`~kvtune.optimize.gp.fit_gp`; equivalent to a
+   element per output, fitted by :func:`~kvtune.search.optimizers.gp.fit_gp`; equivalent to a
    ``ModelListGP`` of single-output GPs) over
-   :func:`~kvtune.optimize.gp.candidate_inputs`, on
+   :func:`~kvtune.search.optimizers.gp.candidate_inputs`, on
 
-   * accuracy, warped ``z = -log(1.01 - accuracy)`` (see :mod:`kvtune.optimize.kvserve`);
+   * accuracy, warped ``z = -log(1.01 - accuracy)`` (see :mod:`kvtune.search.optimizers.kvserve`);
    * ``log`` codec latency (throughputs span orders of magnitude);
    * the ratio is **not modeled** when ``ratios`` is known: it is exact and cheap, read back
      from the input's log-ratio column inside the acquisition's objective. Without
@@ -45,7 +45,7 @@ Rules (each a pure function of the seed and the set of results told, so runs res
    the one with the largest summed posterior std is asked (pure exploration).
 
 BoTorch JIT-compiles a fused C++ kernel for the acquisition on first use, behind a lock file
-that a killed process leaves behind; :func:`~kvtune.optimize.fused_kernel.load_fused_kernel`
+that a killed process leaves behind; :func:`~kvtune.search.optimizers.fused_kernel.load_fused_kernel`
 loads it first so that a stale lock is removed (or the pure-Python path used) instead of
 waiting forever.
 """
@@ -58,9 +58,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtune.optimize.base import Optimizer, register_optimizer
-from kvtune.optimize.fused_kernel import load_fused_kernel
-from kvtune.optimize.gp import (
+from kvtune.search.optimizers.base import Optimizer, register_optimizer
+from kvtune.search.optimizers.fused_kernel import load_fused_kernel
+from kvtune.search.optimizers.gp import (
     DTYPE,
     candidate_inputs,
     fit_gp,
@@ -70,9 +70,9 @@ from kvtune.optimize.gp import (
     step_seed,
     torch_threads,
 )
-from kvtune.optimize.kvserve import WARP_DELTA, warp_accuracy
-from kvtune.pareto import non_dominated_mask
-from kvtune.space import Candidate
+from kvtune.search.optimizers.kvserve import WARP_DELTA, warp_accuracy
+from kvtune.search.pareto import non_dominated_mask
+from kvtune.search.space import Candidate
 
 __all__ = ["MOBOOptimizer", "codec_latency", "hypervolume_improvement"]
 
@@ -109,7 +109,7 @@ class MOBOOptimizer(Optimizer):
     """Multi-objective BO over (accuracy, ratio, -latency); see the module docstring.
 
     Args:
-        space, seed, q_min, ratios: as :class:`~kvtune.optimize.base.Optimizer` (``q_min`` is
+        space, seed, q_min, ratios: as :class:`~kvtune.search.optimizers.base.Optimizer` (``q_min`` is
             not used: the whole front is searched).
         n_init: initial design size.
         mc_samples: quasi-MC samples of the acquisition.
