@@ -293,6 +293,49 @@ def test_bicache_table_rows_load_and_select(tmp_path):
         compile_bicache_table(cands[cands["reuse_depth"] > 0], model="m", workload="w", device="cpu")
 
 
+def fixed_bicache_candidates() -> pd.DataFrame:
+    """Three prefix-ratio buckets x depths 0-3 x codecs, one accuracy 1e-13 below a floor (the
+    compile tolerance admits it) and an identical twin of a line (ties resolve by id)."""
+    rows = []
+    V = 2e6
+    for key, lo, hi in (("prefix_ratio=[0.20,0.50)", 0.2, 0.5), ("prefix_ratio=[0.50,0.80)", 0.5, 0.8),
+                        ("prefix_ratio=[0.80,0.95)", 0.8, 0.95)):
+        for depth in range(4):
+            for codec, frac, dec_s, acc in (("bf16", 1.0, 0.0004, 1.0), ("kivi-4", 0.28, 0.0009, 0.975),
+                                            ("kivi-2", 0.16, 0.0011, 0.95 - 1e-13)):
+                if depth == 0 and codec != "bf16":
+                    continue
+                a_acc = 1.0 if depth == 0 else min(1.02, acc + 0.01 * (2 - depth) * lo)
+                rows.append(bicache_candidate(
+                    bucket_key=key, ratio_lo=lo, ratio_hi=hi, depth=depth, codec="none" if depth == 0 else codec,
+                    codec_config=None if depth == 0 else {"codec": codec}, model="tiny", prefix_tokens=12,
+                    reference_bytes=V, wire_bytes=V * depth / 3 * frac, compute_s=0.01 * (1 - lo * depth / 3),
+                    recompute_s=0.01, encode_s=0.0005 * depth, decode_s=dec_s * depth, bf16_bytes=V * depth / 3,
+                    relative_accuracy=a_acc, relative_accuracy_lo=a_acc - 0.02,
+                    relative_accuracy_hi=min(a_acc + 0.01, 1.0), kv_cosine=1.0 - 0.01 * depth,
+                    embedding_cosine=1.0 - 0.001 * depth))
+    twin = dict(rows[2])
+    twin.update(policy_id="0000twin0000", label="bicache d=1 + twin")
+    rows.append(twin)
+    return pd.DataFrame(rows)
+
+
+def test_bicache_table_of_fixed_candidates_matches_the_recorded_table():
+    """Recorded with the BiCache-only compile loop before BiCache moved onto the shared
+    compiler (``tests/data/bicache_table_golden.json``): same rows, same order, same numbers."""
+    table = compile_bicache_table(fixed_bicache_candidates(), model="tiny", workload="instructed-retrieval",
+                                  device="cpu", floors=(0.99, 0.97, 0.95, 0.9), metadata={"kv_bytes_per_request": 2e6})
+    golden = PolicyTable.load(Path(__file__).parent / "data" / "bicache_table_golden.json")
+    pd.testing.assert_frame_equal(table.frame, golden.frame, check_exact=False, rtol=1e-12)
+    envelope = table.frame[table.frame["key"] == "prefix_ratio=[0.50,0.80)"]
+    assert list(envelope[envelope["accuracy_floor"] == 0.95]["label"]) == [
+        "bicache d=3 + bf16", "bicache d=3 + kivi-4", "bicache d=2 + kivi-2", "bicache d=1 + kivi-2",
+        "bicache d=0 (full recompute)"]  # d=2/d=1 kivi-2 sit 1e-13 below the floor: admitted
+    first = table.frame[(table.frame["key"] == "prefix_ratio=[0.20,0.50)") & (table.frame["accuracy_floor"] == 0.97)]
+    assert json.loads(first["runners_up"].iloc[-1])[0] == "0000twin0000"  # identical lines: lower id first
+    assert table.metadata["extra"] == golden.metadata["extra"]
+
+
 def test_line_and_min_bandwidth():
     assert line_for(0.01, 0.0, 0.0, 1e6) == (10.0, 0.0)
     a, b = line_for(0.002, 0.001, 5e5, 1e6)
