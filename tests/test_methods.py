@@ -46,7 +46,7 @@ def test_methods_supply_context_stages_evaluate_and_compile(name):
         assert getattr(type(method), hook) is not getattr(Method, hook), (name, hook)
 
 
-#: The method's own report figures (div ids) a tiny run must show; "" entries: none.
+#: The div ids of the figures a tiny run of each method must add to the report (T/Q/C adds none).
 OWN_FIGURES = {
     "tqc": (),
     "scd": ("kvtune-scd-accuracy-vs-payload", "kvtune-scd-ttft-0", "kvtune-scd-ttft-1"),
