@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
+from tests.tiny_runs import WORDS, bert_config, bicache_settings, make_qa_data, make_tiny_bert
 from kvtune.methods.bicache import (
     BiCacheSettings,
     choose_depth,
@@ -37,53 +37,25 @@ from kvtune.codecs import PolicyConfig
 from kvtune.core.errors import BiCacheError, TableError
 from kvtune.tables import PolicyTable
 
-WORDS = [f"w{i}" for i in range(120)]
-
-
-def _tiny_config(**kw):
-    from transformers import BertConfig
-
-    return BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      intermediate_size=64, max_position_embeddings=256, **kw)
-
-
 @pytest.fixture(scope="module")
 def tiny_bert():
     from transformers import BertModel
 
     torch.manual_seed(0)
-    model = BertModel(_tiny_config(), add_pooling_layer=False).eval()
+    model = BertModel(bert_config(), add_pooling_layer=False).eval()
     return model, adapter_for(model, name="tiny-bert")
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A tiny BERT + WordPiece tokenizer saved to a folder (what load_encoder reads)."""
-    from transformers import BertModel, BertTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab), do_lower_case=True).save_pretrained(folder)
-    torch.manual_seed(1)
-    BertModel(_tiny_config(), add_pooling_layer=False).save_pretrained(folder)
-    return folder
+    return make_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
     """JSONL passage/question/answer records over 12 random-word stories."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "qa.jsonl"
-    lines = []
-    for s in range(12):
-        passage = " ".join(rng.choice(WORDS) for _ in range(160))
-        for _ in range(3):
-            words = passage.split()
-            i = rng.randrange(len(words) - 6)
-            lines.append(json.dumps({"passage": passage, "question": " ".join(words[i:i + 5]), "answer": words[i + 5]}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return make_qa_data(tmp_path_factory.mktemp("data") / "qa.jsonl")
 
 
 PREFIX = [2, 10, 11, 12, 13, 14, 15, 16]  # [CLS] + 7 instruction tokens
@@ -293,6 +265,49 @@ def test_bicache_table_rows_load_and_select(tmp_path):
         compile_bicache_table(cands[cands["reuse_depth"] > 0], model="m", workload="w", device="cpu")
 
 
+def fixed_bicache_candidates() -> pd.DataFrame:
+    """Three prefix-ratio buckets x depths 0-3 x codecs, one accuracy 1e-13 below a floor (the
+    compile tolerance admits it) and an identical twin of a line (ties resolve by id)."""
+    rows = []
+    V = 2e6
+    for key, lo, hi in (("prefix_ratio=[0.20,0.50)", 0.2, 0.5), ("prefix_ratio=[0.50,0.80)", 0.5, 0.8),
+                        ("prefix_ratio=[0.80,0.95)", 0.8, 0.95)):
+        for depth in range(4):
+            for codec, frac, dec_s, acc in (("bf16", 1.0, 0.0004, 1.0), ("kivi-4", 0.28, 0.0009, 0.975),
+                                            ("kivi-2", 0.16, 0.0011, 0.95 - 1e-13)):
+                if depth == 0 and codec != "bf16":
+                    continue
+                a_acc = 1.0 if depth == 0 else min(1.02, acc + 0.01 * (2 - depth) * lo)
+                rows.append(bicache_candidate(
+                    bucket_key=key, ratio_lo=lo, ratio_hi=hi, depth=depth, codec="none" if depth == 0 else codec,
+                    codec_config=None if depth == 0 else {"codec": codec}, model="tiny", prefix_tokens=12,
+                    reference_bytes=V, wire_bytes=V * depth / 3 * frac, compute_s=0.01 * (1 - lo * depth / 3),
+                    recompute_s=0.01, encode_s=0.0005 * depth, decode_s=dec_s * depth, bf16_bytes=V * depth / 3,
+                    relative_accuracy=a_acc, relative_accuracy_lo=a_acc - 0.02,
+                    relative_accuracy_hi=min(a_acc + 0.01, 1.0), kv_cosine=1.0 - 0.01 * depth,
+                    embedding_cosine=1.0 - 0.001 * depth))
+    twin = dict(rows[2])
+    twin.update(policy_id="0000twin0000", label="bicache d=1 + twin")
+    rows.append(twin)
+    return pd.DataFrame(rows)
+
+
+def test_bicache_table_of_fixed_candidates_matches_the_recorded_table():
+    """Recorded with the BiCache-only compile loop before BiCache moved onto the shared
+    compiler (``tests/data/bicache_table_golden.json``): same rows, same order, same numbers."""
+    table = compile_bicache_table(fixed_bicache_candidates(), model="tiny", workload="instructed-retrieval",
+                                  device="cpu", floors=(0.99, 0.97, 0.95, 0.9), metadata={"kv_bytes_per_request": 2e6})
+    golden = PolicyTable.load(Path(__file__).parent / "data" / "bicache_table_golden.json")
+    pd.testing.assert_frame_equal(table.frame, golden.frame, check_exact=False, rtol=1e-12)
+    envelope = table.frame[table.frame["key"] == "prefix_ratio=[0.50,0.80)"]
+    assert list(envelope[envelope["accuracy_floor"] == 0.95]["label"]) == [
+        "bicache d=3 + bf16", "bicache d=3 + kivi-4", "bicache d=2 + kivi-2", "bicache d=1 + kivi-2",
+        "bicache d=0 (full recompute)"]  # d=2/d=1 kivi-2 sit 1e-13 below the floor: admitted
+    first = table.frame[(table.frame["key"] == "prefix_ratio=[0.20,0.50)") & (table.frame["accuracy_floor"] == 0.97)]
+    assert json.loads(first["runners_up"].iloc[-1])[0] == "0000twin0000"  # identical lines: lower id first
+    assert table.metadata["extra"] == golden.metadata["extra"]
+
+
 def test_line_and_min_bandwidth():
     assert line_for(0.01, 0.0, 0.0, 1e6) == (10.0, 0.0)
     a, b = line_for(0.002, 0.001, 5e5, 1e6)
@@ -310,7 +325,7 @@ def tiny_mlm():
     from transformers import BertForMaskedLM
 
     torch.manual_seed(2)
-    model = BertForMaskedLM(_tiny_config()).eval()
+    model = BertForMaskedLM(bert_config()).eval()
     return model, adapter_for(model, name="tiny-mlm")
 
 
@@ -376,11 +391,7 @@ def test_settings_roundtrip_and_validation():
 @pytest.fixture(scope="module")
 def tiny_run(tiny_folder, tiny_data, tmp_path_factory):
     ad, tok = load_encoder(str(tiny_folder))
-    settings = BiCacheSettings(
-        model=str(tiny_folder), data=str(tiny_data), instruction=" ".join(WORDS[:15]), buckets=(0.3, 0.6, 0.9),
-        requests_per_bucket=8, codecs=("bf16", "kivi-4"), batch_size=4, throughput_batch=4, repeats=1,
-        floors={"kv_cosine": 0.9, "embedding_cosine": 0.98, "relative_retrieval": 0.9}, table_floors=(0.99, 0.9),
-    )
+    settings = bicache_settings(tiny_folder, tiny_data)
     out = tmp_path_factory.mktemp("runs") / "tiny"
     return run_bicache_profile(settings, out, adapter=ad, tokenizer=tok), settings
 
@@ -577,3 +588,18 @@ def test_minilm_reuse_exactness_and_shallow_stability(minilm):
     assert min(key_cos) < 0.999  # deeper layers see the suffix
     empty = torch.zeros(1, 0, dtype=torch.long)
     assert torch.equal(ad.run(prefix, empty, depth=ad.num_layers, state=state).hidden, state.hiddens[-1])
+
+
+def test_report_plot_data_of_the_tiny_run(tiny_run):
+    from kvtune.methods.bicache.report import exact_quality, layer_matrix, pivot_rows, throughput_gain
+
+    res, _ = tiny_run
+    q = exact_quality(res.quality, res.depth_table)
+    assert list(q.columns[:5]) == ["key", "depth", "kv_cosine_lo", "embedding_cosine_lo", "relative_retrieval"]
+    assert len(q) == 2 * 3 and (q[q["depth"] == 0]["embedding_cosine_lo"] == 1.0).all()
+    m = layer_matrix(res.layer_cosine, "key")
+    assert list(m.index) == list(res.depth_table["key"]) and list(m.columns) == [1, 2]
+    gain = throughput_gain(res.throughput, res.depth_table)
+    assert (gain[gain["depth"] == 0]["speedup"] == 1.0).all()
+    piv = pivot_rows(res.throughput, "depth", "speedup", "d={}", "{:.2f}x")
+    assert list(piv.columns) == ["prefix ratio", "d=0", "d=1", "d=2"] and list(piv["d=0"]) == ["1.00x", "1.00x"]

@@ -44,3 +44,39 @@ def test_methods_supply_context_stages_evaluate_and_compile(name):
     method = METHODS[name]
     for hook in ("prepare", "stages", "evaluate", "compile"):
         assert getattr(type(method), hook) is not getattr(Method, hook), (name, hook)
+
+
+#: The div ids of the figures a tiny run of each method must add to the report (T/Q/C adds none).
+OWN_FIGURES = {
+    "tqc": (),
+    "scd": ("kvtune-scd-accuracy-vs-payload", "kvtune-scd-ttft-0", "kvtune-scd-ttft-1"),
+    "bicache": ("kvtune-bicache-depth", "kvtune-bicache-quality-kv_cosine", "kvtune-bicache-layer-cosine-key",
+                "kvtune-bicache-layer-cosine-value", "kvtune-bicache-throughput"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))  # a new method package needs a tiny run in tests/tiny_runs.py
+def test_every_method_reports_its_own_sections_on_a_tiny_run(name, tmp_path, tiny_model_dir, tiny_text):
+    import html
+
+    from kvtune.run.runner import finalize_run
+    from kvtune.tables.run import read_run_info
+    from tests.tiny_runs import report_path, tiny_method_run
+
+    method = METHODS[name]
+    run_dir = tiny_method_run(name, tmp_path, tiny_model_dir, tiny_text)
+    info = read_run_info(run_dir)
+    compiled = method.compile_stored(run_dir, info)
+    sections = method.report_sections(run_dir, info, compiled)
+    ids = [div for s in sections for div, _ in s.figures]
+    assert set(OWN_FIGURES[name]) <= set(ids) and len(ids) == len(set(ids))
+    assert (name == "tqc") == (not sections)  # T/Q/C's charts are the shared ones
+    report = report_path(run_dir)
+    page = report.read_text(encoding="utf-8")
+    for section in sections:
+        assert f"<h2>{html.escape(section.title)}</h2>" in page
+        assert all(f'id="{div}"' in page for div, _ in section.figures)
+        assert all(f"<h3>{html.escape(caption)}</h3>" in page for caption, _ in section.tables)
+    report.unlink()  # `kvtune report` on the folder draws the same sections again, without a model
+    again = finalize_run(method, run_dir).files["report"].read_text(encoding="utf-8")
+    assert [d for d in ids if f'id="{d}"' in again] == ids

@@ -180,3 +180,44 @@ def test_keyed_table_report_renders_one_chart_per_key_and_floor(tmp_path):
     figures = _attr(dom, "data-kv-figures")
     assert list(figures)[4:] == [f"kvtune-envelope-{k}" for k in range(4)]
     assert all(info["plotly"] and info["traces"] >= 1 for info in figures.values())
+
+
+@pytest.fixture(scope="module")
+def method_reports(tmp_path_factory, tiny_model_dir, tiny_text):
+    """``name -> report page`` of a tiny run of each registered method (made on first use)."""
+    from tests.tiny_runs import report_path, tiny_method_run
+
+    made = {}
+
+    def report(name):
+        if name not in made:
+            made[name] = report_path(tiny_method_run(name, tmp_path_factory.mktemp(name), tiny_model_dir, tiny_text))
+        return made[name]
+
+    return report
+
+
+@pytest.mark.parametrize("name, own", [
+    ("tqc", ()),
+    ("scd", ("kvtune-scd-accuracy-vs-payload", *(f"kvtune-scd-ttft-{k}" for k in range(4)))),
+    ("bicache", ("kvtune-bicache-depth", "kvtune-bicache-quality-kv_cosine", "kvtune-bicache-quality-embedding_cosine",
+                 "kvtune-bicache-quality-relative_retrieval", "kvtune-bicache-layer-cosine-key",
+                 "kvtune-bicache-layer-cosine-value", "kvtune-bicache-throughput")),
+])
+def test_each_methods_report_renders_with_its_own_plots(name, own, method_reports, tmp_path):
+    """A tiny run's report per method: no JavaScript error, every figure (the shared ones and the
+    method's own, in page order) drawn by plotly with data."""
+    dom = _rendered_dom(method_reports(name), tmp_path)
+    assert _attr(dom, "data-kv-done") == 1
+    errors = _attr(dom, "data-kv-errors")
+    assert len(errors) == 1 and "kvtune-probe" in errors[0], errors
+    assert _attr(dom, "data-kv-console") == []
+    figures = _attr(dom, "data-kv-figures")
+    shared = ["kvtune-trials-3d", "kvtune-ratio-vs-accuracy", "kvtune-ratio-vs-latency", "kvtune-convergence"]
+    assert list(figures)[:4 + len(own)] == shared + list(own)
+    assert [f for f in figures if f.startswith("kvtune-envelope-")]  # the policy table charts follow
+    for fid, info in figures.items():
+        assert info["plotly"] and info["svg"] >= 1 and info["traces"] >= 1, (fid, info)
+    if name == "bicache":
+        assert figures["kvtune-bicache-layer-cosine-key"]["traces"] == 1  # one heatmap
+        assert figures["kvtune-bicache-throughput"]["traces"] == 2  # one line per bucket

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
+from tests.tiny_runs import finetuned, scd_pair_settings
 from kvtune.core.errors import ConfigError, KvtuneError, ModelLayoutError, TableError
 from kvtune.evaluate.model import LoadedModel, load_model
 from kvtune.methods.scd.calibration import calibrate
@@ -89,17 +90,6 @@ def _with_new_last_kv_projections(lm: LoadedModel, seed: int) -> LoadedModel:
     return LoadedModel(name="consumer-kv", model=model, tokenizer=lm.tokenizer, device=lm.device)
 
 
-def _finetuned(lm: LoadedModel, seed: int, scale: float = 0.05) -> LoadedModel:
-    """A consumer with every weight matrix perturbed (a stand-in for a fine-tune)."""
-    model = copy.deepcopy(lm.model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
-    return LoadedModel(name="consumer-ft", model=model, tokenizer=lm.tokenizer, device=lm.device)
-
-
 @pytest.fixture(scope="module")
 def tiny_lm(tiny_model_dir):
     return load_model(str(tiny_model_dir), "cpu")
@@ -131,7 +121,7 @@ def _assert_same_kv(got, want, atol=1e-4):
 def test_full_rank_scd_reproduces_consumer_kv_on_calibration_data(tiny_lm):
     # A genuinely different consumer (every weight matrix perturbed); with no more calibration
     # tokens than input dimensions (hidden 64), the full-rank affine map interpolates them.
-    consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
+    consumer = finetuned(tiny_lm, seed=3, scale=0.3)
     windows = _windows(2, 30)
     cal = calibrate(tiny_lm, consumer, windows, ranks=(8,), ridge=0.0)
     d_out = 2 * tiny_lm.kv_heads * tiny_lm.head_dim
@@ -161,7 +151,7 @@ def test_quantized_scd_codes_go_through_the_tqc_pipeline(tiny_lm):
     from kvtune.codecs import decode_kv
     from kvtune.methods.scd.methods import code_policy
 
-    consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
+    consumer = finetuned(tiny_lm, seed=3, scale=0.3)
     windows = _windows(2, 40)
     cal = calibrate(tiny_lm, consumer, windows, ranks=(8,), ridge=0.0)
     pair = Pair(tiny_lm, consumer, cal)
@@ -191,7 +181,7 @@ def test_quantized_scd_codes_go_through_the_tqc_pipeline(tiny_lm):
 def test_scd_grid_is_searched_by_the_shared_optimizers(tiny_lm):
     from kvtune.methods.scd.profile import SCDProfileSettings, scd_methods, scd_space, search_scd, evaluate_method
 
-    consumer = _finetuned(tiny_lm, seed=3, scale=0.3)
+    consumer = finetuned(tiny_lm, seed=3, scale=0.3)
     windows = _windows(3, 24)
     cal = calibrate(tiny_lm, consumer, windows, ranks=(4, 8), ridge=1e-3)
     pair = Pair(tiny_lm, consumer, cal)
@@ -240,7 +230,7 @@ def test_patch_of_identical_models_is_exact_and_droidspeak_full_block_is_recompu
 
 
 def test_methods_payloads_and_registry(tiny_lm):
-    consumer = _finetuned(tiny_lm, seed=1)
+    consumer = finetuned(tiny_lm, seed=1)
     ids = _windows(1, 32, seed=2)[0]
     pair = Pair(tiny_lm, consumer)
     ctx = prefix_context(tiny_lm, ids)
@@ -276,27 +266,10 @@ def test_tiny_gemma_is_rejected(tiny_gemma_dir):
         capture_states(lm, [2, 3, 4])
 
 
-def _tiny_pair_run(tiny_lm, tmp_path, **settings):
-    """A consumer perturbed from ``tiny_lm``, domain data and small SCD settings (``settings``
-    override them)."""
-    from kvtune.methods.scd.profile import SCDProfileSettings
-
-    rng = np.random.default_rng(0)
-    data = tmp_path / "docs.jsonl"
-    data.write_text("\n".join(json.dumps({"document": " ".join(f"w{i}" for i in rng.integers(0, 200, 120))})
-                              for _ in range(60)))
-    consumer = _finetuned(tiny_lm, seed=4, scale=0.2)
-    st = SCDProfileSettings(**{"data": str(data), "calib_windows": 4, "calib_tokens": 32, "contexts": 4,
-                               "context_tokens": 32, "continuation_tokens": 8, "profile_contexts": 2,
-                               "ranks": (8, 64), "patch_counts": (0, 1), "droidspeak_lengths": (1,),
-                               "tqc_presets": ("kivi-4",), **settings})
-    return consumer, st
-
-
 def test_run_scd_profile_end_to_end_on_tiny_pair(tiny_lm, tmp_path):
     from kvtune.methods.scd.profile import run_scd_profile
 
-    consumer, st = _tiny_pair_run(tiny_lm, tmp_path)
+    consumer, st = scd_pair_settings(tiny_lm, tmp_path)
     res = run_scd_profile(tiny_lm, consumer, tmp_path / "run", settings=st)
     methods = set(res.trials["method"])
     assert methods == {"recompute", "raw", "raw+tqc", "droidspeak", "scd"}
@@ -430,7 +403,7 @@ def test_scd_cli_help_and_typed_errors(tmp_path):
 
 
 def test_scd_artifact_bytes_count_the_truncated_maps(tiny_lm):
-    cal = calibrate(tiny_lm, _finetuned(tiny_lm, seed=2), _windows(2, 40), ranks=(8,))
+    cal = calibrate(tiny_lm, finetuned(tiny_lm, seed=2), _windows(2, 40), ranks=(8,))
     pair = Pair(tiny_lm, tiny_lm, cal)
     hidden, d_out, n = tiny_lm.config.hidden_size, 2 * tiny_lm.kv_heads * tiny_lm.head_dim, tiny_lm.num_layers
     reuse = 4 * (hidden + hidden * 8 + 8 * d_out + d_out)
@@ -450,7 +423,7 @@ def test_scd_run_resumes_after_a_kill_and_its_folder_answers_select_export_repor
     from kvtune.cli import app
     from kvtune.methods.scd.profile import SCDProfileSettings, run_scd_profile
 
-    consumer, st = _tiny_pair_run(tiny_lm, tmp_path, optimizer="random", budget=3)
+    consumer, st = scd_pair_settings(tiny_lm, tmp_path, optimizer="random", budget=3)
     assert SCDProfileSettings.from_dict(json.loads(json.dumps(st.to_dict()))) == st
     run = tmp_path / "profiles" / "scd-tiny"
     seen = []
@@ -501,3 +474,31 @@ def test_scd_table_gates_floors_on_the_interval_lower_end(version, scd_at_97):
     ids = set(compile_scd_table(front, run).frame["policy_id"])
     assert ("scd000000000" in ids) is scd_at_97
     assert "rec000000000" in ids
+
+
+def test_report_plot_data_families_and_fastest_ttft_per_floor():
+    from kvtune.methods.scd.report import family_ttft, quality_points, transfer_family
+
+    trials = pd.DataFrame({
+        "method": ["recompute", "raw", "scd", "scd", "scd"],
+        "label": ["recompute", "raw", "scd r=8", "scd r=64", "scd r=8, 4-bit codes"],
+        "config_json": [json.dumps({"method": "recompute"}), json.dumps({"method": "raw"}),
+                        json.dumps({"method": "scd", "ranks": [8, 8]}), json.dumps({"method": "scd", "ranks": [64, 64]}),
+                        json.dumps({"method": "scd", "ranks": [8, 8], "code_bits": 4})],
+        "payload_bytes": [0.0, 1e6, 1e5, 4e5, 3e4], "compression_ratio": [math.inf, 1.0, 10.0, 2.5, 33.0],
+        "relative_accuracy": [1.0, 1.0, 0.96, 0.995, 0.93], "relative_accuracy_lo": [1.0, 1.0, 0.95, 0.99, 0.92],
+        "latency_a_s": [0.05, 0.001, 0.004, 0.004, 0.005],
+    })
+    assert list(transfer_family(trials)) == ["recompute", "raw", "scd bf16 codes", "scd bf16 codes", "scd 4-bit codes"]
+    pts = quality_points(trials)
+    assert list(pts[pts["family"] == "scd bf16 codes"]["rank"]) == [8, 64]  # by payload
+    assert pts.set_index("label").loc["scd r=8, 4-bit codes", "code_bits"] == 4
+    curves = family_ttft(trials, (0.99, 0.95), "relative_accuracy_lo", bandwidth_range_gbps=(1.0, 100.0), points=3)
+    at = curves.set_index(["floor", "family", "bandwidth_gbps"])
+    # floor 0.99: only r=64 qualifies among bf16 codes: 4 ms + 4e5 B * 8 / 1 Gbps = 7.2 ms
+    assert at.loc[(0.99, "scd bf16 codes", 1.0), "ttft_ms"] == pytest.approx(7.2)
+    # floor 0.95: r=8 too; 4 ms + 0.8 ms at 1 Gbps; the 4-bit family (lo 0.92) has no curve
+    assert at.loc[(0.95, "scd bf16 codes", 1.0), "label"] == "scd r=8"
+    assert at.loc[(0.95, "scd bf16 codes", 1.0), "ttft_ms"] == pytest.approx(4.8)
+    assert "scd 4-bit codes" not in set(curves["family"])
+    assert at.loc[(0.99, "recompute", 100.0), "ttft_ms"] == pytest.approx(50.0)

@@ -789,3 +789,45 @@ def test_codec_speedup_what_if_equals_recompiling_a_faster_front():
             assert [p.a_s_per_gb * 20 for p in a.alternatives] == pytest.approx([p.a_s_per_gb for p in slow.alternatives])
     with pytest.raises(KvtuneError):
         base.with_codec_speedup(0.0)
+
+
+def test_keyed_compile_with_extra_columns_equals_per_key_tables_combined():
+    """``key_column`` compiles each key's rows as one table (what ``key=`` does per key), and
+    ``extra_columns`` ride along (empty for the implicit "none")."""
+    front = pd.DataFrame({
+        "policy_id": ["p1", "p2", "p3", "p4"], "label": ["a", "b", "c", "d"], "method": "tqc",
+        "config_json": "{}", "compression_ratio": [4.0, 8.0, 3.0, 6.0],
+        "relative_accuracy": [0.99, 0.95, 1.0, 0.97], "encode_gbps": [5.0, 2.0, 8.0, 1.5],
+        "decode_gbps": [5.0, 2.0, 8.0, 1.5], "bucket": ["x", "x", "y", "y"], "bits": [4, 2, 5, 3],
+    })
+    keyed = compile_policy_table(front, model="m", workload="w", device="cpu", floors=(0.99, 0.95),
+                                 key_column="bucket", extra_columns=("bits",))
+    parts = [compile_policy_table(front[front["bucket"] == k], model="m", workload="w", device="cpu",
+                                  floors=(0.99, 0.95), key=k) for k in ("x", "y")]
+    combined = PolicyTable.combine(parts).frame
+    assert keyed.keys == ("x", "y")
+    pd.testing.assert_frame_equal(keyed.frame.drop(columns="bits"), combined)
+    bits = dict(zip(keyed.frame["policy_id"], keyed.frame["bits"]))
+    assert bits["none"] is None or math.isnan(bits["none"])
+    want = {"p1": 4, "p2": 2, "p3": 5, "p4": 3}
+    assert {p: v for p, v in bits.items() if p != "none"} == {p: want[p] for p in bits if p != "none"}
+    assert len(bits) > 2  # some compressed policies reached the envelope
+    with pytest.raises(TableError, match="either key or key_column"):
+        compile_policy_table(front, model="m", workload="w", device="cpu", key="x", key_column="bucket")
+    with pytest.raises(TableError, match=r"lacks column\(s\) \['nope'\]"):
+        compile_policy_table(front, model="m", workload="w", device="cpu", extra_columns=("nope",))
+
+
+def test_given_lines_admit_a_line_that_sends_nothing():
+    """``given_lines``: the frame's own ``a``/``b`` (inf ratio for b = 0), not the codec line."""
+    front = pd.DataFrame({
+        "policy_id": ["r", "s"], "label": ["recompute", "send"], "method": "bicache", "config_json": "{}",
+        "compression_ratio": [math.inf, 2.0], "relative_accuracy": [1.0, 1.0], "encode_gbps": math.inf,
+        "decode_gbps": math.inf, "a_s_per_gb": [10.0, 2.0], "b": [0.0, 0.5], "threshold_gbps": math.inf,
+    })
+    table = compile_policy_table(front, model="m", workload="w", device="cpu", floors=(0.9,), include_none=False,
+                                 given_lines=True)
+    assert list(table.frame["policy_id"]) == ["s", "r"]
+    assert table.frame["x_hi_s_per_gb"].iloc[0] == pytest.approx(16.0)  # 2 + 0.5 x = 10
+    with pytest.raises(TableError, match="compression_ratio must be finite"):
+        compile_policy_table(front, model="m", workload="w", device="cpu", include_none=False)

@@ -11,11 +11,13 @@ Rendering only: every number drawn comes from :mod:`kvtune.report.plot_data`. Th
 4. per accuracy floor, predicted transfer time per GB of KV vs link bandwidth (Gbps, log x
    from 1 to 400, widened downwards to show every breakpoint) along the policy-table
    envelope, colored by the chosen policy, with the uncompressed line and the breakpoints
-   (KVServe latency model and piecewise table, ``BRIEF.md`` Sec. 2), and the floor's
+   (KVServe latency model and piecewise table), and the floor's
    intervals as an HTML table;
-5. the Pareto policies as a table sortable by clicking a header (a few lines of inline
+5. the method's own sections (:meth:`kvtune.run.method.Method.report_sections`,
+   :class:`kvtune.report.sections.ReportSection`): its figures and tables;
+6. the Pareto policies as a table sortable by clicking a header (a few lines of inline
    JavaScript, no dependency);
-6. the run configuration.
+7. the run configuration.
 
 plotly.js is embedded inline exactly once (first figure, ``include_plotlyjs=True``); the
 others use ``include_plotlyjs=False``. Figure div ids are fixed, so the same inputs give the
@@ -27,7 +29,7 @@ from __future__ import annotations
 import html
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ import plotly.graph_objects as go
 
 from kvtune.report import plot_data as pdl
 from kvtune.core.atomic import atomic_write_text
+from kvtune.report.sections import ReportSection
 from kvtune.tables.policy_table import PolicyTable
 
 __all__ = [
@@ -359,6 +362,7 @@ def render_report(
     *,
     title: str,
     run_config: Mapping[str, Any],
+    sections: Sequence[ReportSection] = (),
 ) -> str:
     """Build the report page as one HTML string (see :func:`write_report`)."""
     points = pdl.trial_points(trials, pareto)
@@ -434,6 +438,7 @@ def render_report(
         "reference point (1.1, 1.1, 1.1), divided by the reference box 1.1&sup3;. It compares "
         "trials within this run.</p>",
         divs[3],
+        *(part for k, section in enumerate(sections) for part in _section_html(section, k)),
         "<h2>Policy table: transfer time vs bandwidth</h2>",
     ]
     for (_, intervals, _), div, (key, floor) in zip(figures[n_fixed:], divs[n_fixed:], panels, strict=True):
@@ -449,6 +454,18 @@ def render_report(
         "</html>",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _section_html(section: ReportSection, k: int) -> list[str]:
+    """The HTML of a method's section ``k``: heading, note, figures, captioned tables
+    (table ids ``kvtune-section-<k>-table-<j>``)."""
+    parts = [f"<h2>{html.escape(section.title)}</h2>"]
+    if section.note:
+        parts.append(f'<p class="note">{html.escape(section.note)}</p>')
+    parts += [_fig_div(fig, div_id, first=False) for div_id, fig in section.figures]
+    for j, (caption, frame) in enumerate(section.tables):
+        parts += [f"<h3>{html.escape(caption)}</h3>", _html_table(frame, table_id=f"kvtune-section-{k}-table-{j}")]
+    return parts
 
 
 def _fidelity_note(info: Mapping[str, Any] | None) -> str:
@@ -483,15 +500,17 @@ def write_report(
     *,
     title: str,
     run_config: Mapping[str, Any],
+    sections: Sequence[ReportSection] = (),
 ) -> Path:
     """Write the self-contained HTML report of a profiling run, atomically.
 
     The file embeds plotly.js once (about 5 MB) and opens offline in any browser. Figures:
     a 3-D trials scatter, two 2-D projections, the search convergence (hypervolume vs trial),
     and one transfer-time-vs-bandwidth chart per accuracy floor of ``table``
-    (4 + len(envelope_panels(table)) plotly divs: one per floor, per key of a keyed table);
-    plus HTML tables of the Pareto policies (sortable by
-    header click) and of each floor's intervals, and the run configuration as JSON.
+    (4 + len(envelope_panels(table)) plotly divs: one per floor, per key of a keyed table),
+    then the method's ``sections`` (their figures and tables); plus HTML tables of the Pareto
+    policies (sortable by header click) and of each floor's intervals, and the run
+    configuration as JSON.
 
     Args:
         trials: all evaluated policies (``relative_accuracy`` fraction, ``compression_ratio``,
@@ -504,9 +523,10 @@ def write_report(
         path: destination ``.html`` file (parent directories are created).
         title: page title.
         run_config: run settings shown verbatim (JSON; non-JSON values via ``str``).
+        sections: the method's own sections, after the search convergence chart.
 
     Returns:
         The path written.
     """
-    page = render_report(trials, pareto, table, title=title, run_config=run_config)
+    page = render_report(trials, pareto, table, title=title, run_config=run_config, sections=sections)
     return atomic_write_text(path, page)

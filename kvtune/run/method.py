@@ -10,7 +10,9 @@ and its registration (:func:`register_method`, in the package's ``__init__``). I
   uses the ``exhaustive`` optimizer);
 - :meth:`Method.evaluate`: ``evaluate(context, candidate, stage) -> trial row``;
 - :meth:`Method.compile`: the rows its Pareto front and table are built on, the table
-  (floors, keys, ``include_none``, extra columns) and any extra frames and plots.
+  (floors, keys, ``include_none``, extra columns) and any extra frames;
+- :meth:`Method.report_sections` (optional): its own sections of the HTML report (plots
+  and tables drawn from the compiled frames).
 
 The runner does the rest, the same way for every method: the run folder and its lock,
 ``run.json``, the trial store with resume, the ask/tell loop, Pareto, the table files and the
@@ -235,6 +237,17 @@ class Method:
         """The run's table compiled again (``kvtune export --floors/--recompile``, ``select`` on a
         folder without a table); nothing written. Default: from the stored trials."""
         return self.compile_stored(run_dir, info, floors).table
+
+    def report_sections(self, run_dir: Path, info: dict[str, Any], compiled: Compiled) -> list[Any]:
+        """The method's own sections of the HTML report
+        (:class:`kvtune.report.sections.ReportSection` s, drawn after the shared charts), from
+        the compiled run (``compiled.points``, ``compiled.trials``, ``compiled.frames``,
+        ``compiled.table``); default none. Needs no model.
+
+        Raises:
+            KvtuneError: stored rows lack what a section draws (the runner adds the run folder).
+        """
+        return []
 
     def reports_folder(self, info: dict[str, Any]) -> Path | None:
         """Where the run's report goes (``<folder>/<run>.html``); None: ``<run_dir>/report.html``."""

@@ -153,6 +153,7 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
             info = read_run_info(run_dir)
         settings = _settings(method, info, run_dir)
         compiled = method.compile_stored(run_dir, info)
+        sections = method.report_sections(run_dir, {**info, **compiled.info}, compiled)
         files: dict[str, Path] = {"run": run_dir / "run.json"}
         store = TrialStore(run_dir)
         if compiled.trials is not None:
@@ -173,8 +174,9 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
         write_run_info(run_dir, info)
         folder = method.reports_folder(info)
         path = folder / f"{run_dir.name}.html" if folder is not None else run_dir / "report.html"
-        files["report"] = write_report(compiled.points if compiled.shown is None else compiled.shown, compiled.pareto, compiled.table, path,
-                                       title=f"{method.report_title}: {run_dir.name}", run_config=info)
+        files["report"] = write_report(compiled.points if compiled.shown is None else compiled.shown, compiled.pareto,
+                                       compiled.table, path, title=f"{method.report_title}: {run_dir.name}",
+                                       run_config=info, sections=sections)
     return RunResult(run_dir=run_dir, settings=settings, info=info, trials=compiled.trials, pareto=compiled.pareto,
                      table=compiled.table, files=files, compiled=compiled)
 

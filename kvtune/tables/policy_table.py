@@ -419,8 +419,21 @@ class SelectedPolicy(NamedTuple):
 # Compilation
 
 
-def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
-    missing = [c for c in _PARETO_REQUIRED if c not in pareto.columns]
+_GIVEN_LINE_COLUMNS = ("a_s_per_gb", "b", "threshold_gbps")
+
+
+def _candidate_entries(pareto: pd.DataFrame, *, given_lines: bool = False,
+                       prefer: Sequence[str] = ()) -> list[tuple[PolicyEntry, int]]:
+    """The candidate policies of ``pareto`` with their row positions, in preference order.
+
+    Lines come from the codec throughputs (KVServe, :func:`~kvtune.tables.latency.line_coefficients`)
+    or, with ``given_lines``, from the frame's ``a_s_per_gb``, ``b`` and ``threshold_gbps``
+    (then ``compression_ratio`` may be inf: a line that sends nothing). Preference (identical
+    lines resolve to the first): higher accuracy, then the ``prefer`` columns ascending, then
+    higher ratio, lower ``a``, lower id.
+    """
+    required = _PARETO_REQUIRED + (_GIVEN_LINE_COLUMNS if given_lines else ()) + tuple(prefer)
+    missing = [c for c in required if c not in pareto.columns]
     if missing:
         raise TableError(f"cannot compile policy table: Pareto frame lacks column(s) {missing}")
     ids = pareto["policy_id"].astype(str)
@@ -433,15 +446,17 @@ def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
             "aggregate repeated trials of a policy before compiling"
         )
     num = {}
-    for c in ("compression_ratio", "relative_accuracy", "encode_gbps", "decode_gbps"):
+    for c in ("compression_ratio", "relative_accuracy", "encode_gbps", "decode_gbps",
+              *(_GIVEN_LINE_COLUMNS if given_lines else ())):
         num[c] = pd.to_numeric(pareto[c], errors="coerce").to_numpy(dtype=np.float64)
         if np.isnan(num[c]).any():
             raise TableError(f"cannot compile policy table: column {c} has NaN or non-numeric values")
     cr = num["compression_ratio"]
-    if not (np.isfinite(cr) & (cr > 0)).all():
-        i = int(np.flatnonzero(~(np.isfinite(cr) & (cr > 0)))[0])
-        raise TableError(f"cannot compile policy table: compression_ratio must be finite and > 0 "
-                         f"(policy {ids.iloc[i]}: {cr[i]})")
+    ok_cr = (cr > 0) & (np.isfinite(cr) | given_lines)
+    if not ok_cr.all():
+        i = int(np.flatnonzero(~ok_cr)[0])
+        raise TableError(f"cannot compile policy table: compression_ratio must be "
+                         f"{'> 0' if given_lines else 'finite and > 0'} (policy {ids.iloc[i]}: {cr[i]})")
     ra = num["relative_accuracy"]
     if not np.isfinite(ra).all():
         raise TableError("cannot compile policy table: relative_accuracy must be finite")
@@ -452,12 +467,16 @@ def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
     for c in ("encode_gbps", "decode_gbps"):
         if not (num[c] > 0).all():
             raise TableError(f"cannot compile policy table: {c} must be > 0 GB/s")
-    a, b = line_coefficients(cr, num["encode_gbps"], num["decode_gbps"])
-    a = np.atleast_1d(a)
-    b = np.atleast_1d(b)
-    thr = np.atleast_1d(threshold_gbps(cr, num["encode_gbps"], num["decode_gbps"]))
+    if given_lines:
+        a, b, thr = num["a_s_per_gb"], num["b"], num["threshold_gbps"]
+        for c, v in (("a_s_per_gb", a), ("b", b)):
+            if not (np.isfinite(v) & (v >= 0)).all():
+                raise TableError(f"cannot compile policy table: {c} must be finite and >= 0")
+    else:
+        a, b = (np.atleast_1d(v) for v in line_coefficients(cr, num["encode_gbps"], num["decode_gbps"]))
+        thr = np.atleast_1d(threshold_gbps(cr, num["encode_gbps"], num["decode_gbps"]))
     entries = [
-        PolicyEntry(
+        (PolicyEntry(
             policy_id=str(pid),
             method=str(method),
             label=str(label),
@@ -465,17 +484,19 @@ def _candidate_entries(pareto: pd.DataFrame) -> list[PolicyEntry]:
             a_s_per_gb=float(a[i]),
             b=float(b[i]),
             compression_ratio=float(cr[i]),
-            relative_accuracy=float(num["relative_accuracy"][i]),
+            relative_accuracy=float(ra[i]),
             encode_gbps=float(num["encode_gbps"][i]),
             decode_gbps=float(num["decode_gbps"][i]),
             threshold_gbps=float(thr[i]),
-        )
+        ), i)
         for i, (pid, method, label, cfg) in enumerate(
             zip(ids, pareto["method"], pareto["label"], pareto["config_json"], strict=True)
         )
     ]
+    ranks = [pareto[c].to_numpy() for c in prefer]
     # Identical lines resolve to the lowest index: prefer higher accuracy, then ratio.
-    entries.sort(key=lambda e: (-e.relative_accuracy, -e.compression_ratio, e.a_s_per_gb, e.policy_id))
+    entries.sort(key=lambda ep: (-ep[0].relative_accuracy, *(r[ep[1]] for r in ranks), -ep[0].compression_ratio,
+                                 ep[0].a_s_per_gb, ep[0].policy_id))
     return entries
 
 
@@ -522,6 +543,11 @@ def compile_policy_table(
     key: str = DEFAULT_KEY,
     include_none: bool = True,
     gate: str = "relative_accuracy",
+    key_column: str | None = None,
+    extra_columns: Sequence[str] = (),
+    given_lines: bool = False,
+    prefer: Sequence[str] = (),
+    tolerance: float = 0.0,
 ) -> PolicyTable:
     """Compile the piecewise policy table from a Pareto front (KVServe, piecewise table).
 
@@ -552,13 +578,27 @@ def compile_policy_table(
             sent uncompressed, e.g. SCD, where the consumer cannot receive its own KV and the
             full-quality candidate is ``recompute`` (a row of ``pareto``); every floor must
             then be reached by some row of ``pareto``.
+        key_column: a column of ``pareto`` keying the table (BiCache: the prefix-ratio bucket):
+            the rows of each distinct value (as a string, ascending) are compiled as one table
+            with that key (``key`` must then stay ``""``).
+        extra_columns: columns of ``pareto`` copied into the rows of each policy (kept by
+            :class:`PolicyTable` and saved in both formats).
+        given_lines: take each policy's line from the columns ``a_s_per_gb``, ``b`` and
+            ``threshold_gbps`` instead of deriving it from ``compression_ratio`` and the codec
+            throughputs (BiCache: ``a`` = compute + decode seconds per GB, ``b = 0`` for full
+            recompute, whose ratio is inf).
+        prefer: columns ranking identical lines after accuracy (ascending; BiCache:
+            ``reuse_depth``, the shallower reuse first).
+        tolerance: slack of the floor comparison (a gate value ``tolerance`` below a floor
+            still reaches it).
 
     Returns:
-        :class:`PolicyTable` with rows sorted by floor (descending), then ``x_lo_s_per_gb``.
+        :class:`PolicyTable` with rows sorted by key, floor (descending), then ``x_lo_s_per_gb``.
 
     Raises:
         TableError: missing columns, NaN or non-positive numbers, duplicate or reserved
-            policy ids, bad floors or empty model/workload/device.
+            policy ids (within one key), bad floors, empty model/workload/device, a floor no
+            candidate reaches (without ``include_none``), or ``key`` with ``key_column``.
     """
     for name, value in (("model", model), ("workload", workload), ("device", device)):
         if not isinstance(value, str) or not value:
@@ -566,13 +606,26 @@ def compile_policy_table(
     fl = _check_floors(floors)
     if not isinstance(key, str):
         raise TableError(f"cannot compile policy table: key must be a string, got {key!r}")
-    entries = [_none_entry()] if include_none else []
-    entries += _candidate_entries(pareto)
-    always = (np.arange(len(entries)) == 0) & include_none
-    rows = envelope_rows(entries, _gate_values(pareto, entries, gate), fl, always=always, key=key,
-                         header={"schema_version": SCHEMA_VERSION, "model": model, "workload": workload,
-                                 "device": device}, n_runners_up=n_runners_up)
-    return PolicyTable(pd.DataFrame(rows, columns=list(_ORDER)), metadata=metadata)
+    missing = [c for c in (*extra_columns, *([key_column] if key_column else [])) if c not in pareto.columns]
+    if missing:
+        raise TableError(f"cannot compile policy table: Pareto frame lacks column(s) {missing}")
+    if key_column is not None and key != DEFAULT_KEY:
+        raise TableError("cannot compile policy table: pass either key or key_column, not both")
+    groups = [(key, pareto)] if key_column is None else \
+        [(str(k), g) for k, g in pareto.groupby(pareto[key_column].astype(str), sort=True)]
+    header = {"schema_version": SCHEMA_VERSION, "model": model, "workload": workload, "device": device}
+    rows: list[dict[str, Any]] = []
+    for group_key, group in groups:
+        found = _candidate_entries(group, given_lines=given_lines, prefer=prefer)
+        entries = ([_none_entry()] if include_none else []) + [e for e, _ in found]
+        extras = None
+        if extra_columns:  # the implicit "none" has no values of its own
+            extras = [dict.fromkeys(extra_columns)] * include_none + [
+                {c: group[c].iloc[i] for c in extra_columns} for _, i in found]
+        always = (np.arange(len(entries)) == 0) & include_none
+        rows += envelope_rows(entries, _gate_values(group, entries, gate), fl, always=always, key=group_key,
+                              header=header, extras=extras, n_runners_up=n_runners_up, tolerance=tolerance)
+    return PolicyTable(pd.DataFrame(rows, columns=[*_ORDER, *extra_columns]), metadata=metadata)
 
 
 def envelope_rows(

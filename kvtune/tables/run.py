@@ -19,7 +19,7 @@ import pandas as pd
 
 from kvtune.core.jsonio import enc_float
 from kvtune.core.errors import KvtuneError
-from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable, compile_policy_table
+from kvtune.tables.policy_table import PolicyTable
 
 __all__ = [
     "EXPORT_FORMATS",
@@ -27,8 +27,10 @@ __all__ = [
     "interval_gate",
     "kv_bytes_per_request",
     "load_run_table",
+    "read_run_frame",
     "read_run_info",
     "resolve_table",
+    "run_method",
     "run_table_metadata",
     "selection_summary",
     "selection_text",
@@ -70,7 +72,13 @@ def interval_gate(pareto: pd.DataFrame, run_info: dict[str, Any] | None = None) 
     return "relative_accuracy_lo" if "relative_accuracy_lo" in pareto.columns else "relative_accuracy"
 
 
-def _read_parquet(path: Path) -> pd.DataFrame:
+def read_run_frame(path: Path) -> pd.DataFrame:
+    """A Parquet file of a run folder as a DataFrame.
+
+    Raises:
+        KvtuneError: the file cannot be read (missing, truncated, not Parquet; the message
+            names it).
+    """
     try:
         return pd.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for truncated or corrupt files
@@ -118,10 +126,10 @@ def load_run_table(
 
     Without ``floors`` and ``recompile``, reads ``policy_table.parquet`` (rows unchanged;
     run metadata added where the file lacks it). Otherwise (or when that file is missing)
-    compiles it again from ``pareto.parquet`` (or, if that is missing too, the Pareto front
-    of ``trials.parquet``) with :func:`~kvtune.tables.policy_table.compile_policy_table`, for
-    ``floors`` (default: the run's configured floors, else 99/97/95/90 %), gated like the run
-    itself (:func:`interval_gate`: on the lower end of the 95 % interval when the trials have it).
+    compiles it again with the run's method (:meth:`kvtune.run.method.Method.compile_table`:
+    T/Q/C from ``pareto.parquet`` or ``trials.parquet``, SCD and BiCache from the stored
+    trials) for ``floors`` (default: the run's configured floors), gated like the run itself
+    (:func:`interval_gate`: on the lower end of the 95 % interval when the trials have it).
 
     Args:
         run_dir: a run folder, e.g. ``profiles/smollm2-default``.
@@ -159,36 +167,6 @@ def run_method(info: dict[str, Any], run_dir: Path) -> Any:
     if not isinstance(name, str) or name not in METHODS:
         raise KvtuneError(f"{run_dir / 'run.json'}: unknown method {name!r}; known: {METHODS.known()}")
     return METHODS[name]
-
-
-def compile_tqc_run_table(run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None) -> PolicyTable:
-    """The T/Q/C table of a run compiled again from ``pareto.parquet`` (or, if that is missing,
-    the Pareto front of ``trials.parquet``), gated by :func:`interval_gate`.
-
-    Raises:
-        KvtuneError: neither file exists, or one cannot be read (the message names it).
-        TableError: see :func:`~kvtune.tables.policy_table.compile_policy_table`.
-    """
-    meta = run_table_metadata(run_dir, info)
-    settings = info.get("settings") or {}
-    use_floors = tuple(floors) if floors is not None else tuple(settings.get("floors") or DEFAULT_FLOORS)
-    if (run_dir / "pareto.parquet").is_file():
-        pareto = _read_parquet(run_dir / "pareto.parquet")
-    elif (run_dir / "trials.parquet").is_file():
-        from kvtune.search.pareto import pareto_front
-
-        pareto = pareto_front(_read_parquet(run_dir / "trials.parquet"))
-    else:
-        raise KvtuneError(f"{run_dir}: no policy_table.parquet, pareto.parquet or trials.parquet")
-    return compile_policy_table(
-        pareto,
-        floors=use_floors,
-        model=str(settings.get("model") or "unknown"),
-        workload=str(info.get("workload") or "continuation"),
-        device=str((info.get("model_info") or {}).get("device") or "cpu"),
-        metadata=meta,
-        gate=interval_gate(pareto, info),
-    )
 
 
 def export_run_table(

@@ -327,6 +327,15 @@ class BiCacheMethod(Method):
                    "summary.md": summary_markdown(depth_table, frames["quality"], frames["throughput"],
                                                   frames["layer_cosine"], settings)})
 
+    def report_sections(self, run_dir: Path, info: dict[str, Any], compiled: Compiled) -> list[Any]:
+        """Safe reuse depth per bucket (with the floors), per-layer prefix K/V cosine heatmaps,
+        throughput gain and the ``summary.md`` tables (:func:`kvtune.methods.bicache.report.bicache_sections`)."""
+        from kvtune.methods.bicache.report import bicache_sections
+
+        frames = {name: compiled.frames[f"{name}.parquet"] for name in ("depth_table", "quality", "layer_cosine",
+                                                                        "throughput")}
+        return bicache_sections(frames, BiCacheSettings.from_dict(info["settings"]).floors)
+
 
 #: The per-bucket frames of a BiCache trial row.
 FRAMES = ("quality", "layer_cosine", "throughput", "candidates", "depth_table")
@@ -500,24 +509,12 @@ def compile_run_table(run_dir: str | Path, floors: Sequence[float] | None = None
     return METHODS["bicache"].compile_table(run_dir, info, floors)
 
 
-def _fmt_iv(m: float, lo: float, hi: float, digits: int = 3) -> str:
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
-
-
-
-def _pivot_table(frame: pd.DataFrame, columns: str, values: str, head: str, cell: str) -> list[str]:
-    """Markdown rows of ``frame`` pivoted to prefix-ratio keys x ``columns``."""
-    piv = frame.pivot(index="key", columns=columns, values=values)
-    lines = ["| prefix ratio | " + " | ".join(head.format(c) for c in piv.columns) + " |",
-             "|---|" + "---|" * len(piv.columns)]
-    for key, row in piv.iterrows():
-        lines.append(f"| {key} | " + " | ".join(cell.format(v) for v in row.to_numpy()) + " |")
-    return lines
-
-
 def summary_markdown(depth_table: pd.DataFrame, quality: pd.DataFrame, throughput: pd.DataFrame,
                      layer_cos: pd.DataFrame, settings: BiCacheSettings) -> str:
-    """Human-readable Markdown of a run: ratio -> depth, throughput, per-layer cosines."""
+    """Human-readable Markdown of a run: ratio -> depth, throughput, per-layer cosines (the
+    tables of the HTML report, :func:`kvtune.methods.bicache.report.summary_tables`)."""
+    from kvtune.methods.bicache.report import summary_markdown_lines
+
     floors = ", ".join(f"{CRITERIA[k].column()} >= {v:g}" for k, v in settings.floors.items())
     lines = [
         "# BiCache profile", "",
@@ -526,24 +523,7 @@ def summary_markdown(depth_table: pd.DataFrame, quality: pd.DataFrame, throughpu
         "Intervals: 95 % bootstrap over requests. Gain: median requests/s at the depth / at full "
         "recompute (one thread, batch of 8 real requests); 'token-layers' = share of full recompute's "
         "token x layer evaluations.", "",
-        "## Prefix ratio -> reuse depth", "",
-        "| prefix ratio | mean ratio | depth | KV cosine | embedding cosine | relative retrieval | req/s recompute | req/s reuse | gain | token-layers |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *summary_markdown_lines({"depth_table": depth_table, "quality": quality, "throughput": throughput,
+                                 "layer_cosine": layer_cos}),
     ]
-    for r in depth_table.to_dict("records"):
-        lines.append(
-            f"| [{r['prefix_ratio_lo']:.2f}, {r['prefix_ratio_hi']:.2f}) | {r['ratio_mean']:.2f} | {r['chosen_depth']}/{r['num_layers']} "
-            f"| {_fmt_iv(r['kv_cosine'], r['kv_cosine_lo'], r['kv_cosine_hi'])} "
-            f"| {_fmt_iv(r['embedding_cosine'], r['embedding_cosine_lo'], r['embedding_cosine_hi'], 4)} "
-            f"| {_fmt_iv(r['relative_retrieval'], r['relative_retrieval_lo'], r['relative_retrieval_hi'])} "
-            f"| {r['requests_per_s_recompute']:.1f} | {r['requests_per_s_reuse']:.1f} | {r['speedup']:.2f}x "
-            f"| {r['token_layer_fraction']:.2f} |"
-        )
-    lines += ["", "## Throughput gain by depth (requests/s with reuse / full recompute)", ""]
-    lines += _pivot_table(throughput, "depth", "speedup", "d={}", "{:.2f}x")
-    lines += ["", "## Quality by depth (exact cache): embedding cosine, lower bound", ""]
-    ex = quality[quality["policy"].isin([EXACT, "recompute"])]
-    lines += _pivot_table(ex, "depth", "embedding_cosine_lo", "d={}", "{:.4f}")
-    lines += ["", "## Prefix key cosine per layer, prefix alone vs in context (mean)", ""]
-    lines += _pivot_table(layer_cos, "layer", "key_cosine", "L{}", "{:.3f}")
     return "\n".join(lines) + "\n"

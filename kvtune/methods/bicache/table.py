@@ -41,13 +41,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from kvtune.core.ids import config_policy_id
 from kvtune.core.errors import TableError
 from kvtune.evaluate.metrics import report_relative_accuracy
-from kvtune.tables.policy_table import DEFAULT_FLOORS, SCHEMA_VERSION, PolicyEntry, PolicyTable, envelope_rows
+from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable, compile_policy_table
 
 __all__ = [
     "EXTRA_COLUMNS",
@@ -165,15 +164,6 @@ def bicache_candidate(
     }
 
 
-_ENTRY_FIELDS = ("policy_id", "method", "label", "config_json", "a_s_per_gb", "b", "compression_ratio",
-                 "relative_accuracy", "encode_gbps", "decode_gbps", "threshold_gbps")
-
-
-def _entry(row: Mapping[str, Any]) -> PolicyEntry:
-    return PolicyEntry(**{c: (str(row[c]) if c in ("policy_id", "method", "label", "config_json") else float(row[c]))
-                          for c in _ENTRY_FIELDS})
-
-
 def compile_bicache_table(
     candidates: pd.DataFrame,
     *,
@@ -184,36 +174,33 @@ def compile_bicache_table(
     n_runners_up: int = 2,
     metadata: Mapping[str, Any] | None = None,
 ) -> PolicyTable:
-    """Lower envelope of the BiCache lines per (prefix-ratio key, accuracy floor).
+    """Lower envelope of the BiCache lines per (prefix-ratio key, accuracy floor): the shared
+    compiler :func:`~kvtune.tables.policy_table.compile_policy_table` keyed by the ``key``
+    column, without the implicit ``"none"`` and with the lines as given (``a_s_per_gb``,
+    ``b``; module docstring).
 
     For every key and floor, the candidates are that key's rows with ``relative_accuracy >=
-    floor``; the depth-0 row (full recompute, accuracy 1.0, ``b = 0``) is always among them,
-    so there is no implicit ``"none"`` line. Rows follow :mod:`kvtune.tables.policy_table`
-    schema 1 with ``method = "bicache"``, the key, and :data:`EXTRA_COLUMNS`.
+    floor`` (less 1e-12); the depth-0 row (full recompute, accuracy 1.0, ``b = 0``) is among
+    them at every floor up to 1.0, so every bandwidth has an answer. Identical lines resolve to
+    the higher accuracy, then the shallower depth, then the lower id. Rows follow
+    :mod:`kvtune.tables.policy_table` schema 1 with ``method = "bicache"``, the key, and
+    :data:`EXTRA_COLUMNS`.
 
     Raises:
-        TableError: a key without its depth-0 row, duplicate ids, or bad floors.
+        TableError: no candidates, a key without its depth-0 row, duplicate ids within a key,
+            or bad floors (repeated floors count once).
     """
     if candidates.empty:
         raise TableError("no BiCache candidates to compile")
-    fl = sorted({float(f) for f in floors}, reverse=True)
-    if not fl or any(not (math.isfinite(f) and f > 0) for f in fl):
-        raise TableError(f"accuracy floors must be finite and > 0, got {list(floors)}")
-    rows: list[dict[str, Any]] = []
-    for key, grp in candidates.groupby("key", sort=True):
-        grp = grp.sort_values(["reuse_depth", "b", "a_s_per_gb"], kind="stable").reset_index(drop=True)
-        if grp["policy_id"].duplicated().any():
-            raise TableError(f"duplicate BiCache policy ids in key {key!r}")
-        if not (grp["reuse_depth"] == 0).any():
-            raise TableError(f"key {key!r} has no depth-0 (full recompute) row")
-        # order for ties: higher accuracy, then shallower (fewer bytes), then id
-        grp = grp.assign(_acc=-grp["relative_accuracy"]).sort_values(
-            ["_acc", "reuse_depth", "policy_id"], kind="stable").drop(columns="_acc").reset_index(drop=True)
-        recs = grp.to_dict("records")
-        rows += envelope_rows([_entry(r) for r in recs], grp["relative_accuracy"].to_numpy(dtype=np.float64), fl,
-                              header={"schema_version": SCHEMA_VERSION, "model": model, "workload": workload,
-                                      "device": device},
-                              key=str(key), always=grp["reuse_depth"].to_numpy() == 0,
-                              extras=[{c: r[c] for c in EXTRA_COLUMNS} for r in recs],
-                              n_runners_up=n_runners_up, tolerance=1e-12)
-    return PolicyTable(pd.DataFrame(rows), metadata=metadata)
+    keys_with_recompute = set(candidates.loc[candidates["reuse_depth"] == 0, "key"].astype(str))
+    lacking = sorted(set(candidates["key"].astype(str)) - keys_with_recompute)
+    if lacking:
+        raise TableError(f"key {lacking[0]!r} has no depth-0 (full recompute) row")
+    try:
+        distinct = tuple(dict.fromkeys(float(f) for f in floors))
+    except (TypeError, ValueError) as exc:
+        raise TableError(f"accuracy floors must be numbers: {exc}") from None
+    return compile_policy_table(candidates, floors=distinct, model=model, workload=workload, device=device,
+                                n_runners_up=n_runners_up, metadata=metadata, key_column="key",
+                                include_none=False, extra_columns=EXTRA_COLUMNS, given_lines=True,
+                                prefer=("reuse_depth",), tolerance=1e-12)

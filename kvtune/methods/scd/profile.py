@@ -553,6 +553,16 @@ class SCDMethod(Method):
         return Compiled(trials=trials, points=trials, table=table, info={"front": front},
                         texts={"summary.md": summary_markdown(trials, {**info, "front": front})})
 
+    def report_sections(self, run_dir: Path, info: dict[str, Any], compiled: Compiled) -> list[Any]:
+        """Quality vs payload and predicted TTFT vs bandwidth per transfer family, and the
+        ``summary.md`` tables (:func:`kvtune.methods.scd.report.scd_sections`)."""
+        from kvtune.methods.scd.report import scd_sections
+        from kvtune.tables.run import interval_gate
+
+        trials = compiled.trials
+        return scd_sections(trials, info, compiled.table.floors, interval_gate(trials, info),
+                            info.get("report_bandwidths_gbps", list(REPORT_BANDWIDTHS_GBPS)))
+
 
 def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, out_dir: str | Path, *,
                     settings: SCDProfileSettings | None = None,
@@ -667,23 +677,12 @@ def front_summary(trials: pd.DataFrame, floors: tuple[float, ...] = (0.99, 0.95,
 
 
 def summary_markdown(trials: pd.DataFrame, run: dict[str, Any]) -> str:
-    """The README/closing-note table: per configuration quality (interval), payload, TTFT at 1/10/100 Gbps."""
+    """The README/closing-note tables (also in the HTML report): per configuration quality
+    (interval), payload, TTFT at 1/10/100 Gbps; then the fastest configuration per bandwidth
+    and floor (:mod:`kvtune.methods.scd.report`)."""
+    from kvtune.methods.scd.report import configuration_rows, front_rows
+    from kvtune.report.sections import markdown_table
+
     bws = run.get("report_bandwidths_gbps", list(REPORT_BANDWIDTHS_GBPS))
-    head = ("| method | configuration | relative accuracy [95 % CI] | payload bytes | ratio | a (s) | "
-            + " | ".join(f"TTFT @ {b:g} Gbps (ms)" for b in bws) + " |")
-    lines = [head, "|" + "---|" * (6 + len(bws))]
-    for _, r in trials.iterrows():
-        lines.append(
-            f"| {r['method']} | {r['label']} | {100 * r['relative_accuracy_raw']:.2f} % "
-            f"[{100 * r['relative_accuracy_lo']:.2f}, {100 * r['relative_accuracy_hi']:.2f}] | "
-            f"{r['payload_bytes']:,.0f} | {r['compression_ratio']:.1f} | {r['latency_a_s']:.4f} | "
-            + " | ".join(f"{1e3 * r[f'ttft_s_at_{b:g}gbps']:.2f}" for b in bws) + " |")
-    lines.append("")
-    lines.append("| bandwidth (Gbps) | floor | fastest | TTFT (ms) | x recompute | best non-SCD | best SCD | SCD gain |")
-    lines.append("|---|---|---|---|---|---|---|---|")
-    for f in run.get("front", []):
-        lines.append(
-            f"| {f['bandwidth_gbps']:g} | {f['floor']:.2f} | {f['best_label']} | {1e3 * f['ttft_s']:.2f} | "
-            f"{f['speedup_vs_recompute']:.2f} | {f['best_non_scd_label']} | {f['best_scd_label']} | "
-            f"{f['scd_speedup_vs_best_non_scd']:.2f} |")
+    lines = [*markdown_table(configuration_rows(trials, bws)), "", *markdown_table(front_rows(run.get("front", [])))]
     return "\n".join(lines) + "\n"

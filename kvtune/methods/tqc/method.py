@@ -157,30 +157,59 @@ class TQCMethod(Method):
         from kvtune.search.pareto import pareto_front
         from kvtune.methods.tqc.profile import check_trials, run_settings, split_fidelities
         from kvtune.run.store import TrialStore
-        from kvtune.tables.policy_table import compile_policy_table
-        from kvtune.tables.run import interval_gate, run_table_metadata
 
         settings = run_settings(info, run_dir / "run.json")
         trials = pd.DataFrame(records)
         check_trials(trials, run_dir / TrialStore.LOG)
-        model_info = info.get("model_info")
         searched, final, fidelity_info = split_fidelities(trials, settings.search_fidelity)
         pareto = pareto_front(final)
-        table = compile_policy_table(pareto, floors=settings.floors if floors is None else tuple(floors),
-                                     model=settings.model, workload=str(info.get("workload") or "continuation"),
-                                     device=str((model_info if isinstance(model_info, dict) else {}).get("device")
-                                                or "cpu"),
-                                     metadata=run_table_metadata(run_dir, info), gate=interval_gate(pareto, info))
+        table = run_policy_table(pareto, run_dir, info, model=settings.model,
+                                 floors=settings.floors if floors is None else tuple(floors))
         return Compiled(trials=trials, points=final, table=table, pareto=pareto, shown=searched,
                         info={"fidelity": fidelity_info, "trials": len(trials)})
 
     def compile_table(self, run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None = None) -> Any:
-        """From ``pareto.parquet`` (or ``trials.parquet``), so folders holding only the
-        Parquet files recompile too (:func:`kvtune.tables.run.compile_tqc_run_table`)."""
-        from kvtune.tables.run import compile_tqc_run_table
+        """From ``pareto.parquet`` (or, if that is missing, the Pareto front of
+        ``trials.parquet``), so folders holding only the Parquet files recompile too; floors
+        default to the run's configured ones, else 99/97/95/90 %.
 
-        return compile_tqc_run_table(run_dir, info, floors)
+        Raises:
+            KvtuneError: neither file exists, or one cannot be read (the message names it).
+            TableError: see :func:`~kvtune.tables.policy_table.compile_policy_table`.
+        """
+        from kvtune.core.errors import KvtuneError
+        from kvtune.search.pareto import pareto_front
+        from kvtune.tables.policy_table import DEFAULT_FLOORS
+        from kvtune.tables.run import read_run_frame
+
+        if (run_dir / "pareto.parquet").is_file():
+            pareto = read_run_frame(run_dir / "pareto.parquet")
+        elif (run_dir / "trials.parquet").is_file():
+            pareto = pareto_front(read_run_frame(run_dir / "trials.parquet"))
+        else:
+            raise KvtuneError(f"{run_dir}: no policy_table.parquet, pareto.parquet or trials.parquet")
+        settings = info.get("settings") or {}
+        return run_policy_table(pareto, run_dir, info, model=str(settings.get("model") or "unknown"),
+                                floors=tuple(floors) if floors is not None else
+                                tuple(settings.get("floors") or DEFAULT_FLOORS))
 
     def reports_folder(self, info: dict[str, Any]) -> Path | None:
         return Path(ProfileSettings.from_dict(info["settings"]).reports)
 
+
+
+def run_policy_table(pareto: Any, run_dir: Path, info: dict[str, Any], *, model: str, floors: Sequence[float]) -> Any:
+    """The T/Q/C policy table of a run's Pareto rows: with the implicit ``"none"``, workload and
+    device from ``run.json``, the run's metadata (:func:`kvtune.tables.run.run_table_metadata`)
+    and floors gated by :func:`kvtune.tables.run.interval_gate`.
+
+    Raises:
+        TableError: see :func:`~kvtune.tables.policy_table.compile_policy_table`.
+    """
+    from kvtune.tables.policy_table import compile_policy_table
+    from kvtune.tables.run import interval_gate, run_table_metadata
+
+    model_info = info.get("model_info")
+    return compile_policy_table(pareto, floors=floors, model=model, workload=str(info.get("workload") or "continuation"),
+                                device=str((model_info if isinstance(model_info, dict) else {}).get("device") or "cpu"),
+                                metadata=run_table_metadata(run_dir, info), gate=interval_gate(pareto, info))
