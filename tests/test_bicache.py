@@ -461,11 +461,13 @@ def test_cli_profile_on_tiny_model(tiny_folder, tiny_data, tmp_path):
 
     res = CliRunner().invoke(app, [
         "profile", "--method", "bicache", "--model", str(tiny_folder), "--set", f"data={tiny_data}",
-        "--out", str(tmp_path), "--run", "r", "--set", "buckets=0.4,0.9", "--set", "requests_per_bucket=4",
+        "--out", str(tmp_path), "--reports", str(tmp_path / "reports"), "--run", "r", "--set", "buckets=0.4,0.9",
+        "--set", "requests_per_bucket=4",
         "--set", "codecs=bf16", "--set", "repeats=1", "--set", 'floors={"kv_cosine": 0.9}',
     ])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "r" / "policy_table.parquet").is_file()
+    assert (tmp_path / "reports" / "r.html").is_file()  # not in the working tree's reports/
     bad = CliRunner().invoke(app, ["profile", "--method", "bicache", "--model", str(tiny_folder), "--set", "codecs=nope",
                                    "--out", str(tmp_path)])
     assert bad.exit_code == 2 and "unknown codec" in bad.output
