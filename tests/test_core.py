@@ -26,6 +26,36 @@ def test_policy_ids_of_every_method_are_the_one_function():
     assert policy_id(scd) == hashlib.sha256(scd.encode()).hexdigest()[:12] and len(policy_id(scd)) == 12
 
 
+def test_codec_and_synthetic_ids_hash_through_the_core_function(monkeypatch):
+    import types
+
+    from kvtune.codecs import PolicyConfig
+    from kvtune.core import ids
+    from kvtune.search.optimizers.synthetic import synthetic_space
+
+    hashed = []
+
+    def sha256(data):
+        hashed.append(bytes(data))
+        return hashlib.sha256(data)
+
+    monkeypatch.setattr(ids, "hashlib", types.SimpleNamespace(sha256=sha256))
+    cfg = PolicyConfig.kivi(2, 32)
+    assert cfg.policy_id == hashlib.sha256(cfg.to_json().encode("ascii")).hexdigest()[:12]  # ids unchanged
+    assert hashed == [cfg.to_json().encode("ascii")]
+    cand = synthetic_space("small").candidates[0]
+    text = ";".join(f"{k}={cand.params[k]}" for k in sorted(cand.params))
+    assert cand.config.policy_id == hashlib.sha256(text.encode()).hexdigest()[:16]  # stored 16-char ids unchanged
+    assert text.encode() in hashed
+
+
+def test_streams_write_the_core_canonical_json():
+    from kvtune.codecs import stream
+    from kvtune.core import jsonio
+
+    assert stream.canonical_json is jsonio.canonical_json and "canonical_json" not in stream.__all__
+
+
 def test_strict_json_helpers():
     assert [enc_float(v) for v in (1.5, math.inf, -math.inf)] == [1.5, "inf", "-inf"] and enc_float(math.nan) == "nan"
     assert dec_float("inf", "x") == math.inf and dec_float(2, "x") == 2.0

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtune.codecs import CODECS, Codec, PolicyConfig, decode_kv, encode_kv
+from kvtune.codecs import CODECS, Codec, PolicyConfig, decode_kv, encode_kv, zstd_codec
 from kvtune.codecs.bitpack import pack_bits, packed_nbytes
 from kvtune.codecs.range_coder import (
     KIND_RANGE,
@@ -481,6 +481,44 @@ def test_zstd_corruption_raises():
         bad = bytearray(data)
         bad[pos] ^= 0xFF
         _decodes_or_raises(codec, bytes(bad), 4, x.size)
+
+
+def _with_content_size(frame: bytes, size: int) -> bytes:
+    """``frame`` (a zstd frame whose header has a 4-byte content size field) declaring ``size``."""
+    fhd = frame[4]
+    assert fhd >> 6 == 2  # Frame_Content_Size_flag 2: a 4-byte field after the window descriptor
+    at = 5 + (0 if fhd & 0x20 else 1) + (0, 1, 2, 4)[fhd & 3]
+    return frame[:at] + size.to_bytes(4, "little") + frame[at + 4 :]
+
+
+def test_zstd_frame_declaring_more_than_it_can_expand_to_is_refused_before_allocating():
+    import tracemalloc
+
+    codec = ZstdCodec()
+    frame = codec.pack(np.zeros(1 << 20, dtype=np.uint8), 8)  # ~50 bytes for 1 MiB
+    assert zstd_codec.frame_content_size(frame) == 1 << 20 and codec.max_symbols(frame) == 8 << 20
+    forged = _with_content_size(frame, 2**32 - 1)  # 4 GiB from ~50 bytes: no zstd frame expands that much
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptStreamError, match="at most 32768 per frame byte"):
+            codec.unpack(forged, 8, 2**32 - 1)
+        with pytest.raises(CorruptStreamError, match="declares"):
+            codec.max_symbols(forged)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    assert len(frame) * zstd_codec.MAX_EXPANSION >= 1 << 20  # the bound holds for real frames
+    with pytest.raises(CorruptStreamError, match="not a zstd frame"):
+        codec.max_symbols(b"\x00" * 8)
+
+
+def test_range_payloads_bound_their_symbols_only_when_raw():
+    codec = RangeCodec()
+    raw = codec.pack(np.arange(64, dtype=np.uint8).reshape(1, 1, 8, 8) % 4, 2)  # too small to range code
+    coded = codec.pack(np.zeros((1, 2, 512, 64), dtype=np.uint8), 2)
+    assert raw[0] == KIND_RAW and codec.max_symbols(raw) == 8 * (len(raw) - 1)
+    assert coded[0] == KIND_RANGE and codec.max_symbols(coded) is None and codec.max_symbols(b"") == 0
 
 
 @settings(max_examples=150, deadline=None)

@@ -9,6 +9,7 @@ large allocation, on the fast path and on the reference path.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,12 +27,15 @@ import pytest
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, read_header
+from kvtune.codecs import policy as policy_module
 from kvtune.codecs.base import BF16_BITS
 from kvtune.codecs.mixhq import MixHQ
 from kvtune.codecs.quantizers import UniformQuantizer
+from kvtune.codecs.range_coder import RangeCodec
 from kvtune.codecs.stream import write_stream
 from kvtune.codecs.transforms import Affine, Delta, Hadamard
-from kvtune.core.errors import ConfigError, KVStreamError
+from kvtune.codecs.zstd_codec import ZstdCodec
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,6 +51,14 @@ BASES = {
         value=MixHQ(head_scores=SCORES, fraction=0.5),
     ),
 }
+# the same policies with codecs that bound no symbol count by their payload bytes (no
+# Codec.max_symbols): the range coder (its 2-bit KIVI payloads are range coded, kind 2) and zstd
+BASES.update({
+    "kivi-range": dataclasses.replace(BASES["kivi"], codec=RangeCodec()),
+    "segments-range": dataclasses.replace(BASES["segments"], codec=RangeCodec(model="per_head")),
+    "kivi-zstd": dataclasses.replace(BASES["kivi"], codec=ZstdCodec()),
+    "segments-zstd": dataclasses.replace(BASES["segments"], codec=ZstdCodec()),
+})
 MAX_SECONDS = 5.0  # a hang guard, not a timing: real failures take milliseconds, the old code 9-29 s
 # per case (the memory bound below is the real check; tracemalloc and a loaded 2-core machine
 # can stretch a millisecond case to ~1 s)
@@ -324,3 +336,23 @@ def test_forged_headers_never_allocate_much_memory():
     assert res.returncode == 0, res.stderr[-3000:]
     growth = float(res.stdout.split("RSS-GROWTH-MIB")[1].split()[0])
     assert growth < 128, f"peak RSS grew by {growth:.0f} MiB"
+
+
+def test_unconfirmed_plans_are_bounded_alike_on_encode_and_decode(monkeypatch):
+    """Range-coded payloads declare no symbol count: a tensor's heads + tokens may exceed
+    MAX_UNCONFIRMED_PLAN only with 8 per section byte, and the encoder refuses to write what the
+    decoder would refuse (here with the limit lowered to 64: 4097 heads + tokens of a constant
+    tensor code in 26 bytes per tensor, which allow 208)."""
+    cfg = PolicyConfig(key=UniformQuantizer(bits=2, granularity="per_channel", group_size=0),
+                       value=UniformQuantizer(bits=2, granularity="per_channel", group_size=0), codec=RangeCodec(model="global"))
+    kv = [(torch.zeros(1, 1, 4096, 1), torch.ones(1, 1, 4096, 1))]
+    stream = encode_kv(kv, cfg)
+    assert all(torch.equal(a, b) for pair, ref in zip(decode_kv(stream), kv) for a, b in zip(pair, ref))
+    monkeypatch.setattr(policy_module, "MAX_UNCONFIRMED_PLAN", 64)
+    for impl in ("fast", "reference"):
+        with pytest.raises(KVInputError, match=r"kv\[0\] K .* 1 heads \+ 4096 tokens; its 26 section bytes"):
+            encode_kv(kv, cfg, impl=impl)
+        with pytest.raises(CorruptStreamError, match="layer 0 K .* allow at most 208"):
+            decode_kv(stream, impl=impl)
+    monkeypatch.setattr(policy_module, "MAX_UNCONFIRMED_PLAN", 4097)
+    assert len(decode_kv(stream)) == 1 and encode_kv(kv, cfg) == stream

@@ -1,4 +1,9 @@
-"""Base classes and registries of the T -> Q -> C pipeline (brief, sec. 2).
+"""Base classes and registries of the T -> Q -> C pipeline.
+
+The pipeline is the modular compression-strategy space of KVServe
+("KVServe: Service-Aware KV Cache Compression for Communication-Efficient
+Disaggregated LLM Serving", arXiv 2605.13734):
+every policy picks one transform chain, one quantizer and one codec.
 
 A compression policy is ``bitstream = C(Q(T(X)))``:
 
@@ -846,18 +851,23 @@ class Codec(Component):
         """Whether the codec can pack symbols of this width."""
         raise NotImplementedError
 
-    def max_symbols(self, nbytes: int) -> int | None:
-        """The most symbols (of any width the codec packs) that packed sections of ``nbytes``
-        bytes in total can hold, or ``None`` when the codec has no such bound.
+    def max_symbols(self, payload: bytes | memoryview) -> int | None:
+        """The most symbols (of any width the codec packs) that one packed ``payload`` can
+        decode to, read from its own bytes, or ``None`` when the payload declares no such bound.
 
-        The decoder compares it with the number of elements a stream header claims for a K or V
-        tensor (against that tensor's payload bytes) before it allocates anything from the
-        claimed shape (:func:`kvtune.codecs.decode_kv`), so that a forged header cannot make it
-        allocate more than the stream's bytes justify. Dense codecs have an exact bound
-        (``bitpack``: 8 one-bit symbols per byte). The default, ``None``, suits entropy coders,
-        which can code a near-constant tensor in a few bytes: their streams are then bounded
-        only by :data:`kvtune.codecs.stream.MAX_TENSOR_ELEMENTS`, and their own :meth:`unpack`
-        checks.
+        The decoder sums it over the payloads of a K or V tensor and compares the sum with the
+        number of elements the stream header claims for the tensor before it plans or allocates
+        anything from the claimed shape (:func:`kvtune.codecs.policy.check_claimed_sizes`), so
+        that a forged header cannot make it allocate more than the stream's bytes justify.
+        Dense codecs bound it by the payload's length (``bitpack``: 8 one-bit symbols per
+        byte); ``zstd`` by the content size its frame declares. The default, ``None``, suits
+        entropy coders whose payloads do not record their symbol count (a near-constant tensor
+        codes in a few bytes): the decoder then plans at most
+        :data:`kvtune.codecs.policy.MAX_UNCONFIRMED_PLAN` heads + tokens, or 8 per byte of the
+        tensor's sections, before the codec's :meth:`unpack` confirms the count.
+
+        Raises:
+            CorruptStreamError: the payload's own declaration is malformed.
         """
         return None
 

@@ -1,4 +1,9 @@
-"""Dense bit-packing codec C (brief, sec. 2): ``bits`` bits per symbol, no entropy coding.
+"""Dense bit-packing codec C: ``bits`` bits per symbol, no entropy coding.
+
+C is the lossless last stage of the T -> Q -> C pipeline (the modular strategy space of KVServe,
+"KVServe: Service-Aware KV Cache Compression for Communication-Efficient
+Disaggregated LLM Serving", arXiv 2605.13734);
+this codec is its baseline: every other codec is measured against its size.
 
 Wire layout: symbols in C (row-major) order, each written most-significant bit first, bits
 concatenated across byte boundaries (the bit order of :func:`numpy.packbits`); the last byte
@@ -145,9 +150,9 @@ class BitPack(Codec):
         """Widths 1..8 and 16."""
         return 1 <= bits <= 8 or bits == RAW16
 
-    def max_symbols(self, nbytes: int) -> int:
-        """``8 * nbytes``: a symbol takes at least one bit."""
-        return 8 * nbytes
+    def max_symbols(self, payload: bytes | memoryview) -> int:
+        """``8 * len(payload)``: a symbol takes at least one bit."""
+        return 8 * len(payload)
 
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """Pack symbols (any shape, C order) of width ``bits``; see :func:`pack_bits`."""

@@ -1,4 +1,5 @@
-"""Compression policies (T -> Q -> C, brief sec. 2) and the KV encode/decode entry points.
+"""Compression policies (T -> Q -> C, the strategy space of KVServe, arXiv 2605.13734) and the
+KV encode/decode entry points.
 
 A :class:`PolicyConfig` composes transforms (applied in order, inverted in reverse), one
 quantizer for keys, one for values, and a codec. It round-trips through JSON, has a stable
@@ -32,7 +33,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import struct
@@ -60,7 +60,9 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-from kvtune.codecs.stream import StreamHeader, TensorSections, canonical_json, read_stream, shape_problem, write_stream
+from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, shape_problem, write_stream
+from kvtune.core.ids import config_policy_id
+from kvtune.core.jsonio import canonical_json
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
 
 __all__ = [
@@ -74,7 +76,9 @@ __all__ = [
     "invert_transforms",
     "transform_min_bits",
     "IMPLS",
+    "MAX_UNCONFIRMED_PLAN",
     "check_claimed_sizes",
+    "sections_problem",
 ]
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
@@ -198,8 +202,9 @@ class PolicyConfig:
 
     @property
     def policy_id(self) -> str:
-        """First 12 hex characters of the SHA-256 of :meth:`to_json`; stable across runs."""
-        return hashlib.sha256(self.to_json().encode("ascii")).hexdigest()[:12]
+        """First 12 hex characters of the SHA-256 of :meth:`to_json`
+        (:func:`kvtune.core.ids.config_policy_id` of :meth:`to_dict`); stable across runs."""
+        return config_policy_id(self.to_dict())
 
     @property
     def label(self) -> str:
@@ -446,6 +451,11 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         for i, (k, v) in enumerate(kv):
             layer = layer_offset + i
             sections.append((_encode_tensor(k, config, config.key, layer, "key"), _encode_tensor(v, config, config.value, layer, "value")))
+    for i, (shape_pair, pair) in enumerate(zip(shapes, sections)):
+        for name, shape, flat in zip("KV", shape_pair, pair):
+            problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec)
+            if problem is not None:
+                raise KVInputError(f"kv[{i}] {name} of shape {shape} {problem}: the decoder would refuse the stream")
     return write_stream(
         policy=config.to_dict(),
         policy_id=config.policy_id,
@@ -505,7 +515,7 @@ def decode_kv(
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
-    check_claimed_sizes(header, config)
+    check_claimed_sizes(header, sections, config)
     if out is not None:
         _check_out(out, header.shapes, dtype)
     if _use_fast(impl, config) and fastpath.sizes_plausible(header):
@@ -530,34 +540,81 @@ def decode_kv(
     return result if out is None else out
 
 
-def check_claimed_sizes(header: StreamHeader, config: PolicyConfig) -> None:
-    """Refuse a stream whose header claims tensors its sections cannot hold, before anything
-    is allocated from the claimed shapes.
+MAX_UNCONFIRMED_PLAN = 1 << 20
+"""Most heads + tokens of a K or V tensor whose payloads declare no symbol bound
+(:meth:`~kvtune.codecs.base.Codec.max_symbols` is ``None``, e.g. range-coded ones) that the
+decoder plans with no more evidence than its shape; a larger tensor needs at least one byte of
+sections per 8 heads + tokens (the density of ``bitpack``). Plans are linear in heads + tokens
+(per-head widths, per-token floors, segment indices: a few tens of MiB at this limit); the
+codec confirms the symbol count only when it decodes a segment of the plan."""
 
-    Per K or V tensor: an empty one records no segment, a non-empty one at least one, and it
-    claims at most
-    ``config.codec.max_symbols(payload bytes)`` elements (:meth:`Codec.max_symbols`; with
-    ``bitpack``, 8 per payload byte); its shape is one an encoder writes
-    (:func:`kvtune.codecs.stream.shape_problem`: no zero batch, heads or head_dim, every
-    dimension and the element count within the format's limits). The claimed element count
-    then bounds everything the decoder allocates for the tensor (plans are linear in heads and
-    tokens, the output in elements); an empty tensor is neither planned nor allocated.
+
+def sections_problem(shape: tuple[int, ...], sections: TensorSections, codec: Codec) -> str | None:
+    """Why a non-empty K or V tensor of ``shape`` cannot be the one coded in ``sections`` with
+    ``codec``, or ``None``: the rule that bounds what the decoder allocates from a claimed shape
+    before the codec has confirmed it.
+
+    When every payload bounds its symbols (:meth:`Codec.max_symbols`), the tensor has at most
+    their sum of elements. Otherwise its heads + tokens (what a plan costs) are at most
+    :data:`MAX_UNCONFIRMED_PLAN`, or 8 per byte of its sections (state, metadata, payloads).
+
+    Args:
+        shape: ``(batch, kv_heads, tokens, head_dim)`` with at least one element.
+        sections: the tensor's sections (bytes or memoryviews).
+        codec: the policy's codec.
+
+    Raises:
+        CorruptStreamError: a payload's own size declaration is malformed (from ``max_symbols``).
+    """
+    bounds = [codec.max_symbols(p) for p in sections.payload]
+    if None not in bounds:
+        most, numel = sum(bounds), math.prod(shape)
+        if numel > most:
+            return (f"claims {numel} elements; its {sum(map(len, sections.payload))} payload bytes hold at most "
+                    f"{most} with codec {codec.name!r}")
+        return None
+    nbytes = sum(len(x) for x in sections.flat())
+    allowed = max(MAX_UNCONFIRMED_PLAN, 8 * nbytes)
+    if shape[1] + shape[2] > allowed:
+        return (f"has {shape[1]} heads + {shape[2]} tokens; its {nbytes} section bytes, whose {codec.name!r} payloads "
+                f"declare no symbol count, allow at most {allowed} (MAX_UNCONFIRMED_PLAN, or 8 per byte)")
+    return None
+
+
+def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSections, TensorSections]], config: PolicyConfig) -> None:
+    """Refuse a stream whose header claims tensors its sections cannot hold, before anything
+    is planned or allocated from the claimed shapes.
+
+    Per K or V tensor: an empty one records no segment, a non-empty one at least one; its
+    shape is one an encoder writes (:func:`kvtune.codecs.stream.shape_problem`: no zero batch,
+    heads or head_dim, every dimension and the element count within the format's limits); a
+    non-empty one passes :func:`sections_problem` (with ``bitpack``, at most 8 elements per
+    payload byte; with ``zstd``, 8 per content byte its frames declare; with range-coded
+    payloads, which declare no count, at most :data:`MAX_UNCONFIRMED_PLAN` heads + tokens or 8
+    per section byte). The bounded claim then bounds everything the decoder allocates for the
+    tensor before its codec confirms the symbol count of a segment (plans are linear in heads
+    and tokens, the output in elements, allocated after every segment decoded); an empty
+    tensor is neither planned nor allocated.
+
+    Args:
+        header: the stream header (:func:`kvtune.codecs.stream.read_stream`).
+        sections: per layer the ``(K, V)`` sections as memoryviews, from the same call.
+        config: the policy the header carries.
 
     Raises:
         CorruptStreamError: the first tensor (layer order, K before V) that breaks a rule.
     """
-    for i, (shapes, tensors) in enumerate(zip(header.shapes, header.sections)):
-        for name, shape, lengths in zip("KV", shapes, tensors):
+    for i, (shapes, tensors, lengths) in enumerate(zip(header.shapes, sections, header.sections)):
+        for name, shape, secs, lens in zip("KV", shapes, tensors, lengths):
             where = f"corrupt KV stream: layer {header.layer_offset + i} {name} of shape {shape}"
             numel = math.prod(shape)
-            if bool(numel) != bool(lengths.num_segments):  # plans partition a tensor: empty <=> no segments
-                raise CorruptStreamError(f"{where} has {numel} elements but records {lengths.num_segments} segments")
-            payload = sum(lengths.payload)
-            most = config.codec.max_symbols(payload)
-            if numel and most is not None and numel > most:
-                raise CorruptStreamError(f"{where} claims {numel} elements; its {payload} payload bytes hold at "
-                                         f"most {most} with codec {config.codec.name!r}")
-            problem = shape_problem(shape)
+            if bool(numel) != bool(lens.num_segments):  # plans partition a tensor: empty <=> no segments
+                raise CorruptStreamError(f"{where} has {numel} elements but records {lens.num_segments} segments")
+            try:
+                problem = sections_problem(shape, secs, config.codec) if numel else None
+            except CorruptStreamError as exc:
+                problem = f"has a payload whose size declaration is malformed ({exc})"
+            problem = problem or shape_problem(shape)
             if problem is not None:
                 raise CorruptStreamError(f"{where} {problem}")
 

@@ -928,6 +928,18 @@ class RangeCodec(Codec):
         """Widths 1..8 (range coded) and 16 (stored raw)."""
         return 1 <= bits <= 8 or bits == RAW16
 
+    def max_symbols(self, payload: bytes | memoryview) -> int | None:
+        """``8 *`` the bytes after the kind byte of a raw payload (kind 0: bit-packed, a symbol
+        takes at least one bit; 0 for an empty payload); ``None`` for any other kind.
+
+        A range-coded payload (kind 2) does not record how many symbols it holds: its header
+        checksum covers the count it was written for, so :meth:`unpack` confirms a claimed
+        count before decoding, but no count can be read from it.
+        """
+        if len(payload) == 0:
+            return 0
+        return 8 * (len(payload) - 1) if payload[0] == KIND_RAW else None
+
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """Range-code ``symbols`` (any shape, C order; last axis = channels, axis 1 = heads).
 

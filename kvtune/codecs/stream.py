@@ -54,7 +54,7 @@ before any release, so the format version stays 1.
 Decoding checks, in order: length of the fixed prefix (:class:`TruncatedStreamError`), magic
 (:class:`CorruptStreamError`), version (:class:`StreamVersionError`), header length and
 header checksum, the header JSON's nesting depth (at most :data:`MAX_HEADER_DEPTH`, scanned
-before parsing), that it is canonical JSON (as :func:`canonical_json` writes it: no NaN or
+before parsing), that it is canonical JSON (as :func:`kvtune.core.jsonio.canonical_json` writes it: no NaN or
 infinity, no duplicate keys, no whitespace), its structure (keys; ``policy_id`` 12 hex digits;
 ``layer_offset`` and the layer indices in ``0..MAX_DIM``; shapes of four non-negative ints;
 section lengths of non-negative ints), total length (shorter: truncated; longer: corrupt),
@@ -62,7 +62,9 @@ final checksum, then the expected policy (:class:`PolicyMismatchError`). Then
 :func:`kvtune.codecs.decode_kv` checks, before it allocates anything from a claimed shape,
 that every tensor's shape is one an encoder writes (:func:`shape_problem`) and fits its
 section lengths (:func:`kvtune.codecs.policy.check_claimed_sizes`: e.g. at most 8 elements
-per payload byte with ``bitpack``), and then per tensor the state length, the number of
+per payload byte with ``bitpack``, per content byte its frames declare with ``zstd``; at most
+:data:`~kvtune.codecs.policy.MAX_UNCONFIRMED_PLAN` heads + tokens, or 8 per section byte, when
+range-coded payloads declare no count), and then per tensor the state length, the number of
 segments, each segment's metadata length and its payload against the plan
 (:class:`CorruptStreamError`), and whether the policy applies to the recorded shapes at all
 (:class:`KVStreamError`, e.g. ``mixhq`` scores for another head count). A tensor without
@@ -84,6 +86,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from kvtune.codecs.checksum import crc32_combine, crc32_threaded
+from kvtune.core.jsonio import canonical_json
 from kvtune.core.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
 __all__ = [
@@ -97,7 +100,6 @@ __all__ = [
     "shape_problem",
     "StreamHeader",
     "TensorSections",
-    "canonical_json",
     "write_stream",
     "read_stream",
     "read_header",
@@ -156,11 +158,6 @@ class TensorSections(NamedTuple):
 def _header_digest(data: bytes | memoryview) -> bytes:
     """4-byte BLAKE2b digest protecting the prefix and the JSON header."""
     return hashlib.blake2b(data, digest_size=_CRC.size).digest()
-
-
-def canonical_json(obj: Any) -> str:
-    """Canonical JSON text: sorted keys, no whitespace, ASCII only."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,21 @@
 """General-purpose lossless baseline codec C ``zstd``: dense bit-packing, then Zstandard.
 
-The brief (sec. 2) lists general-purpose compressors as the baseline that entropy coders with
-KV-specific models (``range``) must beat. The symbols are first bit-packed exactly as the
-``bitpack`` codec does (:func:`kvtune.codecs.bitpack.pack_bits`; ``bits == 16`` raw patterns as
-little-endian 16-bit words), then compressed as one Zstandard frame (python-zstandard,
+A general-purpose compressor is the baseline that an entropy coder with KV-specific models
+(``range``, after CacheGen, arXiv 2310.07240, sec. 5.2) has to beat to be worth its cost. The
+symbols are first bit-packed exactly as the ``bitpack`` codec does
+(:func:`kvtune.codecs.bitpack.pack_bits`; ``bits == 16`` raw patterns as little-endian 16-bit
+words), then compressed as one Zstandard frame (python-zstandard,
 single-threaded, so the output is deterministic for a given zstd library version and level).
 
 Wire layout: exactly one zstd frame with the content size in its header, no zstd checksum
 (the outer stream has a CRC32). Decoding first reads the frame's content size and requires
-it to equal the packed size implied by ``count`` and ``bits`` (``ceil(count * bits / 8)``, or
+it to be at most :data:`MAX_EXPANSION` times the frame's length (the most a zstd frame can
+expand: RFC 8878 sec. 3.1.1.2, a block decodes to at most 128 KiB and takes at least 4 bytes)
+and to equal the packed size implied by ``count`` and ``bits`` (``ceil(count * bits / 8)``, or
 ``2 * count``) before decompressing with that size as the output bound and no trailing data
-allowed; every failure raises :class:`~kvtune.core.errors.CorruptStreamError`.
+allowed; every failure raises :class:`~kvtune.core.errors.CorruptStreamError`. The declared content
+size also bounds the symbols a payload can hold (:meth:`ZstdCodec.max_symbols`), which the
+decoder checks against the stream header's claimed shapes before it allocates anything.
 
 Zstandard works on bytes: it finds repeated byte strings (LZ matches) and Huffman-codes
 literals with tables built per block; it has no notion of channels or heads. Still, on real
@@ -34,7 +39,11 @@ from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
 from kvtune.core.errors import CorruptStreamError
 
-__all__ = ["ZstdCodec"]
+__all__ = ["MAX_EXPANSION", "ZstdCodec", "frame_content_size"]
+
+MAX_EXPANSION = 1 << 15
+"""Most content bytes per frame byte: a zstd block decodes to at most 128 KiB (Block_Maximum_Size)
+and takes at least 4 bytes (a 3-byte block header and one RLE byte), RFC 8878 sec. 3.1.1.2."""
 
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread and level
 
@@ -50,6 +59,26 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "decompressor"):
         _local.decompressor = zstandard.ZstdDecompressor()
     return _local.decompressor
+
+
+def frame_content_size(data: bytes | memoryview) -> int:
+    """The content size (bytes) declared in the header of the zstd frame ``data``.
+
+    Raises:
+        CorruptStreamError: ``data`` does not start with a zstd frame header, the header
+            declares no content size, or one above ``MAX_EXPANSION * len(data)`` (more than
+            any frame of that length decompresses to).
+    """
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise CorruptStreamError(f"zstd codec: not a zstd frame ({exc})") from None
+    if size < 0:
+        raise CorruptStreamError("zstd codec: the frame header declares no content size")
+    if size > MAX_EXPANSION * len(data):
+        raise CorruptStreamError(f"zstd codec: a frame of {len(data)} bytes declares {size} content bytes; "
+                                 f"at most {MAX_EXPANSION} per frame byte decompress from it")
+    return size
 
 
 @register_codec("zstd")
@@ -78,6 +107,15 @@ class ZstdCodec(Codec):
         """Widths 1..8 and 16 (the packed bytes of :mod:`kvtune.codecs.bitpack`)."""
         return 1 <= bits <= 8 or bits == RAW16
 
+    def max_symbols(self, payload: bytes | memoryview) -> int:
+        """``8 *`` the content size the frame declares (:func:`frame_content_size`): a packed
+        symbol takes at least one bit.
+
+        Raises:
+            CorruptStreamError: as :func:`frame_content_size`.
+        """
+        return 8 * frame_content_size(payload)
+
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """Bit-pack ``symbols`` (any shape, C order) and compress them into one zstd frame.
 
@@ -102,18 +140,16 @@ class ZstdCodec(Codec):
 
         Raises:
             CorruptStreamError: not one valid zstd frame, a frame content size other than the
-                packed size of ``count`` symbols, trailing bytes, or a frame that does not
-                decompress to exactly that size.
+                packed size of ``count`` symbols (or beyond :data:`MAX_EXPANSION` times the
+                frame's length), trailing bytes, or a frame that does not decompress to exactly
+                that size.
         """
         if not self.supports(bits):
             raise ValueError(f"zstd codec: bit width must be 1..8 or 16, got {bits}")
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         expected = 2 * count if bits == RAW16 else packed_nbytes(count, bits)
-        try:
-            size = zstandard.frame_content_size(data)
-        except zstandard.ZstdError as exc:
-            raise CorruptStreamError(f"zstd codec: not a zstd frame ({exc})") from None
+        size = frame_content_size(data)
         if size != expected:
             raise CorruptStreamError(f"zstd codec: frame holds {size} bytes, {count} symbols of {bits} bits need {expected}")
         try:

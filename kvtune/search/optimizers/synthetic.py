@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvtune.core.ids import policy_id
 from kvtune.search.space import Candidate, Parameter, SearchSpace
 
 __all__ = ["SIZES", "SyntheticPolicy", "synthetic_space", "synthetic_table", "synthetic_problem"]
@@ -62,8 +63,9 @@ class SyntheticPolicy:
 
 
 def _policy_id(params: dict) -> str:
-    text = ";".join(f"{k}={params[k]}" for k in sorted(params))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """:func:`kvtune.core.ids.policy_id` of ``k=v`` pairs sorted by key and joined by ``;``,
+    16 hex characters (the ids of stored synthetic tables)."""
+    return policy_id(";".join(f"{k}={params[k]}" for k in sorted(params)), length=16)
 
 
 def synthetic_space(size: str = "full") -> SearchSpace:
