@@ -3,7 +3,9 @@
 Components are registered by name (:data:`TRANSFORMS`, :data:`QUANTIZERS`, :data:`CODECS`);
 a :class:`PolicyConfig` composes them, :func:`encode_kv` / :func:`decode_kv` turn a KV cache
 (``list[(K, V)]``, each ``(batch, kv_heads, tokens, head_dim)``) into a self-describing,
-checksummed stream and back. See the brief, sec. 2.
+checksummed stream and back. The pipeline is the modular compression-strategy space of KVServe
+("KVServe: Service-Aware KV Cache Compression for Communication-Efficient
+Disaggregated LLM Serving", arXiv 2605.13734).
 
 Registered components:
 

@@ -1,4 +1,6 @@
-"""Head-aware mixed precision ``mixhq`` (KVServe's MixHQ, brief sec. 2).
+"""Head-aware mixed precision ``mixhq``: the MixHQ quantizer of KVServe
+("KVServe: Service-Aware KV Cache Compression for Communication-Efficient
+Disaggregated LLM Serving", arXiv 2605.13734).
 
 DuoAttention (Xiao et al., 2024, "DuoAttention: Efficient Long-Context LLM Inference with
 Retrieval and Streaming Heads", sec. 3) observes that only a fraction of attention heads,

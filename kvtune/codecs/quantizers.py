@@ -1,4 +1,7 @@
-"""Quantizers Q: float32 KV tensors -> integer symbols + float16 metadata (brief, sec. 2).
+"""Quantizers Q: float32 KV tensors -> integer symbols + float16 metadata.
+
+Q is the middle stage of the T -> Q -> C pipeline (:mod:`kvtune.codecs.base`; KVServe, arXiv
+2605.13734).
 
 * ``uniform``: round-to-nearest uniform integer quantization with per-group float16 scale
   (and zero point when asymmetric), grouped per token (along ``head_dim``) or per channel

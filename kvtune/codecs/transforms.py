@@ -1,4 +1,7 @@
-"""Transforms T: invertible maps applied to K and V before quantization (brief, sec. 2).
+"""Transforms T: invertible maps applied to K and V before quantization.
+
+T is the first stage of the T -> Q -> C pipeline (:mod:`kvtune.codecs.base`; KVServe, arXiv
+2605.13734).
 
 * ``identity``: does nothing (the "no transform" point of the search space).
 * ``hadamard``: randomized orthonormal Walsh-Hadamard rotation along ``head_dim``, as in
