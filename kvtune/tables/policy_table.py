@@ -1,6 +1,6 @@
 """Versioned piecewise policy table: which policy to use at bandwidth B and accuracy floor q.
 
-KVServe paper, Sec. "piecewise policy table" (``BRIEF.md`` Sec. 2). For each accuracy floor,
+KVServe (arXiv 2605.13734), piecewise policy table of its online controller. For each accuracy floor,
 the candidates are the Pareto policies whose relative accuracy is >= the floor plus the
 implicit uncompressed policy ``"none"``. Each candidate's per-volume transfer time is the line
 ``T/V = a + b * x`` with ``x = 1/B`` (seconds per GB, B in GB/s), ``a = 1/encode_gbps +
