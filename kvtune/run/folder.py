@@ -34,12 +34,18 @@ def check_run_name(name: str) -> str:
     """Return ``name`` if it is a single safe path component (a run folder name under ``--out``).
 
     Raises:
-        RunFolderError: empty, ``.``/``..``, longer than 200 characters, or holding a path
-            separator or a control character (so ``--run ../../x`` cannot escape ``--out``).
+        RunFolderError: empty, ``.``/``..``, longer than 200 bytes in UTF-8 (file systems cap a
+            name at 255 bytes, and the report's temporary file adds ~20 to the run name), not
+            encodable, or holding a path separator or a control character (so ``--run ../../x``
+            cannot escape ``--out``).
     """
-    if not isinstance(name, str) or not name or name in (".", "..") or len(name) > 200 or _UNSAFE.search(name):
+    try:
+        nbytes = len(name.encode("utf-8")) if isinstance(name, str) else 0
+    except UnicodeEncodeError:
+        nbytes = 0
+    if not nbytes or name in (".", "..") or nbytes > 200 or _UNSAFE.search(name):
         raise RunFolderError(f"--run {name!r}: a run name must be a single folder name (no '/', '\\', '..' "
-                             "or control characters, at most 200 characters)")
+                             "or control characters, at most 200 bytes in UTF-8)")
     return name
 
 
