@@ -80,3 +80,12 @@ def test_every_method_reports_its_own_sections_on_a_tiny_run(name, tmp_path, tin
     report.unlink()  # `kvtune report` on the folder draws the same sections again, without a model
     again = finalize_run(method, run_dir).files["report"].read_text(encoding="utf-8")
     assert [d for d in ids if f'id="{d}"' in again] == ids
+    # a cut log never replaces the outputs with less (BiCache keeps no trials.parquet to compare)
+    log = run_dir / "trials.jsonl"
+    lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
+    assert len(lines) >= 2 and read_run_info(run_dir)["trial_records"] == len(lines)
+    table = (run_dir / "policy_table.json").read_bytes()
+    log.write_text(lines[0], encoding="utf-8")
+    with pytest.raises(KvtuneError, match="holds 1 trial records but .* counted"):
+        finalize_run(method, run_dir)
+    assert (run_dir / "policy_table.json").read_bytes() == table

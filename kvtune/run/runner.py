@@ -139,8 +139,9 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
 
     Raises:
         KvtuneError: not a run folder, no ``run.json``, no trials, or trials that do not
-            compile (the message names the file); a ``trials.parquet`` holding more rows than
-            the log (the log was cut: nothing is rewritten).
+            compile (the message names the file); a log holding fewer trial records than the
+            last finalize counted (``trial_records`` in ``run.json``) or a ``trials.parquet``
+            holding more rows than the log (the log was cut: nothing is rewritten).
     """
     from kvtune.report.html import write_report
     from kvtune.tables.run import read_run_info
@@ -152,10 +153,16 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
         if info is None:
             info = read_run_info(run_dir)
         settings = _settings(method, info, run_dir)
+        store = TrialStore(run_dir)
+        records = len(store.load())
+        counted = info.get("trial_records")
+        if isinstance(counted, int) and records < counted:  # every method, whatever its frames
+            raise KvtuneError(f"{store.log_path} holds {records} trial records but {run_dir / 'run.json'} counted "
+                              f"{counted} when its outputs were last written: the log was cut or edited; restore "
+                              "it (nothing was rewritten)")
         compiled = method.compile_stored(run_dir, info)
         sections = method.report_sections(run_dir, {**info, **compiled.info}, compiled)
         files: dict[str, Path] = {"run": run_dir / "run.json"}
-        store = TrialStore(run_dir)
         if compiled.trials is not None:
             stored = stored_trial_count(run_dir / TrialStore.TABLE)
             if len(compiled.trials) < stored:
@@ -171,6 +178,7 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
         files["policy_table"] = compiled.table.to_parquet(run_dir / "policy_table.parquet")
         files["policy_table_json"] = compiled.table.to_json(run_dir / "policy_table.json")
         info.update(compiled.info)
+        info["trial_records"] = records
         write_run_info(run_dir, info)
         folder = method.reports_folder(info)
         path = folder / f"{run_dir.name}.html" if folder is not None else run_dir / "report.html"
