@@ -89,3 +89,27 @@ def test_every_method_reports_its_own_sections_on_a_tiny_run(name, tmp_path, tin
     with pytest.raises(KvtuneError, match="holds 1 trial records but .* counted"):
         finalize_run(method, run_dir)
     assert (run_dir / "policy_table.json").read_bytes() == table
+
+
+def test_a_failed_resume_keeps_what_run_json_held(tmp_path, tiny_model_dir, tiny_text, monkeypatch):
+    """run.json is written when a resume starts; a resume failing later must not leave it poorer
+    (it lost fidelity, timings and trial counts)."""
+    import kvtune.run.runner as runner
+    from kvtune.methods.tqc.settings import ProfileSettings
+    from kvtune.tables.run import read_run_info
+    from tests.tiny_runs import tiny_method_run
+
+    run_dir = tiny_method_run("tqc", tmp_path, tiny_model_dir, tiny_text)
+    before = read_run_info(run_dir)
+    assert {"fidelity", "trials", "trial_records", "total_seconds"} <= set(before)
+
+    def fail(*_, **__):
+        raise KvtuneError("finalize failed")
+
+    monkeypatch.setattr(runner, "finalize_run", fail)
+    settings = ProfileSettings.from_dict(before["settings"])
+    with pytest.raises(KvtuneError, match="finalize failed"):
+        runner.run_method(METHODS["tqc"], settings, run_dir, resume=True)
+    after = read_run_info(run_dir)
+    assert {k: after[k] for k in ("fidelity", "trials", "trial_records")} == \
+        {k: before[k] for k in ("fidelity", "trials", "trial_records")}

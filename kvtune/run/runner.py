@@ -64,6 +64,13 @@ def write_run_info(run_dir: Path, info: dict[str, Any]) -> Path:
     return atomic_write_text(run_dir / "run.json", strict_dumps(jsonable(info), indent=2, default=str))
 
 
+def _previous_info(run_dir: Path) -> dict[str, Any]:
+    """The ``run.json`` of a run being resumed ({} when it has none yet)."""
+    from kvtune.tables.run import read_run_info
+
+    return read_run_info(run_dir) if (run_dir / "run.json").is_file() else {}
+
+
 def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bool = False,
                reports: str | Path | None = None, hooks: Hooks = Hooks(), **given: Any) -> RunResult:
     """Run (or resume) ``method`` into ``run_dir`` and write every output (module docstring).
@@ -88,9 +95,10 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
         if store.log_path.exists() and not resume:
             raise KvtuneError(f"run folder {run_dir} already has trials; use --resume {run_dir} or another --run name")
         stored = store.load()
+        previous = _previous_info(run_dir) if resume else {}
         context = method.prepare(settings, run_dir, hooks, **given)
-        try:
-            info = {"method": method.name, "settings": settings.to_dict(), **method.run_info(context),
+        try:  # a resume keeps what run.json held (timings, trial counts) until finalize replaces it
+            info = {**previous, "method": method.name, "settings": settings.to_dict(), **method.run_info(context),
                     "reports": None if reports is None else str(reports)}
             write_run_info(run_dir, info)
             _run_stages(method, context, store, stored, hooks)
