@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvtune.core.errors import KvtuneError
+from kvtune.core.errors import ConfigError, KvtuneError
 
 __all__ = ["RunSettings", "parse_overrides", "same_type"]
 
@@ -148,3 +148,26 @@ def _parse(text: str, default: Any) -> Any:
             raise ValueError(text)
         return tuple(value) if isinstance(default, tuple) else value
     return text
+
+
+def check_floors(values: Any, name: str = "floors") -> tuple[float, ...]:
+    """Accuracy floors as a tuple of floats, each a finite fraction in (0, 1].
+
+    Args:
+        values: a sequence of numbers (relative accuracies: 0.97 = 97 %).
+        name: the setting's name, for the message.
+
+    Raises:
+        ConfigError: not a non-empty sequence of real numbers, or a value that is NaN, infinite,
+            <= 0 or > 1 (no relative accuracy above 1.0 is ever reported, so no policy could
+            reach it).
+    """
+    try:
+        floors = tuple(values)
+    except TypeError:
+        raise ConfigError(f"{name} must be a list of fractions in (0, 1], got {values!r}") from None
+    ok = bool(floors) and all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f <= 1.0
+                              for f in floors)  # NaN fails both comparisons
+    if not ok:
+        raise ConfigError(f"{name} must be a non-empty list of fractions in (0, 1] (0.97 = 97 %), got {list(floors)}")
+    return tuple(float(f) for f in floors)

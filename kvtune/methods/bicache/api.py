@@ -59,8 +59,8 @@ from kvtune.methods.bicache.workload import (
 from kvtune.codecs import PolicyConfig
 from kvtune.core.jsonio import jsonable, plain, strict_dumps
 from kvtune.core.registry import Registry
-from kvtune.core.errors import BiCacheError, KvtuneError
-from kvtune.run.settings import RunSettings
+from kvtune.core.errors import BiCacheError, ConfigError, KvtuneError
+from kvtune.run.settings import RunSettings, check_floors
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
 from kvtune.run.store import TrialStore
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
@@ -142,7 +142,14 @@ class BiCacheSettings(RunSettings):
         object.__setattr__(self, "buckets", tuple(float(x) for x in self.buckets))
         object.__setattr__(self, "depths", tuple(int(d) for d in self.depths))
         object.__setattr__(self, "codecs", tuple(self.codecs))
-        object.__setattr__(self, "table_floors", tuple(float(f) for f in self.table_floors))
+        try:
+            object.__setattr__(self, "table_floors", check_floors(self.table_floors, "table_floors"))
+        except ConfigError as exc:
+            raise BiCacheError(str(exc)) from None
+        bad_floor = [(k, v) for k, v in dict(self.floors).items()
+                     if not isinstance(v, (int, float)) or isinstance(v, bool) or not -1.0 <= v <= 1.0]
+        if bad_floor:
+            raise BiCacheError(f"floors: {bad_floor[0][0]!r} must be a number in [-1, 1], got {bad_floor[0][1]!r}")
         object.__setattr__(self, "floors", {str(k): float(v) for k, v in dict(self.floors).items()})
 
     @classmethod

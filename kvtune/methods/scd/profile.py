@@ -369,8 +369,9 @@ def check_scd_settings(st: SCDProfileSettings) -> None:
             a negative budget.
     """
     from kvtune.core.errors import ConfigError
-    from kvtune.search.optimizers import OPTIMIZERS
     from kvtune.methods.scd.methods import CODE_BITS
+    from kvtune.run.settings import check_floors
+    from kvtune.search.optimizers import OPTIMIZERS
 
     if st.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {st.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
@@ -379,6 +380,7 @@ def check_scd_settings(st: SCDProfileSettings) -> None:
         raise ConfigError(f"SCD code bits must be among {', '.join(map(str, CODE_BITS))}; got {list(st.code_bits)}")
     if st.budget < 0:
         raise ConfigError(f"budget must be >= 0 (0 = no limit); got {st.budget}")
+    check_floors(st.floors, "floors")
 
 
 @dataclass

@@ -39,6 +39,7 @@ from kvtune.core.atomic import atomic_write_text
 from kvtune.run.folder import check_out_folder, check_run_name
 from kvtune.run.runner import RunResult
 from kvtune.run.store import TrialStore
+from kvtune.run.settings import check_floors
 from kvtune.tables.run import read_run_info
 
 
@@ -133,6 +134,7 @@ def check_profile_settings(settings: ProfileSettings) -> None:
         KvtuneError (and subclasses): fidelity, optimizer, ``kv_dtype``, ``prompt_format``,
             ``device``, workload and sample counts, the space, ``--text``/``--data``.
     """
+    check_floors(settings.floors, "floors")
     if settings.search_fidelity not in FIDELITIES:
         raise KvtuneError(f"--search-fidelity must be one of {', '.join(FIDELITIES)}, not {settings.search_fidelity!r}")
     if settings.optimizer not in OPTIMIZERS:
