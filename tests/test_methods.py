@@ -140,3 +140,15 @@ def test_bad_floors_are_refused_before_anything_loads(tmp_path, method, floors_n
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert floors_name in " ".join(res.output.split())
     assert not (tmp_path / "p" / "r").exists()
+
+
+def test_resume_with_set_values_is_refused_not_ignored(tmp_path):
+    """`--resume <folder> --set ranks=8` used to exit 0 with the --set values silently ignored."""
+    from pathlib import Path
+
+    from kvtune.run.method import ProfileRequest
+    from kvtune.run.runner import run_request
+
+    req = ProfileRequest(resume=Path(tmp_path / "some-run"), options={"ranks": "8", "budget": "3"})
+    with pytest.raises(KvtuneError, match=r"--set budget, ranks cannot change them"):
+        run_request(METHODS["scd"], req)

@@ -28,7 +28,7 @@ import pandas as pd
 
 from kvtune.core.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.core.jsonio import jsonable, strict_dumps
-from kvtune.core.errors import KvtuneError
+from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.run.folder import open_run_folder
 from kvtune.run.loop import ask_tell
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest
@@ -221,6 +221,9 @@ def run_request(method: Method, request: ProfileRequest) -> RunResult:
     from kvtune.tables.run import read_run_info
 
     if request.resume is not None:
+        if request.options:
+            raise ConfigError(f"--resume {request.resume} continues with the settings stored in its run.json; "
+                              f"--set {', '.join(sorted(request.options))} cannot change them (start a new --run)")
         info = read_run_info(request.resume)
         settings = _settings(method, info, request.resume)
         reports = info.get("reports") or request.reports
