@@ -206,9 +206,10 @@ class Method:
         """
         raise NotImplementedError
 
-    def compile_stored(self, run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None = None) -> Compiled:
-        """:meth:`compile` of the rows in ``<run_dir>/trials.jsonl``, with the Pareto front of
-        its points filled in.
+    def compile_stored(self, run_dir: Path, info: dict[str, Any], floors: Sequence[float] | None = None, *,
+                       records: list[dict[str, Any]] | None = None) -> Compiled:
+        """:meth:`compile` of the rows in ``<run_dir>/trials.jsonl`` (``records``: those rows,
+        already loaded by the caller), with the Pareto front of its points filled in.
 
         Raises:
             KvtuneError: no trials, or rows that do not compile; the message names the log.
@@ -218,7 +219,8 @@ class Method:
         from kvtune.run.store import TrialStore
 
         store = TrialStore(run_dir, table=False)
-        records = store.load()
+        if records is None:
+            records = store.load()
         if not records:
             raise KvtuneError(f"{run_dir}: no finished trials yet")
         try:

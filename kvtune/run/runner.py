@@ -162,13 +162,14 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
             info = read_run_info(run_dir)
         settings = _settings(method, info, run_dir)
         store = TrialStore(run_dir)
-        records = len(store.load())
+        stored_records = store.load()
+        records = len(stored_records)
         counted = info.get("trial_records")
         if isinstance(counted, int) and records < counted:  # every method, whatever its frames
             raise KvtuneError(f"{store.log_path} holds {records} trial records but {run_dir / 'run.json'} counted "
                               f"{counted} when its outputs were last written: the log was cut or edited; restore "
                               "it (nothing was rewritten)")
-        compiled = method.compile_stored(run_dir, info)
+        compiled = method.compile_stored(run_dir, info, records=stored_records)  # the log is read once
         sections = method.report_sections(run_dir, {**info, **compiled.info}, compiled)
         files: dict[str, Path] = {"run": run_dir / "run.json"}
         if compiled.trials is not None:
