@@ -481,9 +481,9 @@ def decode_tensors(stream, header, sections, config, device: torch.device, out=N
         except Exception as exc:
             raise LayerDecodeError(job[3], exc) from None
         if out is not None:
-            t = out[n // 2][n % 2].copy_(t)
+            out[n // 2][n % 2].copy_(t)
         result.append(t)
-    return [(result[2 * i], result[2 * i + 1]) for i in range(len(jobs) // 2)]
+    return out if out is not None else [(result[2 * i], result[2 * i + 1]) for i in range(len(jobs) // 2)]
 
 
 def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
