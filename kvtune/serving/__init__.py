@@ -1,0 +1,25 @@
+"""kvtune at serving time: a profiled policy table drives real KV transfers.
+
+The runtime side of KVServe ("KVServe: Service-Aware KV Cache Compression for
+Communication-Efficient Disaggregated LLM Serving", arXiv 2605.13734, Service-Aware Online
+Controller). Importing this package loads only the table, controller and codec modules (torch,
+numpy, pandas, numba kernels), never the profiling stack (transformers, BoTorch, Optuna,
+``kvtune.search`` / ``run`` / ``evaluate`` / ``methods``).
+
+* :mod:`kvtune.serving.artifacts` -- table, model geometry and calibration loaded at start-up.
+* :mod:`kvtune.serving.runtime` -- :class:`ServingPolicy`: per-transfer selection through
+  :class:`kvtune.tables.Controller`, encode / decode, feedback, per-chunk re-selection.
+"""
+
+from kvtune.serving.artifacts import CalibrationError, ModelGeometry, ModelMismatchError
+from kvtune.serving.runtime import ChunkAssemblyError, ChunkedEncoding, EncodedKV, ServingPolicy
+
+__all__ = [
+    "CalibrationError",
+    "ChunkAssemblyError",
+    "ChunkedEncoding",
+    "EncodedKV",
+    "ModelGeometry",
+    "ModelMismatchError",
+    "ServingPolicy",
+]
