@@ -7,19 +7,26 @@ numpy, pandas, numba kernels), never the profiling stack (transformers, BoTorch,
 ``kvtune.search`` / ``run`` / ``evaluate`` / ``methods``).
 
 * :mod:`kvtune.serving.artifacts` -- table, model geometry and calibration loaded at start-up.
+* :mod:`kvtune.serving.auth` -- HMAC-SHA256 sealing of streams that cross machines.
 * :mod:`kvtune.serving.runtime` -- :class:`ServingPolicy`: per-transfer selection through
   :class:`kvtune.tables.Controller`, encode / decode, feedback, per-chunk re-selection.
 """
 
 from kvtune.serving.artifacts import CalibrationError, ModelGeometry, ModelMismatchError
+from kvtune.serving.auth import AuthenticationError, KeyConfigError, load_key, seal, unseal
 from kvtune.serving.runtime import ChunkAssemblyError, ChunkedEncoding, EncodedKV, ServingPolicy
 
 __all__ = [
+    "AuthenticationError",
     "CalibrationError",
     "ChunkAssemblyError",
     "ChunkedEncoding",
     "EncodedKV",
+    "KeyConfigError",
     "ModelGeometry",
     "ModelMismatchError",
     "ServingPolicy",
+    "load_key",
+    "seal",
+    "unseal",
 ]

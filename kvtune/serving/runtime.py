@@ -19,7 +19,10 @@ controller (:class:`kvtune.tables.Controller`) to the codecs:
 3. long transfers: :meth:`~ServingPolicy.encode_chunks` splits the layers into chunks and
    re-selects before each chunk from the previous chunks' feedback
    (:meth:`kvtune.tables.Controller.plan_chunks`); each chunk is a self-describing stream
-   with its ``layer_offset`` and :meth:`~ServingPolicy.decode_chunks` reassembles them.
+   with its ``layer_offset`` and :meth:`~ServingPolicy.decode_chunks` reassembles them;
+4. with a shared key (``key=``, e.g. :func:`kvtune.serving.auth.load_key`), every stream is
+   sealed with HMAC-SHA256 (:mod:`kvtune.serving.auth`) and decoding refuses, before decoding
+   anything, a stream that is unsealed, truncated, edited or sealed with another key.
 
 KV layout at this API: ``list`` over layers of ``(K, V)``, each ``(batch, kv_heads, tokens,
 head_dim)``, float32 / bfloat16 / float16, any device. Volumes are bytes of the KV in bfloat16
@@ -44,6 +47,7 @@ import torch
 from kvtune.codecs.policy import KVLayers, PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.codecs.stream import read_header
 from kvtune.core.errors import KvtuneError, KVInputError, KVStreamError
+from kvtune.serving.auth import key_id, seal, unseal
 from kvtune.serving.artifacts import (
     ModelGeometry,
     ModelMismatchError,
@@ -68,7 +72,8 @@ class EncodedKV:
     """One encoded transfer (a whole KV cache or one chunk of layers).
 
     Attributes:
-        stream: the bytes to send (a kvtune stream, :mod:`kvtune.codecs.stream`).
+        stream: the bytes to send: a kvtune stream (:mod:`kvtune.codecs.stream`), sealed
+            (:func:`kvtune.serving.auth.seal`) when the policy has a key.
         decision: the controller's :class:`~kvtune.tables.Decision` (policy, predictions).
         encode_s: measured encode seconds.
         kv_bytes: bytes of the encoded KV in bfloat16 (the latency model's ``V``).
@@ -107,6 +112,11 @@ def _seconds(name: str, value: Any) -> float:
     return v
 
 
+def _to_device(kv: KVLayers, device: torch.device | str | None) -> KVLayers:
+    """``kv`` moved to ``device`` (unchanged when None)."""
+    return kv if device is None else [(k.to(device), v.to(device)) for k, v in kv]
+
+
 def _controller_config(q_min: float, slo_s: float | None, controller: ControllerConfig | Mapping[str, Any] | None) -> ControllerConfig:
     if controller is None:
         return ControllerConfig(q_min=q_min, slo_s=slo_s)
@@ -133,8 +143,11 @@ class ServingPolicy:
         config: controller settings (``q_min``, ``slo_s``, ``epsilon``, ...).
         initial_bandwidth_gbps: bandwidth prior (Gbps) used until the first feedback; without
             it every :meth:`encode` before the first feedback needs ``bandwidth_gbps``.
+        key: shared stream key (bytes, 16 to 4096) to seal and authenticate streams, or None.
+            Never shown in reprs or messages (only its id, :func:`kvtune.serving.auth.key_id`).
 
     Raises:
+        KeyConfigError: an unusable key.
         TableError: no accuracy bucket for ``q_min``, or a selectable policy the runtime cannot
             encode (another method, unparsable configuration).
         CalibrationError: a selectable ``mixhq`` policy without head scores.
@@ -147,7 +160,10 @@ class ServingPolicy:
         config: ControllerConfig,
         *,
         initial_bandwidth_gbps: float | None = None,
+        key: bytes | None = None,
     ) -> None:
+        self._key_id = None if key is None else key_id(key)
+        self._key = None if key is None else bytes(key)
         self._artifacts = artifacts
         self._controller = Controller(artifacts.table, config, initial_bandwidth_gbps=initial_bandwidth_gbps)
         self._configs = policy_configs(artifacts.table, config.q_min, key=config.key, head_scores=artifacts.head_scores)
@@ -161,6 +177,7 @@ class ServingPolicy:
         *,
         q_min: float,
         slo_s: float | None = None,
+        key: bytes | None = None,
         controller: ControllerConfig | Mapping[str, Any] | None = None,
         initial_bandwidth_gbps: float | None = None,
         model_info: Mapping[str, Any] | None = None,
@@ -174,6 +191,7 @@ class ServingPolicy:
             q_min: accuracy floor (fraction, e.g. 0.97): the table's bucket is the smallest
                 floor >= ``q_min``.
             slo_s: transfer-time SLO in seconds (None = none).
+            key: shared stream key (see the class), e.g. ``kvtune.serving.auth.load_key()``.
             controller: further :class:`~kvtune.tables.ControllerConfig` settings (a config
                 or a dict such as ``{"epsilon": 0.0}``; ``q_min``/``slo_s`` come from the
                 arguments above).
@@ -184,11 +202,13 @@ class ServingPolicy:
                 the table.
 
         Raises:
-            TableError, CalibrationError, ModelMismatchError, KvtuneError: see the class and
+            TableError, CalibrationError, ModelMismatchError, KeyConfigError, KvtuneError: see
+                the class and
                 :func:`~kvtune.serving.artifacts.load_artifacts`.
         """
         artifacts = load_artifacts(table, model_info=model_info, head_scores=head_scores)
-        return cls(artifacts, _controller_config(q_min, slo_s, controller), initial_bandwidth_gbps=initial_bandwidth_gbps)
+        config = _controller_config(q_min, slo_s, controller)
+        return cls(artifacts, config, initial_bandwidth_gbps=initial_bandwidth_gbps, key=key)
 
     # ------------------------------------------------------------------ state
 
@@ -208,6 +228,11 @@ class ServingPolicy:
         return self._controller
 
     @property
+    def key_id(self) -> str | None:
+        """Hex id of the stream key (:func:`kvtune.serving.auth.key_id`), or None without a key."""
+        return None if self._key_id is None else self._key_id.hex()
+
+    @property
     def bandwidth_gbps(self) -> float | None:
         """Current bandwidth estimate in Gbps (prior or learned from feedback), or None."""
         return self._controller.bandwidth_gbps
@@ -225,7 +250,8 @@ class ServingPolicy:
 
     def __repr__(self) -> str:
         c = self._controller.config
-        return f"ServingPolicy(table={self.table!r}, q_min={c.q_min}, slo_s={c.slo_s}, policies={len(self._configs)})"
+        return (f"ServingPolicy(table={self.table!r}, q_min={c.q_min}, slo_s={c.slo_s}, "
+                f"policies={len(self._configs)}, key_id={self.key_id})")
 
     # ------------------------------------------------------------------ start-up check
 
@@ -292,6 +318,8 @@ class ServingPolicy:
         config = self._configs[decision.policy_id]
         t0 = time.perf_counter()
         stream = encode_kv(kv, config, layer_offset=layer_offset)
+        if self._key is not None:
+            stream = seal(stream, self._key)
         encode_s = time.perf_counter() - t0
         return EncodedKV(stream, decision, encode_s, original_nbytes(kv), layer_offset, len(kv), chunk)
 
@@ -323,7 +351,8 @@ class ServingPolicy:
     def decode(
         self, stream: bytes | bytearray | memoryview, *, device: torch.device | str | None = None, out: KVLayers | None = None
     ) -> KVLayers:
-        """Decode any kvtune stream (it names its own policy).
+        """Decode any kvtune stream (it names its own policy); with a key, only a sealed one
+        that authenticates.
 
         Args:
             stream: the received bytes.
@@ -335,12 +364,17 @@ class ServingPolicy:
             One ``(K, V)`` pair per layer of the stream, in the encoded dtype.
 
         Raises:
+            AuthenticationError: with a key, a stream that is not sealed, truncated, edited or
+                sealed with another key (checked before any decoding; a
+                :class:`~kvtune.core.errors.KVStreamError`).
             KVStreamError: a truncated, corrupted or undecodable stream (its subclasses).
         """
-        kv = decode_kv(stream, out=out)
-        if device is not None:
-            kv = [(k.to(device), v.to(device)) for k, v in kv]
-        return kv
+        return _to_device(decode_kv(self._payload(stream), out=out), device)
+
+    def _payload(self, stream: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+        """The kvtune stream inside ``stream``: authenticated and unframed with a key, as is
+        without one."""
+        return stream if self._key is None else unseal(stream, self._key)
 
     def _feedback_args(self, encoded: EncodedKV, transfer_s: float, decode_s: float | None) -> Feedback:
         """The controller's :class:`~kvtune.tables.Feedback` of one transfer: the codec time
@@ -423,12 +457,14 @@ class ServingPolicy:
         Raises:
             ChunkAssemblyError: the chunks do not cover layers ``0..n-1`` exactly once (or,
                 after :meth:`check_model`, not all of the model's layers).
+            AuthenticationError: with a key, a chunk that does not authenticate.
             KVStreamError: a chunk fails to decode.
         """
         parts = []
         for s in streams:
-            h = read_header(s)
-            parts.append((h.layer_offset, h.num_layers, s))
+            payload = self._payload(s)
+            h = read_header(payload)
+            parts.append((h.layer_offset, h.num_layers, payload))
         parts.sort(key=lambda p: p[0])
         expected = 0
         for offset, n, _ in parts:
@@ -439,8 +475,8 @@ class ServingPolicy:
         if self._model is not None and expected != self._model[0]:
             raise ChunkAssemblyError(f"chunk streams cover layers 0..{expected - 1}; the model has {self._model[0]}")
         kv: KVLayers = []
-        for _, _, s in parts:
-            kv.extend(self.decode(s, device=device))
+        for _, _, payload in parts:
+            kv.extend(_to_device(decode_kv(payload), device))
         return kv
 
 
