@@ -53,7 +53,7 @@ def load(q_min: float = 0.97, **kw) -> ServingPolicy:
 
 def test_importing_kvtune_serving_loads_no_profiling_stack():
     forbidden = ("transformers", "botorch", "gpytorch", "optuna", "plotly",
-                 "kvtune.search", "kvtune.run", "kvtune.evaluate", "kvtune.methods")
+                 "kvtune.search", "kvtune.run", "kvtune.evaluate", "kvtune.methods", "lmcache")
     code = (
         "import sys, json, kvtune.serving\n"
         f"bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in {forbidden!r}))\n"

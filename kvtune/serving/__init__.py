@@ -10,6 +10,10 @@ numpy, pandas, numba kernels), never the profiling stack (transformers, BoTorch,
 * :mod:`kvtune.serving.auth` -- HMAC-SHA256 sealing of streams that cross machines.
 * :mod:`kvtune.serving.runtime` -- :class:`ServingPolicy`: per-transfer selection through
   :class:`kvtune.tables.Controller`, encode / decode, feedback, per-chunk re-selection.
+* :mod:`kvtune.serving.lmcache` -- the ``"kvtune"`` serde for LMCache ("LMCache: An Efficient
+  KV Cache Layer for Enterprise-Scale LLM Inference", arXiv 2510.09665); needs the optional
+  ``lmcache`` package and is not imported here. :mod:`kvtune.serving.lmcache_plugin` runs
+  LMCache's CLI with it registered.
 """
 
 from kvtune.serving.artifacts import CalibrationError, ModelGeometry, ModelMismatchError

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -236,6 +237,11 @@ class ServingPolicy:
     def bandwidth_gbps(self) -> float | None:
         """Current bandwidth estimate in Gbps (prior or learned from feedback), or None."""
         return self._controller.bandwidth_gbps
+
+    @property
+    def policies(self) -> Mapping[str, PolicyConfig]:
+        """Read-only map of every selectable table policy id to its runnable policy."""
+        return MappingProxyType(self._configs)
 
     def policy_config(self, policy_id: str) -> PolicyConfig:
         """The runnable policy behind a table policy id.
