@@ -27,8 +27,8 @@ controller (:class:`kvtune.tables.Controller`) to the codecs:
 KV layout at this API: ``list`` over layers of ``(K, V)``, each ``(batch, kv_heads, tokens,
 head_dim)``, float32 / bfloat16 / float16, any device. Volumes are bytes of the KV in bfloat16
 (:func:`kvtune.codecs.original_nbytes`, the ``V`` of the latency model), times are seconds,
-bandwidths Gbps (1e9 bits/s). Not thread-safe for concurrent decisions on one instance beyond
-the lock that serialises :class:`~kvtune.tables.Controller` calls.
+bandwidths Gbps (1e9 bits/s). Controller calls (decisions, feedback) are serialised by a lock,
+so one instance can serve several threads; a :class:`ChunkedEncoding` belongs to one transfer.
 """
 
 from __future__ import annotations
