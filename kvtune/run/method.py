@@ -159,6 +159,32 @@ class Method:
     def check(self, settings: Any) -> None:
         """Fail before any model loads on settings that cannot work (typed errors)."""
 
+    def stored_settings(self, run_dir: Path, info: Mapping[str, Any]) -> Any:
+        """The settings stored in a run's ``run.json`` (``info``), read as this method's.
+
+        Raises:
+            KvtuneError (or the settings class's subclass of it): no ``settings`` object, keys
+                that are not settings of this method (the run belongs to another method: was
+                ``run.json``'s ``method`` edited?), or values the settings class refuses; the
+                message names the file.
+        """
+        import dataclasses
+
+        from kvtune.core.errors import KvtuneError
+
+        path = Path(run_dir) / "run.json"
+        stored = info.get("settings")
+        if not isinstance(stored, dict):
+            raise KvtuneError(f"{path}: no 'settings' object; is it a kvtune run.json?")
+        foreign = sorted(set(stored) - {f.name for f in dataclasses.fields(self.settings_class)})
+        if foreign:
+            raise KvtuneError(f"{path}: its settings are not {self.name} settings (keys {foreign} are not {self.name} "
+                              f"settings; was its 'method' {info.get('method')!r} edited?)")
+        try:
+            return self.settings_class.from_dict(stored)
+        except KvtuneError as exc:
+            raise type(exc)(f"{path}: {exc}") from None
+
     # ------------------------------------------------------------------ the run
 
     def prepare(self, settings: Any, run_dir: Path, hooks: Hooks, **given: Any) -> Any:
@@ -212,12 +238,14 @@ class Method:
         already loaded by the caller), with the Pareto front of its points filled in.
 
         Raises:
-            KvtuneError: no trials, or rows that do not compile; the message names the log.
+            KvtuneError: settings of another method (:meth:`stored_settings`), no trials, or
+                rows that do not compile; the message names the file.
         """
         from kvtune.core.errors import KvtuneError
         from kvtune.search.pareto import pareto_front
         from kvtune.run.store import TrialStore
 
+        self.stored_settings(run_dir, info)  # a run of another method never compiles as this one
         store = TrialStore(run_dir, table=False)
         if records is None:
             records = store.load()

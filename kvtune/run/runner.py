@@ -160,7 +160,7 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
     with open_run_folder(run_dir, create=False):
         if info is None:
             info = read_run_info(run_dir)
-        settings = _settings(method, info, run_dir)
+        settings = method.stored_settings(run_dir, info)
         store = TrialStore(run_dir)
         stored_records = store.load()
         records = len(stored_records)
@@ -198,17 +198,6 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
                      table=compiled.table, files=files, compiled=compiled)
 
 
-def _settings(method: Method, info: dict[str, Any], run_dir: Path) -> Any:
-    """The settings stored in ``run.json`` (errors name the file)."""
-    path = run_dir / "run.json"
-    if not isinstance(info.get("settings"), dict):
-        raise KvtuneError(f"{path}: no 'settings' object; is it a kvtune run.json?")
-    try:
-        return method.settings_class.from_dict(info["settings"])
-    except KvtuneError as exc:
-        raise type(exc)(f"{path}: {exc}") from None
-
-
 def run_request(method: Method, request: ProfileRequest) -> RunResult:
     """``kvtune profile --method X``: a new run from the common options and ``--set`` values
     (folder ``<out>/<run or the method's default name>``), or ``request.resume``'s run with
@@ -226,7 +215,7 @@ def run_request(method: Method, request: ProfileRequest) -> RunResult:
             raise ConfigError(f"--resume {request.resume} continues with the settings stored in its run.json; "
                               f"--set {', '.join(sorted(request.options))} cannot change them (start a new --run)")
         info = read_run_info(request.resume)
-        settings = _settings(method, info, request.resume)
+        settings = method.stored_settings(request.resume, info)
         reports = info.get("reports") or request.reports
         return run_method(method, settings, request.resume, resume=True, reports=reports, hooks=request.hooks)
     settings = method.settings_for(request)
