@@ -30,7 +30,8 @@ import pandas as pd
 
 from kvtune.core.registry import Registry
 
-__all__ = ["METHODS", "Compiled", "Hooks", "Method", "ProfileRequest", "Stage", "register_method"]
+__all__ = ["DEFAULT_OUT", "DEFAULT_REPORTS", "METHODS", "Compiled", "Hooks", "Method", "ProfileRequest", "Stage",
+           "register_method"]
 
 
 def _noop(*_: Any, **__: Any) -> None:
@@ -60,8 +61,10 @@ class ProfileRequest:
 
     Attributes:
         model: ``--model`` (None: the method's default model).
-        out: folder receiving the run folder; reports: folder receiving the HTML report.
-        run: run name ("" = the method's default name); resume: a run folder to continue.
+        out: folder receiving the run folder (None: :data:`DEFAULT_OUT`); reports: folder
+            receiving the HTML report (None: :data:`DEFAULT_REPORTS`).
+        run: run name ("" = the method's default name); resume: a run folder to continue
+            (``model``, ``out``, ``reports`` and ``run``, when given, must agree with it).
         device: ``auto``, ``cpu`` or ``cuda``; seed: seeds every random choice.
         options: the method's settings as ``name -> text`` (``--set name=value``), converted
             with :func:`kvtune.run.settings.parse_overrides`.
@@ -69,14 +72,30 @@ class ProfileRequest:
     """
 
     model: str | None = None
-    out: Path = Path("profiles")
-    reports: Path = Path("reports")
+    out: Path | None = None
+    reports: Path | None = None
     run: str = ""
     resume: Path | None = None
     device: str = "auto"
     seed: int = 0
     options: Mapping[str, str] = field(default_factory=dict)
     hooks: Hooks = Hooks()
+
+    @property
+    def out_folder(self) -> Path:
+        """``out``, or :data:`DEFAULT_OUT` when not given."""
+        return DEFAULT_OUT if self.out is None else self.out
+
+    @property
+    def reports_folder(self) -> Path:
+        """``reports``, or :data:`DEFAULT_REPORTS` when not given."""
+        return DEFAULT_REPORTS if self.reports is None else self.reports
+
+
+DEFAULT_OUT = Path("profiles")
+"""Folder receiving new run folders when ``--out`` is not given."""
+DEFAULT_REPORTS = Path("reports")
+"""Folder receiving HTML reports when ``--reports`` is not given."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +297,12 @@ class Method:
             KvtuneError: stored rows lack what a section draws (the runner adds the run folder).
         """
         return []
+
+    def model_spec(self, info: Mapping[str, Any]) -> str | None:
+        """The ``--model`` spec a run was made with (its ``run.json`` settings' ``model``;
+        None when it records none), compared with a ``--model`` given with ``--resume``."""
+        model = (info.get("settings") or {}).get("model")
+        return model if isinstance(model, str) else None
 
     def reports_folder(self, info: dict[str, Any]) -> Path | None:
         """Where the run's report goes (``<folder>/<run>.html``); None: ``<run_dir>/report.html``."""

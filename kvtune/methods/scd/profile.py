@@ -550,6 +550,13 @@ class SCDMethod(Method):
 
         return f"scd-{Path(settings.producer or DEFAULT_MODEL).stem}"
 
+    def model_spec(self, info: Mapping[str, Any]) -> str | None:
+        """The producer's ``--model`` spec (``producer_spec``, else the settings' ``producer``,
+        else the default model)."""
+        from kvtune.evaluate.assets import DEFAULT_MODEL
+
+        return info.get("producer_spec") or (info.get("settings") or {}).get("producer") or DEFAULT_MODEL
+
     def prepare(self, settings: SCDProfileSettings, run_dir: Path, hooks: Hooks, **given: Any) -> SCDContext:
         from kvtune.evaluate.assets import DEFAULT_MODEL
         from kvtune.tables.run import read_run_info

@@ -48,7 +48,8 @@ class TQCMethod(Method):
     def settings_for(self, request: ProfileRequest) -> ProfileSettings:
         from kvtune.run.settings import parse_overrides
 
-        return ProfileSettings(**{"out": str(request.out), "reports": str(request.reports), "run": request.run,
+        return ProfileSettings(**{"out": str(request.out_folder), "reports": str(request.reports_folder),
+                                  "run": request.run,
                                   "device": request.device, "seed": request.seed,
                                   **({"model": request.model} if request.model else {}),
                                   **parse_overrides(ProfileSettings, request.options)})
