@@ -105,7 +105,8 @@ def profile(
             raise KvtuneError("--set is for the settings of --method scd/bicache; tqc has its own options")
         if info is not None:
             check_resume_request(METHODS[method], request, info)
-            check_resumed_settings(resume, info, {n: ctx.params[n] for n in given & (TQC_OWN_OPTIONS | SHARED_SETTINGS)})
+            check_resumed_settings(resume, METHODS[method].stored_settings(resume, info),
+                                   {n: ctx.params[n] for n in given & (TQC_OWN_OPTIONS | SHARED_SETTINGS)})
     except KvtuneError as exc:
         _fail(exc)
         return
@@ -159,17 +160,16 @@ def _given_options(ctx: typer.Context) -> set[str]:
     return {name for name, source in sources.items() if getattr(source, "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
-def check_resumed_settings(run_dir: Path, info: dict, given: dict) -> None:
+def check_resumed_settings(run_dir: Path, settings: object, given: dict) -> None:
     """Options given with ``--resume`` that are settings of the run (``--seed``, ``--device``,
-    the T/Q/C options) must agree with the values stored in its ``run.json``.
+    the T/Q/C options) must agree with the run's stored ``settings`` (read from its ``run.json``).
 
     Raises:
         ConfigError: an option whose value differs from the stored one (the message names it,
             the value given and the run's).
     """
-    stored = info.get("settings") or {}
-    differ = [f"{_flag(name)} {value} (the run's: {stored.get(name)})" for name, value in sorted(given.items())
-              if name in stored and stored[name] != value]
+    differ = [f"{_flag(name)} {value} (the run's: {getattr(settings, name)})" for name, value in sorted(given.items())
+              if hasattr(settings, name) and getattr(settings, name) != value]
     if differ:
         raise ConfigError(f"--resume {run_dir} continues with the settings stored in its run.json; "
                           f"{', '.join(differ)} cannot change them (leave them out, or start a new --run)")

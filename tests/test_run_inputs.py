@@ -187,7 +187,25 @@ def test_resume_options_that_disagree_with_the_run_are_refused(tmp_path, monkeyp
     assert message.format(run=run) in " ".join(res.output.split()), res.output
 
 
-@pytest.mark.parametrize("extra", [[], ["--method", "scd"], ["--run", "scd-run"], ["--model", "prod-model"]])
+def test_resume_with_a_seed_of_its_own_is_refused(tmp_path, monkeypatch):
+    _no_models(monkeypatch)
+    run = _scd_run_folder(tmp_path)
+    res = runner.invoke(app, ["profile", "--resume", str(run), "--seed", "3"])
+    assert res.exit_code == 2 and "--seed 3 (the run's: 0)" in " ".join(res.output.split()), res.output
+
+
+def test_tqc_options_with_another_method_are_refused_not_ignored(tmp_path, monkeypatch):
+    """`kvtune profile --method scd --budget 5` ran with SCD's own budget, the flag silently ignored."""
+    _no_models(monkeypatch)
+    res = runner.invoke(app, ["profile", "--method", "scd", "--budget", "5", "--contexts", "3", "--out",
+                              str(tmp_path / "p"), "--run", "r"])
+    assert res.exit_code == 2, (res.output, res.exception)
+    assert "--budget, --contexts: options of --method tqc" in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--method", "scd"], ["--run", "scd-run"], ["--model", "prod-model"],
+                                   ["--seed", "0"]])
 def test_resume_options_that_agree_with_the_run_pass(tmp_path, monkeypatch, extra):
     _no_models(monkeypatch)
     run = _scd_run_folder(tmp_path)

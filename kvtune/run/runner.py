@@ -35,8 +35,8 @@ from kvtune.run.loop import ask_tell
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest
 from kvtune.run.store import TrialStore
 
-__all__ = ["RunResult", "complete_run_result", "finalize_run", "report_file", "run_is_complete", "run_method",
-           "run_request", "check_resume_request", "stored_trial_count", "write_run_info"]
+__all__ = ["RunResult", "check_resume_request", "complete_run_result", "finalize_run", "report_file",
+           "run_is_complete", "run_method", "run_request", "settings_digest", "stored_trial_count", "write_run_info"]
 
 
 @dataclass
@@ -249,8 +249,8 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
         info["trial_records"] = records
         write_run_info(run_dir, info)
         files["report"] = write_report(compiled.points if compiled.shown is None else compiled.shown, compiled.pareto,
-                                       compiled.table, report_file(method, run_dir, info), title=f"{method.report_title}: {run_dir.name}",
-                                       run_config=info, sections=sections)
+                                       compiled.table, report_file(method, run_dir, info),
+                                       title=f"{method.report_title}: {run_dir.name}", run_config=info, sections=sections)
     return RunResult(run_dir=run_dir, settings=settings, info=info, trials=compiled.trials, pareto=compiled.pareto,
                      table=compiled.table, files=files, compiled=compiled)
 
@@ -304,10 +304,10 @@ def check_resume_request(method: Method, request: ProfileRequest, info: dict[str
     if made_by != method.name:
         raise ConfigError(f"--resume {run_dir} is a {made_by} run; --method {method.name} cannot continue it "
                           f"(leave --method out)")
-    stored_reports = method.reports_folder(info)
+    reports = method.reports_folder(info)
     checks = [("--run", request.run or None, run_dir.name, False),
               ("--out", request.out, run_dir.parent, True),
-              ("--reports", request.reports, stored_reports if stored_reports is not None else "(the run folder)", True),
+              ("--reports", request.reports, "(its run folder)" if reports is None else reports, reports is not None),
               ("--model", request.model, method.model_spec(info), True)]
     for flag, given, stored, path_like in checks:
         if given is None or stored is None or _same(given, stored, path_like):

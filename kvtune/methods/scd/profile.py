@@ -77,7 +77,9 @@ REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
 @dataclass(frozen=True)
 class SCDProfileSettings(RunSettings):
     """Sizes and search grid of an SCD profile (defaults: the small real-pair run); saved as
-    ``settings`` in ``run.json`` (:class:`kvtune.run.settings.RunSettings`).
+    ``settings`` in ``run.json`` (:class:`kvtune.run.settings.RunSettings`). Values are checked
+    when the settings are built (:func:`check_scd_settings`, a ``ConfigError`` naming
+    ``--set name=value``), so before any model loads.
 
     Attributes:
         data: data asset / JSONL with ``document`` (domain text; split as the consumer's).
@@ -677,7 +679,8 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
 
     Raises:
         ModelLayoutError: the models differ in architecture or are not Llama-style.
-        ConfigError: unknown optimizer, bad code bits or budget (before any model loads).
+        ConfigError: settings that cannot work are refused when built (:func:`check_scd_settings`),
+            before any model loads.
         KvtuneError: data too short, unknown preset, trials stored without ``resume``, ...
         RunLockedError: another process is working on ``out_dir``.
     """
