@@ -21,6 +21,7 @@ from kvtune.core.errors import CorruptStreamError, KvtuneError, TruncatedStreamE
 from kvtune.serving import AuthenticationError, ModelMismatchError, ServingPolicy
 from kvtune.serving.auth import KEY_ENV, KEY_FILE_ENV
 from kvtune.serving.lmcache import (
+    create_serde,
     KvtuneDeserializer,
     KvtuneSerializer,
     LayoutMismatchError,
@@ -205,3 +206,33 @@ def test_keyed_serde_seals_and_refuses_unsealed_frames(allocator, monkeypatch):
     with pytest.raises(AuthenticationError, match="not sealed"):
         keyed_deserializer.deserialize(unsealed, dst, KEY)
     keyed_deserializer.deserialize(loaded, dst, KEY)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("q_min", "x", r"q_min must be a number in \(0, 1\]"),
+    ("q_min", None, r"q_min must be a number in \(0, 1\]"),
+    ("bandwidth_gbps", "x", "bandwidth_gbps must be > 0 and finite"),
+    ("bandwidth_gbps", None, "bandwidth_gbps must be > 0 and finite"),
+    ("bandwidth_gbps", float("inf"), "bandwidth_gbps must be > 0 and finite"),
+    ("max_workers", 0, "max_workers must be an int >= 1"),
+    ("max_workers", "2", "max_workers must be an int >= 1"),
+    ("max_workers", True, "max_workers must be an int >= 1"),
+    ("allow_dtype_mismatch", "false", "allow_dtype_mismatch must be true or false"),
+    ("model_info", "30 layers", "must be a mapping"),
+    ("slo_s", "1s", "slo_s must be a finite number"),
+])
+def test_factory_values_of_the_wrong_type_are_typed_errors(key, value, match):
+    """A JSON config written by hand: "false" must not switch the lenient mode on, a string
+    number must not reach float() / int() and fail with a bare ValueError."""
+    with pytest.raises(KvtuneError, match=match):
+        create_serde({"table": str(RUN), "q_min": 0.97, "bandwidth_gbps": 1.0, key: value})
+
+
+def test_factory_kwargs_that_are_not_a_mapping_are_a_typed_error():
+    with pytest.raises(KvtuneError, match="kvtune serde config must be a mapping"):
+        create_serde(None)
+
+
+def test_serializer_bandwidth_is_checked():
+    with pytest.raises(KvtuneError, match="bandwidth_gbps must be > 0 and finite"):
+        KvtuneSerializer(ServingPolicy.load(RUN, q_min=0.97), bandwidth_gbps=float("nan"))

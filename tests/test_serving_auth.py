@@ -218,3 +218,58 @@ def test_bad_key_settings(env, tmp_path):
     env.setenv(KEY_FILE_ENV, str(tmp_path))
     with pytest.raises(KeyConfigError, match="cannot read"):
         load_key()
+
+
+# ---------------------------------------------------------------------------- hostile / careless input
+
+
+def test_seal_of_a_multibyte_view_frames_its_bytes():
+    """``len()`` of an int32 memoryview counts elements: the frame must record bytes."""
+    data = memoryview(bytearray(range(16))).cast("i")
+    assert bytes(unseal(seal(data, KEY), KEY)) == bytes(range(16))
+    assert bytes(unseal(seal(bytearray(b"abc"), KEY), KEY)) == b"abc"
+    assert bytes(unseal(memoryview(seal(b"abc", KEY)), KEY)) == b"abc"
+
+
+@pytest.mark.parametrize("data", ["payload", None, 5, [1, 2]])
+def test_seal_and_unseal_of_something_not_bytes_are_stream_errors(data):
+    with pytest.raises(KVStreamError, match="bytes-like"):
+        seal(data, KEY)
+    with pytest.raises(KVStreamError, match="bytes-like"):
+        unseal(data, KEY)
+
+
+def test_unseal_of_a_strided_view_is_a_stream_error():
+    with pytest.raises(KVStreamError, match="contiguous"):
+        unseal(memoryview(seal(b"payload", KEY))[::2], KEY)
+
+
+def test_replayed_frame_is_accepted_replay_is_out_of_scope():
+    """Documented: a frame authenticates origin and integrity, not freshness (module docstring)."""
+    frame = seal(b"kv of request 1", KEY)
+    assert bytes(unseal(frame, KEY)) == bytes(unseal(frame, KEY)) == b"kv of request 1"
+
+
+def test_key_file_that_is_a_fifo_is_refused_without_blocking(env, tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it for reading would block until a writer comes
+    env.setenv(KEY_FILE_ENV, str(fifo))
+    with pytest.raises(KeyConfigError, match="not a regular file"):
+        load_key()
+
+
+def test_key_file_that_is_a_device_is_refused(env):
+    env.setenv(KEY_FILE_ENV, "/dev/zero")
+    with pytest.raises(KeyConfigError, match="not a regular file"):
+        load_key()
+
+
+@pytest.mark.parametrize("path", ["~no_such_user_kvtune/key", "key\x00file"])
+def test_key_file_paths_that_cannot_be_opened_are_key_config_errors(env, path):
+    import kvtune.serving.auth as auth
+
+    env.setattr(auth.os, "environ", {KEY_FILE_ENV: path})  # a real environment cannot hold NUL
+    with pytest.raises(KeyConfigError, match="cannot read the key file"):
+        load_key()

@@ -231,6 +231,18 @@ def test_decode_into_out_and_device_argument(device):
         decode_kv(stream, impl="torch", device=device, out=[(k.float(), v) for k, v in out])
 
 
+def test_device_path_refuses_overlapping_out_and_the_meta_device(device):
+    cfg = preset_configs(2, 3)["kivi-2"]
+    kv = make_kv(2, (1, 3, 40, 64), torch.float32)
+    stream = encode_kv(kv, cfg)
+    shared = torch.empty(1, 3, 40, 64, device=device)
+    out = [(shared, shared), (torch.empty_like(shared), torch.empty_like(shared))]
+    with pytest.raises(KVInputError, match="out\\[0\\] K and out\\[0\\] V overlap"):
+        decode_kv(stream, impl="torch", device=device, out=out)
+    with pytest.raises(KVInputError, match="meta"):
+        decode_kv(stream, impl="torch", device="meta")  # tensors without data: garbage, refused
+
+
 def test_components_without_a_device_implementation():
     class Sub(UniformQuantizer):  # an unregistered block kernel may change the math: no device path
         def coder(self, bits):

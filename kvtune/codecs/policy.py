@@ -63,11 +63,13 @@ from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, shape_problem, write_stream
 from kvtune.core.ids import config_policy_id
 from kvtune.core.jsonio import canonical_json
-from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVInputTypeError, KVStreamError
 
 __all__ = [
     "KVLayers",
     "PolicyConfig",
+    "check_kv",
+    "decode_device",
     "encode_kv",
     "decode_kv",
     "original_nbytes",
@@ -287,30 +289,38 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _kv_dtype(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
-    """Validate the KV structure and shapes (:func:`kvtune.codecs.stream.shape_problem`) and,
-    with ``check_finite``, that no value is NaN or inf; return the common dtype."""
+def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
+    """Validate a KV cache's structure, shapes (:func:`kvtune.codecs.stream.shape_problem`),
+    dtypes and device and, with ``check_finite``, that no value is NaN or inf; return the
+    common dtype (``bfloat16`` for an empty list).
+
+    Raises:
+        KVInputTypeError: not a list/tuple of ``(K, V)`` pairs (a ``TypeError`` as well).
+        KVInputError: a tensor that is not 4-D ``(batch, kv_heads, tokens, head_dim)``, of a
+            degenerate shape, on the meta device, of a dtype other than float32 / bfloat16 /
+            float16, with NaN / inf (``check_finite``), or dtypes that differ between tensors.
+    """
     if not isinstance(kv, (list, tuple)):
-        raise TypeError(f"kv must be a list of (K, V) tensor pairs, got {type(kv).__name__}")
+        raise KVInputTypeError(f"kv must be a list of (K, V) tensor pairs, got {type(kv).__name__}")
     dtypes = set()
     for i, pair in enumerate(kv):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise TypeError(f"kv[{i}] must be a (K, V) pair")
+            raise KVInputTypeError(f"kv[{i}] must be a (K, V) pair, got {type(pair).__name__}")
         for name, t in zip("KV", pair):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise ValueError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+                raise KVInputError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
             problem = shape_problem(tuple(t.shape))
             if problem is not None:
                 raise KVInputError(f"kv[{i}] {name} of shape {tuple(t.shape)} {problem}")
             if t.device.type == "meta":
-                raise ValueError(f"kv[{i}] {name} is a meta tensor (no data)")
+                raise KVInputError(f"kv[{i}] {name} is a meta tensor (no data)")
             if t.dtype not in DTYPE_NAMES:
-                raise ValueError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+                raise KVInputError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
             if check_finite and not _all_finite(t):
                 raise KVInputError(f"kv[{i}] {name} {NON_FINITE}")
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
-        raise ValueError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
+        raise KVInputError(f"all K/V tensors must share one dtype, got {sorted(map(str, dtypes))}")
     return dtypes.pop() if dtypes else torch.bfloat16
 
 
@@ -440,8 +450,10 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         The stream bytes (format: :mod:`kvtune.codecs.stream`); deterministic.
 
     Raises:
-        TypeError, ValueError: malformed ``kv`` (not pairs of 4-D tensors, unsupported or
-            mixed dtypes) or negative ``layer_offset``.
+        KVInputTypeError, KVInputError: malformed ``kv`` (:func:`check_kv`: not pairs of 4-D
+            tensors, meta tensors, unsupported or mixed dtypes; a ``TypeError`` / ``ValueError``
+            as well).
+        TypeError, ValueError: a ``layer_offset`` that is not an int, or negative.
         KVInputError (a ``ValueError``): a tensor with no batch, KV heads or channels (0 tokens
             are fine: an empty cache), beyond the format's limits
             (:func:`kvtune.codecs.stream.shape_problem`), with NaN / inf values, or with a
@@ -458,7 +470,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         raise TypeError(f"config must be a PolicyConfig (PolicyConfig.from_dict for a dict), got {type(config).__name__}")
     fast = _use_fast(impl, config)
     on_device = _use_torch(impl, config, _off_cpu(kv))
-    dtype = _kv_dtype(kv, check_finite=not (fast or on_device))  # those paths check inside their kernels
+    dtype = check_kv(kv, check_finite=not (fast or on_device))  # those paths check inside their kernels
     if not isinstance(layer_offset, int) or isinstance(layer_offset, bool):
         raise TypeError(f"layer_offset must be an int, got {type(layer_offset).__name__}")
     if layer_offset < 0:
@@ -529,8 +541,9 @@ def decode_kv(
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
             component that is not registered) or cannot apply to the recorded shapes.
         TypeError: ``expect`` is not a :class:`PolicyConfig`.
-        ValueError: ``out`` does not match the stream (shapes, dtype, contiguity) or
-            requires grad.
+        KVInputError (a ``ValueError``): ``out`` does not match the stream (shapes, dtype,
+            device, contiguity), requires grad or has tensors that overlap in memory; or
+            ``device`` is not a usable device (:func:`decode_device`).
     """
     if expect is not None and not isinstance(expect, PolicyConfig):
         raise TypeError(f"expect must be a PolicyConfig or None, got {type(expect).__name__}")
@@ -544,7 +557,7 @@ def decode_kv(
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
     check_claimed_sizes(header, sections, config)
-    device = torch.device("cpu" if device is None else device)
+    device = decode_device(device)
     if out is not None:
         _check_out(out, header.shapes, dtype, device)
     if _use_torch(impl, config, device.type != "cpu"):
@@ -661,19 +674,48 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
                 raise CorruptStreamError(f"{where} {problem}")
 
 
+def decode_device(device: torch.device | str | int | None) -> torch.device:
+    """The device ``decode_kv(device=...)`` decodes to (None: the CPU), checked before decoding.
+
+    Raises:
+        KVInputError: not a device torch knows, the meta device (tensors without data), or a
+            device this process cannot use (e.g. ``"cuda"`` without CUDA).
+    """
+    try:
+        dev = torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise KVInputError(f"decode device {device!r} is not a device ({exc})") from None
+    if dev.type == "meta":
+        raise KVInputError("decode device 'meta' holds no data; decode to a real device")
+    if dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as exc:  # torch asserts when built without the backend
+            raise KVInputError(f"decode device {dev} cannot be used here ({exc})") from None
+    return dev
+
+
 def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device) -> None:
-    """``decode_kv(out=...)`` needs contiguous tensors on ``device`` of the stream's shapes and dtype."""
+    """``decode_kv(out=...)`` needs contiguous tensors on ``device`` of the stream's shapes and
+    dtype, without autograd, no two of which share memory (one would overwrite the other)."""
     if not isinstance(out, (list, tuple)) or len(out) != len(shapes):
-        raise ValueError(f"out must be a list of {len(shapes)} (K, V) pairs")
+        raise KVInputError(f"out must be a list of {len(shapes)} (K, V) pairs")
+    spans = []
     for i, (pair, kv_shapes) in enumerate(zip(out, shapes)):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-            raise ValueError(f"out[{i}] must be a (K, V) pair")
+            raise KVInputError(f"out[{i}] must be a (K, V) pair")
         for name, t, shape in zip("KV", pair, kv_shapes):
             if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
                     and t.device.type == device.type and device.index in (None, t.device.index) and t.is_contiguous()):
-                raise ValueError(f"out[{i}] {name} must be a contiguous {dtype} tensor on {device} of shape {tuple(shape)}")
+                raise KVInputError(f"out[{i}] {name} must be a contiguous {dtype} tensor on {device} of shape {tuple(shape)}")
             if t.requires_grad:
-                raise ValueError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
+                raise KVInputError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
+            if t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"out[{i}] {name}"))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise KVInputError(f"{a} and {b} overlap in memory; each decoded tensor needs its own buffer")
 
 
 def _raise_decode_error(policy_id: str, layer: int, exc: BaseException):

@@ -87,7 +87,7 @@ import numpy as np
 
 from kvtune.codecs.checksum import crc32_combine, crc32_threaded
 from kvtune.core.jsonio import canonical_json
-from kvtune.core.errors import CorruptStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
+from kvtune.core.errors import CorruptStreamError, KVStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
 __all__ = [
     "MAGIC",
@@ -98,6 +98,7 @@ __all__ = [
     "MAX_DIM",
     "MAX_TENSOR_ELEMENTS",
     "shape_problem",
+    "byte_view",
     "StreamHeader",
     "TensorSections",
     "write_stream",
@@ -403,6 +404,23 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
     )
 
 
+def byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat unsigned-byte view of received data (no copy): anything with the buffer protocol
+    (bytes, bytearray, memoryview, a numpy array), C-contiguous; a multi-byte view is read as
+    its bytes.
+
+    Raises:
+        KVStreamError: ``data`` is not bytes-like (e.g. a ``str`` or None) or not contiguous.
+    """
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise KVStreamError(f"a KV stream must be bytes-like (bytes, bytearray, memoryview), got {type(data).__name__}") from None
+    if not mv.c_contiguous:
+        raise KVStreamError("a KV stream must be a contiguous buffer, got a strided memoryview (copy it with bytes())")
+    return mv.cast("B")
+
+
 def read_stream(
     data: bytes | bytearray | memoryview, *, expect_policy_id: str | None = None
 ) -> tuple[StreamHeader, list[tuple[TensorSections, TensorSections]]]:
@@ -424,8 +442,9 @@ def read_stream(
             ``layer_offset``), trailing bytes.
         StreamVersionError: the format version is not one this kvtune reads.
         PolicyMismatchError: ``expect_policy_id`` differs from the stream's policy id.
+        KVStreamError: ``data`` is not a contiguous bytes-like buffer (:func:`byte_view`).
     """
-    mv = memoryview(data).cast("B")
+    mv = byte_view(data)
     n = len(mv)
     if n < _PREFIX.size:
         if bytes(mv[: len(MAGIC)]) != MAGIC[: min(n, len(MAGIC))]:

@@ -77,5 +77,12 @@ class RegistryError(KvtuneError):
 
 class KVInputError(KvtuneError, ValueError):
     """A KV cache handed to the encoder cannot be coded faithfully: a degenerate shape (no
-    batch, heads or channels), values beyond the range a quantizer represents (e.g. beyond the
-    float16 range of its scales), or non-finite values. A ``ValueError`` as well."""
+    batch, heads or channels), an unsupported dtype or a meta tensor, values beyond the range a
+    quantizer represents (e.g. beyond the float16 range of its scales), or non-finite values;
+    or the ``out`` buffers / ``device`` handed to the decoder cannot receive a stream's KV. A
+    ``ValueError`` as well."""
+
+
+class KVInputTypeError(KVInputError, TypeError):
+    """A KV cache argument of the wrong structure: not a list of ``(K, V)`` pairs of tensors.
+    A ``TypeError`` (and a :class:`KVInputError`) as well."""

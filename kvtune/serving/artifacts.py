@@ -91,8 +91,12 @@ class ModelGeometry:
         ``dtype``); ``kv_dtype="bfloat16"`` overrides ``dtype``.
 
         Raises:
-            ModelMismatchError: a field is missing, not a positive int, or an unknown dtype.
+            ModelMismatchError: not a mapping, a field missing or not a positive int, or an
+                unknown dtype.
         """
+        if not isinstance(info, Mapping):
+            raise ModelMismatchError(f"{source}: model geometry must be a mapping with num_layers, kv_heads, head_dim, "
+                                     f"dtype; got {type(info).__name__}")
         dims = {k: info.get(k) for k in ("num_layers", "kv_heads", "head_dim")}
         bad = [k for k, v in dims.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
         if bad:
@@ -151,6 +155,8 @@ def _read_small_json(path: Path, error: type[KvtuneError]) -> Any:
 def _table_and_run_dir(spec: str | os.PathLike[str] | PolicyTable) -> tuple[PolicyTable, Path | None]:
     if isinstance(spec, PolicyTable):
         return spec, None
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TableError(f"the policy table must be a file or run folder path or a PolicyTable, got {type(spec).__name__}")
     p = Path(spec)
     if p.is_dir():
         for name in _TABLE_FILES:
@@ -162,7 +168,8 @@ def _table_and_run_dir(spec: str | os.PathLike[str] | PolicyTable) -> tuple[Poli
     info_path = p.parent / "run.json"
     if run is not None and info_path.is_file():
         info = _read_small_json(info_path, ModelMismatchError)
-        if isinstance(info, dict) and (info.get("settings") or {}).get("run") == run:
+        settings = info.get("settings") if isinstance(info, dict) else None
+        if isinstance(settings, dict) and settings.get("run") == run:
             return table, p.parent
     return table, None
 
@@ -171,7 +178,7 @@ def _geometry(table: PolicyTable, run_dir: Path | None, model_info: Mapping[str,
     if model_info is not None:
         return ModelGeometry.from_mapping(model_info, "model_info=")
     extra = table.metadata["extra"].get("model_info")
-    if isinstance(extra, Mapping):
+    if extra is not None:
         return ModelGeometry.from_mapping(extra, "the table's metadata (extra.model_info)")
     if run_dir is None or not (run_dir / "run.json").is_file():
         return None
@@ -221,8 +228,9 @@ def load_artifacts(
             kv_heads)`` tensor), overriding the run's ``calibration.json``.
 
     Raises:
-        TableError: the table is missing or malformed.
-        ModelMismatchError: ``run.json`` belongs to another model or its geometry is malformed.
+        TableError: the table is missing or malformed, or ``table`` is not a path or table.
+        ModelMismatchError: ``run.json`` belongs to another model or its geometry is malformed;
+            ``model_info`` or the table's ``extra.model_info`` is malformed.
         CalibrationError: the calibration file or ``head_scores`` is malformed.
     """
     tbl, run_dir = _table_and_run_dir(table)
@@ -242,16 +250,20 @@ def policy_configs(
 
     Raises:
         TableError: a policy of a method other than :data:`SERVABLE_METHODS`, a configuration
-            that does not parse, or no bucket for ``q_min`` / ``key``.
+            that does not parse or is not the configuration of its ``policy_id`` (an edited
+            table: the id is the hash of the configuration), a policy listed with two different
+            configurations (as a row and as a runner-up), or no bucket for ``q_min`` / ``key``.
         CalibrationError: a ``mixhq`` policy without head scores and none given.
     """
     floor = table.floor_for(q_min, key=key)
     rows = table.intervals(floor, key=key)
     entries: dict[str, tuple[str, str, str]] = {}
     for row in rows.to_dict("records"):
-        entries[row["policy_id"]] = (row["method"], row["label"], row["config_json"])
-        for p in json.loads(row["runner_up_policies"]):
-            entries[p["policy_id"]] = (p["method"], p["label"], p["config_json"])
+        listed = [(row["policy_id"], row["method"], row["label"], row["config_json"])]
+        listed += [(p["policy_id"], p["method"], p["label"], p["config_json"]) for p in json.loads(row["runner_up_policies"])]
+        for pid, *entry in listed:
+            if entries.setdefault(pid, tuple(entry)) != tuple(entry):
+                raise TableError(f"policy {pid} is listed twice with different method/label/config_json (an edited table)")
     out: dict[str, PolicyConfig] = {}
     for pid, (method, label, config_json) in entries.items():
         if pid == NONE_POLICY_ID:
@@ -266,6 +278,9 @@ def policy_configs(
             config = PolicyConfig.from_json(config_json)
         except (ConfigError, TypeError, ValueError) as exc:
             raise TableError(f"policy {pid} ({label}): configuration does not parse: {exc}") from None
+        if config.policy_id != pid:
+            raise TableError(f"policy {pid} ({label}): its config_json is the configuration of policy {config.policy_id} "
+                             "(an edited table: a policy id is the hash of its configuration)")
         if config.needs_head_scores:
             if head_scores is None:
                 raise CalibrationError(

@@ -18,10 +18,15 @@ Frame layout (integers little-endian)::
     22      32    tag = HMAC-SHA256(key, bytes [0, 22) + payload)
     54      N     payload (the kvtune stream)
 
-Keys come from the environment (:func:`load_key`): ``KVTUNE_KV_KEY_FILE`` (path of a file whose
-bytes are the key) or ``KVTUNE_KV_KEY`` (the key as hex); at least :data:`MIN_KEY_BYTES` bytes,
-at most :data:`MAX_KEY_BYTES`. Key bytes never appear in messages, logs or reprs; only the key
-id does.
+Keys come from the environment (:func:`load_key`): ``KVTUNE_KV_KEY_FILE`` (path of a regular
+file whose bytes are the key) or ``KVTUNE_KV_KEY`` (the key as hex); at least
+:data:`MIN_KEY_BYTES` bytes, at most :data:`MAX_KEY_BYTES`. Key bytes never appear in messages,
+logs or reprs; only the key id does.
+
+Scope: a frame proves that it was sealed by a holder of the key and not altered since; it does
+not prove freshness. A captured frame can be replayed (it decodes to the same KV again), and
+frames of two transfers cannot be told apart by the frame: it carries no nonce, request id or
+timestamp. Binding a stream to its request (and refusing duplicates) is the transport's job.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 import struct
 from pathlib import Path
 
+from kvtune.codecs.stream import byte_view
 from kvtune.core.errors import ConfigError, KVStreamError
 
 __all__ = [
@@ -71,8 +78,9 @@ class AuthenticationError(KVStreamError):
 
 
 class KeyConfigError(ConfigError):
-    """The stream key cannot be used: an unreadable, empty, too short or too long key file,
-    a ``KVTUNE_KV_KEY`` that is not hex, or both variables set."""
+    """The stream key cannot be used: an unreadable, empty, too short or too long key file, a
+    key path that is not a regular file (a directory, FIFO or device), a ``KVTUNE_KV_KEY``
+    that is not hex, or both variables set."""
 
 
 def _checked_key(key: bytes | bytearray) -> bytes:
@@ -96,20 +104,22 @@ def seal(stream: bytes | bytearray | memoryview, key: bytes | bytearray) -> byte
     """Frame ``stream`` with the key id and its HMAC-SHA256 tag (layout in the module docstring).
 
     Args:
-        stream: the payload (any bytes; normally a kvtune stream).
+        stream: the payload (any contiguous bytes-like buffer; normally a kvtune stream).
         key: the shared key.
 
     Returns:
-        ``len(stream) + OVERHEAD`` bytes.
+        ``nbytes(stream) + OVERHEAD`` bytes.
 
     Raises:
         KeyConfigError: an unusable key.
+        KVStreamError: ``stream`` is not a contiguous bytes-like buffer.
     """
     k = _checked_key(key)
-    head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, hashlib.sha256(k).digest()[:8], len(stream))
+    payload = byte_view(stream)
+    head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, hashlib.sha256(k).digest()[:8], len(payload))
     mac = hmac.new(k, head, hashlib.sha256)
-    mac.update(stream)
-    return b"".join((head, mac.digest(), stream))
+    mac.update(payload)
+    return b"".join((head, mac.digest(), payload))
 
 
 def is_sealed(data: bytes | bytearray | memoryview) -> bool:
@@ -132,9 +142,10 @@ def unseal(data: bytes | bytearray | memoryview, key: bytes | bytearray) -> memo
             version, a key id other than this key's (both ids are named), a length that
             disagrees with the frame (truncated or padded), or a tag mismatch (edited).
         KeyConfigError: an unusable key.
+        KVStreamError: ``data`` is not a contiguous bytes-like buffer.
     """
     k = _checked_key(key)
-    mv = memoryview(data).cast("B")
+    mv = byte_view(data)
     if len(mv) < _HEAD.size + _TAG_BYTES:
         if is_sealed(mv):
             raise AuthenticationError(f"sealed KV stream truncated: {len(mv)} bytes, the frame header alone needs {OVERHEAD}")
@@ -159,12 +170,25 @@ def unseal(data: bytes | bytearray | memoryview, key: bytes | bytearray) -> memo
 
 
 def _key_from_file(path_text: str) -> bytes:
-    path = Path(path_text).expanduser()
+    """The bytes of a regular key file, at most ``MAX_KEY_BYTES + 1`` read. Opened without
+    blocking (a FIFO without a writer would block forever) and refused unless regular."""
+    path = path_text
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_KEY_BYTES + 1)  # bounded: never read a large file whole
-    except OSError as exc:
-        raise KeyConfigError(f"{KEY_FILE_ENV}={path}: cannot read the key file ({exc.strerror or type(exc).__name__})") from None
+        path = str(Path(path_text).expanduser())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise KeyConfigError(f"{KEY_FILE_ENV}={path}: cannot read the key file (not a regular file)")
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb") as f:
+                fd = -1
+                raw = f.read(MAX_KEY_BYTES + 1)  # bounded: never read a large file whole
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: "~user" unknown; ValueError: NUL in the path
+        reason = getattr(exc, "strerror", None) or type(exc).__name__
+        raise KeyConfigError(f"{KEY_FILE_ENV}={path!r}: cannot read the key file ({reason})") from None
     if len(raw) > MAX_KEY_BYTES:
         raise KeyConfigError(f"{KEY_FILE_ENV}={path}: the key file is larger than {MAX_KEY_BYTES} bytes")
     if len(raw) < MIN_KEY_BYTES:
@@ -175,8 +199,8 @@ def _key_from_file(path_text: str) -> bytes:
 def load_key() -> bytes | None:
     """The stream key from the environment, or None when none is configured.
 
-    ``KVTUNE_KV_KEY_FILE``: path of a file whose bytes (all of them, as-is, newline included)
-    are the key. ``KVTUNE_KV_KEY``: the key as hex digits. Setting both, or setting one to an
+    ``KVTUNE_KV_KEY_FILE``: path of a regular file (or a link to one) whose bytes (all of them,
+    as-is, newline included: a file of hex text is used as its ASCII bytes) are the key. ``KVTUNE_KV_KEY``: the key as hex digits. Setting both, or setting one to an
     empty string, is an error (a misconfigured key must not silently disable authentication).
 
     Raises:

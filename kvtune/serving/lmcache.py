@@ -49,7 +49,7 @@ from kvtune.codecs.policy import KVLayers
 from kvtune.core.errors import KvtuneError, KVStreamError, TruncatedStreamError
 from kvtune.serving.artifacts import ModelMismatchError
 from kvtune.serving.auth import OVERHEAD, load_key
-from kvtune.serving.runtime import ServingPolicy
+from kvtune.serving.runtime import ServingPolicy, checked_gbps
 
 __all__ = [
     "SERDE_NAME",
@@ -143,11 +143,14 @@ class KvtuneSerializer(Serializer):
         policy: the serving runtime (table, controller, key).
         bandwidth_gbps: link Gbps of the L2 tier, used for every decision.
         allow_dtype_mismatch: passed to :meth:`ServingPolicy.check_model`.
+
+    Raises:
+        KvtuneError: a ``bandwidth_gbps`` that is not a finite number > 0.
     """
 
     def __init__(self, policy: ServingPolicy, *, bandwidth_gbps: float, allow_dtype_mismatch: bool = False) -> None:
         self._policy = policy
-        self._bandwidth = float(bandwidth_gbps)
+        self._bandwidth = checked_gbps(bandwidth_gbps)
         self._allow_dtype_mismatch = bool(allow_dtype_mismatch)
         self._checked: set[tuple[tuple[int, ...], torch.dtype]] = set()
 
@@ -234,24 +237,35 @@ class KvtuneDeserializer(Deserializer):
 def create_serde(kwargs: Mapping[str, Any]) -> SerdeProcessor:
     """LMCache serde factory of ``"kvtune"`` (keys in the module docstring).
 
+    Values are checked as a hand-written JSON config gives them: ``q_min``, ``bandwidth_gbps``
+    and ``slo_s`` numbers (see :meth:`ServingPolicy.load`), ``max_workers`` an int >= 1,
+    ``allow_dtype_mismatch`` a JSON boolean (the string ``"false"`` is refused, not read as true).
+
     Raises:
-        KvtuneError: missing or unknown keys; TableError / CalibrationError /
+        KvtuneError: not a mapping, missing or unknown keys, or a value of the wrong type or
+            range (checked before the table is read); TableError / CalibrationError /
             ModelMismatchError / KeyConfigError: see :meth:`ServingPolicy.load` and
             :func:`kvtune.serving.auth.load_key`.
     """
+    if not isinstance(kwargs, Mapping):
+        raise KvtuneError(f"kvtune serde config must be a mapping of {list(_KNOWN)}, got {type(kwargs).__name__}")
     missing = [k for k in _REQUIRED if k not in kwargs]
     unknown = sorted(set(kwargs) - set(_KNOWN))
     if missing or unknown:
         raise KvtuneError(f"kvtune serde config: missing {missing}, unknown {unknown}; keys: {list(_KNOWN)}")
-    bw = float(kwargs["bandwidth_gbps"])
-    if not bw > 0:
-        raise KvtuneError(f"kvtune serde config: bandwidth_gbps must be > 0, got {kwargs['bandwidth_gbps']!r}")
+    bw = checked_gbps(kwargs["bandwidth_gbps"])
+    workers = kwargs.get("max_workers", 1)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise KvtuneError(f"kvtune serde config: max_workers must be an int >= 1, got {workers!r}")
+    lenient = kwargs.get("allow_dtype_mismatch", False)
+    if not isinstance(lenient, bool):
+        raise KvtuneError(f"kvtune serde config: allow_dtype_mismatch must be true or false, got {lenient!r}")
     policy = ServingPolicy.load(
-        str(kwargs["table"]), q_min=float(kwargs["q_min"]), slo_s=kwargs.get("slo_s"), key=load_key(),
+        str(kwargs["table"]), q_min=kwargs["q_min"], slo_s=kwargs.get("slo_s"), key=load_key(),
         controller=kwargs.get("controller"), model_info=kwargs.get("model_info"),
     )
-    serializer = KvtuneSerializer(policy, bandwidth_gbps=bw, allow_dtype_mismatch=bool(kwargs.get("allow_dtype_mismatch", False)))
-    return AsyncSerdeProcessor(serializer, KvtuneDeserializer(serializer), max_workers=int(kwargs.get("max_workers", 1)))
+    serializer = KvtuneSerializer(policy, bandwidth_gbps=bw, allow_dtype_mismatch=lenient)
+    return AsyncSerdeProcessor(serializer, KvtuneDeserializer(serializer), max_workers=workers)
 
 
 def register() -> None:

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from kvtune.codecs.policy import KVLayers, PolicyConfig, decode_kv, encode_kv, original_nbytes
-from kvtune.codecs.stream import read_header
+from kvtune.codecs.policy import KVLayers, PolicyConfig, check_kv, decode_device, decode_kv, encode_kv, original_nbytes
+from kvtune.codecs.stream import StreamHeader, byte_view, read_header
 from kvtune.core.errors import KvtuneError, KVInputError, KVStreamError
 from kvtune.serving.auth import key_id, seal, unseal
 from kvtune.serving.artifacts import (
@@ -60,7 +60,7 @@ from kvtune.serving.artifacts import (
 from kvtune.tables.controller import ChunkedTransfer, Controller, ControllerConfig, Decision, Feedback, Observation
 from kvtune.tables.policy_table import PolicyTable
 
-__all__ = ["ChunkAssemblyError", "ChunkedEncoding", "EncodedKV", "ServingPolicy"]
+__all__ = ["ChunkAssemblyError", "ChunkedEncoding", "EncodedKV", "ServingPolicy", "checked_gbps"]
 
 
 class ChunkAssemblyError(KVStreamError):
@@ -102,23 +102,58 @@ class EncodedKV:
         return len(self.stream)
 
 
-def _seconds(name: str, value: Any) -> float:
-    """``value`` as float seconds; KvtuneError unless finite and >= 0."""
+def _finite_number(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a finite real number (bools and
+    strings are not numbers here)."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise KvtuneError(f"{name} must be a number of seconds, got {value!r}") from None
-    if not (math.isfinite(v) and v >= 0):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _seconds(name: str, value: Any) -> float:
+    """``value`` as float seconds; KvtuneError unless a finite number >= 0."""
+    v = _finite_number(value)
+    if v is None or v < 0:
         raise KvtuneError(f"{name} must be finite and >= 0 seconds, got {value!r}")
     return v
 
 
-def _to_device(kv: KVLayers, device: torch.device | str | None) -> KVLayers:
-    """``kv`` moved to ``device`` (unchanged when None)."""
-    return kv if device is None else [(k.to(device), v.to(device)) for k, v in kv]
+def checked_gbps(value: Any, name: str = "bandwidth_gbps") -> float:
+    """A link bandwidth argument in Gbps as a float.
+
+    Raises:
+        KvtuneError: not a finite number > 0 (a string, a bool, None, 0, negative, NaN, inf).
+    """
+    v = _finite_number(value)
+    if v is None or v <= 0:
+        raise KvtuneError(f"{name} must be > 0 and finite (a number of Gbps), got {value!r}")
+    return v
 
 
-def _controller_config(q_min: float, slo_s: float | None, controller: ControllerConfig | Mapping[str, Any] | None) -> ControllerConfig:
+def _checked_slo(value: Any, name: str = "slo_s") -> float | None:
+    """An SLO argument in seconds: None (no SLO) or a finite number > 0."""
+    if value is None:
+        return None
+    v = _finite_number(value)
+    if v is None or v <= 0:
+        raise KvtuneError(f"{name} must be a finite number of seconds > 0, or None for no SLO; got {value!r}")
+    return v
+
+
+def _checked_q_min(value: Any) -> float:
+    """The accuracy floor argument: a fraction in (0, 1]."""
+    v = _finite_number(value)
+    if v is None or not 0.0 < v <= 1.0:
+        raise KvtuneError(f"q_min must be a number in (0, 1] (a relative accuracy, e.g. 0.97), got {value!r}")
+    return v
+
+
+def _controller_config(q_min: Any, slo_s: Any, controller: ControllerConfig | Mapping[str, Any] | None) -> ControllerConfig:
+    q_min, slo_s = _checked_q_min(q_min), _checked_slo(slo_s)
     if controller is None:
         return ControllerConfig(q_min=q_min, slo_s=slo_s)
     if isinstance(controller, ControllerConfig):
@@ -132,7 +167,10 @@ def _controller_config(q_min: float, slo_s: float | None, controller: Controller
     unknown = sorted(set(controller) - known)
     if unknown:
         raise KvtuneError(f"unknown controller setting(s) {unknown}; known: {sorted(known - {'q_min', 'slo_s'})}")
-    return ControllerConfig(q_min=q_min, slo_s=slo_s, **controller)
+    try:
+        return ControllerConfig(q_min=q_min, slo_s=slo_s, **controller)
+    except (TypeError, ValueError) as exc:  # a value of the wrong type fails its range check
+        raise KvtuneError(f"controller settings {dict(controller)!r}: a value of the wrong type ({exc})") from None
 
 
 class ServingPolicy:
@@ -152,7 +190,8 @@ class ServingPolicy:
         TableError: no accuracy bucket for ``q_min``, or a selectable policy the runtime cannot
             encode (another method, unparsable configuration).
         CalibrationError: a selectable ``mixhq`` policy without head scores.
-        KvtuneError: invalid controller settings.
+        KvtuneError: invalid controller settings, or an ``initial_bandwidth_gbps`` that is
+            not a finite number > 0.
     """
 
     def __init__(
@@ -166,6 +205,8 @@ class ServingPolicy:
         self._key_id = None if key is None else key_id(key)
         self._key = None if key is None else bytes(key)
         self._artifacts = artifacts
+        if initial_bandwidth_gbps is not None:
+            initial_bandwidth_gbps = checked_gbps(initial_bandwidth_gbps, "initial_bandwidth_gbps")
         self._controller = Controller(artifacts.table, config, initial_bandwidth_gbps=initial_bandwidth_gbps)
         self._configs = policy_configs(artifacts.table, config.q_min, key=config.key, head_scores=artifacts.head_scores)
         self._lock = threading.Lock()
@@ -189,9 +230,9 @@ class ServingPolicy:
 
         Args:
             table: ``policy_table.json`` / ``.parquet``, a run folder, or a loaded table.
-            q_min: accuracy floor (fraction, e.g. 0.97): the table's bucket is the smallest
-                floor >= ``q_min``.
-            slo_s: transfer-time SLO in seconds (None = none).
+            q_min: accuracy floor, a fraction in (0, 1] (e.g. 0.97): the table's bucket is the
+                smallest floor >= ``q_min``.
+            slo_s: transfer-time SLO in seconds, finite and > 0 (None = none).
             key: shared stream key (see the class), e.g. ``kvtune.serving.auth.load_key()``.
             controller: further :class:`~kvtune.tables.ControllerConfig` settings (a config
                 or a dict such as ``{"epsilon": 0.0}``; ``q_min``/``slo_s`` come from the
@@ -205,10 +246,12 @@ class ServingPolicy:
         Raises:
             TableError, CalibrationError, ModelMismatchError, KeyConfigError, KvtuneError: see
                 the class and
-                :func:`~kvtune.serving.artifacts.load_artifacts`.
+                :func:`~kvtune.serving.artifacts.load_artifacts`; KvtuneError also for a
+                ``q_min`` outside (0, 1] or an ``slo_s`` that is not a finite number > 0
+                (checked before the table is read).
         """
-        artifacts = load_artifacts(table, model_info=model_info, head_scores=head_scores)
         config = _controller_config(q_min, slo_s, controller)
+        artifacts = load_artifacts(table, model_info=model_info, head_scores=head_scores)
         return cls(artifacts, config, initial_bandwidth_gbps=initial_bandwidth_gbps, key=key)
 
     # ------------------------------------------------------------------ state
@@ -283,9 +326,16 @@ class ServingPolicy:
 
         Raises:
             ModelMismatchError: a geometry or dtype difference (all differences in one
-                message), MixHQ scores for another geometry, or a table with no recorded
-                geometry (load the run folder, or pass ``model_info=`` to :meth:`load`).
+                message), MixHQ scores for another geometry, a table with no recorded
+                geometry (load the run folder, or pass ``model_info=`` to :meth:`load`), or
+                arguments that are not positive ints and a ``torch.dtype``.
         """
+        dims = {"num_layers": num_layers, "kv_heads": kv_heads, "head_dim": head_dim}
+        bad = sorted(k for k, v in dims.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0)
+        if bad:
+            raise ModelMismatchError(f"check_model: {bad} must be positive ints, got {[dims[k] for k in bad]}")
+        if not isinstance(dtype, torch.dtype):
+            raise ModelMismatchError(f"check_model: dtype must be a torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
         geo = self.geometry
         if geo is None:
             raise ModelMismatchError(
@@ -304,7 +354,10 @@ class ServingPolicy:
         self._model = (num_layers, kv_heads, head_dim, dtype)
 
     def _check_kv(self, kv: KVLayers, layer_offset: int) -> None:
-        """Refuse KV that does not fit the checked model (no-op before :meth:`check_model`)."""
+        """Refuse malformed KV (:func:`kvtune.codecs.check_kv`: structure, ranks, dtypes,
+        device; values are checked while encoding) and, after :meth:`check_model`, KV that
+        does not fit the checked model."""
+        check_kv(kv, check_finite=False)
         if self._model is None:
             return
         layers, heads, dim, dtype = self._model
@@ -341,11 +394,16 @@ class ServingPolicy:
             :class:`EncodedKV`; send ``.stream``, then call :meth:`feedback`.
 
         Raises:
-            KVInputError: the KV has no elements, or cannot be coded (see
-                :func:`kvtune.codecs.encode_kv`).
+            KVInputError: the KV is malformed (not ``(K, V)`` pairs of 4-D float32 /
+                bfloat16 / float16 tensors of one dtype, :func:`kvtune.codecs.check_kv`), has
+                no elements, or cannot be coded (see :func:`kvtune.codecs.encode_kv`); checked
+                before the controller decides.
             ModelMismatchError: after :meth:`check_model`, KV of another geometry.
-            KvtuneError: no bandwidth (no prior, no feedback yet and none given).
+            KvtuneError: no bandwidth (no prior, no feedback yet and none given), or a
+                ``bandwidth_gbps`` that is not a finite number > 0.
         """
+        if bandwidth_gbps is not None:
+            bandwidth_gbps = checked_gbps(bandwidth_gbps)
         self._check_kv(kv, 0)
         volume = original_nbytes(kv)
         if volume <= 0:
@@ -361,10 +419,11 @@ class ServingPolicy:
         that authenticates.
 
         Args:
-            stream: the received bytes.
-            device: where to return the tensors (default: CPU).
-            out: optional preallocated CPU tensors to decode into (see
-                :func:`kvtune.codecs.decode_kv`).
+            stream: the received bytes (any contiguous bytes-like buffer).
+            device: where to decode (default: CPU): on a GPU, the codecs' device path decodes
+                there (:func:`kvtune.codecs.decode_kv` with ``device=``).
+            out: optional preallocated tensors on ``device`` to decode into (see
+                :func:`kvtune.codecs.decode_kv`); they are returned.
 
         Returns:
             One ``(K, V)`` pair per layer of the stream, in the encoded dtype.
@@ -373,14 +432,37 @@ class ServingPolicy:
             AuthenticationError: with a key, a stream that is not sealed, truncated, edited or
                 sealed with another key (checked before any decoding; a
                 :class:`~kvtune.core.errors.KVStreamError`).
-            KVStreamError: a truncated, corrupted or undecodable stream (its subclasses).
+            KVStreamError: not a bytes-like buffer, or a truncated, corrupted or undecodable
+                stream (its subclasses).
+            ModelMismatchError: after :meth:`check_model`, a stream whose header records
+                layers, KV heads or head size the model does not have (before decoding).
+            KVInputError: an unusable ``device`` or ``out`` (see :func:`kvtune.codecs.decode_kv`).
         """
-        return _to_device(decode_kv(self._payload(stream), out=out), device)
+        dev = decode_device(device)
+        payload = self._payload(stream)
+        if self._model is not None:
+            self._check_header(read_header(payload))
+        return decode_kv(payload, out=out, device=dev)
 
-    def _payload(self, stream: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    def _payload(self, stream: bytes | bytearray | memoryview) -> memoryview:
         """The kvtune stream inside ``stream``: authenticated and unframed with a key, as is
-        without one."""
-        return stream if self._key is None else unseal(stream, self._key)
+        (a byte view, :func:`kvtune.codecs.stream.byte_view`) without one."""
+        return byte_view(stream) if self._key is None else unseal(stream, self._key)
+
+    def _check_header(self, h: StreamHeader) -> None:
+        """After :meth:`check_model`, refuse a stream whose recorded layers or shapes are not
+        the model's (no-op before)."""
+        if self._model is None:
+            return
+        layers, heads, dim, _ = self._model
+        if h.layer_offset + h.num_layers > layers:
+            raise ModelMismatchError(f"stream of layers {h.layer_offset}..{h.layer_offset + h.num_layers - 1}; "
+                                     f"the model has {layers}")
+        for i, pair in enumerate(h.shapes):
+            for name, shape in zip("KV", pair):
+                if shape[1] != heads or shape[3] != dim:
+                    raise ModelMismatchError(f"stream layer {h.layer_offset + i} {name} is {tuple(shape)}; the checked "
+                                             f"model has (batch, {heads}, tokens, {dim})")
 
     def _feedback_args(self, encoded: EncodedKV, transfer_s: float, decode_s: float | None) -> Feedback:
         """The controller's :class:`~kvtune.tables.Feedback` of one transfer: the codec time
@@ -410,8 +492,10 @@ class ServingPolicy:
             The controller's :class:`~kvtune.tables.Observation`.
 
         Raises:
-            KvtuneError: a negative / non-finite time, or a chunk.
+            KvtuneError: a negative / non-finite time, a chunk, or not an :class:`EncodedKV`.
         """
+        if not isinstance(encoded, EncodedKV):
+            raise KvtuneError(f"feedback needs the EncodedKV that encode() returned, got {type(encoded).__name__}")
         if encoded.chunk is not None:
             raise KvtuneError("feedback of a chunk goes to its ChunkedEncoding.feedback")
         fb = self._feedback_args(encoded, transfer_s, decode_s)
@@ -435,10 +519,14 @@ class ServingPolicy:
             :meth:`~ChunkedEncoding.feedback` before asking for the next.
 
         Raises:
-            KvtuneError: ``chunk_layers`` < 1; KVInputError / ModelMismatchError as :meth:`encode`.
+            KvtuneError: ``chunk_layers`` < 1, or an ``slo_s`` that is not a finite number > 0;
+                KVInputError / ModelMismatchError as :meth:`encode` (the whole cache is checked
+                before the first chunk: e.g. one dtype across every chunk).
         """
         if isinstance(chunk_layers, bool) or not isinstance(chunk_layers, int) or chunk_layers < 1:
             raise KvtuneError(f"chunk_layers must be an int >= 1, got {chunk_layers!r}")
+        if slo_s is not None:
+            slo_s = _checked_slo(slo_s)
         self._check_kv(kv, 0)
         groups = [kv[i : i + chunk_layers] for i in range(0, len(kv), chunk_layers)]
         sizes = [original_nbytes(g) for g in groups]
@@ -453,27 +541,45 @@ class ServingPolicy:
     ) -> KVLayers:
         """Decode the chunk streams of one transfer, in any order, into one KV cache.
 
+        Every chunk is authenticated (with a key) and its header checked before any chunk is
+        decoded. Chunks of one transfer share the KV dtype and batch size; chunks of two
+        transfers that agree on both (and tile the layers) cannot be told apart from the
+        streams, which carry no transfer id: the transport keeps transfers apart.
+
         Args:
-            streams: every chunk's stream.
-            device: where to return the tensors (default: CPU).
+            streams: a list (any iterable but a bytes-like) of every chunk's stream.
+            device: where to decode (default: CPU), as :meth:`decode`.
 
         Returns:
             The layers ``0..n-1`` in order.
 
         Raises:
-            ChunkAssemblyError: the chunks do not cover layers ``0..n-1`` exactly once (or,
-                after :meth:`check_model`, not all of the model's layers).
+            ChunkAssemblyError: no chunks, chunks that do not cover layers ``0..n-1`` exactly
+                once (or, after :meth:`check_model`, not all of the model's layers), or chunks
+                of different dtypes or batch sizes (different transfers).
             AuthenticationError: with a key, a chunk that does not authenticate.
-            KVStreamError: a chunk fails to decode.
+            KVStreamError: ``streams`` is not an iterable of bytes-like chunks, or a chunk
+                fails to decode.
+            ModelMismatchError: after :meth:`check_model`, a chunk of another geometry.
+            KVInputError: an unusable ``device``.
         """
+        dev = decode_device(device)
+        if streams is None or isinstance(streams, (bytes, bytearray, memoryview, str)):
+            raise KVStreamError(f"decode_chunks needs a list of chunk streams, got {type(streams).__name__}")
         parts = []
         for s in streams:
             payload = self._payload(s)
             h = read_header(payload)
-            parts.append((h.layer_offset, h.num_layers, payload))
+            self._check_header(h)
+            parts.append((h.layer_offset, h.num_layers, payload, h))
+        if not parts:
+            raise ChunkAssemblyError("no chunk streams to assemble")
+        kinds = sorted({(h.dtype, shape[0]) for *_, h in parts for pair in h.shapes for shape in pair})
+        if len(kinds) > 1:
+            raise ChunkAssemblyError(f"chunk streams of different transfers: (dtype, batch) {kinds}")
         parts.sort(key=lambda p: p[0])
         expected = 0
-        for offset, n, _ in parts:
+        for offset, n, *_ in parts:
             if offset != expected:
                 what = "missing" if offset > expected else "overlapping"
                 raise ChunkAssemblyError(f"chunk streams: layers {min(offset, expected)}..{max(offset, expected) - 1} {what}")
@@ -481,8 +587,8 @@ class ServingPolicy:
         if self._model is not None and expected != self._model[0]:
             raise ChunkAssemblyError(f"chunk streams cover layers 0..{expected - 1}; the model has {self._model[0]}")
         kv: KVLayers = []
-        for _, _, payload in parts:
-            kv.extend(_to_device(decode_kv(payload), device))
+        for _, _, payload, _ in parts:
+            kv.extend(decode_kv(payload, device=dev))
         return kv
 
 
