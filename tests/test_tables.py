@@ -402,6 +402,28 @@ def test_impossible_policy_rows_are_rejected_on_load(tmp_path, hand_table, field
     assert str(bad) in str(info.value) and "row " in str(info.value)
 
 
+def test_deeply_nested_json_is_a_table_error(tmp_path, hand_table):
+    good = hand_table.to_json(tmp_path / "good.json")
+    deep = "[" * 100_000 + "]" * 100_000
+    nested_config = _rewrite_json(good, tmp_path / "deep_config.json", lambda doc: _first_compressed(doc).update({"config_json": deep}))
+    with pytest.raises(TableError, match="nested too deeply"):
+        PolicyTable.load(nested_config)
+    nested_doc = tmp_path / "deep_doc.json"
+    nested_doc.write_text('{"format": "kvtune.policy_table", "schema_version": 1, "extra": ' + deep + "}")
+    with pytest.raises(TableError, match="nested too deeply"):
+        PolicyTable.load(nested_doc)
+
+
+def test_table_files_over_the_size_limit_are_refused_before_reading(tmp_path, hand_table, monkeypatch):
+    import kvtune.tables.policy_table as policy_table
+
+    path = hand_table.to_json(tmp_path / "t.json")
+    monkeypatch.setattr(policy_table, "MAX_TABLE_BYTES", path.stat().st_size - 1)
+    monkeypatch.setattr(policy_table, "_read_json", lambda p: pytest.fail("read a file over the limit"))
+    with pytest.raises(TableError, match=rf"file is {path.stat().st_size} bytes, more than .* limit of"):
+        PolicyTable.load(path)
+
+
 def test_impossible_runner_up_and_parquet_rows_are_rejected_on_load(tmp_path, hand_table):
     good = hand_table.to_json(tmp_path / "good.json")
 

@@ -93,6 +93,7 @@ __all__ = [
     "NONE_POLICY_ID",
     "SCHEMA_VERSION",
     "SUPPORTED_SCHEMA_VERSIONS",
+    "MAX_TABLE_BYTES",
     "DEFAULT_KV_BYTES",
     "DEFAULT_KEY",
     "OPTIONAL_COLUMNS",
@@ -106,6 +107,9 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+#: Largest policy table file :meth:`PolicyTable.load` reads, bytes (a profiled table is a few
+#: hundred KB; the bound keeps a hostile or mistaken path from being read whole into memory).
+MAX_TABLE_BYTES = 256 << 20
 DEFAULT_FLOORS: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90)
 NONE_POLICY_ID = "none"
 #: Default KV volume (bytes) of a selection when neither the caller nor the table's
@@ -1315,7 +1319,8 @@ class PolicyTable:
 
         Raises:
             TableError: naming the file and the problem (and the row and column of a bad
-                value).
+                value); also for a file over :data:`MAX_TABLE_BYTES` (checked before reading)
+                and for JSON nested too deeply to parse.
         """
         p = Path(path)
         src = str(p)
@@ -1324,11 +1329,17 @@ class PolicyTable:
             raise _fail(src, f"unknown policy table suffix {p.suffix!r} (use .parquet or .json)")
         if not p.is_file():
             raise _fail(src, "file not found")
-        if suffix == ".json":
-            frame, extra, header_floors = _read_json(p)
-        else:
-            frame, extra, header_floors = _read_parquet(p)
-        table = cls(frame, metadata=extra, source=src)
+        size = p.stat().st_size
+        if size > MAX_TABLE_BYTES:
+            raise _fail(src, f"file is {size} bytes, more than a policy table's limit of {MAX_TABLE_BYTES}")
+        try:
+            if suffix == ".json":
+                frame, extra, header_floors = _read_json(p)
+            else:
+                frame, extra, header_floors = _read_parquet(p)
+            table = cls(frame, metadata=extra, source=src)
+        except RecursionError:
+            raise _fail(src, "JSON nested too deeply (a header, config_json or runner-up list)") from None
         if header_floors is not None and sorted(map(float, header_floors)) != sorted(table.floors):
             raise _fail(
                 src, f"header floors {header_floors} do not match the rows' floors {list(table.floors)}"
