@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from kvtune.core.errors import KvtuneError
+from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.methods.tqc.settings import ProfileSettings
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ _D = ProfileSettings()  # the defaults live in one place
 
 @app.command()
 def profile(
+    ctx: typer.Context,
     model: str = typer.Option(_D.model, help="Named model asset, local .gguf file, Hugging Face folder or model id."),
     text: str = typer.Option(_D.text, help="Named text asset, a .txt file or a folder of .txt files (continuation, needle)."),
     workload: str = typer.Option(_D.workload, help="continuation, qa, boolq, needle or summarize."),
@@ -64,10 +65,11 @@ def profile(
     resume: Optional[Path] = typer.Option(None, help="Continue an interrupted run folder; its saved settings are used."),
     device: str = typer.Option(_D.device, help="auto (CUDA when present), cpu or cuda."),
     seed: int = typer.Option(_D.seed, help="Seed for the search order."),
-    method: str = typer.Option("tqc", help="A registered method: tqc (KV compression search, this command's "
-                                           "options), scd (cross-model KV transfer), bicache (shared-prefix reuse "
-                                           "depth). --model/--out/--reports/--run/--resume/--device/--seed apply "
-                                           "to every method; the others' settings via --set."),
+    method: Optional[str] = typer.Option(None, help="A registered method: tqc (KV compression search, this "
+                                         "command's options; the default), scd (cross-model KV transfer), bicache "
+                                         "(shared-prefix reuse depth). --model/--out/--reports/--run/--resume/"
+                                         "--device/--seed apply to every method; the others' settings via --set. "
+                                         "With --resume: the run's own method (a different one is an error)."),
     set_: list[str] = typer.Option([], "--set", help="A setting of the method as name=value (repeatable), e.g. "
                                                      "--set budget=8 --set ranks=32,64; names: the method's settings."),
 ) -> None:
@@ -76,35 +78,49 @@ def profile(
     from kvtune.methods import METHODS
     from kvtune.methods.tqc.profile import load_settings, run_profile
     from kvtune.run.method import Hooks, ProfileRequest
-    from kvtune.run.runner import run_request
+    from kvtune.run.runner import check_resume_request, run_request
 
+    given = _given_options(ctx)
     try:
-        if resume is not None:  # the run folder says which method it is
+        info = None
+        if resume is not None:  # the run folder says which method it is (--method, if given, must agree)
             from kvtune.tables.run import read_run_info, run_method
 
-            method = run_method(read_run_info(resume), resume).name
+            info = read_run_info(resume)
+            method = method or run_method(info, resume).name
+        method = method or "tqc"
         if method not in METHODS:
             raise KvtuneError(f"unknown --method {method!r}; known: {METHODS.known()}")
         options = _set_options(set_)
+        request = ProfileRequest(
+            model=model if "model" in given else None, out=out if "out" in given else None,
+            reports=reports if "reports" in given else None, run=run, resume=resume, device=device, seed=seed,
+            options=options, hooks=Hooks(say=lambda m: console.print(m, markup=False)))
+        if method != "tqc":
+            own = sorted(given & TQC_OWN_OPTIONS)
+            if own:
+                raise ConfigError(f"{', '.join(_flag(n) for n in own)}: options of --method tqc; give the settings of "
+                                  f"--method {method} as --set name=value")
+        elif options:
+            raise KvtuneError("--set is for the settings of --method scd/bicache; tqc has its own options")
+        if info is not None:
+            check_resume_request(METHODS[method], request, info)
+            check_resumed_settings(resume, METHODS[method].stored_settings(resume, info),
+                                   {n: ctx.params[n] for n in given & (TQC_OWN_OPTIONS | SHARED_SETTINGS)})
     except KvtuneError as exc:
         _fail(exc)
         return
     if method != "tqc":
         try:
             with _progress_hooks() as (on_stage, on_progress):
-                run_dir = run_request(METHODS[method], ProfileRequest(
-                    model=None if model == _D.model else model, out=out, reports=reports, run=run, resume=resume,
-                    device=device, seed=seed, options=options,
-                    hooks=Hooks(on_stage=on_stage, on_progress=on_progress,
-                                say=lambda m: console.print(m, markup=False)))).run_dir
+                run_dir = run_request(METHODS[method], dataclasses.replace(
+                    request, hooks=dataclasses.replace(request.hooks, on_stage=on_stage, on_progress=on_progress))).run_dir
         except KvtuneError as exc:
             _fail(exc)
             return
         console.print(f"run folder: {run_dir}", markup=False)
         return
     try:
-        if options:
-            raise KvtuneError("--set is for the settings of --method scd/bicache; tqc has its own options")
         if resume is not None:
             settings = dataclasses.replace(load_settings(resume), out=str(resume.parent), run=resume.name)
         else:
@@ -116,11 +132,47 @@ def profile(
                 search_fidelity=search_fidelity, refine=refine, refine_budget=refine_budget, kv_dtype=kv_dtype, prompt_format=prompt_format,
             )
         with _progress_hooks() as (on_stage, on_progress):
-            result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress)
+            result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress,
+                                 say=request.hooks.say)
     except KvtuneError as exc:
         _fail(exc)
         return
     _print_summary(result)
+
+
+#: ``kvtune profile`` options every method stores in its settings under the same name.
+SHARED_SETTINGS = frozenset({"device", "seed"})
+
+#: ``kvtune profile`` options that are T/Q/C settings (the other methods take theirs via --set).
+TQC_OWN_OPTIONS = frozenset({
+    "text", "workload", "data", "samples", "cheap_samples", "max_new_tokens", "search_fidelity", "refine",
+    "refine_budget", "kv_dtype", "prompt_format", "space", "budget", "optimizer", "contexts", "context_tokens",
+    "continuation_tokens"})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given_options(ctx: typer.Context) -> set[str]:
+    """The parameters of a command given on its command line (not left at their defaults)."""
+    sources = {name: ctx.get_parameter_source(name) for name in ctx.params}  # typer may vendor its own click
+    return {name for name, source in sources.items() if getattr(source, "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+
+
+def check_resumed_settings(run_dir: Path, settings: object, given: dict) -> None:
+    """Options given with ``--resume`` that are settings of the run (``--seed``, ``--device``,
+    the T/Q/C options) must agree with the run's stored ``settings`` (read from its ``run.json``).
+
+    Raises:
+        ConfigError: an option whose value differs from the stored one (the message names it,
+            the value given and the run's).
+    """
+    differ = [f"{_flag(name)} {value} (the run's: {getattr(settings, name)})" for name, value in sorted(given.items())
+              if hasattr(settings, name) and getattr(settings, name) != value]
+    if differ:
+        raise ConfigError(f"--resume {run_dir} continues with the settings stored in its run.json; "
+                          f"{', '.join(differ)} cannot change them (leave them out, or start a new --run)")
 
 
 def _set_options(pairs: list[str]) -> dict[str, str]:

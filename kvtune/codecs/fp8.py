@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 
 from kvtune.codecs.base import MetaField, Quantizer, param, register_quantizer
-from kvtune.codecs.quantizers import FP16_MAX, fp16_round_up
+from kvtune.codecs.quantizers import FP16_MAX, div_exact, fp16_round_up
 
 __all__ = ["FP8Quantizer", "FP8_DTYPES", "fp8_max", "fp8_encode", "fp8_decode", "fp8_token_scale"]
 
@@ -48,7 +48,7 @@ def fp8_decode(symbols: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def fp8_token_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """float16 per-token scale ``absmax / fp8_max`` rounded up, shape ``x.shape[:-1]``."""
-    return fp16_round_up(x.abs().amax(dim=-1) / fp8_max(fmt))
+    return fp16_round_up(div_exact(x.abs().amax(dim=-1), fp8_max(fmt)))
 
 
 @register_quantizer("fp8")

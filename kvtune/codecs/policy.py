@@ -44,7 +44,7 @@ import torch
 import kvtune.codecs.fp8  # noqa: F401  (registers the "fp8" quantizer)
 import kvtune.codecs.mixhq  # noqa: F401  (registers the "mixhq" quantizer)
 import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
-from kvtune.codecs import fastpath
+from kvtune.codecs import fastpath, torchpath
 from kvtune.codecs.base import (
     Codec,
     MetaField,
@@ -386,20 +386,38 @@ def _decode_tensor(
     return invert_transforms(y, config.transforms, states, layer=layer, kind=kind)
 
 
-IMPLS = ("auto", "fast", "reference")
+IMPLS = ("auto", "fast", "reference", "torch")
 """Values of the ``impl`` argument of :func:`encode_kv` / :func:`decode_kv`."""
 
 
 def _use_fast(impl: str, config: PolicyConfig) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "reference":
+    if impl in ("reference", "torch"):
         return False
     ok = fastpath.supports(config)
     if impl == "fast" and not ok:
         reason = "the compiled kernels are not available" if not fastpath.available() else "a component has no kernel"
         raise ConfigError(f"policy {config.label}: no fast path ({reason}); use impl='auto' or 'reference'")
     return ok
+
+
+def _use_torch(impl: str, config: PolicyConfig, off_cpu: bool) -> bool:
+    """The device path (:mod:`kvtune.codecs.torchpath`): asked for, or ``auto`` with the data
+    off the CPU and a policy it runs."""
+    if impl == "torch":
+        if not torchpath.supports(config):
+            raise ConfigError(f"policy {config.label}: no torch path (a component has no device implementation); "
+                              "use impl='auto' or 'reference'")
+        return True
+    return impl == "auto" and off_cpu and torchpath.supports(config)
+
+
+def _off_cpu(kv: Any) -> bool:
+    """Whether a tensor of ``kv`` (not validated yet) lives on a device other than the CPU."""
+    pairs = kv if isinstance(kv, (list, tuple)) else ()
+    return any(isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+               for pair in pairs if isinstance(pair, (list, tuple)) for t in pair)
 
 
 def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl: str = "auto") -> bytes:
@@ -412,9 +430,11 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         config: the policy.
         layer_offset: absolute index of ``kv[0]`` (when the stream carries a layer range);
             seeds of layer-dependent transforms use ``layer_offset + i``.
-        impl: ``"auto"`` (compiled kernels when every component has one, see
-            :mod:`kvtune.codecs.fastpath`), ``"fast"`` (require them) or ``"reference"`` (the
-            torch implementation of each component). All give the same bytes.
+        impl: ``"auto"`` (the device path of :mod:`kvtune.codecs.torchpath` when a tensor is
+            off the CPU, e.g. on a GPU, else compiled kernels when every component has one, see
+            :mod:`kvtune.codecs.fastpath`), ``"fast"`` (require the kernels), ``"reference"``
+            (the torch implementation of each component, on the CPU) or ``"torch"`` (the device
+            path, on each tensor's device, the CPU included). All give the same bytes.
 
     Returns:
         The stream bytes (format: :mod:`kvtune.codecs.stream`); deterministic.
@@ -437,14 +457,17 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     if not isinstance(config, PolicyConfig):
         raise TypeError(f"config must be a PolicyConfig (PolicyConfig.from_dict for a dict), got {type(config).__name__}")
     fast = _use_fast(impl, config)
-    dtype = _kv_dtype(kv, check_finite=not fast)  # the fast path checks inside its kernels
+    on_device = _use_torch(impl, config, _off_cpu(kv))
+    dtype = _kv_dtype(kv, check_finite=not (fast or on_device))  # those paths check inside their kernels
     if not isinstance(layer_offset, int) or isinstance(layer_offset, bool):
         raise TypeError(f"layer_offset must be an int, got {type(layer_offset).__name__}")
     if layer_offset < 0:
         raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
     crcs = None
-    if fast:
+    if on_device:
+        sections = torchpath.encode_tensors(kv, config, layer_offset)
+    elif fast:
         sections, crcs = fastpath.encode_tensors(kv, config, layer_offset)
     else:
         sections = []
@@ -473,22 +496,27 @@ def decode_kv(
     expect: PolicyConfig | None = None,
     impl: str = "auto",
     out: KVLayers | None = None,
+    device: torch.device | str | None = None,
 ) -> KVLayers:
     """Decompress a stream written by :func:`encode_kv`, from its bytes alone.
 
     Args:
         stream: the stream bytes.
         expect: when given, the policy the caller expects the stream to use.
-        impl: ``"auto"``, ``"fast"`` or ``"reference"``, as in :func:`encode_kv`; all give
-            the same tensors.
-        out: optional preallocated ``(K, V)`` tensors to decode into (CPU, contiguous, the
+        impl: ``"auto"``, ``"fast"``, ``"reference"`` or ``"torch"``, as in :func:`encode_kv`
+            (``auto`` decodes on the device path when ``device`` is not the CPU); all give the
+            same tensors.
+        out: optional preallocated ``(K, V)`` tensors to decode into (on ``device``, contiguous, the
             stream's shapes and dtype), e.g. the KV cache blocks of a serving engine; saves
             allocating (and page-faulting) fresh tensors. They are returned. Layers are
             written as they decode: after an error, ``out`` may hold some decoded layers and
             must not be used.
 
+        device: where the tensors are returned (default: the CPU). A policy the device path
+            does not run is decoded on the CPU and copied there.
+
     Returns:
-        One ``(K, V)`` pair per layer on the CPU, with the shapes and dtype of the encoded
+        One ``(K, V)`` pair per layer on ``device``, with the shapes and dtype of the encoded
         input; float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
         so a stream of finite float16 input never decodes to inf.
 
@@ -516,8 +544,22 @@ def decode_kv(
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
     check_claimed_sizes(header, sections, config)
+    device = torch.device("cpu" if device is None else device)
     if out is not None:
-        _check_out(out, header.shapes, dtype)
+        _check_out(out, header.shapes, dtype, device)
+    if _use_torch(impl, config, device.type != "cpu"):
+        try:
+            return torchpath.decode_tensors(stream, header, sections, config, device, out)
+        except fastpath.LayerDecodeError as err:
+            _raise_decode_error(header.policy_id, err.layer, err.exc)
+    if device.type != "cpu":  # no device path for this policy: decode on the CPU, then move
+        moved = [(k.to(device), v.to(device)) for k, v in decode_kv(stream, impl=impl)]
+        if out is None:
+            return moved
+        for (ok, ov), (k, v) in zip(out, moved):
+            ok.copy_(k)
+            ov.copy_(v)
+        return out
     if _use_fast(impl, config) and fastpath.sizes_plausible(header):
         try:
             return fastpath.decode_tensors(stream, header, sections, config, out)
@@ -619,8 +661,8 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
                 raise CorruptStreamError(f"{where} {problem}")
 
 
-def _check_out(out: KVLayers, shapes, dtype: torch.dtype) -> None:
-    """``decode_kv(out=...)`` needs CPU contiguous tensors of the stream's shapes and dtype."""
+def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device) -> None:
+    """``decode_kv(out=...)`` needs contiguous tensors on ``device`` of the stream's shapes and dtype."""
     if not isinstance(out, (list, tuple)) or len(out) != len(shapes):
         raise ValueError(f"out must be a list of {len(shapes)} (K, V) pairs")
     for i, (pair, kv_shapes) in enumerate(zip(out, shapes)):
@@ -628,8 +670,8 @@ def _check_out(out: KVLayers, shapes, dtype: torch.dtype) -> None:
             raise ValueError(f"out[{i}] must be a (K, V) pair")
         for name, t, shape in zip("KV", pair, kv_shapes):
             if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
-                    and t.device.type == "cpu" and t.is_contiguous()):
-                raise ValueError(f"out[{i}] {name} must be a contiguous CPU {dtype} tensor of shape {tuple(shape)}")
+                    and t.device.type == device.type and device.index in (None, t.device.index) and t.is_contiguous()):
+                raise ValueError(f"out[{i}] {name} must be a contiguous {dtype} tensor on {device} of shape {tuple(shape)}")
             if t.requires_grad:
                 raise ValueError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
 

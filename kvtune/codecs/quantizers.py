@@ -51,6 +51,7 @@ __all__ = [
     "group",
     "ungroup",
     "fp16_round_up",
+    "div_exact",
     "asymmetric_params",
     "symmetric_params",
     "quantize_affine",
@@ -111,6 +112,17 @@ def fp16_round_up(x: torch.Tensor) -> torch.Tensor:
     return torch.where(h.to(torch.float32) < x, up, h)
 
 
+def div_exact(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor``, correctly rounded in ``x``'s dtype on every device.
+
+    The divisor is a 0-dim tensor on ``x``'s device, not a Python number: CUDA divides a tensor
+    by a Python number by multiplying with its rounded reciprocal (one ulp off for divisors such
+    as 3 or 448), while the CPU -- and the compiled kernels (:mod:`kvtune.codecs.kernels`) --
+    divide. The device codec path (:mod:`kvtune.codecs.torchpath`) relies on this.
+    """
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def asymmetric_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float16 ``(scale, zero)`` of asymmetric min/max quantization (KIVI, Liu et al. 2024, sec. 3).
 
@@ -133,7 +145,7 @@ def asymmetric_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[to
     """
     zero = fp16_round_up(lo)
     zero = torch.where(zero == 0, torch.zeros_like(zero), zero)  # canonical +0 (docstring)
-    scale = _nonnegative((hi - zero.to(torch.float32)) / (2**bits - 1)).to(torch.float16)
+    scale = _nonnegative(div_exact(hi - zero.to(torch.float32), 2**bits - 1)).to(torch.float16)
     return scale, zero
 
 
@@ -144,7 +156,7 @@ def symmetric_params(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     about zero and spans ``[-absmax, absmax]`` (a mid-rise grid: with an even number of levels
     zero itself is not a level; 1 bit gives ``+-absmax``). An all-zero group gets scale 0.
     """
-    return _nonnegative(2.0 * absmax / (2**bits - 1)).to(torch.float16)
+    return _nonnegative(div_exact(2.0 * absmax, 2**bits - 1)).to(torch.float16)
 
 
 def _nonnegative(s: torch.Tensor) -> torch.Tensor:

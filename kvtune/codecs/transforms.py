@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from kvtune.codecs.base import BF16_BITS, MetaField, Transform, param, register_transform
-from kvtune.codecs.quantizers import FP16_MAX
+from kvtune.codecs.quantizers import FP16_MAX, div_exact
 
 __all__ = [
     "Identity",
@@ -240,7 +240,7 @@ def delta_encode(x: torch.Tensor, group_size: int) -> torch.Tensor:
     ``y[a] = x[a]`` on anchors. Vectorized: one gather, one subtraction, one strided copy.
     """
     t = x.shape[2]
-    anchors = x.index_select(2, torch.arange(t) // group_size * group_size)
+    anchors = x.index_select(2, torch.arange(t, device=x.device) // group_size * group_size)
     y = x - anchors
     y[:, :, ::group_size] = x[:, :, ::group_size]
     return y
@@ -249,7 +249,7 @@ def delta_encode(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def delta_decode(y: torch.Tensor, group_size: int) -> torch.Tensor:
     """Inverse of :func:`delta_encode`: ``x[t] = y[t] + y[a(t)]``, ``x[a] = y[a]``."""
     t = y.shape[2]
-    x = y + y.index_select(2, torch.arange(t) // group_size * group_size)
+    x = y + y.index_select(2, torch.arange(t, device=y.device) // group_size * group_size)
     x[:, :, ::group_size] = y[:, :, ::group_size]
     return x
 
@@ -326,22 +326,33 @@ def channel_stats(x: torch.Tensor, statistic: str, shift: bool) -> tuple[torch.T
     cols = x.permute(1, 3, 0, 2).reshape(h, d, n)  # per (head, channel): values in (batch, token) order
     mean = None
     if shift:
-        mean = (_ordered_sum(cols) / max(n, 1)).to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        mean = div_exact(_ordered_sum(cols), max(n, 1)).to(torch.float32).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
         cols = cols - mean.to(torch.float32)[:, :, None]
     if statistic == "rms":
-        stat = (_ordered_sum(cols.double().square()) / max(n, 1)).sqrt().to(torch.float32)
+        stat = div_exact(_ordered_sum(cols.double().square()), max(n, 1)).sqrt().to(torch.float32)
     else:
-        stat = cols.abs().amax(dim=-1) if n else torch.zeros(h, d)
+        stat = cols.abs().amax(dim=-1) if n else torch.zeros(h, d, device=x.device)
     scale = stat.clamp(max=FP16_MAX).to(torch.float16)
     scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
     return scale, mean
 
 
 def _ordered_sum(cols: torch.Tensor) -> torch.Tensor:
-    """float64 sums over the last axis, added strictly left to right (``cumsum`` is sequential)."""
-    if cols.shape[-1] == 0:
-        return torch.zeros(cols.shape[:-1], dtype=torch.float64)
-    return cols.double().cumsum(dim=-1)[..., -1]
+    """float64 sums over the last axis, added strictly left to right.
+
+    On the CPU ``cumsum`` is sequential; elsewhere (a CUDA scan adds in a tree order) the
+    columns are added one by one, one kernel launch per column, so that every device rounds
+    the same partial sums (:mod:`kvtune.codecs.torchpath`)."""
+    cols = cols.double()
+    n = cols.shape[-1]
+    if n == 0:
+        return torch.zeros(cols.shape[:-1], dtype=torch.float64, device=cols.device)
+    if cols.device.type == "cpu":
+        return cols.cumsum(dim=-1)[..., -1]
+    acc = cols[..., 0].clone()
+    for i in range(1, n):
+        acc += cols[..., i]
+    return acc
 
 
 @register_transform("affine")

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from kvtune.core.atomic import atomic_write_text
 from kvtune.core.errors import AssetError
+from kvtune.core.paths import CACHE_ENV, cache_root  # noqa: F401  (re-exported: callers import them from here)
 
-CACHE_ENV = "KVTUNE_CACHE"
 SEAL_NAME = ".complete"
 """File inside a sealed folder that lists the sha256 of every other file (:func:`seal_folder`)."""
 
@@ -190,16 +190,6 @@ ASSETS: dict[str, WheelAsset] = {
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_TEXT = "paul-graham-essays"
-
-
-def cache_root() -> Path:
-    """The asset cache folder: ``$KVTUNE_CACHE`` or the platform user cache dir."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvtune"))
 
 
 def file_sha256(path: Path) -> str:

@@ -30,7 +30,8 @@ import pandas as pd
 
 from kvtune.core.registry import Registry
 
-__all__ = ["METHODS", "Compiled", "Hooks", "Method", "ProfileRequest", "Stage", "register_method"]
+__all__ = ["DEFAULT_OUT", "DEFAULT_REPORTS", "METHODS", "Compiled", "Hooks", "Method", "ProfileRequest", "Stage",
+           "register_method"]
 
 
 def _noop(*_: Any, **__: Any) -> None:
@@ -60,8 +61,10 @@ class ProfileRequest:
 
     Attributes:
         model: ``--model`` (None: the method's default model).
-        out: folder receiving the run folder; reports: folder receiving the HTML report.
-        run: run name ("" = the method's default name); resume: a run folder to continue.
+        out: folder receiving the run folder (None: :data:`DEFAULT_OUT`); reports: folder
+            receiving the HTML report (None: :data:`DEFAULT_REPORTS`).
+        run: run name ("" = the method's default name); resume: a run folder to continue
+            (``model``, ``out``, ``reports`` and ``run``, when given, must agree with it).
         device: ``auto``, ``cpu`` or ``cuda``; seed: seeds every random choice.
         options: the method's settings as ``name -> text`` (``--set name=value``), converted
             with :func:`kvtune.run.settings.parse_overrides`.
@@ -69,14 +72,30 @@ class ProfileRequest:
     """
 
     model: str | None = None
-    out: Path = Path("profiles")
-    reports: Path = Path("reports")
+    out: Path | None = None
+    reports: Path | None = None
     run: str = ""
     resume: Path | None = None
     device: str = "auto"
     seed: int = 0
     options: Mapping[str, str] = field(default_factory=dict)
     hooks: Hooks = Hooks()
+
+    @property
+    def out_folder(self) -> Path:
+        """``out``, or :data:`DEFAULT_OUT` when not given."""
+        return DEFAULT_OUT if self.out is None else self.out
+
+    @property
+    def reports_folder(self) -> Path:
+        """``reports``, or :data:`DEFAULT_REPORTS` when not given."""
+        return DEFAULT_REPORTS if self.reports is None else self.reports
+
+
+DEFAULT_OUT = Path("profiles")
+"""Folder receiving new run folders when ``--out`` is not given."""
+DEFAULT_REPORTS = Path("reports")
+"""Folder receiving HTML reports when ``--reports`` is not given."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +178,32 @@ class Method:
     def check(self, settings: Any) -> None:
         """Fail before any model loads on settings that cannot work (typed errors)."""
 
+    def stored_settings(self, run_dir: Path, info: Mapping[str, Any]) -> Any:
+        """The settings stored in a run's ``run.json`` (``info``), read as this method's.
+
+        Raises:
+            KvtuneError (or the settings class's subclass of it): no ``settings`` object, keys
+                that are not settings of this method (the run belongs to another method: was
+                ``run.json``'s ``method`` edited?), or values the settings class refuses; the
+                message names the file.
+        """
+        import dataclasses
+
+        from kvtune.core.errors import KvtuneError
+
+        path = Path(run_dir) / "run.json"
+        stored = info.get("settings")
+        if not isinstance(stored, dict):
+            raise KvtuneError(f"{path}: no 'settings' object; is it a kvtune run.json?")
+        foreign = sorted(set(stored) - {f.name for f in dataclasses.fields(self.settings_class)})
+        if foreign:
+            raise KvtuneError(f"{path}: its settings are not {self.name} settings (keys {foreign} are not {self.name} "
+                              f"settings; was its 'method' {info.get('method')!r} edited?)")
+        try:
+            return self.settings_class.from_dict(stored)
+        except KvtuneError as exc:
+            raise type(exc)(f"{path}: {exc}") from None
+
     # ------------------------------------------------------------------ the run
 
     def prepare(self, settings: Any, run_dir: Path, hooks: Hooks, **given: Any) -> Any:
@@ -212,12 +257,14 @@ class Method:
         already loaded by the caller), with the Pareto front of its points filled in.
 
         Raises:
-            KvtuneError: no trials, or rows that do not compile; the message names the log.
+            KvtuneError: settings of another method (:meth:`stored_settings`), no trials, or
+                rows that do not compile; the message names the file.
         """
         from kvtune.core.errors import KvtuneError
         from kvtune.search.pareto import pareto_front
         from kvtune.run.store import TrialStore
 
+        self.stored_settings(run_dir, info)  # a run of another method never compiles as this one
         store = TrialStore(run_dir, table=False)
         if records is None:
             records = store.load()
@@ -250,6 +297,12 @@ class Method:
             KvtuneError: stored rows lack what a section draws (the runner adds the run folder).
         """
         return []
+
+    def model_spec(self, info: Mapping[str, Any]) -> str | None:
+        """The ``--model`` spec a run was made with (its ``run.json`` settings' ``model``;
+        None when it records none), compared with a ``--model`` given with ``--resume``."""
+        model = (info.get("settings") or {}).get("model")
+        return model if isinstance(model, str) else None
 
     def reports_folder(self, info: dict[str, Any]) -> Path | None:
         """Where the run's report goes (``<folder>/<run>.html``); None: ``<run_dir>/report.html``."""

@@ -3,8 +3,9 @@
 :func:`run_method` takes a registered :class:`~kvtune.run.method.Method`, its settings and a
 run folder, and does, for every method alike:
 
-1. check the settings (before any model loads) and lock the folder
-   (:func:`kvtune.run.folder.open_run_folder`); stored trials without ``resume`` are an error;
+1. lock the folder (:func:`kvtune.run.folder.open_run_folder`); stored trials without
+   ``resume`` are an error; a resume of a complete run returns its stored outputs
+   (:func:`complete_run_result`, no model); then check the settings (before any model loads);
 2. ``context = method.prepare(settings, ...)`` and write ``run.json`` (``method``,
    ``settings``, ``reports`` and the method's :meth:`~kvtune.run.method.Method.run_info`);
 3. for each of ``method.stages(context, stored)``: the ask/tell loop
@@ -34,7 +35,8 @@ from kvtune.run.loop import ask_tell
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest
 from kvtune.run.store import TrialStore
 
-__all__ = ["RunResult", "finalize_run", "run_method", "run_request", "stored_trial_count", "write_run_info"]
+__all__ = ["RunResult", "check_resume_request", "complete_run_result", "finalize_run", "report_file",
+           "run_is_complete", "run_method", "run_request", "settings_digest", "stored_trial_count", "write_run_info"]
 
 
 @dataclass
@@ -82,20 +84,28 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
         reports: folder receiving ``<run>.html`` (None: ``<run_dir>/report.html``).
         given: passed to :meth:`Method.prepare` (already loaded models).
 
+    A resume of a complete run (:func:`run_is_complete`) evaluates nothing and loads no model:
+    it returns the stored outputs (:func:`complete_run_result`), writing again only those
+    that are missing.
+
     Raises:
         KvtuneError (and subclasses): bad settings (before anything loads), trials stored
             without ``resume``, or the method's own errors.
         RunLockedError: another process is working on the run folder.
     """
-    method.check(settings)
     run_dir = Path(run_dir)
     t_start = time.perf_counter()
-    with open_run_folder(run_dir):
+    with open_run_folder(run_dir):  # a folder nothing was written to is removed again
         store = TrialStore(run_dir, table=method.flat_trials)
         if store.log_path.exists() and not resume:
             raise KvtuneError(f"run folder {run_dir} already has trials; use --resume {run_dir} or another --run name")
         stored = store.load()
         previous = _previous_info(run_dir) if resume else {}
+        if resume and run_is_complete(previous, len(stored)):  # nothing to evaluate: load no model, read no input
+            hooks.say(f"{run_dir}: the run is complete ({len(stored)} trial records); nothing to resume")
+            return complete_run_result(method, run_dir, previous, stored)
+        previous.pop("complete", None)
+        method.check(settings)
         context = method.prepare(settings, run_dir, hooks, **given)
         try:  # a resume keeps what run.json held (timings, trial counts) until finalize replaces it
             info = {**previous, "method": method.name, "settings": settings.to_dict(), **method.run_info(context),
@@ -105,12 +115,61 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
             hooks.on_stage("pareto + tables + report", 1)
             info.update(method.finish(context))
             info["total_seconds"] = time.perf_counter() - t_start
+            info["complete"] = settings_digest(info["settings"])
             result = finalize_run(method, run_dir, info=info)
             hooks.on_progress(1)
         finally:
             method.close(context)
     result.context = context
     return result
+
+
+def run_is_complete(info: dict[str, Any], records: int) -> bool:
+    """Whether a run's ``run.json`` (``info``) says every stage ran for the settings it holds
+    now (``complete``: :func:`settings_digest` of them; a run whose stored settings were
+    edited since, e.g. a larger budget, is not complete) and its outputs were written from
+    exactly the ``records`` trial records its log holds (``trial_records``)."""
+    settings = info.get("settings")
+    if not isinstance(settings, dict) or info.get("complete") != settings_digest(settings):
+        return False
+    return isinstance(info.get("trial_records"), int) and info["trial_records"] == records
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """16 hex characters of the SHA-256 of the settings' canonical JSON (``run.json``'s ``complete``)."""
+    from kvtune.core.ids import policy_id
+    from kvtune.core.jsonio import canonical_json
+
+    return policy_id(canonical_json(jsonable(settings)), length=16)
+
+
+def report_file(method: Method, run_dir: Path, info: dict[str, Any]) -> Path:
+    """Where the run's HTML report goes: ``<reports folder>/<run>.html`` or ``<run_dir>/report.html``."""
+    folder = method.reports_folder(info)
+    return folder / f"{run_dir.name}.html" if folder is not None else run_dir / "report.html"
+
+
+def complete_run_result(method: Method, run_dir: Path, info: dict[str, Any], records: list[dict[str, Any]]
+                        ) -> RunResult:
+    """The result of a complete run from its stored trials, compiled in memory (no model);
+    when any output file is missing, :func:`finalize_run` writes them all again.
+
+    Raises:
+        KvtuneError: see :func:`finalize_run`.
+    """
+    compiled = method.compile_stored(run_dir, info, records=records)
+    files = {"run": run_dir / "run.json", "pareto": run_dir / "pareto.parquet",
+             "policy_table": run_dir / "policy_table.parquet", "policy_table_json": run_dir / "policy_table.json",
+             **{name.split(".")[0]: run_dir / name for name in compiled.frames},
+             **{name.replace(".", "_"): run_dir / name for name in compiled.texts},
+             "report": report_file(method, run_dir, info)}
+    if compiled.trials is not None:
+        files["trials"] = run_dir / TrialStore.TABLE
+    if not all(p.is_file() for p in files.values()):
+        return finalize_run(method, run_dir, info=info)
+    return RunResult(run_dir=run_dir, settings=method.stored_settings(run_dir, info), info=info,
+                     trials=compiled.trials, pareto=compiled.pareto, table=compiled.table, files=files,
+                     compiled=compiled)
 
 
 def _run_stages(method: Method, context: Any, store: TrialStore, stored: list[dict[str, Any]], hooks: Hooks) -> None:
@@ -160,7 +219,7 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
     with open_run_folder(run_dir, create=False):
         if info is None:
             info = read_run_info(run_dir)
-        settings = _settings(method, info, run_dir)
+        settings = method.stored_settings(run_dir, info)
         store = TrialStore(run_dir)
         stored_records = store.load()
         records = len(stored_records)
@@ -189,34 +248,22 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
         info.update(compiled.info)
         info["trial_records"] = records
         write_run_info(run_dir, info)
-        folder = method.reports_folder(info)
-        path = folder / f"{run_dir.name}.html" if folder is not None else run_dir / "report.html"
         files["report"] = write_report(compiled.points if compiled.shown is None else compiled.shown, compiled.pareto,
-                                       compiled.table, path, title=f"{method.report_title}: {run_dir.name}",
-                                       run_config=info, sections=sections)
+                                       compiled.table, report_file(method, run_dir, info),
+                                       title=f"{method.report_title}: {run_dir.name}", run_config=info, sections=sections)
     return RunResult(run_dir=run_dir, settings=settings, info=info, trials=compiled.trials, pareto=compiled.pareto,
                      table=compiled.table, files=files, compiled=compiled)
-
-
-def _settings(method: Method, info: dict[str, Any], run_dir: Path) -> Any:
-    """The settings stored in ``run.json`` (errors name the file)."""
-    path = run_dir / "run.json"
-    if not isinstance(info.get("settings"), dict):
-        raise KvtuneError(f"{path}: no 'settings' object; is it a kvtune run.json?")
-    try:
-        return method.settings_class.from_dict(info["settings"])
-    except KvtuneError as exc:
-        raise type(exc)(f"{path}: {exc}") from None
 
 
 def run_request(method: Method, request: ProfileRequest) -> RunResult:
     """``kvtune profile --method X``: a new run from the common options and ``--set`` values
     (folder ``<out>/<run or the method's default name>``), or ``request.resume``'s run with
-    its stored settings.
+    its stored settings (:func:`check_resume_request` first).
 
     Raises:
         KvtuneError: see :func:`run_method`; an unsafe run name, a bad ``--set``, a resume
             folder without a readable ``run.json``.
+        ConfigError: ``--set`` values with a resume; see :func:`check_resume_request`.
     """
     from kvtune.run.folder import check_out_folder, check_run_name
     from kvtune.tables.run import read_run_info
@@ -226,11 +273,51 @@ def run_request(method: Method, request: ProfileRequest) -> RunResult:
             raise ConfigError(f"--resume {request.resume} continues with the settings stored in its run.json; "
                               f"--set {', '.join(sorted(request.options))} cannot change them (start a new --run)")
         info = read_run_info(request.resume)
-        settings = _settings(method, info, request.resume)
+        check_resume_request(method, request, info)
+        settings = method.stored_settings(request.resume, info)
         reports = info.get("reports") or request.reports
         return run_method(method, settings, request.resume, resume=True, reports=reports, hooks=request.hooks)
     settings = method.settings_for(request)
-    check_out_folder(request.out, "--out")
-    check_out_folder(request.reports, "--reports")
-    run_dir = request.out / check_run_name(request.run or method.run_name(settings))
-    return run_method(method, settings, run_dir, reports=request.reports, hooks=request.hooks)
+    check_out_folder(request.out_folder, "--out")
+    check_out_folder(request.reports_folder, "--reports")
+    run_dir = request.out_folder / check_run_name(request.run or method.run_name(settings))
+    return run_method(method, settings, run_dir, reports=request.reports_folder, hooks=request.hooks)
+
+
+def check_resume_request(method: Method, request: ProfileRequest, info: dict[str, Any]) -> None:
+    """A ``--resume`` continues its run as stored: what the request gives besides the folder
+    must agree with the run, never be silently ignored.
+
+    Args:
+        method: the method asked for (``--method``, or the run's own when not given).
+        request: ``resume`` is the run folder; ``model``, ``out``, ``reports``, ``run`` are
+            checked when given (not None / not ""); ``options`` (``--set``) are refused by
+            :func:`run_request` before the folder is read.
+        info: the run's ``run.json``.
+
+    Raises:
+        ConfigError: the run was made by another method, or a ``--model``,
+            ``--out``, ``--reports`` or ``--run`` that differs from the run's.
+    """
+    run_dir = Path(request.resume)
+    made_by = info.get("method") or "tqc"
+    if made_by != method.name:
+        raise ConfigError(f"--resume {run_dir} is a {made_by} run; --method {method.name} cannot continue it "
+                          f"(leave --method out)")
+    reports = method.reports_folder(info)
+    checks = [("--run", request.run or None, run_dir.name, False),
+              ("--out", request.out, run_dir.parent, True),
+              ("--reports", request.reports, "(its run folder)" if reports is None else reports, reports is not None),
+              ("--model", request.model, method.model_spec(info), True)]
+    for flag, given, stored, path_like in checks:
+        if given is None or stored is None or _same(given, stored, path_like):
+            continue
+        raise ConfigError(f"--resume {run_dir} continues a run with {flag} {stored}; {flag} {given} disagrees "
+                          "(leave it out, or start a new --run)")
+
+
+def _same(given: Any, stored: Any, path_like: bool) -> bool:
+    """Equal as given, or (``path_like``) naming the same existing or future path."""
+    if str(given) == str(stored):
+        return True
+    return path_like and Path(given).expanduser().resolve() == Path(stored).expanduser().resolve()

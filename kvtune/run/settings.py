@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from kvtune.core.errors import ConfigError, KvtuneError
 
-__all__ = ["RunSettings", "parse_overrides", "same_type"]
+__all__ = ["RunSettings", "check_floors", "clip", "parse_overrides", "same_type"]
 
 
 def same_type(value: Any, default: Any) -> bool:
@@ -105,48 +107,128 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def parse_overrides(cls: type, options: Mapping[str, str]) -> dict[str, Any]:
-    """``--set name=value`` texts converted to the types of ``cls``'s fields.
+    """``--set name=value`` texts converted to the declared types of ``cls``'s fields.
 
     Numbers, true/false and strings are written as they are; a list as comma-separated
-    values (``ranks=32,64``) or as JSON (``floors=[0.99,0.9]``); an object as JSON.
+    values (``ranks=32,64``) or as JSON (``floors=[0.99,0.9]``), its items converted to the
+    list's declared element type (``tuple[int, ...]``: integers) whatever the default holds;
+    an object as JSON; ``none`` (or ``null``) for a field whose type allows None.
 
     Raises:
         KvtuneError: an unknown name (the message lists the known ones) or a value that does
-            not parse as the field's type.
+            not parse as the field's type (the message quotes at most :data:`ECHO_CHARS`
+            characters of it).
     """
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "version"}
+    hints = _type_hints(cls)
     out: dict[str, Any] = {}
     for name, text in options.items():
         if name not in fields:
-            raise KvtuneError(f"--set {name}: not a setting of this method; known: {', '.join(sorted(fields))}")
+            raise KvtuneError(f"--set {clip(name)}: not a setting of this method; known: {', '.join(sorted(fields))}")
         default = _default(fields[name])
+        hint = hints.get(name, type(default))
         try:
-            value = _parse(text, default)
+            value = _parse(text, default, hint)
         except ValueError:
-            raise KvtuneError(f"--set {name}={text}: expected {_want(default)}") from None
+            raise KvtuneError(f"--set {name}={clip(text)}: expected {_want_hint(hint, default)}") from None
         out[name] = value
     return out
 
 
-def _parse(text: str, default: Any) -> Any:
-    if isinstance(default, bool):
+ECHO_CHARS = 80
+"""At most this many characters of a bad value are quoted in an error message."""
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters with ``…`` appended when it was longer (for messages)."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of ``cls`` ({} when they cannot be resolved)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an annotation naming something not importable: fall back to the defaults
+        return {}
+
+
+def _optional(hint: Any) -> tuple[bool, Any]:
+    """``(whether hint allows None, hint without None)``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return len(args) < len(typing.get_args(hint)), (args[0] if len(args) == 1 else typing.Any)
+    return False, hint
+
+
+def _element_type(hint: Any) -> Any:
+    """The element type of ``tuple[X, ...]`` (None when it is not such a tuple)."""
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        return args[0] if args else None
+    return None
+
+
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_LISTS = {int: "a list of integers", float: "a list of numbers", str: "a list of strings", dict: "a list of objects"}
+
+
+def _want_hint(hint: Any, default: Any) -> str:
+    """What a value of the declared type ``hint`` is, for messages."""
+    optional, hint = _optional(hint)
+    want = _LISTS.get(_element_type(hint)) or _SCALARS.get(hint) or _want(default)
+    return f"{want} or none" if optional else want
+
+
+def _item(value: Any, element: Any) -> Any:
+    """One list item converted to ``element`` (strings parsed; JSON values checked).
+
+    Raises:
+        ValueError: the item is not of that type.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if element is int and (isinstance(value, str) or (number and isinstance(value, int))):
+        return int(value)
+    if element is float and (isinstance(value, str) or number):
+        return float(value)
+    if element in (str, dict) and isinstance(value, element):
+        return value
+    raise ValueError(value)
+
+
+def _parse(text: str, default: Any, hint: Any) -> Any:
+    """``text`` as a value of the declared type ``hint`` (``default``'s type where ``hint`` says
+    less). Raises ValueError when it does not parse."""
+    optional, hint = _optional(hint)
+    if optional and text.strip().lower() in ("none", "null"):
+        return None
+    kind = hint if hint in _SCALARS else type(default)
+    if kind is bool:
         if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
             raise ValueError(text)
         return text.lower() in ("true", "1", "yes")
-    if isinstance(default, int):
+    if kind is int:
         return int(text)
-    if isinstance(default, float):
+    if kind is float:
         return float(text)
-    if isinstance(default, (tuple, dict)):
-        if text.strip()[:1] in "[{":
-            value = json.loads(text)
+    if isinstance(default, (tuple, dict, Mapping)) or typing.get_origin(hint) in (tuple, dict, Mapping):
+        is_list = isinstance(default, tuple) or typing.get_origin(hint) is tuple
+        if text.strip()[:1] in ("[", "{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValueError(text) from None
+            if is_list != isinstance(value, list):
+                raise ValueError(text)
         else:
-            items = [t.strip() for t in text.split(",") if t.strip()]
-            kind = type(default[0]) if isinstance(default, tuple) and default else str
-            value = [kind(t) if kind in (int, float) else t for t in items]
+            value = [t.strip() for t in text.split(",") if t.strip()]
+        element = _element_type(hint) if is_list else None
+        if element is None and is_list and default:
+            element = type(default[0])
+        if element in _LISTS:
+            return tuple(_item(v, element) for v in value)
         if not same_type(value, default):
             raise ValueError(text)
-        return tuple(value) if isinstance(default, tuple) else value
+        return tuple(value) if is_list else value
     return text
 
 

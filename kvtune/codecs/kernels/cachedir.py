@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numba
 
-from kvtune.evaluate.assets import cache_root
+from kvtune.core.paths import cache_root
 
 __all__ = ["kernel_cache_dir", "sources_digest"]
 

@@ -151,7 +151,16 @@ def calibrate(producer: LoadedModel, consumer: LoadedModel, windows: list[list[i
 
     Returns:
         :class:`SCDCalibration`.
+
+    Raises:
+        ConfigError: the windows hold no more tokens (calibration rows) than the largest rank
+            (a rank-r map needs more than r rows), or rows a map cannot be fitted on
+            (:func:`~kvtune.methods.scd.lowrank.fit_low_rank_map`).
     """
+    rows = sum(len(w) for w in windows)
+    if ranks and rows <= max(ranks):
+        raise ConfigError(f"{rows} calibration rows (tokens in {len(windows)} windows) are too few for rank "
+                          f"{max(ranks)}: a rank-r map needs more than r rows")
     check_same_architecture(producer, consumer)
     prod = [capture_states(producer, w) for w in windows]
     cons = [capture_states(consumer, w) for w in windows]

@@ -106,7 +106,8 @@ def fit_low_rank_map(x: torch.Tensor, y: torch.Tensor, rank: int | None = None, 
         energy of the fitted values (so :meth:`LowRankMap.truncate` keeps the best ones).
 
     Raises:
-        ConfigError: mismatched shapes, fewer than 2 samples or a rank out of range.
+        ConfigError: mismatched shapes, fewer than 2 samples, a rank out of range, or input rows
+            that leave the ridge system singular (all rows equal: nothing to fit on).
     """
     if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0] or x.shape[0] < 2:
         raise ConfigError(f"fit_low_rank_map needs x (N, d_in) and y (N, d_out) with N >= 2, got {tuple(x.shape)} "
@@ -117,7 +118,14 @@ def fit_low_rank_map(x: torch.Tensor, y: torch.Tensor, rank: int | None = None, 
         raise ConfigError(f"rank must be in [1, {d_out}], not {rank}")
     mx, my = x.double().mean(0), y.double().mean(0)
     xc, yc = x.double() - mx, y.double() - my
-    w = ridge_solution(xc, yc, ridge)
+    if not bool(xc.abs().max() > 0):  # every row equal: lam = 0 and X^T X = 0, a singular system
+        raise ConfigError(f"the {x.shape[0]} calibration rows are all equal (e.g. only the start token of each "
+                          "window): nothing to fit a map on; use more calibration tokens")
+    try:
+        w = ridge_solution(xc, yc, ridge)
+    except torch.linalg.LinAlgError as exc:
+        raise ConfigError(f"the ridge system of {x.shape[0]} calibration rows x {x.shape[1]} inputs is singular "
+                          f"({exc}); use more calibration tokens or a larger ridge") from None
     # right singular vectors of the fitted values Xc W = eigenvectors of the small
     # (d_out, d_out) Gram matrix W^T Xc^T Xc W, by decreasing eigenvalue
     fitted = xc @ w

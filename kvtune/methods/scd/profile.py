@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 
 from kvtune.codecs import original_nbytes
-from kvtune.core.errors import KvtuneError
+from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.core.ids import policy_id
 from kvtune.evaluate.capture import build_contexts, logits_on_cache
 from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores, report_relative_accuracy
@@ -77,7 +77,9 @@ REPORT_BANDWIDTHS_GBPS = (1.0, 10.0, 100.0)
 @dataclass(frozen=True)
 class SCDProfileSettings(RunSettings):
     """Sizes and search grid of an SCD profile (defaults: the small real-pair run); saved as
-    ``settings`` in ``run.json`` (:class:`kvtune.run.settings.RunSettings`).
+    ``settings`` in ``run.json`` (:class:`kvtune.run.settings.RunSettings`). Values are checked
+    when the settings are built (:func:`check_scd_settings`, a ``ConfigError`` naming
+    ``--set name=value``), so before any model loads.
 
     Attributes:
         data: data asset / JSONL with ``document`` (domain text; split as the consumer's).
@@ -138,6 +140,14 @@ class SCDProfileSettings(RunSettings):
 
     VERSION: ClassVar[int] = 2
     READABLE_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)
+
+    def __post_init__(self) -> None:
+        """Check the values (:func:`check_scd_settings`) whenever settings are built.
+
+        Raises:
+            ConfigError: see :func:`check_scd_settings`.
+        """
+        check_scd_settings(self)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -345,16 +355,33 @@ def _enough_documents(docs: list[str], tokens: int, chars_per_token: float = 6.0
     return out
 
 
-def _windows(tok: Any, docs: list[str], need: int, n: int, context_tokens: int, continuation_tokens: int
-             ) -> torch.Tensor:
-    """``(n, context_tokens + continuation_tokens)`` windows from the first documents that suffice
-    (all documents when the estimate falls short)."""
+def _windows(tok: Any, docs: list[str], st: SCDProfileSettings, role: str) -> torch.Tensor:
+    """``(n, prefix + continuation_tokens)`` windows of the ``calib`` (``calib_windows`` x
+    ``calib_tokens``) or ``eval`` (``contexts`` x ``context_tokens``) prefixes, from the first
+    documents that suffice (all documents when the estimate falls short).
+
+    Raises:
+        KvtuneError: the documents are too short, or the prefix leaves no token after the
+            tokenizer's start tokens; the message names the SCD settings (``--set``).
+    """
+    from kvtune.evaluate.capture import start_tokens
+
+    n_name, t_name = ("calib_windows", "calib_tokens") if role == "calib" else ("contexts", "context_tokens")
+    n, t, c = getattr(st, n_name), getattr(st, t_name), st.continuation_tokens
+    names = f"--set {n_name}={n}, --set {t_name}={t}, --set continuation_tokens={c}"
+    head = len(start_tokens(tok))
+    if t <= head:
+        raise ConfigError(f"--set {t_name}={t}: the tokenizer starts every prefix with {head} special tokens; "
+                          f"use more than {head}")
     try:
-        return build_contexts(tok, _enough_documents(docs, need), n_contexts=n, context_tokens=context_tokens,
-                              continuation_tokens=continuation_tokens)
-    except KvtuneError:
-        return build_contexts(tok, _enough_documents(docs, 10 ** 12), n_contexts=n, context_tokens=context_tokens,
-                              continuation_tokens=continuation_tokens)
+        try:
+            return build_contexts(tok, _enough_documents(docs, n * (t + c)), n_contexts=n, context_tokens=t,
+                                  continuation_tokens=c)
+        except KvtuneError:
+            return build_contexts(tok, _enough_documents(docs, 10 ** 12), n_contexts=n, context_tokens=t,
+                                  continuation_tokens=c)
+    except KvtuneError as exc:
+        raise type(exc)(f"SCD {role} windows ({names}) from --set data={st.data}: {exc}") from None
 
 
 def _split_windows(ids: torch.Tensor, context_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
@@ -362,25 +389,80 @@ def _split_windows(ids: torch.Tensor, context_tokens: int) -> tuple[list[list[in
 
 
 def check_scd_settings(st: SCDProfileSettings) -> None:
-    """Fail before any model loads on settings that cannot work.
+    """Fail on settings that cannot work; run whenever :class:`SCDProfileSettings` are built
+    (``--set`` values, a stored ``run.json``), so before any model loads. Pure value checks:
+    nothing here depends on the machine (a stored run reads back anywhere).
 
     Raises:
-        ConfigError: unknown optimizer, code bits outside :data:`kvtune.methods.scd.methods.CODE_BITS`,
-            a negative budget.
+        ConfigError: the message names the setting as ``--set name=value``: an unknown
+            optimizer or T/Q/C preset, code bits outside :data:`kvtune.methods.scd.methods.CODE_BITS`,
+            a negative budget, counts and token lengths below 1 (``continuation_tokens`` below
+            2), ``holdout_fraction`` outside (0, 1), no rank or a rank below 1, a negative patch
+            count, DroidSpeak lengths or stride below 1, a ``ridge`` that is not a finite number
+            > 0, ``q_min`` or ``floors`` that are not fractions in (0, 1], or fewer calibration
+            rows (``calib_windows x calib_tokens``) than the largest rank needs.
     """
-    from kvtune.core.errors import ConfigError
+    from kvtune.codecs import PolicyConfig
+    from kvtune.codecs.presets import load_presets
     from kvtune.methods.scd.methods import CODE_BITS
     from kvtune.run.settings import check_floors
     from kvtune.search.optimizers import OPTIMIZERS
 
+    def refuse(name: str, why: str) -> None:
+        raise ConfigError(f"--set {name}={_shown(getattr(st, name))}: {why}")
+
     if st.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {st.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
-    bad = [b for b in st.code_bits if b not in CODE_BITS]
-    if bad or not st.code_bits:
-        raise ConfigError(f"SCD code bits must be among {', '.join(map(str, CODE_BITS))}; got {list(st.code_bits)}")
+        refuse("optimizer", f"unknown optimizer {st.optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    if not st.code_bits or any(b not in CODE_BITS for b in st.code_bits):
+        refuse("code_bits", f"SCD code bits must be among {', '.join(map(str, CODE_BITS))}")
     if st.budget < 0:
-        raise ConfigError(f"budget must be >= 0 (0 = no limit); got {st.budget}")
-    check_floors(st.floors, "floors")
+        refuse("budget", "budget must be >= 0 (0 = no limit)")
+    for name in ("calib_windows", "calib_tokens", "contexts", "context_tokens", "profile_contexts",
+                 "droidspeak_stride"):
+        if getattr(st, name) < 1:
+            refuse(name, "must be >= 1")
+    if st.continuation_tokens < 2:
+        refuse("continuation_tokens", "must be >= 2 (the first continuation token is the prefix's last logit)")
+    if not 0.0 < st.holdout_fraction < 1.0:  # NaN fails too
+        refuse("holdout_fraction", "must be in (0, 1) (the fraction of documents held out for evaluation)")
+    if not st.ranks:
+        refuse("ranks", "give at least one rank")
+    if min(st.ranks) < 1:
+        refuse("ranks", "every rank must be >= 1")
+    if not st.patch_counts or min(st.patch_counts) < 0:
+        refuse("patch_counts", "give patch counts >= 0 (0 = no layer patched)")
+    if st.droidspeak_lengths and min(st.droidspeak_lengths) < 1:
+        refuse("droidspeak_lengths", "every DroidSpeak block length must be >= 1")
+    if not (math.isfinite(st.ridge) and st.ridge > 0):
+        refuse("ridge", "must be a finite number > 0 (relative to the mean input energy; 1e-4 by default)")
+    if not 0.0 < st.q_min <= 1.0:
+        refuse("q_min", "must be a fraction in (0, 1] (0.95 = 95 % relative accuracy)")
+    try:
+        check_floors(st.floors, "floors")
+    except ConfigError as exc:
+        raise ConfigError(f"--set floors={_shown(st.floors)}: {exc}") from None
+    rows = st.calib_windows * st.calib_tokens
+    if rows <= max(st.ranks):
+        refuse("calib_tokens", f"calib_windows x calib_tokens = {st.calib_windows} x {st.calib_tokens} = {rows} "
+                               f"calibration rows are too few for rank {max(st.ranks)} (a rank-r map needs more than r "
+                               "rows); raise calib_windows or calib_tokens, or lower ranks")
+    if st.tqc_presets:
+        presets = load_presets(skip_unavailable=True)
+        unknown = [n for n in st.tqc_presets if n not in presets]
+        if unknown:
+            refuse("tqc_presets", f"unknown T/Q/C preset {unknown[0]!r}; known: {', '.join(presets)}")
+    for i, d in enumerate(st.tqc_policies):
+        try:
+            PolicyConfig.from_dict(d)
+        except (KvtuneError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"--set tqc_policies: policy {i} is not a T/Q/C policy: {exc}") from None
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as ``--set`` takes it (lists comma-separated), clipped for messages."""
+    from kvtune.run.settings import clip
+
+    return clip(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
 
 
 @dataclass
@@ -470,8 +552,12 @@ class SCDMethod(Method):
 
         return f"scd-{Path(settings.producer or DEFAULT_MODEL).stem}"
 
-    def check(self, settings: SCDProfileSettings) -> None:
-        check_scd_settings(settings)
+    def model_spec(self, info: Mapping[str, Any]) -> str | None:
+        """The producer's ``--model`` spec (``producer_spec``, else the settings' ``producer``,
+        else the default model)."""
+        from kvtune.evaluate.assets import DEFAULT_MODEL
+
+        return info.get("producer_spec") or (info.get("settings") or {}).get("producer") or DEFAULT_MODEL
 
     def prepare(self, settings: SCDProfileSettings, run_dir: Path, hooks: Hooks, **given: Any) -> SCDContext:
         from kvtune.evaluate.assets import DEFAULT_MODEL
@@ -493,10 +579,8 @@ class SCDMethod(Method):
                  "consumer_spec": consumer if isinstance(consumer, str) else cons.name}
         train_docs, held_docs, source = domain_split(st.data, st.holdout_fraction)
         tok = prod.tokenizer
-        calib_need = st.calib_windows * (st.calib_tokens + st.continuation_tokens)
-        eval_need = st.contexts * (st.context_tokens + st.continuation_tokens)
-        calib_ids = _windows(tok, train_docs, calib_need, st.calib_windows, st.calib_tokens, st.continuation_tokens)
-        eval_ids = _windows(tok, held_docs, eval_need, st.contexts, st.context_tokens, st.continuation_tokens)
+        calib_ids = _windows(tok, train_docs, st, "calib")
+        eval_ids = _windows(tok, held_docs, st, "eval")
         calib_prefixes, calib_cont = _split_windows(calib_ids, st.calib_tokens)
         eval_prefixes, eval_cont = _split_windows(eval_ids, st.context_tokens)
 
@@ -595,7 +679,8 @@ def run_scd_profile(producer: str | LoadedModel, consumer: str | LoadedModel, ou
 
     Raises:
         ModelLayoutError: the models differ in architecture or are not Llama-style.
-        ConfigError: unknown optimizer, bad code bits or budget (before any model loads).
+        ConfigError: settings that cannot work are refused when built (:func:`check_scd_settings`),
+            before any model loads.
         KvtuneError: data too short, unknown preset, trials stored without ``resume``, ...
         RunLockedError: another process is working on ``out_dir``.
     """

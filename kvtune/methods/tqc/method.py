@@ -48,7 +48,8 @@ class TQCMethod(Method):
     def settings_for(self, request: ProfileRequest) -> ProfileSettings:
         from kvtune.run.settings import parse_overrides
 
-        return ProfileSettings(**{"out": str(request.out), "reports": str(request.reports), "run": request.run,
+        return ProfileSettings(**{"out": str(request.out_folder), "reports": str(request.reports_folder),
+                                  "run": request.run,
                                   "device": request.device, "seed": request.seed,
                                   **({"model": request.model} if request.model else {}),
                                   **parse_overrides(ProfileSettings, request.options)})
@@ -174,7 +175,8 @@ class TQCMethod(Method):
         default to the run's configured ones, else 99/97/95/90 %.
 
         Raises:
-            KvtuneError: neither file exists, or one cannot be read (the message names it).
+            KvtuneError: settings of another method (:meth:`~kvtune.run.method.Method.stored_settings`),
+                neither file exists, or one cannot be read (the message names it).
             TableError: see :func:`~kvtune.tables.policy_table.compile_policy_table`.
         """
         from kvtune.core.errors import KvtuneError
@@ -182,6 +184,7 @@ class TQCMethod(Method):
         from kvtune.tables.policy_table import DEFAULT_FLOORS
         from kvtune.tables.run import read_run_frame
 
+        self.stored_settings(run_dir, info)  # a run of another method never compiles as T/Q/C
         if (run_dir / "pareto.parquet").is_file():
             pareto = read_run_frame(run_dir / "pareto.parquet")
         elif (run_dir / "trials.parquet").is_file():

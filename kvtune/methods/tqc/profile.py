@@ -85,7 +85,7 @@ def _noop(*_: Any, **__: Any) -> None:
 
 
 def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Hook = _noop,
-                on_progress: Hook = _noop) -> RunResult:
+                on_progress: Hook = _noop, say: Hook = _noop) -> RunResult:
     """Run (or resume) a profile and write all outputs.
 
     Stages: load the model; build the workload (``settings.workload``: load its real data,
@@ -103,6 +103,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
             a fidelity it already has).
         on_stage: ``on_stage(name, total)`` when a stage with ``total`` steps starts.
         on_progress: ``on_progress(n=1, info=str)`` after each step of the current stage.
+        say: ``say(message)``: one-line messages (e.g. that a resumed run is already complete).
 
     Raises:
         KvtuneError (and subclasses): bad settings, assets, data, spaces or models. Settings
@@ -124,7 +125,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         raise KvtuneError(f"run folder {settings.run_dir} already has trials; use --resume {settings.run_dir} "
                           "or another --run name")
     return run_method(method, settings, settings.run_dir, resume=resume, reports=settings.reports,
-                      hooks=Hooks(on_stage=on_stage, on_progress=on_progress))
+                      hooks=Hooks(on_stage=on_stage, on_progress=on_progress, say=say))
 
 
 def check_profile_settings(settings: ProfileSettings) -> None:
@@ -132,7 +133,9 @@ def check_profile_settings(settings: ProfileSettings) -> None:
 
     Raises:
         KvtuneError (and subclasses): fidelity, optimizer, ``kv_dtype``, ``prompt_format``,
-            ``device``, workload and sample counts, the space, ``--text``/``--data``.
+            ``device``, workload and sample counts, the space (and ``context_tokens`` long
+            enough for its MixHQ head calibration, :func:`check_head_calibration`),
+            ``--text``/``--data``.
     """
     check_floors(settings.floors, "floors")
     if settings.search_fidelity not in FIDELITIES:
@@ -144,9 +147,30 @@ def check_profile_settings(settings: ProfileSettings) -> None:
     if settings.prompt_format not in PROMPT_FORMATS:
         raise KvtuneError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}, not {settings.prompt_format!r}")
     resolve_device(settings.device)  # unknown --device, or cuda without CUDA: fail before loading
-    load_space(settings.space)
+    check_head_calibration(load_space(settings.space), settings)
     n_full, _ = workload_sample_counts(settings.workload, settings)  # bad workload/sizes: fail before loading
     check_workload_inputs(settings, n_full)
+
+
+def check_head_calibration(space: Any, settings: ProfileSettings) -> None:
+    """A space with MixHQ policies calibrates head scores on the run's contexts
+    (:func:`kvtune.evaluate.calibrate.calibrate_head_scores`), which must be longer than the
+    streaming pattern's sink + window + 1 tokens: found here, before the model loads and
+    prefills (workloads whose contexts are at most ``context_tokens`` long are checked again
+    on their real contexts).
+
+    Raises:
+        ConfigError: ``--context-tokens`` too short for a space that needs head scores.
+    """
+    from kvtune.core.errors import ConfigError
+    from kvtune.evaluate.calibrate import DEFAULT_SINK_TOKENS, DEFAULT_WINDOW_TOKENS
+
+    limit = DEFAULT_SINK_TOKENS + DEFAULT_WINDOW_TOKENS + 1
+    if space.needs_head_scores and settings.context_tokens <= limit:
+        raise ConfigError(f"--space {settings.space} has MixHQ policies; with --context-tokens {settings.context_tokens} "
+                          f"their head calibration cannot run: it needs contexts longer than {limit} tokens (sink "
+                          f"{DEFAULT_SINK_TOKENS} + window {DEFAULT_WINDOW_TOKENS} + 1); use longer contexts or a "
+                          "space without mixhq policies")
 
 
 #: At most this many special tokens start every context (Gemma's ``<bos>``; see
