@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtune.core.errors import KvtuneError
 from kvtune.serving.transport import (
     FRAME_HEADER,
     KIND_DATA,
@@ -30,9 +29,11 @@ from kvtune.serving.transport import (
     FrameServer,
     KVStore,
     PrefixNotFoundError,
+    RemoteStore,
     TransferInterruptedError,
     TransferRejectedError,
     frame_header,
+    open_store,
     read_frame,
 )
 
@@ -44,34 +45,53 @@ KEY = "0123456789abcdef0123456789abcdef"
 # ----------------------------------------------------------------------------- transport
 
 
-def test_frame_roundtrip_and_ack():
-    got = {}
-    server = FrameServer("127.0.0.1", 0, lambda k, p: got.__setitem__(k, bytes(p)), timeout_s=5)
+def test_frame_roundtrip_and_ack(tmp_path):
+    store = KVStore(tmp_path / "spool", durable=False)
+    server = FrameServer("127.0.0.1", 0, store, timeout_s=5)
     try:
         client = FrameClient("127.0.0.1", server.port, timeout_s=5)
         payload = os.urandom(3 << 20)
         client.send(KEY, payload)  # returns after the ACK: the payload is stored
-        assert got == {KEY: payload}
+        assert bytes(store.get(KEY)) == payload
         client.send(KEY[::-1], b"x")  # same connection, next frame
-        assert got[KEY[::-1]] == b"x"
+        assert bytes(store.get(KEY[::-1])) == b"x"
         client.close()
     finally:
         server.close()
 
 
-def test_receiver_refusal_is_a_nack_and_the_connection_goes_on():
-    def handler(key, payload):
-        if payload == b"bad":
-            raise KvtuneError("no thanks")
-
-    server = FrameServer("127.0.0.1", 0, handler, timeout_s=5)
+def test_receiver_refusal_is_a_nack_and_the_connection_goes_on(tmp_path):
+    server = FrameServer("127.0.0.1", 0, KVStore(tmp_path / "spool", max_entry_bytes=10), timeout_s=5)
     try:
         client = FrameClient("127.0.0.1", server.port, timeout_s=5)
-        with pytest.raises(TransferRejectedError, match="no thanks"):
-            client.send(KEY, b"bad")
+        with pytest.raises(TransferRejectedError, match="exceeds the store limit"):
+            client.send(KEY, b"x" * 11)
         client.send(KEY, b"good")
     finally:
         server.close()
+
+
+def test_remote_pool_put_has_get(tmp_path):
+    server = FrameServer("127.0.0.1", 0, KVStore(tmp_path / "pool", max_entry_bytes=1 << 20), timeout_s=5)
+    port = server.port
+    try:
+        pool = open_store(f"tcp://127.0.0.1:{port}", timeout_s=5)
+        assert isinstance(pool, RemoteStore) and not pool.contains(KEY)
+        with pytest.raises(PrefixNotFoundError):
+            pool.get(KEY)
+        data = os.urandom(100_000)
+        pool.put(KEY, data)
+        assert pool.contains(KEY) and bytes(pool.get(KEY)) == data
+        assert (tmp_path / "pool" / f"{KEY}.kvt").read_bytes() == data
+        small = open_store(f"tcp://127.0.0.1:{port}", max_entry_bytes=1000, timeout_s=5)
+        with pytest.raises(FrameError, match="exceeds the limit"):  # bounded before allocating
+            small.get(KEY)
+    finally:
+        server.close()
+    assert not open_store(f"tcp://127.0.0.1:{port}", timeout_s=1).contains(KEY)  # unreachable: a miss
+    for bad in ("tcp://host", "tcp://:80", "tcp://h:0", "tcp://h:x"):
+        with pytest.raises(FrameError, match="tcp://host:port"):
+            open_store(bad)
 
 
 def _pair():
@@ -142,8 +162,9 @@ def test_clean_close_between_frames_is_not_an_error():
         assert read_frame(b, timeout_s=1) is None
 
 
-def test_store_put_get_and_bounds(tmp_path):
-    store = KVStore(tmp_path / "pool", max_entry_bytes=100)
+@pytest.mark.parametrize("durable", [True, False])
+def test_store_put_get_and_bounds(tmp_path, durable):
+    store = KVStore(tmp_path / "pool", max_entry_bytes=100, durable=durable)
     store.put(KEY, b"abc")
     assert store.contains(KEY) and bytes(store.get(KEY)) == b"abc"
     assert not list((tmp_path / "pool").glob(".*"))  # no temp file left behind
@@ -189,7 +210,7 @@ def run(tmp_path_factory, model_dir) -> dict:
     py = _venv_python()
     work = tmp_path_factory.mktemp("vllm")
     text = work / "essay.txt"
-    text.write_text(read_texts("paul-graham-essays")[0][1])
+    text.write_text("\n\n".join(t for _, t in read_texts("paul-graham-essays")[:3]))
     out = work / "out.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     cmd = [str(py), str(REPO / "tests" / "vllm_driver.py"), "scenario", "--model", str(model_dir), "--text", str(text),
@@ -256,6 +277,18 @@ def test_store_mode_missing_prefix_then_prefix_fetch(run):
     (load,) = fetch["loads"]  # D (400 tokens) starts with C: C's 2 stored blocks are fetched
     assert load["ok"] and load["tokens"] == 256 and load["key"] == save["key"]
     assert fetch["tokens"] == fetch["plain_tokens"]
+
+
+def test_keyed_consumer_refuses_unsealed_and_forged_streams(run):
+    """The store-mode instance has a shared key: its own sealed streams load (store_fetch);
+    an unsealed stream and one sealed with another key are refused and recomputed."""
+    assert _step(run, "store_fetch")["loads"][0]["ok"]
+    for name, match in (("forged_unsealed", "not sealed"), ("forged_other_key", "key id")):
+        s = _step(run, name)
+        (load,) = s["loads"]
+        assert not load["ok"] and load["error"] == "AuthenticationError" and match in load["message"]
+        assert s["tokens"] == s["plain_tokens"]  # recomputed, not the forged zeros
+    assert run["log"].count("Recovered from KV load failure") >= 3  # corrupt + 2 forged
 
 
 def test_gathered_kv_is_the_models_kv(run, real_lm):

@@ -7,9 +7,13 @@ test module itself.
 ``python tests/vllm_driver.py scenario --model DIR --text FILE --work DIR --out FILE``
 starts a consumer (decode) and a producer (prefill) instance in this process (each engine runs
 in its own processes), with a fault-injecting TCP proxy between them, and runs the connector
-scenario (canary, lossy policy, zeroed-KV control, corrupted stream, dropped connection, store
-miss); it writes one JSON document with every step's tokens and the connector's transfer
-records. The checks are the test's; this script only records.
+scenario (canary, lossy policy, zeroed-KV control, corrupted stream, dropped connection), then
+a keyed store-mode instance (store miss, prefix fetch, forged entries); it writes one JSON
+document with every step's tokens and the connector's transfer records. The checks are the
+test's; this script only records.
+
+``python tests/vllm_driver.py serve --model DIR --role ROLE --extra JSON`` runs one instance
+driven over stdin/stdout (see :func:`serve`), for the benchmark.
 """
 
 from __future__ import annotations
@@ -155,6 +159,25 @@ class Records:
         return out
 
 
+def forge_store(store: Path, prompts: dict, block_size: int) -> None:
+    """Park forged entries in the store: a valid but unsealed stream for E's first blocks and
+    one sealed with another key for F's (zeros: if either were used, the output would show)."""
+    import torch
+
+    from kvtune.codecs import encode_kv
+    from kvtune.codecs.presets import load_presets
+    from kvtune.serving.auth import seal
+    from kvtune.serving.transport import KVStore
+    from kvtune.serving.vllm import movable_tokens, prefix_key
+
+    pool = KVStore(store)
+    for name in ("E", "F"):
+        n = movable_tokens(len(prompts[name]), block_size)
+        kv = [(torch.zeros(1, 3, n, 64, dtype=torch.bfloat16),) * 2 for _ in range(30)]
+        stream = encode_kv(kv, load_presets()["none"])
+        pool.put(prefix_key(prompts[name][:n]), stream if name == "E" else seal(stream, os.urandom(32)))
+
+
 def scenario(args) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -162,10 +185,13 @@ def scenario(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     words = Path(args.text).read_text().split()
-    ids = tok(" ".join(words[:2000]))["input_ids"]
+    ids = tok(" ".join(words[:3000]))["input_ids"]
+    if len(ids) < 6 * args.prompt_tokens:
+        raise SystemExit(f"--text has {len(ids)} tokens; the scenario needs {6 * args.prompt_tokens}")
     n = args.prompt_tokens
     # two different real-text prompts, and C / D for the store: D starts with all of C
-    prompts = {"A": ids[:n], "B": ids[n:2 * n], "C": ids[2 * n:3 * n], "D": ids[2 * n:3 * n + n // 3]}
+    prompts = {"A": ids[:n], "B": ids[n:2 * n], "C": ids[2 * n:3 * n], "D": ids[2 * n:3 * n + n // 3],
+               "E": ids[4 * n:5 * n], "F": ids[5 * n:6 * n]}  # E, F: forged store entries
     recv_port = free_port()
     proxy = FaultProxy(recv_port)
     store = work / "store"
@@ -204,16 +230,20 @@ def scenario(args) -> dict:
     step("after_corrupt", "B")
     step("drop", "A", fault="drop")
     step("after_drop", "B")
-    plain = {name: generate(producer, prompts[name], args.gen_tokens)[0] for name in ("C", "D")}
+    plain = {name: generate(producer, prompts[name], args.gen_tokens)[0] for name in ("C", "D", "E", "F")}
     t3 = time.perf_counter()
-    # store mode: one instance that both parks its prompts' KV in the store and fetches prefixes
+    # store mode: one instance that both parks its prompts' KV in the store and fetches
+    # prefixes, with a shared key: its own (sealed) streams load, forged entries are refused
+    key_file = work / "kv.key"
+    key_file.write_bytes(os.urandom(32))
+    forge_store(store, prompts, args.block_size)
     store_metrics = work / "store.jsonl"
     both = make_llm(args.model, "kv_both", {**common, "mode": "store", "policy": args.store_policy,
-                    "store_path": str(store), "metrics_path": str(store_metrics)},
+                    "store_path": str(store), "metrics_path": str(store_metrics), "key_file": str(key_file)},
                     dtype=args.dtype, cores="0", prefix_caching=False, max_model_len=args.max_model_len)
     t4 = time.perf_counter()
     store_rec = Records(store_metrics)
-    for name, prompt in (("store_miss", "C"), ("store_fetch", "D")):
+    for name, prompt in (("store_miss", "C"), ("store_fetch", "D"), ("forged_unsealed", "E"), ("forged_other_key", "F")):
         tokens, secs = generate(both, prompts[prompt], args.gen_tokens)
         recs = store_rec.new()
         steps.append({"name": name, "prompt": prompt, "policy": args.store_policy, "tokens": tokens, "consumer_s": secs,
@@ -224,6 +254,55 @@ def scenario(args) -> dict:
     return {"prompts": prompts, "steps": steps, "proxy_log": proxy.log, "store": str(store),
             "timings": {"consumer_start_s": t1 - t0, "producer_start_s": t2 - t1, "p2p_steps_s": t3 - t2,
                         "store_start_s": t4 - t3, "store_steps_s": t5 - t4, "loadavg": os.getloadavg()}}
+
+
+def serve(args) -> int:
+    """One instance driven over stdin/stdout (JSON lines) by ``benchmarks/serving_e2e.py``.
+
+    Requests: ``{"op": "generate", "ids": [...], "max_tokens": n, "params": {...}}`` (params:
+    the request's ``kv_transfer_params``) -> ``{"tokens", "ttft_s", "total_s", "records"}``
+    (records: the connector's new metrics lines); ``{"op": "quit"}``. The first line written is
+    ``READY``. vLLM's own output goes to stderr (this process's stdout carries replies only).
+    """
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # everything else (vLLM logs, engine processes) writes to stderr
+    extra = json.loads(args.extra)
+    llm = make_llm(args.model, args.role, extra, dtype=args.dtype, cores=args.cores,
+                   prefix_caching=args.prefix_caching, max_model_len=args.max_model_len)
+    records = Records(Path(extra["metrics_path"])) if extra.get("metrics_path") else None
+    reply.write("READY\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") == "quit":
+            break
+        tokens, ttft, total = generate_timed(llm, req["ids"], req["max_tokens"], req.get("params") or None)
+        reply.write(json.dumps({"tokens": tokens, "ttft_s": ttft, "total_s": total,
+                                "records": records.new() if records else []}) + "\n")
+    return 0
+
+
+def generate_timed(llm, ids: list[int], max_tokens: int, params: dict | None) -> tuple[list[int], float, float]:
+    """Greedy tokens, seconds to the first output token and to the last, through the engine's
+    step loop (what ``LLM.generate`` does, with the first token timed)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.CUMULATIVE,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    engine = llm.llm_engine
+    rid = f"bench-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, {"prompt_token_ids": ids}, sp)
+    ttft, tokens = None, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid or not out.outputs:
+                continue
+            if ttft is None and len(out.outputs[0].token_ids):
+                ttft = time.perf_counter() - t0
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+    return tokens, ttft, time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -239,9 +318,20 @@ def main(argv=None) -> int:
     sc.add_argument("--gen-tokens", type=int, default=20)
     sc.add_argument("--lossy-policy", default="kivi-2")
     sc.add_argument("--store-policy", default="none")
+    sc.add_argument("--block-size", type=int, default=128)
     sc.add_argument("--max-model-len", type=int, default=2048)
+    sv = sub.add_parser("serve", help="one instance driven over stdin/stdout (benchmarks/serving_e2e.py)")
+    sv.add_argument("--model", required=True)
+    sv.add_argument("--role", required=True, choices=("kv_producer", "kv_consumer", "kv_both"))
+    sv.add_argument("--extra", required=True, help="kv_connector_extra_config as JSON")
+    sv.add_argument("--cores", default="0")
+    sv.add_argument("--dtype", default="bfloat16")
+    sv.add_argument("--prefix-caching", action="store_true")
+    sv.add_argument("--max-model-len", type=int, default=4608)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.cmd == "serve":
+        return serve(args)
     result = scenario(args)
     tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps(result))

@@ -2,8 +2,9 @@
 
 The transport of kvtune's disaggregated-serving connector (:mod:`kvtune.serving.vllm`): the
 prefill instance sends each request's encoded KV stream to the decode instance over one TCP
-connection (:class:`FrameClient` -> :class:`FrameServer`), or parks it in a store shared by
-both (:class:`KVStore`, the "KV parked in a remote pool" case of KVServe, "KVServe:
+connection (:class:`FrameClient` -> :class:`FrameServer`), or parks it in a pool of streams
+(:class:`KVStore`, a directory; :class:`RemoteStore`, the same served over TCP by a
+:class:`FrameServer`: the "KV parked in a remote pool" case of KVServe, "KVServe:
 Service-Aware KV Cache Compression for Communication-Efficient Disaggregated LLM Serving",
 arXiv 2605.13734, sec. 2). The transport moves opaque bytes; integrity of the KV itself is the
 stream's CRC (:mod:`kvtune.codecs.stream`) and, with a shared key, its seal.
@@ -13,7 +14,8 @@ Frame layout (all integers little-endian)::
     offset  size  field
     0       4     magic b"KVTF"
     4       1     frame version = 1
-    5       1     kind: 1 DATA (key + stream), 2 ACK (key), 3 NACK (key + UTF-8 reason)
+    5       1     kind: 1 DATA (key + stream), 2 ACK (key), 3 NACK (key + UTF-8 reason),
+                  4 GET (key), 5 HAS (key)
     6       2     key length K (u16), 1..MAX_KEY_BYTES, ASCII
     8       8     payload length N (u64), at most the receiver's ``max_frame_bytes``
     16      K     key (the request / prefix key, :data:`KEY_PATTERN`)
@@ -21,7 +23,11 @@ Frame layout (all integers little-endian)::
 
 Every DATA frame is answered by an ACK once the receiver has stored the payload, or by a NACK
 naming why it refused it; the sender's :meth:`FrameClient.send` returns only after the ACK, so
-a sent stream is at the receiver when it returns. A receiver checks magic, version, kind and
+a sent stream is at the receiver when it returns. GET is answered by a DATA frame with the
+stored stream or a NACK; HAS by an ACK (stored) or a NACK (not stored).
+
+Run ``python -m kvtune.serving.transport DIR --host H --port P`` to serve the directory ``DIR``
+as a pool (the consumer's ``store_path`` is then ``tcp://H:P``). A receiver checks magic, version, kind and
 both lengths before it allocates anything for the payload; a connection closed or stalled
 mid-frame (longer than ``timeout_s`` without progress) is a :class:`TransferInterruptedError`
 and the partial frame is dropped.
@@ -35,9 +41,10 @@ import re
 import select
 import socket
 import struct
+import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from kvtune.core.atomic import atomic_write_bytes
 from kvtune.core.errors import KvtuneError
@@ -49,6 +56,8 @@ __all__ = [
     "KIND_DATA",
     "KIND_ACK",
     "KIND_NACK",
+    "KIND_GET",
+    "KIND_HAS",
     "KEY_PATTERN",
     "MAX_KEY_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
@@ -66,6 +75,8 @@ __all__ = [
     "FrameClient",
     "FrameServer",
     "KVStore",
+    "RemoteStore",
+    "open_store",
 ]
 
 logger = logging.getLogger(__name__)
@@ -77,7 +88,9 @@ FRAME_HEADER = struct.Struct("<4sBBHQ")
 KIND_DATA = 1
 KIND_ACK = 2
 KIND_NACK = 3
-_KINDS = (KIND_DATA, KIND_ACK, KIND_NACK)
+KIND_GET = 4
+KIND_HAS = 5
+_KINDS = (KIND_DATA, KIND_ACK, KIND_NACK, KIND_GET, KIND_HAS)
 MAX_KEY_BYTES = 128
 KEY_PATTERN = re.compile(r"^[0-9a-f]{16,128}$")
 """Keys are lowercase hex digests (:func:`kvtune.serving.vllm.prefix_key`): safe as file names."""
@@ -188,7 +201,7 @@ def read_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_
         idle_timeout_s: seconds to wait for the first byte of a frame (None: forever).
 
     Returns:
-        The :class:`Frame`, or None at a clean end of the connection.
+        The :class:`Frame`, or None when the connection ended between frames (closed or reset).
 
     Raises:
         FrameError: a malformed header (see :func:`parse_frame_header`) or key.
@@ -201,6 +214,8 @@ def read_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_
         first = sock.recv_into(view, len(view))
     except socket.timeout:
         raise TransferInterruptedError(f"no frame within the idle timeout of {idle_timeout_s} s") from None
+    except ConnectionResetError:
+        return None  # the peer went away between frames: nothing was lost
     except OSError as exc:
         raise TransferInterruptedError(f"connection failed while waiting for a frame: {exc}") from None
     if first == 0:
@@ -241,17 +256,21 @@ class FrameClient:
     """The sending end: one persistent TCP connection to a :class:`FrameServer`.
 
     Args:
-        host, port: the receiver's address.
-        timeout_s: seconds without progress before a send (or its ACK) is abandoned.
+        host, port: the server's address.
+        timeout_s: seconds without progress before a request (or its answer) is abandoned.
         connect_timeout_s: seconds allowed to connect.
+        max_frame_bytes: largest DATA payload accepted in an answer (:meth:`get`).
 
-    A failed send closes the connection; the next send reconnects.
+    A failed request closes the connection; the next one reconnects. Requests of several
+    threads are serialised.
     """
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, *, timeout_s: float = 30.0, connect_timeout_s: float = 5.0,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.host, self.port = str(host), int(port)
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
+        self.max_frame_bytes = int(max_frame_bytes)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -266,42 +285,52 @@ class FrameClient:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
             except OSError as exc:
-                raise TransferInterruptedError(f"cannot connect to the KV receiver {self.host}:{self.port}: {exc}") from None
+                raise TransferInterruptedError(f"cannot connect to the KV peer {self.host}:{self.port}: {exc}") from None
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         sock.settimeout(self.timeout_s)
         return sock
 
-    def send(self, key: str, payload: bytes | bytearray | memoryview) -> None:
-        """Send ``payload`` under ``key`` and wait for the receiver's ACK.
+    def request(self, kind: int, key: str, payload: bytes | bytearray | memoryview = b"") -> Frame:
+        """Send one frame and return the server's answer (ACK, NACK or DATA) for ``key``.
 
         Raises:
-            FrameError: invalid key, or a malformed answer.
+            FrameError: invalid key, or a malformed answer or one for another key.
             TransferInterruptedError: connection failure or timeout (the connection is closed).
-            TransferRejectedError: the receiver answered with a NACK.
         """
         with self._lock:
             try:
                 sock = self._connection()
-                write_frame(sock, KIND_DATA, key, payload)
-                answer = read_frame(sock, max_frame_bytes=0, timeout_s=self.timeout_s, idle_timeout_s=self.timeout_s)
+                write_frame(sock, kind, key, payload)
+                answer = read_frame(sock, max_frame_bytes=self.max_frame_bytes, timeout_s=self.timeout_s,
+                                    idle_timeout_s=self.timeout_s)
             except TransportError:
                 self.close()
                 raise
             if answer is None:
                 self.close()
-                raise TransferInterruptedError(f"sending {key}: the receiver closed the connection before its answer")
+                raise TransferInterruptedError(f"{key}: the peer closed the connection before its answer")
             if answer.key != key:
                 self.close()
-                raise FrameError(f"sending {key}: the receiver answered for {answer.key}")
-            if answer.kind == KIND_NACK:
-                raise TransferRejectedError(f"the receiver refused {key}: {answer.payload.decode('utf-8', 'replace')}")
-            if answer.kind != KIND_ACK:
-                self.close()
-                raise FrameError(f"sending {key}: expected an ACK, got frame kind {answer.kind}")
+                raise FrameError(f"{key}: the peer answered for {answer.key}")
+            return answer
+
+    def send(self, key: str, payload: bytes | bytearray | memoryview) -> None:
+        """Send ``payload`` under ``key`` and wait for the receiver's ACK.
+
+        Raises:
+            FrameError, TransferInterruptedError: see :meth:`request`.
+            TransferRejectedError: the receiver answered with a NACK.
+        """
+        answer = self.request(KIND_DATA, key, payload)
+        if answer.kind == KIND_NACK:
+            raise TransferRejectedError(f"the receiver refused {key}: {answer.payload.decode('utf-8', 'replace')}")
+        if answer.kind != KIND_ACK:
+            self.close()
+            raise FrameError(f"sending {key}: expected an ACK, got frame kind {answer.kind}")
 
     def close(self) -> None:
-        """Close the connection (the next :meth:`send` reconnects)."""
+        """Close the connection (the next request reconnects)."""
         sock, self._sock = self._sock, None
         if sock is not None:
             try:
@@ -311,29 +340,28 @@ class FrameClient:
 
 
 class FrameServer:
-    """The receiving end: accepts connections and hands each DATA frame to ``handler``.
+    """The receiving end: serves a :class:`KVStore` over TCP.
 
-    ``handler(key, payload)`` stores the payload; the server answers ACK when it returns and
-    NACK (with the error's text) when it raises a :class:`~kvtune.core.errors.KvtuneError`.
-    Malformed or interrupted frames are logged (their typed error) and the connection is
-    closed; the server keeps serving other and later connections.
+    DATA frames are stored (answered ACK, or NACK with the error's text when the store refuses
+    them), GET frames answered with the stored stream (or a NACK), HAS frames with ACK / NACK.
+    Malformed or interrupted frames are logged (their typed error) and their connection closed;
+    the server keeps serving other and later connections.
 
     Args:
         host, port: address to listen on (port 0: any free port, see :attr:`port`).
-        handler: ``(key: str, payload: bytearray) -> None``.
+        store: where received streams go and requested ones come from.
         max_frame_bytes: largest payload accepted.
         timeout_s: seconds without progress inside a frame before the connection is dropped.
         idle_timeout_s: seconds an idle connection is kept.
     """
 
-    def __init__(self, host: str, port: int, handler: Callable[[str, bytearray], None], *,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, timeout_s: float = 30.0,
-                 idle_timeout_s: float = 3600.0) -> None:
-        self.handler = handler
+    def __init__(self, host: str, port: int, store: "KVStore", *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 timeout_s: float = 30.0, idle_timeout_s: float = 3600.0) -> None:
+        self.store = store
         self.max_frame_bytes = int(max_frame_bytes)
         self.timeout_s = float(timeout_s)
         self.idle_timeout_s = float(idle_timeout_s)
-        self._listener = socket.create_server((host, int(port)), reuse_port=False)
+        self._listener = socket.create_server((host, int(port)))
         self._listener.settimeout(0.5)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kvtune-frame-server", daemon=True)
@@ -355,6 +383,19 @@ class FrameServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn, peer), name="kvtune-frame-conn", daemon=True).start()
 
+    def _answer(self, frame: Frame, peer) -> tuple[int, bytes | bytearray]:
+        try:
+            if frame.kind == KIND_DATA:
+                self.store.put(frame.key, frame.payload)
+                return KIND_ACK, b""
+            if frame.kind == KIND_GET:
+                return KIND_DATA, self.store.get(frame.key)
+            return (KIND_ACK, b"") if self.store.contains(frame.key) else (KIND_NACK, b"not stored")
+        except KvtuneError as exc:
+            if frame.kind == KIND_DATA:
+                logger.warning("kvtune: refused KV stream %s from %s: %s: %s", frame.key, peer, type(exc).__name__, exc)
+            return KIND_NACK, f"{type(exc).__name__}: {exc}".encode("utf-8")[:MAX_NACK_BYTES]
+
     def _serve(self, conn: socket.socket, peer) -> None:
         with conn:
             while not self._closed.is_set():
@@ -366,19 +407,13 @@ class FrameServer:
                     return
                 if frame is None:
                     return
-                if frame.kind != KIND_DATA:
+                if frame.kind not in (KIND_DATA, KIND_GET, KIND_HAS):
                     logger.warning("kvtune: unexpected frame kind %d from %s; closing", frame.kind, peer)
                     return
-                try:
-                    self.handler(frame.key, frame.payload)
-                except KvtuneError as exc:
-                    logger.warning("kvtune: refused KV stream %s from %s: %s: %s", frame.key, peer, type(exc).__name__, exc)
-                    answer = (KIND_NACK, f"{type(exc).__name__}: {exc}".encode("utf-8")[:MAX_NACK_BYTES])
-                else:
-                    answer = (KIND_ACK, b"")
+                kind, payload = self._answer(frame, peer)
                 try:
                     conn.settimeout(self.timeout_s)
-                    write_frame(conn, answer[0], frame.key, answer[1])
+                    write_frame(conn, kind, frame.key, payload)
                 except TransportError as exc:
                     logger.warning("kvtune: could not answer %s: %s", peer, exc)
                     return
@@ -403,14 +438,18 @@ class KVStore:
     Args:
         root: the directory (created if missing).
         max_entry_bytes: largest entry :meth:`get` reads.
+        durable: fsync each entry before it becomes visible (a shared pool); False for a
+            local spool that only hands streams from one process to another.
     """
 
     SUFFIX = ".kvt"
 
-    def __init__(self, root: str | os.PathLike[str], *, max_entry_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, max_entry_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 durable: bool = True) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_entry_bytes = int(max_entry_bytes)
+        self.durable = bool(durable)
 
     def path(self, key: str) -> Path:
         """File of ``key`` (:class:`FrameError` for an invalid key)."""
@@ -428,7 +467,18 @@ class KVStore:
         """
         if len(data) > self.max_entry_bytes:
             raise FrameError(f"KV stream {key} of {len(data)} bytes exceeds the store limit of {self.max_entry_bytes}")
-        return atomic_write_bytes(self.path(key), data)
+        dest = self.path(key)
+        if self.durable:
+            return atomic_write_bytes(dest, data)
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return dest
 
     def get(self, key: str) -> bytearray:
         """The entry of ``key``.
@@ -460,3 +510,100 @@ class KVStore:
             self.path(key).unlink()
         except FileNotFoundError:
             pass
+
+
+class RemoteStore:
+    """A :class:`KVStore` served by a :class:`FrameServer` elsewhere, with the same calls.
+
+    Args:
+        host, port: the server.
+        max_entry_bytes: largest entry :meth:`get` accepts (checked before allocating).
+        timeout_s: seconds without progress before a request is abandoned.
+    """
+
+    def __init__(self, host: str, port: int, *, max_entry_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 timeout_s: float = 30.0) -> None:
+        self.client = FrameClient(host, port, timeout_s=timeout_s, max_frame_bytes=max_entry_bytes)
+        self.root = f"tcp://{host}:{port}"
+
+    def contains(self, key: str) -> bool:
+        """Whether the pool holds ``key`` (one round trip; False when the pool is unreachable).
+
+        Raises:
+            FrameError: an invalid key.
+        """
+        try:
+            return self.client.request(KIND_HAS, check_key(key)).kind == KIND_ACK
+        except TransferInterruptedError as exc:
+            logger.warning("kvtune: KV pool %s unreachable: %s", self.root, exc)
+            return False
+
+    def get(self, key: str) -> bytearray:
+        """The entry of ``key``.
+
+        Raises:
+            PrefixNotFoundError: the pool does not hold it.
+            FrameError: an invalid key, or an entry over ``max_entry_bytes``.
+            TransferInterruptedError: the connection failed or stalled.
+        """
+        answer = self.client.request(KIND_GET, check_key(key))
+        if answer.kind == KIND_DATA:
+            return answer.payload
+        reason = answer.payload.decode("utf-8", "replace")
+        if "PrefixNotFoundError" in reason:
+            raise PrefixNotFoundError(f"no KV stream for {key} in the pool {self.root}")
+        raise FrameError(f"the pool {self.root} refused {key}: {reason}")
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        """Store ``data`` under ``key`` in the pool (returns once stored).
+
+        Raises:
+            FrameError, TransferInterruptedError, TransferRejectedError: see :meth:`FrameClient.send`.
+        """
+        self.client.send(key, data)
+        return f"{self.root}/{key}"
+
+    def remove(self, key: str) -> None:
+        """Pools keep their entries (a no-op here)."""
+
+
+def open_store(spec: str, *, max_entry_bytes: int = DEFAULT_MAX_FRAME_BYTES, timeout_s: float = 30.0):
+    """A :class:`RemoteStore` for ``tcp://host:port``, else a :class:`KVStore` of the directory
+    ``spec``.
+
+    Raises:
+        FrameError: a ``tcp://`` address without a valid port.
+    """
+    if spec.startswith("tcp://"):
+        host, sep, port = spec[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise FrameError(f"KV pool address must be tcp://host:port, got {spec!r}")
+        return RemoteStore(host, int(port), max_entry_bytes=max_entry_bytes, timeout_s=timeout_s)
+    return KVStore(spec, max_entry_bytes=max_entry_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve a directory as a KV pool: ``python -m kvtune.serving.transport DIR --host H --port P``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Serve a directory of kvtune KV streams as a pool over TCP.")
+    ap.add_argument("root", help="the pool directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=18700)
+    ap.add_argument("--max-entry-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    server = FrameServer(args.host, args.port, KVStore(args.root, max_entry_bytes=args.max_entry_bytes),
+                         max_frame_bytes=args.max_entry_bytes)
+    print(f"serving {args.root} on {args.host}:{server.port}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

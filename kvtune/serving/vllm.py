@@ -67,14 +67,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvtune.codecs import PolicyConfig, decode_kv, encode_kv
-from kvtune.core.errors import ConfigError, KvtuneError, KVStreamError
+from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
+from kvtune.core.errors import ConfigError, KvtuneError
+from kvtune.serving.artifacts import ModelMismatchError
+from kvtune.serving.auth import MAX_KEY_BYTES, load_key, seal, unseal
 from kvtune.serving.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     FrameClient,
     FrameServer,
     KVStore,
     PrefixNotFoundError,
+    open_store,
 )
 
 __all__ = [
@@ -84,7 +87,6 @@ __all__ = [
     "KvtuneConnector",
     "KvtuneConnectorMetadata",
     "TransferItem",
-    "ModelMismatchError",
     "prefix_key",
     "movable_tokens",
     "gather_blocks",
@@ -97,16 +99,14 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MODES = ("p2p", "store")
-REQUEST_PARAMS = ("kvtune_policy", "kvtune_debug_zero_kv")
+REQUEST_PARAMS = ("kvtune_policy", "kvtune_bandwidth_gbps", "kvtune_debug_zero_kv")
 """Per-request keys of ``SamplingParams(extra_args={"kv_transfer_params": {...}})``:
 ``kvtune_policy`` (producer: a preset name or policy dict used for this request instead of the
-configured policy, e.g. to compare static choices) and ``kvtune_debug_zero_kv`` (consumer:
-load zeros instead of the decoded KV, a control)."""
-
-
-class ModelMismatchError(KvtuneError):
-    """A KV stream or a policy does not fit the model the engine serves (layers, KV heads,
-    head size, tokens or dtype)."""
+configured policy, e.g. to compare static choices), ``kvtune_bandwidth_gbps`` (producer with a
+table: the bandwidth the stream will cross, e.g. the link of the instance that will fetch a
+pooled prefix; default: the bandwidth learned from this producer's transfers, or in store mode
+the ``bandwidth_gbps`` setting) and ``kvtune_debug_zero_kv`` (consumer: load zeros instead of
+the decoded KV, a control)."""
 
 
 # ----------------------------------------------------------------------------- settings
@@ -127,11 +127,16 @@ class ConnectorSettings:
         slo_s: transfer-time SLO for the table's controller (seconds), or None.
         bandwidth_gbps: bandwidth (Gbps) assumed for the first transfer, before any is measured.
         peer_host, peer_port: p2p: the consumer's receiver (the consumer listens there).
-        store_path: store mode: the shared directory.
+        store_path: store mode: the pool, a directory both instances see or ``tcp://host:port``
+            of a pool server (``python -m kvtune.serving.transport DIR``).
         spool_path: p2p consumer: local directory of received streams (default: under the
             system temp directory, named by the port).
-        key_file: file holding the shared key that seals streams (else ``KVTUNE_KV_KEY_FILE``
-            / ``KVTUNE_KV_KEY`` from the environment; none: streams are not sealed).
+        allow_dtype_mismatch: with ``table``, accept serving KV of another dtype than the one
+            the table was profiled on (e.g. bfloat16 KV, a table profiled on float32 KV).
+        key_file: file whose bytes are the shared key that seals streams (else
+            ``KVTUNE_KV_KEY_FILE`` / ``KVTUNE_KV_KEY`` from the environment,
+            :func:`kvtune.serving.auth.load_key`; none: streams are not sealed). With a key, a
+            consumer refuses unsealed or forged streams (and recomputes).
         timeout_s: seconds without progress before a transfer is abandoned.
         max_stream_bytes: largest stream received or read from the store.
         metrics_path: append one JSON line per transfer (producer) / load (consumer) here.
@@ -146,6 +151,7 @@ class ConnectorSettings:
     q_min: float = 0.99
     slo_s: float | None = None
     bandwidth_gbps: float | None = None
+    allow_dtype_mismatch: bool = False
     peer_host: str = "127.0.0.1"
     peer_port: int = 18600
     store_path: str | None = None
@@ -192,10 +198,14 @@ class ConnectorSettings:
         return s
 
     def spool_dir(self) -> Path:
-        """Where a p2p consumer keeps received streams (shared by its scheduler and worker)."""
+        """Where a p2p consumer keeps received streams (shared by its scheduler and worker):
+        ``spool_path``, else ``kvtune-spool-<port>`` in ``/dev/shm`` (memory) when it exists,
+        else in the system temp directory."""
         if self.spool_path:
             return Path(self.spool_path)
-        return Path(tempfile.gettempdir()) / f"kvtune-spool-{self.peer_port}"
+        shm = Path("/dev/shm")
+        root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+        return root / f"kvtune-spool-{self.peer_port}"
 
 
 # ----------------------------------------------------------------------------- policy seam
@@ -203,8 +213,9 @@ class ConnectorSettings:
 
 @dataclass
 class EncodedStream:
-    """One encoded request: ``stream`` (bytes), ``policy_id``, ``encode_s`` (seconds),
-    ``kv_bytes`` (bytes of the KV before encoding), ``decision`` (the controller's, or None)."""
+    """One encoded request, as :class:`kvtune.serving.EncodedKV` for a table: ``stream``
+    (bytes, sealed with a key), ``policy_id``, ``encode_s`` (seconds, sealing included),
+    ``kv_bytes`` (bytes of the KV in bfloat16), ``decision`` (None: no controller)."""
 
     stream: bytes
     policy_id: str
@@ -216,97 +227,95 @@ class EncodedStream:
 class StaticPolicy:
     """One fixed policy for every transfer: the ``policy`` setting (a preset or a policy dict).
 
-    Same calls as the table-driven ``kvtune.serving.runtime.ServingPolicy`` (``check_model``,
+    Same calls as the table-driven :class:`kvtune.serving.ServingPolicy` (``check_model``,
     ``encode``, ``decode``, ``feedback``), so the connector uses either.
 
     Args:
         config: the policy.
-
-    Raises:
-        ConfigError: an unknown preset name or a malformed policy dict.
+        key: shared stream key: streams are sealed on encode and must authenticate on decode
+            (:mod:`kvtune.serving.auth`), or None.
     """
 
-    def __init__(self, config: PolicyConfig) -> None:
+    def __init__(self, config: PolicyConfig, key: bytes | None = None) -> None:
         self.config = config
+        self._key = key
 
     @classmethod
-    def from_setting(cls, policy: Any) -> "StaticPolicy":
-        """Build from a preset name or a policy dict (:class:`ConfigError` if neither)."""
+    def from_setting(cls, policy: Any, key: bytes | None = None) -> "StaticPolicy":
+        """Build from a preset name or a policy dict.
+
+        Raises:
+            ConfigError: an unknown preset, a malformed policy dict, or neither.
+        """
         if isinstance(policy, str):
             from kvtune.codecs.presets import load_presets
 
             presets = load_presets(skip_unavailable=True)
             if policy not in presets:
                 raise ConfigError(f"kvtune connector: unknown preset {policy!r}; known: {sorted(presets)}")
-            return cls(presets[policy])
+            return cls(presets[policy], key)
         if isinstance(policy, Mapping):
-            return cls(PolicyConfig.from_dict(dict(policy)))
+            return cls(PolicyConfig.from_dict(dict(policy)), key)
         raise ConfigError(f"kvtune connector: policy must be a preset name or a policy dict, got {type(policy).__name__}")
 
-    def check_model(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """Policies apply to any geometry (head-ranking policies check their scores on encode)."""
+    def check_model(self, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    allow_dtype_mismatch: bool = False) -> None:
+        """A static policy applies to any geometry (head-ranking policies check their scores
+        on encode)."""
 
     def encode(self, kv: list[tuple[torch.Tensor, torch.Tensor]], *, bandwidth_gbps: float | None = None) -> EncodedStream:
-        """Encode ``kv`` (per layer ``(K, V)``, each ``(1, kv_heads, tokens, head_dim)``)."""
+        """Encode (and seal) ``kv``: per layer ``(K, V)``, each ``(1, kv_heads, tokens, head_dim)``."""
         t0 = time.perf_counter()
         stream = encode_kv(kv, self.config)
-        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
-        return EncodedStream(stream, self.config.policy_id, time.perf_counter() - t0, kv_bytes)
+        if self._key is not None:
+            stream = seal(stream, self._key)
+        return EncodedStream(stream, self.config.policy_id, time.perf_counter() - t0, original_nbytes(kv))
 
     def decode(self, stream: bytes | bytearray | memoryview, *, device=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Decode any kvtune stream (self-describing); :class:`KVStreamError` when it fails its checks."""
-        return decode_kv(stream)
+        """Decode any kvtune stream (self-describing), after authenticating it with a key.
+
+        Raises:
+            AuthenticationError: with a key, an unsealed, truncated, edited or wrongly keyed stream.
+            KVStreamError: a stream that fails its checks.
+        """
+        return decode_kv(stream if self._key is None else unseal(stream, self._key))
 
     def feedback(self, encoded: EncodedStream, *, transfer_s: float, decode_s: float | None = None) -> None:
         """A static policy ignores measurements."""
 
 
 def make_policy(settings: ConnectorSettings, key: bytes | None):
-    """The policy object of ``settings``: :class:`StaticPolicy` for ``policy``, the table's
-    ``ServingPolicy`` for ``table``, and a decode-only :class:`StaticPolicy` of ``none`` when
-    neither is given (a consumer).
+    """The policy object of ``settings``: :class:`StaticPolicy` for ``policy``,
+    :class:`kvtune.serving.ServingPolicy` for ``table``, and :class:`StaticPolicy` of ``none``
+    when neither is given (a consumer only decodes: streams name their policy).
 
     Raises:
-        ConfigError: the table needs ``kvtune.serving.runtime`` and it is not importable, or a
-            bad policy setting.
+        ConfigError, TableError, CalibrationError: a bad policy setting or table.
     """
     if settings.table is not None:
-        try:
-            from kvtune.serving.runtime import ServingPolicy
-        except ImportError as exc:
-            raise ConfigError(f"kvtune connector: 'table' needs kvtune.serving.runtime ({exc})") from None
-        return ServingPolicy.load(settings.table, q_min=settings.q_min, slo_s=settings.slo_s, key=key)
-    return StaticPolicy.from_setting(settings.policy if settings.policy is not None else "none")
+        from kvtune.serving.runtime import ServingPolicy
+
+        return ServingPolicy.load(settings.table, q_min=settings.q_min, slo_s=settings.slo_s, key=key,
+                                  initial_bandwidth_gbps=settings.bandwidth_gbps)
+    return StaticPolicy.from_setting(settings.policy if settings.policy is not None else "none", key)
 
 
 def load_shared_key(settings: ConnectorSettings) -> bytes | None:
-    """The key that seals streams: ``key_file`` if set, else the environment
-    (``kvtune.serving.auth.load_key``), else None. Never logged.
+    """The key that seals streams: the bytes of ``key_file`` if set (read bounded), else
+    :func:`kvtune.serving.auth.load_key` (environment), else None. Never logged.
 
     Raises:
-        ConfigError: ``key_file`` is unreadable or empty, or a key is configured but
-            ``kvtune.serving.auth`` is not importable.
+        ConfigError: ``key_file`` is unreadable; KeyConfigError: an unusable key.
     """
-    if settings.key_file:
-        try:
-            key = Path(settings.key_file).read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"kvtune connector: cannot read key_file {settings.key_file}: {exc.strerror}") from None
-        if not key:
-            raise ConfigError(f"kvtune connector: key_file {settings.key_file} is empty")
-        _auth()
-        return key
-    if os.environ.get("KVTUNE_KV_KEY_FILE") or os.environ.get("KVTUNE_KV_KEY"):
-        return _auth().load_key()
-    return None
-
-
-def _auth():
+    if not settings.key_file:
+        return load_key()
     try:
-        from kvtune.serving import auth
-    except ImportError as exc:
-        raise ConfigError(f"kvtune connector: a shared key is configured but kvtune.serving.auth is missing ({exc})") from None
-    return auth
+        with open(settings.key_file, "rb") as fh:
+            key = fh.read(MAX_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"kvtune connector: cannot read key_file {settings.key_file}: {exc.strerror}") from None
+    seal(b"", key)  # KeyConfigError (naming the problem, not the key) for an unusable key
+    return key
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -493,7 +502,8 @@ class TransferItem:
 
     ``key``: the prefix key; ``block_ids``: the request's blocks in token order; ``start``,
     ``end``: the token range to load (load) or ``0, tokens`` (save); ``req_id``: vLLM's id;
-    ``policy``: the request's own static policy (save), ``zero``: load zeros (debug)."""
+    ``policy``: the request's own static policy (save), ``bandwidth_gbps``: the bandwidth
+    hint of the save, ``zero``: load zeros (debug)."""
 
     req_id: str
     key: str
@@ -501,6 +511,7 @@ class TransferItem:
     start: int
     end: int
     policy: Any = None
+    bandwidth_gbps: float | None = None
     zero: bool = False
 
 
@@ -549,9 +560,9 @@ class KvtuneConnector(KVConnectorBase_V1):
                            "request; set kv_load_failure_policy='recompute' to recompute it instead",
                            tc.kv_load_failure_policy)
         if s.mode == "store":
-            self.store = KVStore(s.store_path, max_entry_bytes=s.max_stream_bytes)
+            self.store = open_store(s.store_path, max_entry_bytes=s.max_stream_bytes, timeout_s=s.timeout_s)
         elif self.is_consumer:
-            self.store = KVStore(s.spool_dir(), max_entry_bytes=s.max_stream_bytes)
+            self.store = KVStore(s.spool_dir(), max_entry_bytes=s.max_stream_bytes, durable=False)
         else:
             self.store = None
         # scheduler side
@@ -570,7 +581,6 @@ class KvtuneConnector(KVConnectorBase_V1):
         self._request_policies: dict[str, StaticPolicy] = {}
         self._key: bytes | None = None
         self._metrics_lock = threading.Lock()
-        self._bandwidth_gbps = s.bandwidth_gbps
         if role == KVConnectorRole.WORKER:
             self._key = load_shared_key(s)
             self._policy = make_policy(s, self._key)
@@ -583,7 +593,7 @@ class KvtuneConnector(KVConnectorBase_V1):
             if self.is_consumer and s.mode == "p2p":
                 for stale in self.store.root.glob(f"*{KVStore.SUFFIX}"):
                     stale.unlink(missing_ok=True)
-                self._server = FrameServer(s.peer_host, s.peer_port, self._receive,
+                self._server = FrameServer(s.peer_host, s.peer_port, self.store,
                                            max_frame_bytes=s.max_stream_bytes, timeout_s=s.timeout_s)
                 logger.info("kvtune connector: receiving KV streams on %s:%d into %s", s.peer_host, self._server.port, self.store.root)
             if self.is_producer and s.mode == "p2p":
@@ -675,9 +685,10 @@ class KvtuneConnector(KVConnectorBase_V1):
                 if n == 0:
                     del self._tracked[rid]
                 elif done >= n and rid in scheduler_output.num_scheduled_tokens:
-                    policy = self._params.get(rid, {}).get("kvtune_policy")
+                    params = self._params.get(rid, {})
                     meta.saves.append(TransferItem(rid, prefix_key(tr.tokens[:n]), tr.block_ids[: n // self.block_size],
-                                                   0, n, policy=policy))
+                                                   0, n, policy=params.get("kvtune_policy"),
+                                                   bandwidth_gbps=params.get("kvtune_bandwidth_gbps")))
                     del self._tracked[rid]
         self._pending_loads.clear()
         return meta
@@ -718,7 +729,8 @@ class KvtuneConnector(KVConnectorBase_V1):
                                     head_dim=d, dtype=dtype)
         logger.info("kvtune connector: %d layers, %d KV heads x %d, blocks of %d, %s, %s", len(self._caches), h, d,
                     bs, dtype, self._layout)
-        self._policy.check_model(num_layers=len(self._caches), kv_heads=h, head_dim=d, dtype=dtype)
+        self._policy.check_model(num_layers=len(self._caches), kv_heads=h, head_dim=d, dtype=dtype,
+                                 allow_dtype_mismatch=self.settings.allow_dtype_mismatch)
 
     def _cache_writer(self, layer_names: list[str]):
         """The engine's cache-write kernel bound to the ISA its attention layers use."""
@@ -735,9 +747,6 @@ class KvtuneConnector(KVConnectorBase_V1):
             ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
         return write
-
-    def _receive(self, key: str, payload: bytearray) -> None:
-        self.store.put(key, payload)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Load this step's streams into the paged cache, before the forward pass. A stream
@@ -771,8 +780,7 @@ class KvtuneConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         data = self.store.get(item.key)
         t1 = time.perf_counter()
-        stream = _auth().unseal(data, self._key) if self._key is not None else data
-        kv = self._policy.decode(stream)
+        kv = self._policy.decode(data)
         t2 = time.perf_counter()
         if len(kv) != len(self._caches):
             raise ModelMismatchError(f"stream {item.key} has {len(kv)} layers, the engine {len(self._caches)}")
@@ -819,15 +827,18 @@ class KvtuneConnector(KVConnectorBase_V1):
             Path(self.settings.debug_dump_dir).mkdir(parents=True, exist_ok=True)
             torch.save(kv, Path(self.settings.debug_dump_dir) / f"{item.key}.pt")
         policy = self._policy if item.policy is None else self._static(item.policy)
-        enc = policy.encode(kv, bandwidth_gbps=self._bandwidth_gbps)
-        data = _auth().seal(enc.stream, self._key) if self._key is not None else enc.stream
+        p2p = self.settings.mode == "p2p"
+        hint = item.bandwidth_gbps if item.bandwidth_gbps is not None else (None if p2p else self.settings.bandwidth_gbps)
+        enc = policy.encode(kv, bandwidth_gbps=None if hint is None else float(hint))
+        data = enc.stream
         t2 = time.perf_counter()
-        if self.settings.mode == "p2p":
+        if p2p:
             self._client.send(item.key, data)
         else:
             self.store.put(item.key, data)
         t3 = time.perf_counter()
-        policy.feedback(enc, transfer_s=t3 - t2)
+        if p2p:  # the wire time of this link teaches the controller its bandwidth; a pool put does not
+            policy.feedback(enc, transfer_s=t3 - t2)
         return {"policy_id": enc.policy_id, "kv_bytes": enc.kv_bytes, "stream_bytes": len(data),
                 "gather_s": t1 - t0, "encode_s": enc.encode_s, "seal_encode_s": t2 - t1, "send_s": t3 - t2,
                 "decision": _decision_summary(enc.decision)}
@@ -835,7 +846,7 @@ class KvtuneConnector(KVConnectorBase_V1):
     def _static(self, setting: Any) -> StaticPolicy:
         name = json.dumps(setting, sort_keys=True)
         if name not in self._request_policies:
-            self._request_policies[name] = StaticPolicy.from_setting(setting)
+            self._request_policies[name] = StaticPolicy.from_setting(setting, self._key)
         return self._request_policies[name]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
