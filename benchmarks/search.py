@@ -22,6 +22,14 @@ Synthetic problem with a known answer (2,025 candidates, :mod:`kvtune.search.opt
 
     python benchmarks/search.py --synthetic --seeds 10 --out benchmarks/results/synthetic
 
+Batch asks (``--batch 1,4,8``): each optimizer also runs asking ``q`` candidates at a time
+(``ask_batch``, all told before the next batch), at the same numbers of evaluations; the
+script prints and writes (``<out>_batch.md``) the mean hypervolume relative to ``q = 1`` and
+the hits at each floor per batch size::
+
+    python benchmarks/search.py --optimizers mobo,kvserve --q-mins 0.97 --batch 1,4,8 \
+        --seeds 5 --budgets 0.02,0.05 --out benchmarks/results/search_batch
+
 Writes ``<out>.csv`` (one row per optimizer x seed x budget), ``<out>.md`` (summary table) and
 ``<out>.html`` (convergence plot, plotly, opens offline).
 """
@@ -43,6 +51,16 @@ def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
 
 
+def _markdown(frame) -> str:
+    """A pandas frame as a Markdown table (floats to 3 decimals; no tabulate needed)."""
+    def cell(v) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    rows = [" | ".join(map(str, frame.columns)), " | ".join("---" for _ in frame.columns)]
+    rows += [" | ".join(cell(v) for v in r) for r in frame.itertuples(index=False)]
+    return "\n".join(f"| {r} |" for r in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--budgets", default="0.01,0.02,0.05,0.1", help="fractions of the space")
     parser.add_argument("--q-mins", default="0.97,0.99", help="accuracy floors for the best-ratio metric")
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes q (default 1)")
     parser.add_argument("--no-ratios", action="store_true", help="do not give optimizers the up-front ratios")
     parser.add_argument("--out", default="benchmarks/results/search", help="output path without suffix")
     args = parser.parse_args(argv)
@@ -103,11 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise KvtuneError(f"unknown optimizer(s) {unknown}; known: {', '.join(sorted(OPTIMIZERS))}")
         q_mins = _floats(args.q_mins)
+        try:
+            batches = [int(v) for v in args.batch.split(",") if v.strip()]
+        except ValueError:
+            raise KvtuneError(f"--batch takes comma-separated integers >= 1, got {args.batch!r}") from None
+        if not batches or min(batches) < 1:
+            raise KvtuneError(f"--batch takes comma-separated integers >= 1, got {args.batch!r}")
         t0 = time.perf_counter()
         results, runs = run_search_benchmark(space, replay, optimizers=names, seeds=args.seeds,
                                              budgets=_floats(args.budgets), q_mins=q_mins,
                                              use_ratios=not args.no_ratios,
-                                             progress=lambda msg: print(msg, flush=True))
+                                             progress=lambda msg: print(msg, flush=True), batches=batches)
     except KvtuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -118,6 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_outputs(results, runs, replay, args.out, title=f"kvtune search benchmark: {problem}",
                           q_mins=q_mins, notes=notes)
     print(summarize(results).to_string(index=False))
+    if len(batches) > 1:
+        import os
+
+        from kvtune.search.optimizers.bench import batch_comparison
+
+        table = batch_comparison(results)
+        load = " ".join(f"{v:.2f}" for v in os.getloadavg())
+        md = Path(args.out).with_name(Path(args.out).name + "_batch.md")
+        md.write_text(f"# Batch asks: {problem}\n\n{notes} Batch sizes {batches}; load average at the end "
+                      f"{load} (1, 5, 15 min).\n\n" + _markdown(table) + "\n")
+        print(table.to_string(index=False))
+        paths["batch"] = str(md)
     print("wrote", ", ".join(paths.values()))
     return 0
 

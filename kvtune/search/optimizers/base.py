@@ -1,26 +1,42 @@
 """The seam between search and evaluation: an ask/tell optimizer over discrete candidates.
 
 An optimizer sees the candidate list once, proposes candidates with :meth:`Optimizer.ask`
-and learns results through :meth:`Optimizer.tell`. It never proposes a candidate twice, and
-``ask`` returns ``None`` when it has nothing left to propose (space exhausted or early stop).
-The profile loop owns the budget, the evaluation and the trial store; resumed runs replay
-stored results through :meth:`tell` before asking again.
+(one) or :meth:`Optimizer.ask_batch` (up to ``q`` while others are still being evaluated,
+the *pending* candidates) and learns results through :meth:`Optimizer.tell`, in any order.
+It never proposes a candidate twice: not one already told, not a pending one, not twice in
+one batch (:meth:`Optimizer.ask_batch` checks every proposal). ``ask`` returns ``None`` and
+``ask_batch`` an empty list when there is nothing to propose (space exhausted or early stop;
+with candidates pending, possibly only until their results are told). The profile loop (or
+an executor) owns the budget, the evaluation and the trial store; resumed runs replay stored
+results through :meth:`tell` before asking again.
+
+A batch is built by *sequential greedy* selection: each optimizer implements
+:meth:`Optimizer.propose` (the next candidate given the pending ones), and ``ask_batch(q,
+pending)`` calls it ``q`` times, each time with the candidates chosen so far added to the
+pending ones. Each optimizer documents how it accounts for pending candidates (``mobo``:
+BoTorch ``X_pending`` or a kriging believer; ``kvserve``: fantasized results and tentative
+pruning; Optuna: ``RUNNING`` trials; ``random``/``exhaustive``: skipped).
 """
 
 from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvtune.core.registry import Registry
-from kvtune.core.errors import ConfigError
+from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.search.space import Candidate, SearchSpace
 
 OPTIMIZERS: Registry[type["Optimizer"]] = Registry("optimizer")
+
+
+class PendingError(KvtuneError, ValueError):
+    """A batch ask with a bad ``q`` or bad pending candidates (not of this space, repeated,
+    or already told), or an optimizer that proposed a candidate it must not (a defect)."""
 
 
 def register_optimizer(name: str) -> Callable[[type["Optimizer"]], type["Optimizer"]]:
@@ -59,12 +75,77 @@ class Optimizer(ABC):
             raise ValueError(f"ratios has shape {self.ratios.shape}, expected ({len(self.candidates)},)")
         self.told: dict[int, dict[str, Any]] = {}
 
-    @abstractmethod
     def ask(self) -> Candidate | None:
-        """Next candidate to evaluate, never one already told; ``None`` when done."""
+        """Next candidate to evaluate (nothing pending), never one already told; ``None`` when
+        done. Same as ``ask_batch(1)``."""
+        batch = self.ask_batch(1)
+        return batch[0] if batch else None
+
+    def ask_batch(self, q: int, pending: Sequence[Candidate] = ()) -> list[Candidate]:
+        """Up to ``q`` candidates to evaluate while ``pending`` ones are being evaluated.
+
+        Sequential greedy: the ``j``-th is :meth:`propose` given ``pending`` plus the ``j - 1``
+        chosen before it. The batch is shorter than ``q`` (possibly empty) when the optimizer
+        has nothing more to propose now; with candidates pending, asking again after their
+        results are told may give more.
+
+        Args:
+            q: the most candidates wanted (>= 1).
+            pending: candidates asked earlier whose results are not told yet (any order).
+
+        Returns:
+            Distinct candidates, none told, none pending.
+
+        Raises:
+            PendingError: ``q < 1``; a pending candidate that is not one of this space's, is
+                listed twice or is already told; or (a defect of the optimizer) a proposal
+                that is told, pending or already in the batch.
+        """
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise PendingError(f"q must be an integer >= 1, got {q!r}")
+        busy = self._checked_pending(pending)
+        chosen: list[Candidate] = []
+        for _ in range(q):
+            cand = self.propose([*busy, *chosen])
+            if cand is None:
+                break
+            if cand.index in self.told or any(cand.index == c.index for c in (*busy, *chosen)):
+                raise PendingError(f"optimizer {self.name!r} proposed candidate #{cand.index} again "
+                                   "(told, pending or already in the batch)")
+            chosen.append(cand)
+        return chosen
+
+    @abstractmethod
+    def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
+        """Next candidate given the ``pending`` ones (asked, results not told): neither told
+        nor pending; ``None`` when there is nothing to propose now. Called by
+        :meth:`ask_batch`, which checks ``pending`` first."""
+
+    def _checked_pending(self, pending: Sequence[Candidate]) -> list[Candidate]:
+        out, seen = [], set()
+        for cand in pending:
+            i = getattr(cand, "index", None)
+            if not isinstance(i, int) or not 0 <= i < len(self.candidates) or \
+                    (self.candidates[i] is not cand and self.candidates[i].params != getattr(cand, "params", None)):
+                raise PendingError(f"pending candidate {cand!r} is not a candidate of space {self.space.name!r}")
+            if i in seen:
+                raise PendingError(f"pending candidate #{i} is listed twice")
+            if i in self.told:
+                raise PendingError(f"pending candidate #{i} is already told (a told result is not pending)")
+            seen.add(i)
+            out.append(self.candidates[i])
+        return out
+
+    def free(self, pending: Sequence[Candidate] = ()) -> list[int]:
+        """Indices of the candidates neither told nor pending, ascending."""
+        busy = {c.index for c in pending}
+        return [c.index for c in self.candidates if c.index not in self.told and c.index not in busy]
 
     def tell(self, candidate: Candidate, result: dict[str, Any]) -> None:
-        """Record a finished evaluation (a trials row: ratio, relative accuracy, speeds...)."""
+        """Record a finished evaluation (a trials row: ratio, relative accuracy, speeds...).
+
+        Results may be told in any order (e.g. as parallel evaluations finish); optimizers
+        that depend on the order read it from :meth:`chronology`."""
         self.told[candidate.index] = result
 
     def chronology(self) -> list[int]:
@@ -80,10 +161,6 @@ class Optimizer(ABC):
             return [i for _, _, i in sorted(zip(trials, range(len(order)), order))]
         return order
 
-    @property
-    def pending(self) -> list[Candidate]:
-        """Candidates not yet told, in enumeration order."""
-        return [c for c in self.candidates if c.index not in self.told]
 
 
 def make_optimizer(name: str, space: SearchSpace, *, seed: int = 0, q_min: float = 0.97,

@@ -25,6 +25,7 @@ own floor's ratio and hit are reported (the others are NaN).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from kvtune.search.optimizers.base import make_optimizer
 from kvtune.search.optimizers.replay import ReplayObjective, best_feasible_ratio
 from kvtune.search.space import SearchSpace
 
-__all__ = ["Run", "convergence", "run_optimizer", "run_search_benchmark", "summarize", "write_outputs"]
+__all__ = ["Run", "batch_comparison", "convergence", "run_optimizer", "run_search_benchmark", "summarize", "write_outputs"]
 
 CONSTRAINED = {"kvserve"}
 
@@ -58,23 +59,27 @@ class Run:
 
 def run_optimizer(name: str, space: SearchSpace, replay: ReplayObjective, *, seed: int, budget: int,
                   q_min: float = 0.97, ratios: np.ndarray | None = None, options: dict[str, Any] | None = None,
-                  label: str | None = None) -> Run:
-    """Drive one optimizer for up to ``budget`` evaluations against ``replay``."""
+                  label: str | None = None, batch: int = 1) -> Run:
+    """Drive one optimizer for up to ``budget`` evaluations against ``replay``, asking
+    ``batch`` candidates at a time (``ask_batch``; all told before the next batch is asked,
+    as :func:`kvtune.run.loop.ask_tell` does). The ask time of a batch is shared evenly by
+    its candidates' overheads."""
     opt = make_optimizer(name, space, seed=seed, q_min=q_min, ratios=ratios, **(options or {}))
     run = Run(label=label or name, optimizer=name, seed=seed, q_min=q_min if name in CONSTRAINED else None)
-    for k in range(budget):
+    while len(run.trials) < budget:
         t0 = time.perf_counter()
-        cand = opt.ask()
+        asked = opt.ask_batch(min(batch, budget - len(run.trials)))
         t_ask = time.perf_counter() - t0
-        if cand is None:
+        if not asked:
             run.stop_reason = getattr(opt, "stop_reason", None) or "optimizer returned None"
             break
-        result = replay.evaluate(cand)
-        result["trial"] = k
-        t0 = time.perf_counter()
-        opt.tell(cand, result)
-        run.overhead.append(t_ask + time.perf_counter() - t0)
-        run.trials.append(result)
+        for cand in asked:
+            result = replay.evaluate(cand)
+            result["trial"] = len(run.trials)
+            t0 = time.perf_counter()
+            opt.tell(cand, result)
+            run.overhead.append(t_ask / len(asked) + time.perf_counter() - t0)
+            run.trials.append(result)
     return run
 
 
@@ -110,7 +115,8 @@ def run_search_benchmark(space: SearchSpace, replay: ReplayObjective, *, optimiz
                          seeds: int | Sequence[int] = 10, budgets: Sequence[float] = (0.01, 0.02, 0.05, 0.1),
                          q_mins: Sequence[float] = (0.97, 0.99), use_ratios: bool = True,
                          options: dict[str, dict[str, Any]] | None = None,
-                         progress: Callable[[str], None] | None = None) -> tuple[pd.DataFrame, list[Run]]:
+                         progress: Callable[[str], None] | None = None,
+                         batches: Sequence[int] = (1,)) -> tuple[pd.DataFrame, list[Run]]:
     """Run every optimizer for every seed and score it at every budget.
 
     Args:
@@ -123,10 +129,13 @@ def run_search_benchmark(space: SearchSpace, replay: ReplayObjective, *, optimiz
         use_ratios: give the optimizers the up-front ratios (from the table).
         options: per-optimizer constructor options.
         progress: called with a one-line message after each run.
+        batches: batch sizes ``q`` to run each optimizer with (:func:`run_optimizer`); with
+            more than one, labels get a `` q=<q>`` suffix.
 
     Returns:
         ``(results, runs)``: one row per (optimizer, seed, budget) with the metrics of the
-        module docstring plus ``budget`` (fraction) and ``budget_evals``; and the raw runs.
+        module docstring plus ``budget`` (fraction), ``budget_evals``, ``batch`` and
+        ``variant`` (the label without the batch suffix); and the raw runs.
     """
     _warm_up()
     seed_list = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
@@ -138,14 +147,16 @@ def run_search_benchmark(space: SearchSpace, replay: ReplayObjective, *, optimiz
     rows, runs = [], []
     for name in optimizers:
         variants = [(f"{name}@{q:g}", q) for q in q_mins] if name in CONSTRAINED else [(name, q_mins[0])]
-        for label, q in variants:
+        for (base_label, q), batch in itertools.product(variants, batches):
+            label = base_label if len(batches) == 1 else f"{base_label} q={batch}"
             for seed in seed_list:
                 t0 = time.perf_counter()
                 run = run_optimizer(name, space, replay, seed=seed, budget=max_budget, q_min=q, ratios=ratios,
-                                    options=(options or {}).get(name), label=label)
+                                    options=(options or {}).get(name), label=label, batch=batch)
                 runs.append(run)
                 for b, n in n_budget.items():
-                    rows.append({**_metrics(run, replay, n, q_mins, hv_full, best), "budget": b, "budget_evals": n})
+                    rows.append({**_metrics(run, replay, n, q_mins, hv_full, best), "budget": b, "budget_evals": n,
+                                 "batch": batch, "variant": base_label})
                 if progress:
                     last = rows[-1]
                     progress(f"{label} seed {seed}: {len(run.trials)} evals, hv {last['hv_ratio']:.3f}, "
@@ -167,6 +178,21 @@ def summarize(results: pd.DataFrame) -> pd.DataFrame:
     agg["overhead_s"] = ("overhead_s", "mean")
     agg["overhead_max_s"] = ("overhead_max_s", "max")
     return results.groupby(["optimizer", "budget"], sort=False).agg(**agg).reset_index()
+
+
+def batch_comparison(results: pd.DataFrame) -> pd.DataFrame:
+    """Per (variant, budget, batch): mean evaluations, mean ``hv_ratio``, that mean relative to
+    the same variant and budget at batch 1 (``hv_vs_q1``; NaN without a batch-1 run), and the
+    hits at each floor (``hits_q<q>``, summed over seeds; NaN where not reported)."""
+    hit_cols = sorted(c for c in results.columns if c.startswith("hit_q"))
+    agg: dict[str, Any] = {"seeds": ("seed", "nunique"), "evals": ("evals", "mean"), "hv_mean": ("hv_ratio", "mean")}
+    for c in hit_cols:
+        agg["hits_" + c[len("hit_"):]] = (c, lambda s: float("nan") if s.isna().all() else int(s.sum()))
+    out = results.groupby(["variant", "budget", "batch"], sort=False).agg(**agg).reset_index()
+    ref = out[out["batch"] == 1].set_index(["variant", "budget"])["hv_mean"]
+    keys = pd.MultiIndex.from_frame(out[["variant", "budget"]])
+    out.insert(5, "hv_vs_q1", out["hv_mean"].to_numpy() / ref.reindex(keys).to_numpy())
+    return out
 
 
 def convergence(runs: list[Run], replay: ReplayObjective, *, step: int = 5,

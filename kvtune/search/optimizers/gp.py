@@ -22,8 +22,8 @@ import torch
 
 from kvtune.search.space import SearchSpace
 
-__all__ = ["GaussianProcess", "torch_threads", "candidate_inputs", "exp_decay", "fit_gp", "normal_cdf", "ratio_spread_design",
-           "result_value", "space_features", "step_rng", "step_seed"]
+__all__ = ["GaussianProcess", "torch_threads", "candidate_inputs", "exp_decay", "fit_gp", "gp_posterior", "normal_cdf",
+           "ratio_spread_design", "result_value", "space_features", "standardization", "step_rng", "step_seed"]
 
 DTYPE = torch.float64
 
@@ -194,6 +194,20 @@ class GaussianProcess:
             out[j] = max(1.0, float(np.sqrt(np.mean(z * z))))
         return out
 
+    def believe(self, xq: np.ndarray) -> "GaussianProcess":
+        """Kriging believer: the GP conditioned on its own posterior mean at ``xq`` (``(p, d)``),
+        hyperparameters kept (Ginsbourger, Le Riche & Carraro, "Kriging is well-suited to
+        parallelize optimization", 2010). The mean is (nearly) unchanged; the std shrinks
+        near ``xq``, so a batch built on it spreads out. Outputs are standardized again over
+        the augmented data, as :meth:`to_botorch` would.
+        """
+        xq = np.asarray(xq, dtype=np.float64)
+        if xq.shape[0] == 0:
+            return self
+        mean, _ = self.predict(xq)
+        return gp_posterior(np.vstack([self.x, xq]), np.vstack([self.y, mean]), self.lengthscale, self.noise,
+                            self.constant)
+
     def to_botorch(self):
         """The same model as a BoTorch ``SingleTaskGP`` (float64, eval mode), for acquisitions.
 
@@ -246,9 +260,7 @@ def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.n
         y = y[:, None]
     k, d = x.shape
     m = y.shape[1]
-    y_mean = y.mean(0)
-    y_std = y.std(0, ddof=1) if k > 1 else np.ones(m)
-    y_std = np.where(np.isfinite(y_std) & (y_std > 0), y_std, 1.0)
+    y_mean, y_std = standardization(y)
     ys_all = torch.as_tensor((y - y_mean) / y_std, dtype=DTYPE).T  # (m, k)
     tx_all = torch.as_tensor(x, dtype=DTYPE)
     rows = np.arange(k) if hyper_rows is None else np.asarray(hyper_rows, dtype=np.int64)
@@ -287,13 +299,38 @@ def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.n
     theta = res.x if np.all(np.isfinite(res.x)) and res.fun < 1e10 else theta0
     with torch.no_grad():
         log_ls, log_noise, const = unpack(torch.as_tensor(theta, dtype=DTYPE))
-        ls, noise = torch.exp(log_ls), torch.exp(log_noise)
-        diff2 = (tx_all[:, None, :] - tx_all[None, :, :]) ** 2 if hyper_rows is not None else diff2
-        eye = torch.eye(k, dtype=DTYPE)
-        kmat = torch.exp(-0.5 * torch.einsum("ijd,md->mij", diff2, ls**-2)) + noise[:, None, None] * eye
+    return gp_posterior(x, y, torch.exp(log_ls).numpy(), torch.exp(log_noise).numpy(), const.numpy())
+
+
+def standardization(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(mean, std)`` of each column of ``(k, m)`` outputs as BoTorch's ``Standardize``
+    computes them (std with ddof=1; 1 for one row or a constant column)."""
+    k, m = y.shape
+    y_mean = y.mean(0)
+    y_std = y.std(0, ddof=1) if k > 1 else np.ones(m)
+    return y_mean, np.where(np.isfinite(y_std) & (y_std > 0), y_std, 1.0)
+
+
+def gp_posterior(x: np.ndarray, y: np.ndarray, lengthscale: np.ndarray, noise: np.ndarray,
+                 constant: np.ndarray) -> GaussianProcess:
+    """The :class:`GaussianProcess` of given hyperparameters conditioned on ``(x, y)``.
+
+    Args:
+        x: ``(k, d)`` inputs; y: ``(k, m)`` outputs (standardized here, as by :func:`fit_gp`).
+        lengthscale: ``(m, d)``; noise, constant: ``(m,)`` (standardized units).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    y_mean, y_std = standardization(y)
+    with torch.no_grad():
+        tx = torch.as_tensor(x, dtype=DTYPE)
+        ls, nz, const = (torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in (lengthscale, noise, constant))
+        diff2 = (tx[:, None, :] - tx[None, :, :]) ** 2
+        kmat = torch.exp(-0.5 * torch.einsum("ijd,md->mij", diff2, ls**-2)) + nz[:, None, None] * torch.eye(len(x), dtype=DTYPE)
         chol = torch.linalg.cholesky(kmat)
-        alpha = torch.cholesky_solve((ys_all - const[:, None]).unsqueeze(-1), chol).squeeze(-1)
-    return GaussianProcess(x=x, y=y, y_mean=y_mean, y_std=y_std, lengthscale=ls.numpy(), noise=noise.numpy(),
+        ys = torch.as_tensor((y - y_mean) / y_std, dtype=DTYPE).T
+        alpha = torch.cholesky_solve((ys - const[:, None]).unsqueeze(-1), chol).squeeze(-1)
+    return GaussianProcess(x=x, y=y, y_mean=y_mean, y_std=y_std, lengthscale=ls.numpy(), noise=nz.numpy(),
                            constant=const.numpy(), chol=chol.numpy(), alpha=alpha.numpy())
 
 

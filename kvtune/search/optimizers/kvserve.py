@@ -65,6 +65,23 @@ its trials asks exactly what the uninterrupted run would have asked):
    lower end 0.974) was untold; ``1e-4`` hits it in 9/10 seeds there (10/10 on the synthetic
    problem at both floors, 70 evaluations on average).
 
+7. **Batch asks with pending candidates** (:meth:`~kvtune.search.optimizers.base.Optimizer.ask_batch`;
+   sequential greedy, each pick pending for the next). A pending candidate is never asked
+   again, and its result is *fantasized* by the GP posterior mean (kriging believer,
+   :meth:`~kvtune.search.optimizers.gp.GaussianProcess.believe`): the GP is conditioned on
+   that mean with its hyperparameters kept (the calibration factor stays the one of the real
+   observations), so the posterior std shrinks near pending candidates and a batch spreads
+   out. The pruning rules are applied to the fantasized results *tentatively*: a pending
+   candidate predicted feasible (mean ``>=`` the warped floor) excludes the active
+   candidates of ratio ``<=`` its own, one predicted infeasible excludes those at most as
+   precise as itself; excluded candidates are not asked while the prediction stands (a
+   pending result that would prune them if the prediction were true) but are not pruned:
+   :attr:`KVServeOptimizer.pruned` and the early stop see only told results. When every
+   candidate left is pending or tentatively excluded the batch is short (possibly empty);
+   the caller asks again once results are told. During the cold start (no model yet) pending
+   candidates are only skipped. Without pending candidates every rule is exactly the
+   one-at-a-time search above.
+
 Without ``ratios`` (not measured up front): ``CR(c)`` is the GP posterior mean of the log
 ratio of told results (a second output), exponentiated; the ratio rule and the span test are
 disabled; the cold start is a seeded uniform sample.
@@ -72,6 +89,7 @@ disabled; the cold start is a seeded uniform sample.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -169,6 +187,7 @@ class KVServeOptimizer(Optimizer):
         self._precision_pruned: dict[int, int] = {}  # pruned index -> infeasible index that pruned it
         self._families: dict[tuple, list[int]] | None = None
         self.stop_reason: str | None = None
+        self._surrogate_cache: tuple | None = None  # (GP, LOO scale) of the told results
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -188,6 +207,7 @@ class KVServeOptimizer(Optimizer):
     def tell(self, candidate: Candidate, result: dict[str, Any]) -> None:
         """Record a result and apply the pruning rules (module docstring, rule 5)."""
         super().tell(candidate, result)
+        self._surrogate_cache = None
         s = feasibility_score(result)
         if not np.isfinite(s):
             return
@@ -198,10 +218,14 @@ class KVServeOptimizer(Optimizer):
             if self.ratios is not None and np.isfinite(r):
                 self._best_feasible = max(self._best_feasible, r)
         elif not result_value(result, "relative_accuracy") >= self.q_min:  # NaN counts as below
-            b = self.candidates[i]
-            for a in self._family_members().get(self.space.family(b), []):
-                if a != i and a not in self._precision_pruned and self.space.at_most_as_precise(self.candidates[a], b):
-                    self._precision_pruned[a] = i
+            for a in self._at_most_as_precise(i):
+                self._precision_pruned.setdefault(a, i)
+
+    def _at_most_as_precise(self, b: int) -> list[int]:
+        """Other candidates of ``b``'s family with no parameter more precise than ``b``'s."""
+        cb = self.candidates[b]
+        return [a for a in self._family_members().get(self.space.family(cb), [])
+                if a != b and self.space.at_most_as_precise(self.candidates[a], cb)]
 
     @property
     def best_feasible_ratio(self) -> float:
@@ -231,40 +255,70 @@ class KVServeOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ asking
 
-    def ask(self) -> Candidate | None:
+    def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
         active = self.active()
         if not active:
             self.stop_reason = "every remaining candidate is pruned"
             return None
+        busy = {c.index for c in pending}
+        free = [i for i in active if i not in busy]
+        if not free:
+            return None  # all that is left is pending
         obs = sorted(self._scores)
         if len(obs) < self.n_init or len(obs) < 2:
-            active_set = set(active)
+            free_set = set(free)
             for i in self._design:
-                if i in active_set:
+                if i in free_set:
                     return self.candidates[i]
-            rng = step_rng(self.seed, len(self.told), tag=2)
-            return self.candidates[active[int(rng.integers(len(active)))]]
+            rng = step_rng(self.seed, len(self.told) + len(busy), tag=2)
+            return self.candidates[free[int(rng.integers(len(free)))]]
         with torch_threads(1):
-            return self._model_step(active, obs)
+            return self._model_step(free, obs, [c.index for c in pending])
 
-    def _model_step(self, active: list[int], obs: list[int]) -> Candidate | None:
-        if len(obs) > self.max_train:  # keep the highest-ratio observations
-            key = self.ratios if self.ratios is not None else np.zeros(len(self.candidates))
-            obs = sorted(sorted(obs, key=lambda i: (-key[i], i))[: self.max_train])
-        idx = np.asarray(obs)
-        z = warp_accuracy([self._scores[i] for i in obs])
-        act = np.asarray(active)
-        if self.ratios is None:
-            lr = np.array([np.log(max(result_value(self.told[i], "compression_ratio"), 1e-12)) for i in obs])
-            ok = np.isfinite(lr)
-            y = np.column_stack([z, np.where(ok, lr, np.nanmean(lr[ok]) if ok.any() else 0.0)])
-        else:
-            y = z[:, None]
-        gp = fit_gp(self._x[idx], y, maxiter=self.maxiter)
-        mean, std = gp.predict(self._x[act])
-        std = std * gp.loo_scale()[None, :]  # calibrated: inflate an over-confident posterior
-        cr = self.ratios[act] if self.ratios is not None else np.exp(mean[:, 1])
+    def _surrogate(self, obs: list[int]):
+        """GP of the told scores (and log ratios without ``ratios``) and its LOO calibration
+        factor; cached until the next :meth:`tell`."""
+        if self._surrogate_cache is None:
+            if len(obs) > self.max_train:  # keep the highest-ratio observations
+                key = self.ratios if self.ratios is not None else np.zeros(len(self.candidates))
+                obs = sorted(sorted(obs, key=lambda i: (-key[i], i))[: self.max_train])
+            idx = np.asarray(obs)
+            z = warp_accuracy([self._scores[i] for i in obs])
+            if self.ratios is None:
+                lr = np.array([np.log(max(result_value(self.told[i], "compression_ratio"), 1e-12)) for i in obs])
+                ok = np.isfinite(lr)
+                y = np.column_stack([z, np.where(ok, lr, np.nanmean(lr[ok]) if ok.any() else 0.0)])
+            else:
+                y = z[:, None]
+            gp = fit_gp(self._x[idx], y, maxiter=self.maxiter)
+            self._surrogate_cache = (gp, gp.loo_scale())
+        return self._surrogate_cache
+
+    def _tentatively_excluded(self, pending: list[int], feasible: np.ndarray) -> set[int]:
+        """Candidates the pruning rules would remove if each pending candidate's predicted
+        feasibility (``feasible``, ``(p,)`` bool) were its result (module docstring, rule 7)."""
+        out: set[int] = set()
+        for b, ok in zip(pending, feasible):
+            if ok and self.ratios is not None:
+                out.update(int(i) for i in np.flatnonzero(self.ratios <= self.ratios[b]))
+            elif not ok:
+                out.update(self._at_most_as_precise(b))
+        return out
+
+    def _model_step(self, active: list[int], obs: list[int], pending: list[int]) -> Candidate | None:
+        gp, loo = self._surrogate(obs)
         threshold = float(warp_accuracy(self.q_min))
+        if pending:
+            mean_p, _ = gp.predict(self._x[pending])
+            excluded = self._tentatively_excluded(pending, mean_p[:, 0] >= threshold)
+            active = [i for i in active if i not in excluded]
+            if not active:
+                return None
+            gp = gp.believe(self._x[pending])
+        act = np.asarray(active)
+        mean, std = gp.predict(self._x[act])
+        std = std * loo[None, :]  # calibrated: inflate an over-confident posterior
+        cr = self.ratios[act] if self.ratios is not None else np.exp(mean[:, 1])
         t = len(self._scores) - self.n_init
         lam = exp_decay(self.lambda0, self.half_life, t)
         alpha = kvserve_acquisition(mean[:, 0], std[:, 0], cr, threshold, lam)

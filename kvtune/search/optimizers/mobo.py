@@ -42,7 +42,32 @@ Rules (each a pure function of the seed and the set of results told, so runs res
    favourable direction; exact, computed on the box decomposition of the current front).
    Candidates with no optimistic improvement have (numerically) no expected improvement. The
    argmax is asked (ties: lowest index). If no candidate can improve even optimistically,
-   the one with the largest summed posterior std is asked (pure exploration).
+   the one with the largest summed posterior std is asked (pure exploration; with pending
+   candidates, the std of the kriging believer of rule 5).
+
+5. **Batch asks with pending candidates** (:meth:`~kvtune.search.optimizers.base.Optimizer.ask_batch`):
+   a q-batch is built by sequential greedy maximization over the discrete set -- each pick
+   is pending for the next, and pending candidates are never scored, so no candidate is
+   asked twice (BoTorch's continuous ``optimize_acqf(..., sequential=True)`` returned
+   identical points for ``qLogNEHVI`` given initial ``X_pending``, meta-pytorch/botorch
+   issue #2983; with BoTorch 0.18.1 its reproduction gives distinct points, but kvtune does
+   not rely on the acquisition to separate them). The surrogate is fitted once per set of
+   told results. How pending candidates enter the acquisition:
+
+   * ``qlognehvi``: as BoTorch ``X_pending`` (it integrates over their joint posterior
+     with the candidate, caching a box decomposition per MC sample);
+   * ``qlogehvi`` (default): passing ``X_pending`` to ``qLogExpectedHypervolumeImprovement``
+     makes it score the joint hypervolume improvement of the candidate *and* every pending
+     point, by inclusion-exclusion over their ``2 ** (p + 1) - 1`` subsets -- with 7
+     pending points, 255 subsets per MC sample and box, gigabytes per call. Instead the
+     pending points' results are fantasized by the posterior mean (kriging believer,
+     :meth:`~kvtune.search.optimizers.gp.GaussianProcess.believe`): the GPs are conditioned on
+     them (posterior std shrinks near them) and their predicted objective vectors join the
+     front the improvement is measured against.
+
+   The initial design counts pending candidates: the model takes over once told and pending
+   results together reach ``n_init`` (and at least 2 are told). Without pending candidates
+   every rule is exactly the one-at-a-time search above.
 
 BoTorch JIT-compiles a fused C++ kernel for the acquisition on first use, behind a lock file
 that a killed process leaves behind; :func:`~kvtune.search.optimizers.fused_kernel.load_fused_kernel`
@@ -53,6 +78,7 @@ waiting forever.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -136,6 +162,7 @@ class MOBOOptimizer(Optimizer):
             self._log_ratio_range = (float(lr.min()), float(lr.max()))
         self._design = ratio_spread_design(self.n_init, len(self.candidates), self.ratios, step_rng(seed, 0, tag=11))
         self._obs: dict[int, tuple[float, float, float]] = {}  # index -> (accuracy, ratio, latency)
+        self._surrogate_cache: tuple | None = None  # (GP, training indices) of the told results
 
     def tell(self, candidate: Candidate, result: dict[str, Any]) -> None:
         super().tell(candidate, result)
@@ -144,20 +171,22 @@ class MOBOOptimizer(Optimizer):
         lat = codec_latency(result)
         if np.isfinite(acc) and np.isfinite(ratio) and ratio > 0 and np.isfinite(lat):
             self._obs[candidate.index] = (acc, ratio, lat)
+        self._surrogate_cache = None
 
-    def ask(self) -> Candidate | None:
-        pending = [c.index for c in self.candidates if c.index not in self.told]
-        if not pending:
+    def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
+        free = self.free(pending)
+        if not free:
             return None
-        if len(self._obs) < max(self.n_init, 2):
-            told = set(self.told)
+        busy = [c.index for c in pending]
+        if len(self._obs) < 2 or len(self._obs) + len(busy) < max(self.n_init, 2):
+            taken = set(self.told) | set(busy)
             for i in self._design:
-                if i not in told:
+                if i not in taken:
                     return self.candidates[i]
-            rng = step_rng(self.seed, len(self.told), tag=12)
-            return self.candidates[pending[int(rng.integers(len(pending)))]]
+            rng = step_rng(self.seed, len(self.told) + len(busy), tag=12)
+            return self.candidates[free[int(rng.integers(len(free)))]]
         with torch_threads(1):
-            return self.candidates[self._model_step(np.asarray(pending))]
+            return self.candidates[self._model_step(np.asarray(free), np.asarray(busy, dtype=np.int64))]
 
     # ------------------------------------------------------------------ model-based step
 
@@ -173,24 +202,37 @@ class MOBOOptimizer(Optimizer):
         mod = torch if isinstance(x, torch.Tensor) else np
         return mod.exp(lo + x[..., -1] * (hi - lo))
 
-    def _model_step(self, pending: np.ndarray) -> int:
-        obs = sorted(self._obs)
-        vals = np.array([self._obs[i] for i in obs])  # (k, 3): acc, ratio, latency
-        if len(obs) > self.max_train:
-            nd = non_dominated_mask(vals, (True, True, False))
-            order = [i for i, f in zip(obs, nd) if f] + [i for i, f in zip(obs, nd) if not f]
-            obs = sorted(order[: self.max_train])
-            vals = np.array([self._obs[i] for i in obs])
-        idx = np.asarray(obs)
-        y = [warp_accuracy(vals[:, 0]), np.log(vals[:, 2])]
-        if self.ratios is None:
-            y.append(np.log(vals[:, 1]))
-        gp = fit_gp(self._x[idx], np.column_stack(y), maxiter=self.maxiter, hyper_rows=self._hyper_rows(vals))
-        ref = np.array([self.acc_ref, 1.0, -1.1 * float(vals[:, 2].max())])
+    def _surrogate(self):
+        """GPs of the told results and the indices they are trained on; cached until the next
+        :meth:`tell`."""
+        if self._surrogate_cache is None:
+            obs = sorted(self._obs)
+            vals = np.array([self._obs[i] for i in obs])  # (k, 3): acc, ratio, latency
+            if len(obs) > self.max_train:
+                nd = non_dominated_mask(vals, (True, True, False))
+                order = [i for i, f in zip(obs, nd) if f] + [i for i, f in zip(obs, nd) if not f]
+                obs = sorted(order[: self.max_train])
+                vals = np.array([self._obs[i] for i in obs])
+            idx = np.asarray(obs)
+            y = [warp_accuracy(vals[:, 0]), np.log(vals[:, 2])]
+            if self.ratios is None:
+                y.append(np.log(vals[:, 1]))
+            gp = fit_gp(self._x[idx], np.column_stack(y), maxiter=self.maxiter, hyper_rows=self._hyper_rows(vals))
+            self._surrogate_cache = (gp, idx)
+        return self._surrogate_cache
 
-        # current front: posterior means at the evaluated points
-        mean_obs, _ = gp.predict(self._x[idx])
-        front = self._objectives(mean_obs, self._x[idx])
+    def _model_step(self, free: np.ndarray, busy: np.ndarray) -> int:
+        """The free candidate of largest acquisition value given the pending ones (``busy``)."""
+        base, idx = self._surrogate()
+        vals = np.array([self._obs[i] for i in idx])
+        ref = np.array([self.acc_ref, 1.0, -1.1 * float(vals[:, 2].max())])
+        believer = busy.size > 0 and self.acquisition == "qlogehvi"
+        gp = base.believe(self._x[busy]) if believer else base
+
+        # current front: posterior means at the evaluated (and, for the believer, pending) points
+        front_x = self._x[np.concatenate([idx, busy])] if believer else self._x[idx]
+        mean_obs, _ = gp.predict(front_x)
+        front = self._objectives(mean_obs, front_x)
         front = front[np.all(front > ref, axis=1)]
         front = front[non_dominated_mask(front, (True, True, True))] if len(front) else front
 
@@ -203,15 +245,19 @@ class MOBOOptimizer(Optimizer):
             cells = partitioning.get_hypercell_bounds().numpy()  # (2, c, 3)
 
         # prescreen by optimistic hypervolume improvement
-        mean, std = gp.predict(self._x[pending])
+        mean, std = gp.predict(self._x[free])
         optimistic = mean + 2.0 * std * np.array([1.0, -1.0, 1.0][: mean.shape[1]])
-        hvi = hypervolume_improvement(self._objectives(optimistic, self._x[pending]), cells[0], cells[1])
-        if not np.any(hvi > 0):
-            return int(pending[int(np.argmax(std.sum(1)))])
-        order = np.lexsort((pending, -hvi))  # largest optimistic HVI first, ties by index
+        hvi = hypervolume_improvement(self._objectives(optimistic, self._x[free]), cells[0], cells[1])
+        if not np.any(hvi > 0):  # pure exploration; the std of the believer spreads a batch out
+            if busy.size and not believer:
+                std = base.believe(self._x[busy]).predict(self._x[free])[1]
+            return int(free[int(np.argmax(std.sum(1)))])
+        order = np.lexsort((free, -hvi))  # largest optimistic HVI first, ties by index
         keep = np.sort(order[: min(self.prescreen, int((hvi > 0).sum()))])
-        scores = self._acquisition_values(gp, idx, partitioning, t_ref, self._x[pending[keep]], len(self.told))
-        return int(pending[keep[int(np.argmax(scores))]])
+        x_pending = None if believer or busy.size == 0 else self._x[busy]
+        scores = self._acquisition_values(gp, idx, partitioning, t_ref, self._x[free[keep]],
+                                          len(self.told) + busy.size, x_pending)
+        return int(free[keep[int(np.argmax(scores))]])
 
     def _hyper_rows(self, vals: np.ndarray) -> np.ndarray | None:
         """Rows the GP hyperparameters are fitted on when there are more than ``fit_rows``
@@ -224,7 +270,8 @@ class MOBOOptimizer(Optimizer):
         rest = step_rng(self.seed, k, tag=14).permutation(rest)
         return np.sort(np.concatenate([nd, rest])[: self.fit_rows])
 
-    def _acquisition_values(self, gp, idx, partitioning, t_ref, x_cand: np.ndarray, step: int) -> np.ndarray:
+    def _acquisition_values(self, gp, idx, partitioning, t_ref, x_cand: np.ndarray, step: int,
+                            x_pending: np.ndarray | None = None) -> np.ndarray:
         from botorch.acquisition.multi_objective.logei import (
             qLogExpectedHypervolumeImprovement,
             qLogNoisyExpectedHypervolumeImprovement,
@@ -248,7 +295,7 @@ class MOBOOptimizer(Optimizer):
                 acqf = qLogNoisyExpectedHypervolumeImprovement(
                     model=model, ref_point=t_ref, X_baseline=torch.as_tensor(self._x[idx], dtype=DTYPE),
                     sampler=sampler, objective=GenericMCMultiOutputObjective(objective), prune_baseline=True,
-                    cache_root=False)
+                    cache_root=False, X_pending=None if x_pending is None else torch.as_tensor(x_pending, dtype=DTYPE))
             else:
                 acqf = qLogExpectedHypervolumeImprovement(
                     model=model, ref_point=t_ref, partitioning=partitioning, sampler=sampler,

@@ -20,10 +20,18 @@ suggestion is mapped to the **nearest untold candidate** by squared Euclidean di
 the space embedding (:meth:`~kvtune.search.space.SearchSpace.features`; ties: lowest index), and
 Optuna is told the candidate actually evaluated. So no candidate is ever evaluated twice.
 
+Pending candidates (a batch ask while others are being evaluated) are added to the rebuilt
+study as ``RUNNING`` trials after the told ones -- what Optuna holds when ``study.ask()`` was
+called several times before ``tell`` -- so each sampler treats them as it does running
+trials (TPE's default constant liar, NSGA-II's generation bookkeeping), and a suggestion that
+lands on a pending candidate is mapped to the nearest free one like a repeat. A batch of
+``q`` is ``q`` such asks, each pick running for the next.
+
 Determinism and resume. Each ``ask`` rebuilds an in-memory study from the told results (in
 evaluation order, :meth:`~kvtune.search.optimizers.base.Optimizer.chronology`) with a sampler seeded
-by (seed, number of results told), then asks it once. The proposal is therefore a pure
-function of the seed and the told results: a resumed run continues exactly. NSGA-II's
+by (seed, number of results told and pending), then asks it once. The proposal is therefore
+a pure function of the seed, the told results and the pending candidates: a resumed run
+continues exactly. NSGA-II's
 generation bookkeeping is reproduced when the trials are rebuilt (population size 20 by
 default: with budgets of 20-200 evaluations Optuna's default of 50 leaves at most 4
 generations). Rebuilding costs O(trials) per ask, negligible next to an evaluation.
@@ -32,6 +40,7 @@ generations). Rebuilding costs O(trials) per ask, negligible next to an evaluati
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -99,22 +108,20 @@ class OptunaOptimizer(Optimizer):
             full[p.key] = v if p.type == "categorical" else p.values[int(v)]
         return {p.key: full[p.key] for p in self._params if p.active(full)}
 
-    def _resolve(self, suggested: dict[str, Any]) -> int:
-        """Candidate index for a suggestion: itself if it is an untold candidate, else the
-        nearest untold one (embedding distance; ties: lowest index)."""
-        pending = np.array([c.index for c in self.candidates if c.index not in self.told])
+    def _resolve(self, suggested: dict[str, Any], pending: Sequence[Candidate] = ()) -> int:
+        """Candidate index for a suggestion: itself if it is a free candidate (neither told nor
+        pending), else the nearest free one (embedding distance; ties: lowest index)."""
+        free = np.array(self.free(pending))
         if not self._params:
             target = int(suggested[_INDEX_PARAM])
-            if target not in self.told:
-                return target
-            return int(pending[np.argmin(np.abs(pending - target))])
+            return int(free[np.argmin(np.abs(free - target))])
         active = self._assignment(suggested)
         idx = self._lookup.get(self._key(active))
-        if idx is not None and idx not in self.told:
+        if idx is not None and idx in set(free.tolist()):
             return idx
         emb = np.concatenate([p.embed(active.get(p.key)) for p in self._params])
-        dist = ((self._features[pending] - emb) ** 2).sum(1)
-        return int(pending[int(np.argmin(dist))])
+        dist = ((self._features[free] - emb) ** 2).sum(1)
+        return int(free[int(np.argmin(dist))])
 
     def _values(self, index: int, result: dict[str, Any]) -> list[float] | None:
         acc = result_value(result, "relative_accuracy")
@@ -129,11 +136,13 @@ class OptunaOptimizer(Optimizer):
         """The Optuna sampler for one ask, seeded with ``seed``."""
         raise NotImplementedError
 
-    def _system_attrs(self, sampler, chronology: list[int], complete: list[bool]) -> list[dict[str, Any]]:
-        return [{} for _ in chronology]
+    def _system_attrs(self, sampler, complete: list[bool], running: int) -> list[dict[str, Any]]:
+        """System attributes of the rebuilt told trials (``complete`` flags, in evaluation
+        order) followed by ``running`` pending ones."""
+        return [{} for _ in range(len(complete) + running)]
 
-    def ask(self) -> Candidate | None:
-        if len(self.told) >= len(self.candidates):
+    def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
+        if len(self.told) + len(pending) >= len(self.candidates):
             return None
         import optuna
         from optuna.trial import TrialState, create_trial
@@ -141,20 +150,21 @@ class OptunaOptimizer(Optimizer):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         order = self.chronology()
         values = [self._values(i, self.told[i]) for i in order]
-        seed = step_seed(self.seed, len(self.told), tag=21)
+        seed = step_seed(self.seed, len(self.told) + len(pending), tag=21)
         with warnings.catch_warnings(), torch_threads(1):
             warnings.simplefilter("ignore")
             sampler = self.make_sampler(seed)
-            attrs = self._system_attrs(sampler, order, [v is not None for v in values])
+            attrs = self._system_attrs(sampler, [v is not None for v in values], len(pending))
             study = optuna.create_study(directions=["maximize", "maximize", "minimize"], sampler=sampler)
+            told = [(self.candidates[i], v, TrialState.COMPLETE if v is not None else TrialState.FAIL)
+                    for i, v in zip(order, values)]
             study.add_trials([
-                create_trial(params=self._encode(self.candidates[i]), distributions=self._distributions,
-                             values=v, state=TrialState.COMPLETE if v is not None else TrialState.FAIL,
+                create_trial(params=self._encode(c), distributions=self._distributions, values=v, state=state,
                              system_attrs=a)
-                for i, v, a in zip(order, values, attrs)
+                for (c, v, state), a in zip([*told, *((c, None, TrialState.RUNNING) for c in pending)], attrs)
             ])
             trial = study.ask(self._distributions)
-            return self.candidates[self._resolve(trial.params)]
+            return self.candidates[self._resolve(trial.params, pending)]
 
 
 @register_optimizer("optuna-tpe")
@@ -180,12 +190,13 @@ class OptunaNSGA2Optimizer(OptunaOptimizer):
 
         return NSGAIISampler(seed=seed, population_size=self.population_size)
 
-    def _system_attrs(self, sampler, chronology: list[int], complete: list[bool]) -> list[dict[str, Any]]:
+    def _system_attrs(self, sampler, complete: list[bool], running: int) -> list[dict[str, Any]]:
         """Generation of each rebuilt trial, as NSGA-II would have assigned it when the trial
-        started: the current generation until it holds ``population_size`` complete trials."""
+        started: the current generation until it holds ``population_size`` complete trials
+        (running trials count as not complete, as in Optuna)."""
         key = sampler._get_generation_key()
         gen, count, out = 0, 0, []
-        for ok in complete:
+        for ok in [*complete, *([False] * running)]:
             if count >= self.population_size:
                 gen, count = gen + 1, 0
             out.append({key: gen})

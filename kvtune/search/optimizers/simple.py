@@ -1,8 +1,14 @@
-"""Baseline optimizers: exhaustive enumeration and uniform random sampling."""
+"""Baseline optimizers: exhaustive enumeration and uniform random sampling.
+
+Pending candidates (a batch ask while others are being evaluated) are simply skipped: the
+proposal order does not depend on results, so a batch of ``q`` is the next ``q`` free
+candidates of that order.
+"""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from kvtune.search.optimizers.base import Optimizer, register_optimizer
 from kvtune.search.space import Candidate
@@ -14,9 +20,9 @@ class ExhaustiveOptimizer(Optimizer):
 
     needs_ratios = False
 
-    def ask(self) -> Candidate | None:
-        pending = self.pending
-        return pending[0] if pending else None
+    def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
+        free = self.free(pending)
+        return self.candidates[free[0]] if free else None
 
 
 @register_optimizer("random")
@@ -30,8 +36,9 @@ class RandomOptimizer(Optimizer):
         self._order = list(range(len(self.candidates)))
         random.Random(self.seed).shuffle(self._order)
 
-    def ask(self) -> Candidate | None:
+    def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
+        busy = {c.index for c in pending}
         for i in self._order:
-            if i not in self.told:
+            if i not in self.told and i not in busy:
                 return self.candidates[i]
         return None
