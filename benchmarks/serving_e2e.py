@@ -415,6 +415,33 @@ def cmd_accuracy(args) -> int:
     return 0
 
 
+def drop_report() -> dict:
+    """Per policy of the link-drop run: each request's rate, chosen policy, transfer time, TTFT
+    and (table) the controller's bandwidth estimate; mean TTFT before and after the drop."""
+    import re
+
+    recs = read_jsonl(OUT / "drop.jsonl")
+    out = {}
+    for pol in dict.fromkeys(r["policy"] for r in recs):
+        rs = sorted((r for r in recs if r["policy"] == pol), key=lambda r: r["index"])
+        seq = []
+        for r in rs:
+            d = (r.get("save") or {}).get("decision")
+            est = d.get("bandwidth_gbps") if isinstance(d, dict) else None
+            if isinstance(d, str):
+                m = re.search(r"bandwidth_gbps=([0-9.e+-]+)", d)
+                est = float(m.group(1)) if m else None
+            seq.append({"index": r["index"], "rate_gbps": r["rate_gbps"], "policy_id": (r.get("save") or {}).get("policy_id"),
+                        "transfer_s": r.get("transfer_s"), "ttft_s": r["ttft_s"], "estimated_gbps": est})
+        rates = [x["rate_gbps"] for x in seq]
+        hi, lo = max(rates), min(rates)
+        out[pol] = {"requests": seq,
+                    "mean_ttft_before_s": statistics.mean(x["ttft_s"] for x in seq if x["rate_gbps"] == hi),
+                    "mean_ttft_after_s": statistics.mean(x["ttft_s"] for x in seq if x["rate_gbps"] == lo),
+                    "mean_transfer_after_s": statistics.mean(x["transfer_s"] for x in seq if x["rate_gbps"] == lo)}
+    return out
+
+
 def accuracy_report() -> list[dict]:
     """In-engine relative accuracy per table policy (paired bootstrap, 2000 draws) next to the
     profile's value and 95 % interval."""
@@ -549,6 +576,7 @@ def cmd_report(args) -> int:
                                           for m in fits for rate in sorted({s["rate_gbps"] for s in summary})},
               "load_average": [min(s["load_average"] for s in summary), max(s["load_average"] for s in summary)]}
     report["accuracy"] = accuracy_report()
+    report["drop"] = drop_report()
     report["ttft"] = ttft_table(summary)
     report["table_vs_best_static"] = table_vs_static(summary)
     (OUT / "summary.json").write_text(json.dumps(report, indent=1))

@@ -293,7 +293,9 @@ def generate_timed(llm, ids: list[int], max_tokens: int, params: dict | None, *,
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    extra = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False} if prompt_logprobs else {}
+    # detokenize=False: vLLM 0.32 crashes detokenizing the placeholder ids of prompt positions
+    # it did not compute (the loaded ones); the ids are all we need
+    extra = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False} if prompt_logprobs else {}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.CUMULATIVE,
                         extra_args={"kv_transfer_params": params} if params else None, **extra)
     engine = llm.llm_engine
