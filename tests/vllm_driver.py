@@ -259,9 +259,11 @@ def scenario(args) -> dict:
 def serve(args) -> int:
     """One instance driven over stdin/stdout (JSON lines) by ``benchmarks/serving_e2e.py``.
 
-    Requests: ``{"op": "generate", "ids": [...], "max_tokens": n, "params": {...}}`` (params:
-    the request's ``kv_transfer_params``) -> ``{"tokens", "ttft_s", "total_s", "records"}``
-    (records: the connector's new metrics lines); ``{"op": "quit"}``. The first line written is
+    Requests: ``{"op": "generate", "ids": [...], "max_tokens": n, "params": {...},
+    "prompt_logprobs": bool}`` (params: the request's ``kv_transfer_params``) -> ``{"tokens",
+    "ttft_s", "total_s", "records", "prompt_logprobs"}`` (records: the connector's new metrics
+    lines; prompt_logprobs: per prompt position the log-probability of the real token, None
+    where the engine did not compute it, e.g. loaded KV); ``{"op": "quit"}``. The first line written is
     ``READY``. vLLM's own output goes to stderr (this process's stdout carries replies only).
     """
     reply = os.fdopen(os.dup(1), "w", buffering=1)
@@ -275,25 +277,32 @@ def serve(args) -> int:
         req = json.loads(line)
         if req.get("op") == "quit":
             break
-        tokens, ttft, total = generate_timed(llm, req["ids"], req["max_tokens"], req.get("params") or None)
-        reply.write(json.dumps({"tokens": tokens, "ttft_s": ttft, "total_s": total,
+        tokens, ttft, total, plp = generate_timed(llm, req["ids"], req["max_tokens"], req.get("params") or None,
+                                                  prompt_logprobs=bool(req.get("prompt_logprobs")))
+        reply.write(json.dumps({"tokens": tokens, "ttft_s": ttft, "total_s": total, "prompt_logprobs": plp,
                                 "records": records.new() if records else []}) + "\n")
     return 0
 
 
-def generate_timed(llm, ids: list[int], max_tokens: int, params: dict | None) -> tuple[list[int], float, float]:
+def generate_timed(llm, ids: list[int], max_tokens: int, params: dict | None, *,
+                   prompt_logprobs: bool = False) -> tuple[list[int], float, float, list | None]:
     """Greedy tokens, seconds to the first output token and to the last, through the engine's
-    step loop (what ``LLM.generate`` does, with the first token timed)."""
+    step loop (what ``LLM.generate`` does, with the first token timed), and with
+    ``prompt_logprobs`` the log-probability of each real prompt token (None where not computed).
+    Prompt logprobs keep the connector's loaded tokens (``skip_reading_prefix_cache=False``)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # detokenize=False: vLLM 0.32 crashes detokenizing the placeholder ids of prompt positions
+    # it did not compute (the loaded ones); the ids are all we need
+    extra = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False} if prompt_logprobs else {}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.CUMULATIVE,
-                        extra_args={"kv_transfer_params": params} if params else None)
+                        extra_args={"kv_transfer_params": params} if params else None, **extra)
     engine = llm.llm_engine
     rid = f"bench-{time.monotonic_ns()}"
     t0 = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": ids}, sp)
-    ttft, tokens = None, []
+    ttft, tokens, plp = None, [], None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id != rid or not out.outputs:
@@ -302,7 +311,10 @@ def generate_timed(llm, ids: list[int], max_tokens: int, params: dict | None) ->
                 ttft = time.perf_counter() - t0
             if out.finished:
                 tokens = list(out.outputs[0].token_ids)
-    return tokens, ttft, time.perf_counter() - t0
+                if prompt_logprobs and out.prompt_logprobs is not None:
+                    plp = [None if d is None or tok not in d else float(d[tok].logprob)
+                           for tok, d in zip(ids, out.prompt_logprobs)]
+    return tokens, ttft, time.perf_counter() - t0, plp
 
 
 def main(argv=None) -> int:

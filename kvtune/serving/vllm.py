@@ -10,15 +10,19 @@ the tokens past the loaded blocks. Two modes:
 * ``"p2p"``: the producer sends the stream over one TCP connection to the consumer
   (:mod:`kvtune.serving.transport` frames); the consumer's worker receives it into a local
   spool directory, where its scheduler finds it.
-* ``"store"``: the producer writes the stream into a directory both instances see (the "KV
-  parked in a remote pool" case); the consumer fetches the longest stored prefix of a prompt.
+* ``"store"``: the producer parks the stream in a pool (a directory both instances see, or a
+  pool served over TCP: ``store_path="tcp://host:port"``, ``python -m
+  kvtune.serving.transport DIR``): the "KV parked in a remote pool" case; the consumer fetches
+  the longest stored prefix of a prompt.
 
 Only whole blocks are moved (vLLM's CPU block size is 128 tokens), and never the block holding
 a prompt's last token, which the consumer computes to produce the first output token: a prompt
 of ``n`` tokens moves ``(n - 1) // block_size * block_size`` tokens.
 
 Use (the connector class is loaded from this module; keys of ``kv_connector_extra_config`` are
-the fields of :class:`ConnectorSettings`)::
+the fields of :class:`ConnectorSettings`; the producer is configured the same way with
+``kv_role="kv_producer"``, and ``vllm serve --kv-transfer-config '{...}'`` takes the same
+fields as JSON)::
 
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -28,20 +32,25 @@ the fields of :class:`ConnectorSettings`)::
         kv_connector_extra_config={"mode": "p2p", "peer_host": "10.0.0.2", "peer_port": 18600,
                                    "table": "profiles/run/policy_table.json", "q_min": 0.97}))
 
-Faults: a stream that fails its checks (CRC, seal, shapes), a connection dropped mid-transfer
-and a prefix missing from the store are logged with their typed error, and the consumer
-recomputes the request: a missing stream is reported as no matched tokens; a stream that fails
-while loading is reported through :meth:`KvtuneConnector.get_block_ids_with_load_errors`, which
-vLLM answers by recomputing those blocks when ``kv_load_failure_policy="recompute"``.
+Faults: a stream that fails its checks (CRC, shapes; with a shared key its HMAC seal, so an
+unsealed or forged stream is refused), a connection dropped mid-transfer and a prefix missing
+from the store are logged with their typed error, and the consumer recomputes the request: a
+missing stream is reported as no matched tokens; a stream that fails while loading is reported
+through :meth:`KvtuneConnector.get_block_ids_with_load_errors`, which vLLM answers by
+recomputing those blocks when ``kv_load_failure_policy="recompute"``.
 
 vLLM API used: ``KVConnectorBase_V1`` (``vllm.distributed.kv_transfer.kv_connector.v1.base``),
 overriding ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
-``build_connector_meta``, ``request_finished`` (scheduler side), ``register_kv_caches``,
+``build_connector_meta``, ``request_finished``, ``on_new_request`` (scheduler side),
+``register_kv_caches``,
 ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``,
 ``get_block_ids_with_load_errors`` and ``shutdown`` (worker side). The paged layout read and
 written is the CPU attention backend's: per layer ``(num_blocks, kv_heads, block_size,
 2 * head_dim)``, viewed as ``(num_blocks, kv_heads, 2 * block_size, head_dim)`` whose first
-``block_size`` rows of a block are its keys and the rest its values.
+``block_size`` rows of a block are its keys and the rest its values; each half is token- or
+channel-major depending on the attention kernels' ISA (the AVX2 ``vec`` kernels store keys
+channel-major), which :func:`probe_layout` finds out at start-up with the engine's own
+cache-write kernel (``vllm._custom_ops.cpu_attn_reshape_and_cache``).
 """
 
 from __future__ import annotations
@@ -874,13 +883,12 @@ class KvtuneConnector(KVConnectorBase_V1):
 
 
 def _decision_summary(decision: Any) -> Any:
+    """The controller decision's key fields for the metrics line (None without a controller)."""
     if decision is None:
         return None
-    for attr in ("to_dict", "_asdict"):
-        fn = getattr(decision, attr, None)
-        if callable(fn):
-            try:
-                return fn()
-            except Exception:  # a summary is best effort
-                break
-    return repr(decision)[:300]
+    fields = ("seq", "bandwidth_gbps", "bandwidth_source", "predicted_s", "corrected_s", "explored", "fallback")
+    out = {f: getattr(decision, f) for f in fields if hasattr(decision, f)}
+    policy = getattr(decision, "policy", None)
+    if policy is not None:
+        out["policy_id"] = getattr(policy, "policy_id", None)
+    return out
