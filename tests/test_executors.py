@@ -20,7 +20,7 @@ from kvtune.core.errors import ConfigError
 from kvtune.methods.tqc.method import TQCMethod
 from kvtune.methods.tqc.settings import ProfileSettings
 from kvtune.run.executors import make_executor
-from kvtune.run.executors.base import InProcessExecutor
+from kvtune.run.executors.base import InProcessExecutor, TrialPool
 from kvtune.run.executors.ray_executor import RayExecutor, placement
 from kvtune.run.method import METHODS
 from kvtune.run.runner import run_method
@@ -83,6 +83,47 @@ class SlowTQC(TQCMethod):
         (self.marks / f"{candidate.policy_id}.{time.time_ns()}").touch()
         time.sleep(self.delay)
         return super().evaluate(context, candidate, stage)
+
+
+class LastInFirstOut(TrialPool):
+    """An overlapping pool of 2 slots finishing the newest candidate first; once, it also
+    hands back a candidate already returned (a stale duplicate the loop must drop)."""
+
+    overlaps, slots = True, 2
+
+    def __init__(self) -> None:
+        self.stack, self.returned, self.stale_sent = [], [], False
+
+    def submit(self, candidate):
+        self.stack.append(candidate)
+
+    def next_finished(self):
+        if len(self.returned) == 2 and not self.stale_sent:
+            self.stale_sent = True
+            return self.returned[0], {"policy_id": self.returned[0].policy_id, "stale": True}
+        cand = self.stack.pop()
+        self.returned.append(cand)
+        return cand, {"policy_id": cand.policy_id}
+
+    def __len__(self):
+        return len(self.stack)
+
+
+def test_ask_tell_tops_up_an_overlapping_pool_with_the_running_as_pending():
+    from types import SimpleNamespace
+
+    from kvtune.run.loop import ask_tell, in_order
+
+    cands = [SimpleNamespace(index=i, params={}, policy_id=f"p{i}") for i in range(5)]
+    opt = in_order(cands)
+    asks, real = [], opt.ask_batch
+    opt.ask_batch = lambda q, pending=(): asks.append((q, [c.index for c in pending])) or real(q, pending)
+    recorded = []
+    n = ask_tell(opt, cands, budget=5, done={}, on_record=recorded.append, pool=LastInFirstOut())
+    assert n == 5
+    assert asks == [(2, []), (1, [0]), (1, [0]), (1, [0])]  # topped up after each result, within the budget
+    assert [r["policy_id"] for r in recorded] == ["p1", "p2", "p3", "p4", "p0"]  # completion order
+    assert not any(r.get("stale") for r in recorded) and sorted(opt.told) == [0, 1, 2, 3, 4]
 
 
 def test_tqc_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir, tiny_text, tmp_path):
