@@ -72,16 +72,25 @@ def profile(
                                          "With --resume: the run's own method (a different one is an error)."),
     set_: list[str] = typer.Option([], "--set", help="A setting of the method as name=value (repeatable), e.g. "
                                                      "--set budget=8 --set ranks=32,64; names: the method's settings."),
+    executor: str = typer.Option("inprocess", help="Where trials run: inprocess (this process; the default) or ray "
+                                                   "(Ray actors, each building the model and baseline once)."),
+    workers: int = typer.Option(1, help="Trials evaluated at once: Ray actors (one per GPU, or the CPUs split "
+                                        "between them), or with inprocess the candidates asked per batch. A "
+                                        "--resume may use another count."),
+    ray_address: Optional[str] = typer.Option(None, help="An existing Ray cluster (host:port of its head, "
+                                                         "ray://host:10001 or auto); default: a Ray started here."),
 ) -> None:
     """Capture real KV caches, evaluate compression policies and write trials, Pareto front,
     policy tables (Parquet + JSON) and an HTML report."""
     from kvtune.methods import METHODS
     from kvtune.methods.tqc.profile import load_settings, run_profile
+    from kvtune.run.executors import make_executor
     from kvtune.run.method import Hooks, ProfileRequest
     from kvtune.run.runner import check_resume_request, run_request
 
     given = _given_options(ctx)
     try:
+        runner = make_executor(executor, workers, ray_address)
         info = None
         if resume is not None:  # the run folder says which method it is (--method, if given, must agree)
             from kvtune.tables.run import read_run_info, run_method
@@ -114,7 +123,8 @@ def profile(
         try:
             with _progress_hooks() as (on_stage, on_progress):
                 run_dir = run_request(METHODS[method], dataclasses.replace(
-                    request, hooks=dataclasses.replace(request.hooks, on_stage=on_stage, on_progress=on_progress))).run_dir
+                    request, hooks=dataclasses.replace(request.hooks, on_stage=on_stage, on_progress=on_progress)),
+                    executor=runner).run_dir
         except KvtuneError as exc:
             _fail(exc)
             return
@@ -133,7 +143,7 @@ def profile(
             )
         with _progress_hooks() as (on_stage, on_progress):
             result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress,
-                                 say=request.hooks.say)
+                                 say=request.hooks.say, executor=runner)
     except KvtuneError as exc:
         _fail(exc)
         return

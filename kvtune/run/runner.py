@@ -6,11 +6,15 @@ run folder, and does, for every method alike:
 1. lock the folder (:func:`kvtune.run.folder.open_run_folder`); stored trials without
    ``resume`` are an error; a resume of a complete run returns its stored outputs
    (:func:`complete_run_result`, no model); then check the settings (before any model loads);
+   and the executor's (:meth:`kvtune.run.executors.base.Executor.check`: e.g. the Ray cluster
+   is reachable);
 2. ``context = method.prepare(settings, ...)`` and write ``run.json`` (``method``,
-   ``settings``, ``reports`` and the method's :meth:`~kvtune.run.method.Method.run_info`);
+   ``settings``, ``reports``, ``executor`` and the method's
+   :meth:`~kvtune.run.method.Method.run_info`); start the executor's workers;
 3. for each of ``method.stages(context, stored)``: the ask/tell loop
-   (:func:`kvtune.run.loop.ask_tell`), each new row numbered (``trial``), appended to
-   ``trials.jsonl`` (:class:`kvtune.run.store.TrialStore`) and told to the stage's optimizer;
+   (:func:`kvtune.run.loop.ask_tell`) on the executor's pool, each new row numbered
+   (``trial``, in order of completion), appended to ``trials.jsonl``
+   (:class:`kvtune.run.store.TrialStore`) and told to the stage's optimizer;
 4. :func:`finalize_run`: compile, Pareto front, write every output.
 
 :func:`finalize_run` is also ``kvtune report`` on any run folder; recompiling alone is :meth:`~kvtune.run.method.Method.compile_table` (``kvtune export --floors`` and ``kvtune select``
@@ -30,6 +34,7 @@ import pandas as pd
 from kvtune.core.atomic import atomic_write_parquet, atomic_write_text
 from kvtune.core.jsonio import jsonable, strict_dumps
 from kvtune.core.errors import ConfigError, KvtuneError
+from kvtune.run.executors.base import Executor, InProcessExecutor, RunJob, Workers
 from kvtune.run.folder import open_run_folder
 from kvtune.run.loop import ask_tell
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest
@@ -74,7 +79,8 @@ def _previous_info(run_dir: Path) -> dict[str, Any]:
 
 
 def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bool = False,
-               reports: str | Path | None = None, hooks: Hooks = Hooks(), **given: Any) -> RunResult:
+               reports: str | Path | None = None, hooks: Hooks = Hooks(), executor: Executor | None = None,
+               **given: Any) -> RunResult:
     """Run (or resume) ``method`` into ``run_dir`` and write every output (module docstring).
 
     Args:
@@ -82,18 +88,24 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
         resume: continue the trials stored in ``run_dir`` (never evaluating a stored candidate
             of a stage again).
         reports: folder receiving ``<run>.html`` (None: ``<run_dir>/report.html``).
-        given: passed to :meth:`Method.prepare` (already loaded models).
+        executor: where trials are evaluated (None: :class:`InProcessExecutor`, one at a
+            time); a resume may use another executor or workers count than the run began with.
+        given: passed to :meth:`Method.prepare` (already loaded models; a Ray worker gets a
+            pickled copy).
 
     A resume of a complete run (:func:`run_is_complete`) evaluates nothing and loads no model:
     it returns the stored outputs (:func:`complete_run_result`), writing again only those
     that are missing.
 
     Raises:
-        KvtuneError (and subclasses): bad settings (before anything loads), trials stored
-            without ``resume``, or the method's own errors.
+        KvtuneError (and subclasses): bad settings or an executor that cannot run (before
+            anything loads: e.g. an unreachable Ray cluster), trials stored without ``resume``,
+            a worker that fails (:class:`~kvtune.run.executors.base.ExecutorError`), or the
+            method's own errors.
         RunLockedError: another process is working on the run folder.
     """
     run_dir = Path(run_dir)
+    executor = executor or InProcessExecutor()
     t_start = time.perf_counter()
     with open_run_folder(run_dir):  # a folder nothing was written to is removed again
         store = TrialStore(run_dir, table=method.flat_trials)
@@ -106,12 +118,17 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
             return complete_run_result(method, run_dir, previous, stored)
         previous.pop("complete", None)
         method.check(settings)
+        executor.check(method, settings)
         context = method.prepare(settings, run_dir, hooks, **given)
         try:  # a resume keeps what run.json held (timings, trial counts) until finalize replaces it
             info = {**previous, "method": method.name, "settings": settings.to_dict(), **method.run_info(context),
-                    "reports": None if reports is None else str(reports)}
+                    "reports": None if reports is None else str(reports), "executor": executor.describe()}
             write_run_info(run_dir, info)
-            _run_stages(method, context, store, stored, hooks)
+            workers = executor.start(RunJob(method, settings, run_dir, context, given, hooks))
+            try:
+                _run_stages(method, context, store, stored, hooks, workers)
+            finally:
+                workers.close()
             hooks.on_stage("pareto + tables + report", 1)
             info.update(method.finish(context))
             info["total_seconds"] = time.perf_counter() - t_start
@@ -172,11 +189,14 @@ def complete_run_result(method: Method, run_dir: Path, info: dict[str, Any], rec
                      compiled=compiled)
 
 
-def _run_stages(method: Method, context: Any, store: TrialStore, stored: list[dict[str, Any]], hooks: Hooks) -> None:
-    """Every stage's ask/tell loop; new rows are numbered after the stored ones."""
+def _run_stages(method: Method, context: Any, store: TrialStore, stored: list[dict[str, Any]], hooks: Hooks,
+                workers: Workers) -> None:
+    """Every stage's ask/tell loop on ``workers``' pools; new rows are numbered after the
+    stored ones, in order of completion."""
     numbers = itertools.count(len(stored))
 
     def on_record(row: dict[str, Any]) -> None:
+        row["trial"] = next(numbers)  # told to the optimizer with its number (its chronology)
         store.append(row)
         hooks.on_progress(1, info=method.describe_row(row))
         hooks.on_trial(row)
@@ -184,7 +204,7 @@ def _run_stages(method: Method, context: Any, store: TrialStore, stored: list[di
     for stage in method.stages(context, stored):
         hooks.on_stage(stage.title or stage.name, max(stage.budget - len(stage.done), 0))
         ask_tell(stage.optimizer, stage.candidates, budget=stage.budget, done=stage.done, on_record=on_record,
-                 evaluate=lambda cand, stage=stage: {"trial": next(numbers), **method.evaluate(context, cand, stage)})
+                 pool=workers.pool(stage))
 
 
 def stored_trial_count(path: Path) -> int:
@@ -255,10 +275,11 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
                      table=compiled.table, files=files, compiled=compiled)
 
 
-def run_request(method: Method, request: ProfileRequest) -> RunResult:
+def run_request(method: Method, request: ProfileRequest, executor: Executor | None = None) -> RunResult:
     """``kvtune profile --method X``: a new run from the common options and ``--set`` values
     (folder ``<out>/<run or the method's default name>``), or ``request.resume``'s run with
-    its stored settings (:func:`check_resume_request` first).
+    its stored settings (:func:`check_resume_request` first); ``executor``: see
+    :func:`run_method`.
 
     Raises:
         KvtuneError: see :func:`run_method`; an unsafe run name, a bad ``--set``, a resume
@@ -276,12 +297,14 @@ def run_request(method: Method, request: ProfileRequest) -> RunResult:
         check_resume_request(method, request, info)
         settings = method.stored_settings(request.resume, info)
         reports = info.get("reports") or request.reports
-        return run_method(method, settings, request.resume, resume=True, reports=reports, hooks=request.hooks)
+        return run_method(method, settings, request.resume, resume=True, reports=reports, hooks=request.hooks,
+                          executor=executor)
     settings = method.settings_for(request)
     check_out_folder(request.out_folder, "--out")
     check_out_folder(request.reports_folder, "--reports")
     run_dir = request.out_folder / check_run_name(request.run or method.run_name(settings))
-    return run_method(method, settings, run_dir, reports=request.reports_folder, hooks=request.hooks)
+    return run_method(method, settings, run_dir, reports=request.reports_folder, hooks=request.hooks,
+                      executor=executor)
 
 
 def check_resume_request(method: Method, request: ProfileRequest, info: dict[str, Any]) -> None:

@@ -85,7 +85,7 @@ def _noop(*_: Any, **__: Any) -> None:
 
 
 def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Hook = _noop,
-                on_progress: Hook = _noop, say: Hook = _noop) -> RunResult:
+                on_progress: Hook = _noop, say: Hook = _noop, executor: Any = None) -> RunResult:
     """Run (or resume) a profile and write all outputs.
 
     Stages: load the model; build the workload (``settings.workload``: load its real data,
@@ -104,6 +104,8 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         on_stage: ``on_stage(name, total)`` when a stage with ``total`` steps starts.
         on_progress: ``on_progress(n=1, info=str)`` after each step of the current stage.
         say: ``say(message)``: one-line messages (e.g. that a resumed run is already complete).
+        executor: where trials are evaluated (:mod:`kvtune.run.executors`; None: in this
+            process, one at a time).
 
     Raises:
         KvtuneError (and subclasses): bad settings, assets, data, spaces or models. Settings
@@ -125,7 +127,7 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
         raise KvtuneError(f"run folder {settings.run_dir} already has trials; use --resume {settings.run_dir} "
                           "or another --run name")
     return run_method(method, settings, settings.run_dir, resume=resume, reports=settings.reports,
-                      hooks=Hooks(on_stage=on_stage, on_progress=on_progress, say=say))
+                      hooks=Hooks(on_stage=on_stage, on_progress=on_progress, say=say), executor=executor)
 
 
 def check_profile_settings(settings: ProfileSettings) -> None:

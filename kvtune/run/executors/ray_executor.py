@@ -1,0 +1,339 @@
+"""Trials evaluated by Ray actors (``kvtune profile --executor ray --workers N``).
+
+Each worker is a Ray actor (:class:`TrialWorker`) that builds the method's context once, with
+the method's own :meth:`~kvtune.run.method.Method.prepare` (load the model, capture the KV and
+the baseline), in a scratch folder of its own holding copies of the run folder's JSON files
+(``run.json``, ``calibration.json``: what a ``prepare`` reads back on a resume), and then
+evaluates the candidates it is sent. A worker's :meth:`~kvtune.run.method.Method.evaluate`
+sees the stage's ``name`` and ``title`` only (no candidates, no optimizer); everything a trial
+needs beyond its context travels with the candidate (e.g. MixHQ head scores in its policy).
+
+Placement: when the cluster has GPUs and the settings' ``device`` is ``cuda`` or ``auto``, one
+actor per GPU (``num_gpus=1``; more workers than GPUs is an error); otherwise the cluster's CPUs
+are split evenly between the ``N`` actors (``num_cpus``) and each sets
+``torch.set_num_threads`` to its share (at least 1).
+
+Faults, with Ray's own mechanisms: an actor whose process dies is restarted by Ray
+(``max_restarts``) and its trial in flight retried on it (``max_task_retries``); an actor that
+is gone for good (``ActorDiedError``: restarts used up, ``ray.kill``) is dropped and its trial
+is submitted again to another one. A candidate is returned by the pool once, so nothing is
+recorded twice; one that kills :data:`MAX_ATTEMPTS` workers stops the run with
+:class:`~kvtune.run.executors.base.ExecutorError`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import tempfile
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtune.core.errors import ConfigError
+from kvtune.run.executors.base import Executor, ExecutorError, RunJob, TrialPool, Workers
+
+__all__ = ["MAX_ATTEMPTS", "PROBE_SECONDS", "Placement", "RayExecutor", "TrialWorker", "WORKER_FILE_BYTES",
+           "check_address", "connect", "placement", "worker_files"]
+
+#: Workers one candidate may take down (each dying while evaluating it) before the run stops.
+MAX_ATTEMPTS = 3
+#: Seconds to wait for a TCP connection to ``--ray-address`` before calling it unreachable.
+PROBE_SECONDS = 5.0
+#: Largest run-folder file copied to a worker (bytes; larger ones are not the prepare's inputs).
+WORKER_FILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Resources of one worker actor: ``num_cpus`` (Ray's CPU share; a fraction below 1),
+    ``num_gpus`` (0 or 1) and ``threads`` (its ``torch.set_num_threads``)."""
+
+    num_cpus: float
+    num_gpus: int
+    threads: int
+
+
+def placement(resources: Mapping[str, float], workers: int, device: str) -> Placement:
+    """One worker's resources for ``workers`` actors on a cluster with ``resources``
+    (``ray.cluster_resources()``: ``CPU``, ``GPU`` totals) running a method on ``device``.
+
+    Raises:
+        ConfigError: ``device`` is ``cuda`` and the cluster has no GPU, or GPUs are used and
+            ``workers`` exceeds their number; or a cluster without CPUs.
+    """
+    gpus, cpus = int(resources.get("GPU", 0)), float(resources.get("CPU", 0))
+    on_gpu = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    if on_gpu and gpus < workers:
+        raise ConfigError(f"--workers {workers}: the Ray cluster has {gpus} GPU(s) and a worker takes one "
+                          f"(lower --workers, or --device cpu)")
+    if cpus <= 0:
+        raise ConfigError(f"the Ray cluster has no CPUs ({dict(resources)})")
+    share = cpus / workers
+    num_cpus = float(math.floor(share)) if share >= 1 else math.floor(share * 1e4) / 1e4
+    return Placement(num_cpus=num_cpus, num_gpus=1 if on_gpu else 0, threads=max(1, math.floor(share)))
+
+
+def check_address(address: str) -> None:
+    """Fail fast when ``--ray-address`` (``host:port``, ``ray://host:port``; ``auto`` and
+    ``local`` are left to Ray) names no listening host and port.
+
+    Raises:
+        ConfigError: not of that form, or no TCP connection within :data:`PROBE_SECONDS`.
+    """
+    if address in ("auto", "local"):
+        return
+    rest = address.split("://", 1)[1] if "://" in address else address
+    host, sep, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--ray-address {address!r}: expected host:port (the head's GCS, e.g. 10.0.0.5:6379), "
+                          "ray://host:10001 or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as exc:
+        raise ConfigError(f"--ray-address {address}: cannot reach {host}:{port} ({exc}); start the cluster "
+                          "(ray start --head) or leave --ray-address out for a Ray on this machine") from None
+
+
+def connect(address: str | None) -> bool:
+    """Connect this process to Ray: the cluster at ``address`` (checked with
+    :func:`check_address` first), or a new Ray on this machine when ``address`` is None. A
+    process already connected keeps its connection. Returns whether a connection was made now.
+
+    Raises:
+        ConfigError: see :func:`check_address`; Ray refused to connect or start.
+    """
+    import ray
+
+    if address is not None:
+        check_address(address)
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level="warning")
+    except Exception as exc:  # ConnectionError, RuntimeError, ValueError...: one clear line
+        where = f"the Ray cluster at {address}" if address else "a Ray on this machine"
+        raise ConfigError(f"cannot connect to {where}: {type(exc).__name__}: {exc}") from None
+    return True
+
+
+def worker_files(run_dir: Path, limit: int = WORKER_FILE_BYTES) -> dict[str, bytes]:
+    """The run folder's top-level JSON files of at most ``limit`` bytes each (``run.json``,
+    ``calibration.json``...), by name: copied into each worker's scratch folder, whose
+    ``prepare`` may read them back. Sizes are checked before anything is read."""
+    out: dict[str, bytes] = {}
+    for path in sorted(Path(run_dir).glob("*.json")):
+        if path.name.startswith(".") or not path.is_file() or path.stat().st_size > limit:
+            continue
+        out[path.name] = path.read_bytes()
+    return out
+
+
+class TrialWorker:
+    """The body of a worker actor: the method's context built once, then trials on demand.
+
+    Args:
+        method: the registered :class:`~kvtune.run.method.Method` (pickled by reference).
+        settings: its settings.
+        files: ``{name: bytes}`` written into the actor's scratch folder first
+            (:func:`worker_files`); the folder is ``prepare``'s ``run_dir``.
+        given: objects passed to ``prepare`` (already loaded models), or {}.
+        threads: ``torch.set_num_threads`` of the actor.
+    """
+
+    def __init__(self, method: Any, settings: Any, files: Mapping[str, bytes], given: Mapping[str, Any],
+                 threads: int) -> None:
+        import torch
+
+        from kvtune.run.method import Hooks
+
+        torch.set_num_threads(threads)
+        self.folder = Path(tempfile.mkdtemp(prefix="kvtune-worker-"))
+        for name, data in files.items():
+            (self.folder / Path(name).name).write_bytes(data)
+        self.method = method
+        self.context = method.prepare(settings, self.folder, Hooks(), **dict(given))
+
+    def ready(self) -> int:
+        """The actor's process id (once its context is built)."""
+        return os.getpid()
+
+    def evaluate(self, stage_name: str, title: str, candidate: Any) -> dict[str, Any]:
+        """One trial row: ``method.evaluate`` with the actor's context."""
+        from kvtune.run.method import Stage
+
+        return self.method.evaluate(self.context, candidate, Stage(stage_name, (), None, 0, title=title))
+
+    def shutdown(self) -> None:
+        """Release the context (``method.close``) and remove the scratch folder."""
+        try:
+            self.method.close(self.context)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class RayExecutor(Executor):
+    """``workers`` Ray actors evaluating a run's trials in parallel (module docstring).
+
+    Args:
+        workers: actors (>= 1).
+        address: an existing cluster (``ray start --head`` prints it), or None for a Ray
+            started on this machine (a process already connected to Ray keeps its connection).
+        max_restarts: Ray restarts of a dead actor (its trial in flight retried on it).
+
+    Raises:
+        ConfigError: ``workers`` is not an integer >= 1.
+    """
+
+    name = "ray"
+
+    def __init__(self, workers: int = 1, *, address: str | None = None, max_restarts: int = 1) -> None:
+        super().__init__(workers)
+        self.address = address
+        self.max_restarts = max_restarts
+        self.placement: Placement | None = None
+
+    def check(self, method: Any, settings: Any) -> None:
+        """Connect to Ray (:func:`connect`) and place the workers (:func:`placement`).
+
+        Raises:
+            ConfigError: see :func:`connect` and :func:`placement`.
+        """
+        import ray
+
+        connect(self.address)
+        self.placement = placement(ray.cluster_resources(), self.workers, str(getattr(settings, "device", "cpu")))
+
+    def start(self, job: RunJob) -> Workers:
+        """Start the actors and wait until each has built its context.
+
+        Raises:
+            ConfigError: see :meth:`check` (when it was not called first).
+            ExecutorError: an actor failed to build its context (the message holds its error).
+        """
+        if self.placement is None:
+            self.check(job.method, job.settings)
+        return RayWorkers(job, self.workers, self.placement, self.max_restarts)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "address": self.address or "local",
+                "worker": None if self.placement is None else asdict(self.placement)}
+
+
+class RayWorkers(Workers):
+    """The actors of one run; idle ones take the next candidate of the current stage's pool."""
+
+    def __init__(self, job: RunJob, workers: int, where: Placement, max_restarts: int) -> None:
+        import ray
+
+        actor = ray.remote(TrialWorker).options(num_cpus=where.num_cpus, num_gpus=where.num_gpus,
+                                                max_restarts=max_restarts, max_task_retries=max_restarts)
+        files = worker_files(job.run_dir)
+        self.given = ray.put(dict(job.given))  # held for the run: a restarted actor is built from it again
+        self.live = [actor.remote(job.method, job.settings, files, self.given, where.threads) for _ in range(workers)]
+        self.idle: deque[Any] = deque()
+        hooks = job.hooks
+        if hooks is not None:
+            hooks.on_stage(f"start {workers} Ray worker(s)", workers)
+        pending = {a.ready.remote(): a for a in self.live}
+        try:
+            while pending:
+                (ref,), _ = ray.wait(list(pending), num_returns=1)
+                self.idle.append(pending.pop(ref))
+                ray.get(ref)
+                if hooks is not None:
+                    hooks.on_progress(1)
+        except ray.exceptions.RayError as exc:
+            self.close()
+            raise ExecutorError(f"a Ray worker could not build the run's context: {exc}") from None
+
+    def pool(self, stage: Any) -> TrialPool:
+        return RayPool(self, stage)
+
+    def lose(self, actor: Any) -> None:
+        """Stop using ``actor`` (gone for good)."""
+        self.live = [a for a in self.live if a is not actor]
+
+    def close(self) -> None:
+        import ray
+
+        actors, self.live = self.live, []
+        self.idle.clear()
+        try:
+            ray.get([a.shutdown.remote() for a in actors], timeout=30)
+        except ray.exceptions.RayError:  # a dead actor has nothing to release
+            pass
+        for a in actors:
+            ray.kill(a)
+
+
+class RayPool(TrialPool):
+    """The candidates of one stage on :class:`RayWorkers` (results in order of completion)."""
+
+    overlaps = True
+
+    def __init__(self, workers: RayWorkers, stage: Any) -> None:
+        self.workers = workers
+        self.stage = stage
+        self.waiting: deque[Any] = deque()
+        self.running: dict[Any, tuple[Any, Any]] = {}  # ObjectRef -> (candidate, actor)
+        self.attempts: Counter[str] = Counter()
+
+    @property
+    def slots(self) -> int:  # type: ignore[override]
+        return len(self.workers.live)
+
+    def submit(self, candidate: Any) -> None:
+        self.waiting.append(candidate)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self.waiting and self.workers.idle:
+            actor = self.workers.idle.popleft()
+            cand = self.waiting.popleft()
+            ref = actor.evaluate.remote(self.stage.name, self.stage.title, cand)
+            self.running[ref] = (cand, actor)
+
+    def next_finished(self) -> tuple[Any, dict[str, Any]]:
+        import ray
+
+        while True:
+            if not self.running:
+                raise ExecutorError(f"every Ray worker died; {len(self.waiting)} trial(s) not evaluated "
+                                    "(resume the run with --resume)")
+            (ref,), _ = ray.wait(list(self.running), num_returns=1)
+            cand, actor = self.running.pop(ref)
+            try:
+                row = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self._retry(cand, actor, exc)
+                continue
+            except BaseException:
+                self.workers.idle.append(actor)
+                raise
+            self.workers.idle.append(actor)
+            self._dispatch()
+            return cand, row
+
+    def _retry(self, cand: Any, actor: Any, exc: Exception) -> None:
+        """Submit ``cand`` again after its worker died (dropped when gone for good)."""
+        import ray
+
+        if isinstance(exc, ray.exceptions.ActorDiedError):
+            self.workers.lose(actor)
+        else:  # unavailable for now (restarting): it may take trials again
+            self.workers.idle.append(actor)
+        self.attempts[cand.policy_id] += 1
+        if self.attempts[cand.policy_id] >= MAX_ATTEMPTS:
+            raise ExecutorError(f"candidate {cand.policy_id} took down {MAX_ATTEMPTS} Ray workers; "
+                                f"the last error: {exc}")
+        self.waiting.appendleft(cand)
+        self._dispatch()
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
