@@ -226,7 +226,7 @@ class Method:
         raise NotImplementedError
 
     def evaluate(self, context: Any, candidate: Any, stage: Stage) -> dict[str, Any]:
-        """One trial row for ``candidate`` (the runner adds its ``trial`` number first)."""
+        """One trial row for ``candidate`` (the runner adds its ``trial`` number when it stores the row, in order of completion)."""
         raise NotImplementedError
 
     def describe_row(self, row: dict[str, Any]) -> str:
