@@ -261,3 +261,22 @@ def test_mobo_exploration_batch_has_no_duplicates(acquisition, small):
     _assert_fresh(batch, opt, batch)
     more = _indices(opt.ask_batch(4, pending=[opt.candidates[i] for i in batch]))
     assert len(set(batch + more)) == 8
+
+
+def test_a_list_of_a_spaces_candidates_is_asked_by_identity_not_position():
+    """A refinement stage re-evaluates a subset of a space (its Pareto set): the candidates keep
+    the space's indices, which are not positions in the subset (an IndexError before)."""
+    from types import SimpleNamespace
+
+    from kvtune.run.loop import in_order
+
+    subset = [SimpleNamespace(index=i, params={"i": i}, policy_id=f"p{i}") for i in (7, 3, 12)]
+    opt = in_order(subset)
+    first = opt.ask_batch(2)
+    assert [c.index for c in first] == [7, 3]
+    assert [c.index for c in opt.ask_batch(2, pending=first)] == [12]
+    for cand in first:
+        opt.tell(cand, {"policy_id": cand.policy_id})
+    assert [c.index for c in opt.ask_batch(3)] == [12]
+    with pytest.raises(PendingError, match="not a candidate"):
+        opt.ask_batch(1, pending=[SimpleNamespace(index=0, params={}, policy_id="p0")])

@@ -68,6 +68,7 @@ class Optimizer(ABC):
                  ratios: np.ndarray | None = None) -> None:
         self.space = space
         self.candidates = list(space.candidates)
+        self.by_index = {c.index: c for c in self.candidates}
         self.seed = seed
         self.q_min = q_min
         self.ratios = None if ratios is None else np.asarray(ratios, dtype=np.float64)
@@ -125,21 +126,29 @@ class Optimizer(ABC):
         out, seen = [], set()
         for cand in pending:
             i = getattr(cand, "index", None)
-            if not isinstance(i, int) or not 0 <= i < len(self.candidates) or \
-                    (self.candidates[i] is not cand and self.candidates[i].params != getattr(cand, "params", None)):
+            known = self.by_index.get(i) if isinstance(i, int) else None
+            if known is None or (known is not cand and known.params != getattr(cand, "params", None)):
                 raise PendingError(f"pending candidate {cand!r} is not a candidate of space {self.space.name!r}")
             if i in seen:
                 raise PendingError(f"pending candidate #{i} is listed twice")
             if i in self.told:
                 raise PendingError(f"pending candidate #{i} is already told (a told result is not pending)")
             seen.add(i)
-            out.append(self.candidates[i])
+            out.append(known)
         return out
 
-    def free(self, pending: Sequence[Candidate] = ()) -> list[int]:
-        """Indices of the candidates neither told nor pending, ascending."""
+    def free_candidates(self, pending: Sequence[Candidate] = ()) -> list[Candidate]:
+        """The candidates neither told nor pending, in the space's order.
+
+        A candidate's ``index`` is its identity, not its position in :attr:`candidates` (a list
+        of a space's candidates, e.g. the Pareto set a refinement stage re-evaluates, keeps the
+        space's indices)."""
         busy = {c.index for c in pending}
-        return [c.index for c in self.candidates if c.index not in self.told and c.index not in busy]
+        return [c for c in self.candidates if c.index not in self.told and c.index not in busy]
+
+    def free(self, pending: Sequence[Candidate] = ()) -> list[int]:
+        """Indices (``Candidate.index``) of the candidates neither told nor pending, in order."""
+        return [c.index for c in self.free_candidates(pending)]
 
     def tell(self, candidate: Candidate, result: dict[str, Any]) -> None:
         """Record a finished evaluation (a trials row: ratio, relative accuracy, speeds...).

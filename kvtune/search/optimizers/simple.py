@@ -21,13 +21,14 @@ class ExhaustiveOptimizer(Optimizer):
     needs_ratios = False
 
     def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
-        free = self.free(pending)
-        return self.candidates[free[0]] if free else None
+        free = self.free_candidates(pending)
+        return free[0] if free else None
 
 
 @register_optimizer("random")
 class RandomOptimizer(Optimizer):
-    """Uniform sampling without replacement; the order is a fixed permutation of the seed."""
+    """Uniform sampling without replacement; the order is a fixed permutation (of positions in
+    the candidate list) drawn from the seed."""
 
     needs_ratios = False
 
@@ -38,7 +39,8 @@ class RandomOptimizer(Optimizer):
 
     def propose(self, pending: Sequence[Candidate]) -> Candidate | None:
         busy = {c.index for c in pending}
-        for i in self._order:
-            if i not in self.told and i not in busy:
-                return self.candidates[i]
+        for position in self._order:
+            cand = self.candidates[position]
+            if cand.index not in self.told and cand.index not in busy:
+                return cand
         return None
