@@ -214,6 +214,9 @@ def test_driver_killed_then_resumed_with_one_worker(local_ray, tiny_model_dir, t
     while (not log.exists() or len(log.read_text().splitlines()) < 3) and proc.poll() is None:
         assert time.monotonic() < deadline, "no 3 trials stored in time"
         time.sleep(0.02)
+    if proc.poll() is not None:
+        pytest.fail(f"the driver exited ({proc.returncode}) before 3 trials were stored:\n"
+                    f"{proc.stderr.read().decode()[-3000:]}")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = records(run_dir)
