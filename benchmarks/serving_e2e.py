@@ -29,9 +29,12 @@ Service-Aware KV Cache Compression for Communication-Efficient Disaggregated LLM
 arXiv 2605.13734): ``T = V/s_enc + V/(cr B) + V/s_dec`` (store mode: encode is not on the
 critical path, ``T = V/(cr B) + V/s_dec``), with ``cr``, ``s_enc``, ``s_dec`` measured offline
 (``calibrate``: kvtune's codecs on the same prompts' real KV) and ``B`` the link's nominal
-rate; ``report`` also fits a corrected model (:func:`fit_corrections`: a fixed cost per
-transfer, an effective bandwidth ``1 / (1/B + 1/B_cpu)`` and the paged-cache gather/scatter
-rate, three constants per mode) and shows both errors.
+rate; ``report`` also fits the measured costs of the library's corrected model
+(:class:`kvtune.tables.latency.TransferCosts` via :func:`fit_costs`: a fixed cost per transfer,
+an effective bandwidth ``1 / (1/B + 1/B_cpu)`` and the paged-cache gather/scatter rate, three
+constants per mode) and shows the errors of the nominal model, of the corrected one in sample,
+out of sample (costs fitted on one prompt length, errors on the other) and of the model at the
+bandwidth the online controller learned (:func:`online_check`).
 
 Commands (``run`` and ``drop`` need root and ``scripts/vllm-venv.sh``; each stops after
 ``--max-minutes`` and resumes where it stopped: rows already in ``rows.jsonl`` are skipped)::
@@ -418,19 +421,13 @@ def cmd_accuracy(args) -> int:
 def drop_report() -> dict:
     """Per policy of the link-drop run: each request's rate, chosen policy, transfer time, TTFT
     and (table) the controller's bandwidth estimate; mean TTFT before and after the drop."""
-    import re
-
     recs = read_jsonl(OUT / "drop.jsonl")
     out = {}
     for pol in dict.fromkeys(r["policy"] for r in recs):
         rs = sorted((r for r in recs if r["policy"] == pol), key=lambda r: r["index"])
         seq = []
         for r in rs:
-            d = (r.get("save") or {}).get("decision")
-            est = d.get("bandwidth_gbps") if isinstance(d, dict) else None
-            if isinstance(d, str):
-                m = re.search(r"bandwidth_gbps=([0-9.e+-]+)", d)
-                est = float(m.group(1)) if m else None
+            est = decision_field(r.get("save"), "bandwidth_gbps")
             seq.append({"index": r["index"], "rate_gbps": r["rate_gbps"], "policy_id": (r.get("save") or {}).get("policy_id"),
                         "transfer_s": r.get("transfer_s"), "ttft_s": r["ttft_s"], "estimated_gbps": est})
         rates = [x["rate_gbps"] for x in seq]
@@ -492,47 +489,92 @@ def accuracy_report() -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
-def predicted_s(kv_bytes: float, rate_gbps: float, cal: dict, mode: str) -> float:
-    """KVServe latency model (:func:`kvtune.tables.latency.transfer_seconds`) at the link's
-    nominal rate; store mode without the encode term (the pool was filled beforehand)."""
-    from kvtune.tables.latency import gb_per_s_to_bytes_per_s, gbps_to_bytes_per_s, transfer_seconds
+def predicted_s(kv_bytes: float, rate_gbps: float, cal: dict, mode: str, costs=None) -> float:
+    """KVServe latency model at the link's nominal rate, plus the measured per-transfer
+    ``costs`` (:class:`kvtune.tables.latency.TransferCosts`; None = the nominal model
+    :func:`kvtune.tables.latency.transfer_seconds`). Store mode has no encode term (the pool
+    was filled beforehand)."""
+    from kvtune.tables.latency import (TransferCosts, gb_per_s_to_bytes_per_s, gbps_to_bytes_per_s,
+                                       transfer_seconds_with_costs)
 
     enc = math.inf if mode == "store" else gb_per_s_to_bytes_per_s(cal["encode_gbps"])
-    return float(transfer_seconds(kv_bytes, gbps_to_bytes_per_s(rate_gbps), enc,
-                                  gb_per_s_to_bytes_per_s(cal["decode_gbps"]), cal["ratio"]))
+    return float(transfer_seconds_with_costs(kv_bytes, gbps_to_bytes_per_s(rate_gbps), enc,
+                                             gb_per_s_to_bytes_per_s(cal["decode_gbps"]), cal["ratio"],
+                                             costs or TransferCosts()))
 
 
-def fit_corrections(rows: list[dict], nominal: list[float]) -> dict:
-    """Fit the corrected model ``T = T_nominal + c0 + W / B_cpu + V / s_move`` (relative least
-    squares over every transfer of a mode, non-negative): ``c0`` a fixed cost per transfer (connection round
-    trip, ACK, request bookkeeping), ``B_cpu`` the rate at which this machine's CPUs move wire
-    bytes ``W`` (socket copies, the receiver's spool write and read), so the effective link rate
-    is ``1 / (1/B + 1/B_cpu)``, and ``s_move`` the rate of the paged-cache gather + scatter of
-    the ``V`` original bytes."""
-    import numpy as np
+def fit_costs(rows: list[dict], nominal: list[float]):
+    """:func:`kvtune.tables.latency.fit_transfer_costs` on measured transfers: ``T = T_nominal + c0
+    + W / B_cpu + V / s_move`` (non-negative, relative least squares) with ``W`` the stream bytes
+    each transfer sent and ``V`` its original KV bytes. The measured p2p transfer holds the
+    consumer's scatter, not the producer's gather, so ``s_move`` here is the scatter rate."""
+    from kvtune.tables.latency import fit_transfer_costs
 
-    from scipy.optimize import nnls
-
-    t = np.array([r["transfer_s"] for r in rows])
-    resid = t - np.array(nominal)
-    x = np.array([[1.0, r["save"]["stream_bytes"] * 1e-9, r["save"]["kv_bytes"] * 1e-9] for r in rows])
-    w = 1.0 / t
-    coef, _ = nnls(x * w[:, None], resid * w)
-    c0, per_wire, per_v = float(coef[0]), float(coef[1]) * 1e-9, float(coef[2]) * 1e-9
-    return {"c0_s": c0, "b_cpu_gbps": 8e-9 / per_wire if per_wire > 0 else math.inf,
-            "s_move_gb_per_s": 1e-9 / per_v if per_v > 0 else math.inf, "_coef": (c0, per_wire, per_v)}
-
-
-def corrected_s(nominal: float, row: dict, fit: dict) -> float:
-    c0, per_wire, per_v = fit["_coef"]
-    return nominal + c0 + per_wire * row["save"]["stream_bytes"] + per_v * row["save"]["kv_bytes"]
+    return fit_transfer_costs([r["transfer_s"] for r in rows], nominal, [r["save"]["stream_bytes"] for r in rows],
+                              [r["save"]["kv_bytes"] for r in rows])
 
 
 def error_stats(errors: list[float]) -> dict:
+    """Median, p90 and worst absolute relative error, and the share within 10 %."""
     a = sorted(abs(e) for e in errors)
     if not a:
         return {}
-    return {"median": a[len(a) // 2], "p90": a[min(len(a) - 1, int(0.9 * len(a)))], "worst": a[-1], "n": len(a)}
+    return {"median": a[len(a) // 2], "p90": a[min(len(a) - 1, int(0.9 * len(a)))], "worst": a[-1], "n": len(a),
+            "within_10pct": sum(e <= 0.10 for e in a) / len(a)}
+
+
+def decision_field(save: dict | None, name: str) -> float | None:
+    """A numeric field of the controller decision a connector save record carries (a dict, or
+    the decision's repr cut to 300 characters in older records: None when cut off)."""
+    import re
+
+    d = (save or {}).get("decision")
+    if isinstance(d, dict):
+        return d.get(name)
+    if isinstance(d, str):
+        m = re.search(rf"\b{name}=([0-9.e+-]+|inf)", d)
+        return float(m.group(1)) if m else None
+    return None
+
+
+def online_check(rows: list[dict], cal: dict, fits: dict) -> dict:
+    """What the online controller would predict: the KVServe model at the bandwidth the
+    controller had learned from earlier transfers (``bandwidth_gbps`` of its decision, an
+    effective rate from wire bytes / send time), for every p2p table transfer whose record
+    carries it (the sweep's ``rows.jsonl`` and the link-drop run). Also with the mode's fitted
+    fixed and move costs (not the CPU wire term: the learned rate already includes it), and the
+    controller's own ``predicted_s`` / ``corrected_s`` (table codec speeds, residual EWMA) where
+    recorded. Store mode is left out: its writer is told the link rate, it learns nothing."""
+    from dataclasses import replace
+
+    recs = [dict(r, source="sweep") for r in rows if r["mode"] == "p2p" and r["policy"] == "table"]
+    recs += [dict(r, source="drop", mode="p2p") for r in read_jsonl(OUT / "drop.jsonl")
+             if r["policy"] == "table" and r.get("transfer_s") is not None]
+    costs = replace(fits["p2p"], wire_cpu_gbps=math.inf)
+    out = []
+    for r in recs:
+        learned = decision_field(r["save"], "bandwidth_gbps")
+        c = cal.get(r["save"]["policy_id"], {}).get(r["prompt"])
+        if learned is None or c is None:
+            continue
+        kv = r["save"]["kv_bytes"]
+        nominal_rate = predicted_s(kv, r["rate_gbps"], c, "p2p")
+        at_learned = predicted_s(kv, learned, c, "p2p")
+        with_costs = predicted_s(kv, learned, c, "p2p", costs)
+        own, own_corr = decision_field(r["save"], "predicted_s"), decision_field(r["save"], "corrected_s")
+        t = r["transfer_s"]
+        out.append({"source": r["source"], "rate_gbps": r["rate_gbps"], "prompt": r["prompt"],
+                    "index": r.get("index", r.get("repeat")), "learned_gbps": learned, "transfer_s": t,
+                    "error_nominal_rate": t / nominal_rate - 1, "error_learned": t / at_learned - 1,
+                    "error_learned_costs": t / with_costs - 1,
+                    "error_controller": None if own is None else t / own - 1,
+                    "error_controller_corrected": None if own_corr is None else t / own_corr - 1})
+    stats = {k: error_stats([o[k] for o in out if o[k] is not None])
+             for k in ("error_nominal_rate", "error_learned", "error_learned_costs", "error_controller",
+                       "error_controller_corrected")}
+    return {"costs_without_wire_term": vars(costs), "stats": stats, "rows": out,
+            "sweep_rows_without_estimate": sum(1 for r in recs if r["source"] == "sweep"
+                                               and decision_field(r["save"], "bandwidth_gbps") is None)}
 
 
 def cmd_report(args) -> int:
@@ -546,19 +588,29 @@ def cmd_report(args) -> int:
         return cal["none" if key == "none" else key][r["prompt"]]
 
     nominal = [predicted_s(r["save"]["kv_bytes"], r["rate_gbps"], calib(r), r["mode"]) for r in rows]
-    fits = {}
-    for mode in sorted({r["mode"] for r in rows}):
-        idx = [i for i, r in enumerate(rows) if r["mode"] == mode]
-        fits[mode] = fit_corrections([rows[i] for i in idx], [nominal[i] for i in idx])
+
+    def fit_where(keep) -> object:
+        idx = [i for i, r in enumerate(rows) if keep(r)]
+        return fit_costs([rows[i] for i in idx], [nominal[i] for i in idx])
+
+    modes = sorted({r["mode"] for r in rows})
+    prompt_names = sorted({r["prompt"] for r in rows})
+    fits = {m: fit_where(lambda r, m=m: r["mode"] == m) for m in modes}
+    # out of sample: each prompt length predicted with the costs fitted on the other length(s)
+    held_out = {(m, p): fit_where(lambda r, m=m, p=p: r["mode"] == m and r["prompt"] != p)
+                for m in modes for p in prompt_names}
     summary = []
     for r, pred in zip(rows, nominal):
-        fixed = corrected_s(pred, r, fits[r["mode"]])
+        args_ = (r["save"]["kv_bytes"], r["rate_gbps"], calib(r), r["mode"])
+        fixed = predicted_s(*args_, fits[r["mode"]])
+        oos = predicted_s(*args_, held_out[(r["mode"], r["prompt"])])
         summary.append({
             "mode": r["mode"], "rate_gbps": r["rate_gbps"], "prompt": r["prompt"], "prompt_tokens": r["prompt_tokens"],
             "policy": r["policy"], "repeat": r["repeat"], "chosen_policy_id": r["save"]["policy_id"],
             "kv_bytes": r["save"]["kv_bytes"], "stream_bytes": r["save"]["stream_bytes"],
             "transfer_s": r["transfer_s"], "predicted_s": pred, "error": r["transfer_s"] / pred - 1,
             "predicted_fixed_s": fixed, "error_fixed": r["transfer_s"] / fixed - 1,
+            "predicted_oos_s": oos, "error_oos": r["transfer_s"] / oos - 1,
             "ttft_s": r["ttft_s"], "jct_s": r["jct_s"], "prefill_compute_s": r["prefill_compute_s"],
             "encode_s": r["save"]["encode_s"], "send_s": r["save"]["send_s"], "read_s": r["load"]["read_s"],
             "decode_s": r["load"]["decode_s"], "scatter_s": r["load"]["scatter_s"], "gather_s": r["save"]["gather_s"],
@@ -568,12 +620,27 @@ def cmd_report(args) -> int:
         w = csv.DictWriter(fh, fieldnames=list(summary[0]))
         w.writeheader()
         w.writerows(summary)
-    report = {"model_fit": {m: {k: v for k, v in f.items() if not k.startswith("_")} for m, f in fits.items()},
-              "error_nominal": {m: error_stats([s["error"] for s in summary if s["mode"] == m]) for m in fits},
-              "error_corrected": {m: error_stats([s["error_fixed"] for s in summary if s["mode"] == m]) for m in fits},
-              "error_corrected_by_rate": {f"{m}@{rate}": error_stats([s["error_fixed"] for s in summary
-                                                                     if s["mode"] == m and s["rate_gbps"] == rate])
-                                          for m in fits for rate in sorted({s["rate_gbps"] for s in summary})},
+
+    def stats_by(key: str, group) -> dict:
+        groups = {}
+        for s in summary:
+            groups.setdefault(group(s), []).append(s)
+        return {g: {**error_stats([s[key] for s in ss]),
+                    "load_average_mean": statistics.mean(s["load_average"] for s in ss)}
+                for g, ss in sorted(groups.items())}
+
+    by_mode = lambda s: s["mode"]  # noqa: E731
+    by_rate = lambda s: f"{s['mode']}@{s['rate_gbps']}"  # noqa: E731
+    report = {"model_fit": {m: vars(f) for m, f in fits.items()},
+              "model_fit_held_out": {f"{m} fitted without {p}": vars(f) for (m, p), f in held_out.items()},
+              "error_nominal": stats_by("error", by_mode),
+              "error_corrected": stats_by("error_fixed", by_mode),
+              "error_out_of_sample": stats_by("error_oos", by_mode),
+              "error_out_of_sample_by_prompt": stats_by("error_oos", lambda s: f"{s['mode']}:{s['prompt']}"),
+              "error_nominal_by_rate": stats_by("error", by_rate),
+              "error_corrected_by_rate": stats_by("error_fixed", by_rate),
+              "error_out_of_sample_by_rate": stats_by("error_oos", by_rate),
+              "online_controller": online_check(rows, cal, fits),
               "load_average": [min(s["load_average"] for s in summary), max(s["load_average"] for s in summary)]}
     report["accuracy"] = accuracy_report()
     report["drop"] = drop_report()
@@ -581,7 +648,9 @@ def cmd_report(args) -> int:
     report["table_vs_best_static"] = table_vs_static(summary)
     (OUT / "summary.json").write_text(json.dumps(report, indent=1))
     plot(summary, OUT / "serving_e2e.svg")
-    print(json.dumps({k: report[k] for k in ("model_fit", "error_nominal", "error_corrected", "load_average")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("model_fit", "error_nominal", "error_corrected", "error_out_of_sample",
+                                             "load_average")}, indent=1))
+    print(json.dumps(report["online_controller"]["stats"], indent=1))
     return 0
 
 
@@ -646,6 +715,8 @@ def plot(summary: list[dict], path: Path) -> None:
         sel = [s for s in summary if s["mode"] == mode]
         ax.scatter([s["predicted_s"] for s in sel], [s["transfer_s"] for s in sel], s=10, label="nominal B")
         ax.scatter([s["predicted_fixed_s"] for s in sel], [s["transfer_s"] for s in sel], s=10, label="corrected")
+        ax.scatter([s["predicted_oos_s"] for s in sel], [s["transfer_s"] for s in sel], s=10, marker="x",
+                   label="corrected, fitted on the other prompt")
         lim = [min(s["transfer_s"] for s in sel) * 0.8, max(s["transfer_s"] for s in sel) * 1.2]
         ax.plot(lim, lim, color="grey", linewidth=0.8)
         ax.set_xscale("log")

@@ -1,6 +1,8 @@
 """Latency model, lower envelope and piecewise policy tables (KVServe, arXiv 2605.13734).
 
-* :mod:`kvtune.tables.latency` -- transfer-time model and bandwidth threshold B*.
+* :mod:`kvtune.tables.latency` -- transfer-time model, bandwidth threshold B*, and the measured
+  per-transfer costs (fixed cost, CPU wire-byte rate, paged-cache move rate) fitted to real
+  transfers.
 * :mod:`kvtune.tables.envelope` -- lower envelope of the lines ``a + b * x`` (x = 1/B).
 * :mod:`kvtune.tables.policy_table` -- compile, save, load and query the versioned table.
 * :mod:`kvtune.tables.controller` -- online controller: residual EWMA, epsilon-greedy,
@@ -12,7 +14,10 @@
 from kvtune.tables.controller import ChunkedTransfer, Controller, ControllerConfig, Decision, Feedback, Observation
 from kvtune.tables.envelope import Interval, locate_interval, lower_envelope
 from kvtune.tables.latency import (
+    TransferCosts,
     bytes_per_s_to_gbps,
+    effective_bandwidth_bytes_per_s,
+    fit_transfer_costs,
     gb_per_s_to_bytes_per_s,
     gbps_to_bytes_per_s,
     gbps_to_x_s_per_gb,
@@ -20,6 +25,7 @@ from kvtune.tables.latency import (
     threshold_bandwidth,
     threshold_gbps,
     transfer_seconds,
+    transfer_seconds_with_costs,
     uncompressed_seconds,
     x_s_per_gb_to_gbps,
 )
@@ -58,9 +64,12 @@ __all__ = [
     "PolicyEntry",
     "PolicyTable",
     "SelectedPolicy",
+    "TransferCosts",
     "UnitError",
     "bytes_per_s_to_gbps",
     "compile_policy_table",
+    "effective_bandwidth_bytes_per_s",
+    "fit_transfer_costs",
     "gb_per_s_to_bytes_per_s",
     "gbps_to_bytes_per_s",
     "gbps_to_x_s_per_gb",
@@ -73,6 +82,7 @@ __all__ = [
     "threshold_bandwidth",
     "threshold_gbps",
     "transfer_seconds",
+    "transfer_seconds_with_costs",
     "uncompressed_seconds",
     "x_s_per_gb_to_gbps",
 ]

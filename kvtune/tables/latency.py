@@ -20,16 +20,31 @@ Units: every argument carries its unit in its name. Link bandwidths are quoted b
 in **Gbps = 1e9 bits/s**; codec throughputs in trials frames (``encode_gbps``) are in
 **GB/s = 1e9 bytes/s** of original bf16 KV. Convert with the helpers below; never mix them.
 All functions accept floats or numpy arrays (broadcasting) and return the same.
+
+Measured transfers add costs the nominal model leaves out (:class:`TransferCosts`): a fixed
+cost per transfer, a CPU rate for moving wire bytes (so the link behaves as
+``1 / (1/B + 1/B_cpu)``) and the serving engine's paged-cache gather/scatter of the original
+KV. :func:`transfer_seconds_with_costs` adds them to ``T_p``; :func:`fit_transfer_costs` fits
+them to measured transfers (non-negative relative least squares).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import dataclass
+
 import numpy as np
+
+from kvtune.core.errors import ConfigError
 
 __all__ = [
     "BITS_PER_BYTE",
     "BYTES_PER_GB",
+    "TransferCosts",
     "bytes_per_s_to_gbps",
+    "effective_bandwidth_bytes_per_s",
+    "fit_transfer_costs",
     "gb_per_s_to_bytes_per_s",
     "gbps_to_bytes_per_s",
     "gbps_to_x_s_per_gb",
@@ -37,6 +52,7 @@ __all__ = [
     "threshold_bandwidth",
     "threshold_gbps",
     "transfer_seconds",
+    "transfer_seconds_with_costs",
     "uncompressed_seconds",
     "x_s_per_gb_to_gbps",
 ]
@@ -195,3 +211,162 @@ def line_coefficients(ratio, encode_gbps, decode_gbps):
         a = 1.0 / np.asarray(encode_gbps, dtype=np.float64) + 1.0 / np.asarray(decode_gbps, dtype=np.float64)
         b = 1.0 / np.asarray(ratio, dtype=np.float64)
     return _out(a), _out(b)
+
+
+# ----------------------------------------------------------------------------- measured costs
+
+
+@dataclass(frozen=True)
+class TransferCosts:
+    """Costs of a real transfer that the KVServe model ``T_p`` leaves out (all >= 0 seconds).
+
+    Extends the analytical latency model of "KVServe: Service-Aware KV Cache Compression for
+    Communication-Efficient Disaggregated LLM Serving" (arXiv 2605.13734, online controller),
+    ``T_p = V/s_enc + V/(cr B) + V/s_dec``, with three terms measured on a serving machine::
+
+        T = T_p + fixed_s + W / B_cpu + V / s_move,    W = V / cr (wire bytes)
+
+    Attributes:
+        fixed_s: seconds paid once per transfer whatever its size (connection round trip,
+            acknowledgement, request bookkeeping); finite, >= 0.
+        wire_cpu_gbps: ``B_cpu``, the rate (Gbps, 1e9 bits/s of wire bytes) at which the hosts'
+            CPUs move the stream (socket copies, a receiver's spool write and read); with it the
+            link behaves as the effective rate ``1 / (1/B + 1/B_cpu)``
+            (:func:`effective_bandwidth_bytes_per_s`). > 0; ``inf`` = free.
+        move_gb_per_s: ``s_move``, GB/s (1e9 bytes/s) of *original* KV moved between the
+            engine's paged cache and a contiguous buffer (gather on the sender + scatter on the
+            receiver). > 0; ``inf`` = free.
+
+    The defaults (0, inf, inf) add nothing: :func:`transfer_seconds_with_costs` then equals
+    :func:`transfer_seconds` exactly.
+
+    Raises:
+        ConfigError: a negative, NaN or infinite ``fixed_s``; a rate that is NaN or <= 0.
+    """
+
+    fixed_s: float = 0.0
+    wire_cpu_gbps: float = math.inf
+    move_gb_per_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.fixed_s) and self.fixed_s >= 0):
+            raise ConfigError(f"TransferCosts.fixed_s must be a finite number >= 0 seconds, got {self.fixed_s!r}")
+        for name in ("wire_cpu_gbps", "move_gb_per_s"):
+            value = getattr(self, name)
+            if not value > 0:  # also refuses NaN
+                raise ConfigError(f"TransferCosts.{name} must be > 0 (inf = free), got {value!r}")
+
+
+def effective_bandwidth_bytes_per_s(bandwidth_bytes_per_s, costs: TransferCosts):
+    """Link rate seen by a transfer once the CPUs' wire-byte rate is added: ``1 / (1/B + 1/B_cpu)``.
+
+    Args:
+        bandwidth_bytes_per_s: B, nominal link bandwidth in bytes/s (> 0), float or array.
+        costs: :class:`TransferCosts` (its ``wire_cpu_gbps``; inf gives back B).
+
+    Returns:
+        bytes/s (float or array).
+    """
+    b = np.asarray(bandwidth_bytes_per_s, dtype=np.float64)
+    if math.isinf(costs.wire_cpu_gbps):
+        return _out(b)  # exactly B (1 / (1/B) may round)
+    with np.errstate(divide="ignore"):
+        return _out(1.0 / (1.0 / b + 1.0 / gbps_to_bytes_per_s(costs.wire_cpu_gbps)))
+
+
+def transfer_seconds_with_costs(kv_bytes, bandwidth_bytes_per_s, encode_bytes_per_s, decode_bytes_per_s, ratio,
+                                costs: TransferCosts = TransferCosts()):
+    """KVServe's ``T_p`` plus the measured costs of :class:`TransferCosts`.
+
+    ``T = V/s_enc + V/(cr B) + V/s_dec + fixed_s + (V/cr)/B_cpu + V/s_move`` (KVServe,
+    arXiv 2605.13734, extended). With the default costs the result is exactly
+    :func:`transfer_seconds` (each added term is 0.0).
+
+    Args:
+        kv_bytes: V, bytes of original (bf16) KV.
+        bandwidth_bytes_per_s: B, nominal link bandwidth in bytes/s (> 0).
+        encode_bytes_per_s: s_enc, bytes of original KV per second (> 0; inf = free or not on
+            the critical path).
+        decode_bytes_per_s: s_dec, bytes of original KV per second (> 0; inf = free).
+        ratio: cr, compression ratio (original bytes / stream bytes, > 0).
+        costs: :class:`TransferCosts` (default: none).
+
+    Returns:
+        seconds (float or array, broadcast over the arguments).
+    """
+    v = np.asarray(kv_bytes, dtype=np.float64)
+    wire = v / np.asarray(ratio, dtype=np.float64)
+    extra = (costs.fixed_s + wire / gbps_to_bytes_per_s(costs.wire_cpu_gbps)
+             + v / gb_per_s_to_bytes_per_s(costs.move_gb_per_s))
+    nominal = transfer_seconds(kv_bytes, bandwidth_bytes_per_s, encode_bytes_per_s, decode_bytes_per_s, ratio)
+    return _out(np.asarray(nominal) + extra)
+
+
+def _checked_vector(name: str, values, *, positive: bool) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ConfigError(f"fit_transfer_costs: {name} must be a non-empty 1-D sequence, got shape {arr.shape}")
+    bad = ~np.isfinite(arr) | ((arr <= 0) if positive else (arr < 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        need = "finite and > 0" if positive else "finite and >= 0"
+        raise ConfigError(f"fit_transfer_costs: {name} must be {need}; {name}[{i}] = {arr[i]!r}")
+    return arr
+
+
+def _nnls_small(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares ``min |a c - y|, c >= 0`` for a few columns: the best
+    feasible unconstrained fit over every subset of columns (an optimum's support is one)."""
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(y @ y)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sub < 0).any():
+                continue
+            c = np.zeros(n)
+            c[list(cols)] = sub
+            r = a @ c - y
+            res = float(r @ r)
+            if res < best_res:
+                best, best_res = c, res
+    return best
+
+
+def fit_transfer_costs(measured_s, nominal_s, wire_bytes, kv_bytes) -> TransferCosts:
+    """Fit :class:`TransferCosts` to measured transfers (non-negative relative least squares).
+
+    Model: ``measured = nominal + fixed_s + W / B_cpu + V / s_move`` (KVServe's ``T_p``,
+    arXiv 2605.13734, plus the measured costs). Minimises ``sum(((pred - measured) /
+    measured)^2)`` over ``fixed_s, 1/B_cpu, 1/s_move >= 0`` (exact NNLS over the three
+    unknowns, numpy only): each transfer weighs by its relative error, so short transfers are
+    not drowned by long ones. A term the data does not call for comes out 0 (``inf`` rate).
+
+    Args:
+        measured_s: measured transfer seconds, 1-D, finite and > 0.
+        nominal_s: :func:`transfer_seconds` of the same transfers (seconds), 1-D, finite, > 0.
+        wire_bytes: W, bytes each transfer put on the wire (stream bytes), 1-D, finite, >= 0.
+        kv_bytes: V, bytes of original KV of each transfer, 1-D, finite, >= 0.
+
+    Returns:
+        the fitted :class:`TransferCosts`.
+
+    Raises:
+        ConfigError: an argument that is not a non-empty 1-D sequence, holds a NaN/inf or a
+            value out of range (named with its index), or whose length differs from
+            ``measured_s``'s.
+    """
+    t = _checked_vector("measured_s", measured_s, positive=True)
+    nominal = _checked_vector("nominal_s", nominal_s, positive=True)
+    wire = _checked_vector("wire_bytes", wire_bytes, positive=False)
+    v = _checked_vector("kv_bytes", kv_bytes, positive=False)
+    for name, arr in (("nominal_s", nominal), ("wire_bytes", wire), ("kv_bytes", v)):
+        if arr.size != t.size:
+            raise ConfigError(f"fit_transfer_costs: {name} has {arr.size} values, measured_s has {t.size}")
+    design = np.column_stack([np.ones_like(t), wire / BYTES_PER_GB, v / BYTES_PER_GB]) / t[:, None]
+    fixed, s_per_wire_gb, s_per_kv_gb = _nnls_small(design, (t - nominal) / t)
+    return TransferCosts(
+        fixed_s=float(fixed),
+        wire_cpu_gbps=BITS_PER_BYTE / float(s_per_wire_gb) if s_per_wire_gb > 0 else math.inf,
+        move_gb_per_s=1.0 / float(s_per_kv_gb) if s_per_kv_gb > 0 else math.inf,
+    )
