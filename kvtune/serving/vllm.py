@@ -287,7 +287,7 @@ class StaticPolicy:
             AuthenticationError: with a key, an unsealed, truncated, edited or wrongly keyed stream.
             KVStreamError: a stream that fails its checks.
         """
-        return decode_kv(stream if self._key is None else unseal(stream, self._key))
+        return decode_kv(stream if self._key is None else unseal(stream, self._key), device=device)
 
     def feedback(self, encoded: EncodedStream, *, transfer_s: float, decode_s: float | None = None) -> None:
         """A static policy ignores measurements."""
