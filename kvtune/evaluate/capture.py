@@ -18,7 +18,6 @@ from kvtune.evaluate.model import (
     cache_to_kv,
     forward_cache,
     kv_to_cache,
-    round_kv,
     start_tokens,
 )
 
@@ -30,16 +29,22 @@ class Capture:
     Attributes:
         input_ids: ``(N, T + C)`` int64 token ids: T context tokens then C continuation tokens.
         context_tokens: T.
-        kv: per-layer ``(K, V)``, each ``(N, kv_heads, tokens, head_dim)`` in the model dtype;
-            ``tokens`` is T, or fewer for a sliding-window layer (the positions it keeps).
+        kv: per-layer ``(K, V)`` storage, each ``(N, kv_heads, tokens, head_dim)``; ``tokens``
+            is T, or fewer for a sliding-window layer (the positions it keeps). Held in the
+            model dtype, or in bfloat16 for ``kv_dtype="bfloat16"`` (the values are bf16
+            already: half the memory, nothing lost); :meth:`context_kv` and
+            :meth:`batch_kv` give them in the model dtype.
         baseline_logits: ``(N, C, vocab)`` float32 logits of the continuation run on the
-            original (uncompressed) cache; position i predicts continuation token i + 1.
+            original (uncompressed) cache (position i predicts continuation token i + 1), or
+            an empty tensor when the capture was made without them.
+        dtype: the model dtype the KV is used in (None: the storage dtype).
     """
 
     input_ids: torch.Tensor
     context_tokens: int
     kv: KVLayers
     baseline_logits: torch.Tensor
+    dtype: torch.dtype | None = None
 
     @property
     def num_contexts(self) -> int:
@@ -50,15 +55,27 @@ class Capture:
         """``(N, C)`` continuation tokens fed on the decode side."""
         return self.input_ids[:, self.context_tokens :]
 
+    def batch_kv(self, start: int, stop: int) -> KVLayers:
+        """KV of contexts ``start:stop``: per layer ``(stop - start, kv_heads, tokens, head_dim)``
+        in the model dtype (views when stored in it, copies otherwise)."""
+        dtype = self.dtype or self.kv[0][0].dtype
+        return [(k[start:stop].to(dtype), v[start:stop].to(dtype)) for k, v in self.kv]
+
     def context_kv(self, i: int) -> KVLayers:
-        """KV of context ``i`` alone: per layer ``(1, kv_heads, tokens, head_dim)`` views."""
-        return [(k[i : i + 1], v[i : i + 1]) for k, v in self.kv]
+        """KV of context ``i`` alone: per layer ``(1, kv_heads, tokens, head_dim)`` in the model
+        dtype (see :meth:`batch_kv`)."""
+        return self.batch_kv(i, i + 1)
 
     def subset(self, n: int) -> "Capture":
         """The first ``n`` contexts (KV views; the baseline logits are *not* sliced: recompute
         them with :func:`continuation_logits` so that batching matches the evaluated runs)."""
         return Capture(input_ids=self.input_ids[:n], context_tokens=self.context_tokens,
-                       kv=[(k[:n], v[:n]) for k, v in self.kv], baseline_logits=torch.empty(0))
+                       kv=[(k[:n], v[:n]) for k, v in self.kv], baseline_logits=torch.empty(0), dtype=self.dtype)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the stored KV."""
+        return sum(t.numel() * t.element_size() for layer in self.kv for t in layer)
 
 
 def build_contexts(
@@ -101,10 +118,17 @@ def build_contexts(
     return torch.tensor(rows, dtype=torch.long)
 
 
+#: Storage dtype of captured KV per ``--kv-dtype`` (None: the model's own dtype).
+STORAGE_DTYPES = {"model": None, "bfloat16": torch.bfloat16}
+
+
 @torch.inference_mode()
 def capture(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int, *, batch_size: int = 4,
-            progress=None, kv_dtype: str = "model") -> Capture:
+            progress=None, kv_dtype: str = "model", baseline: bool = True) -> Capture:
     """Run prefill on the contexts, keep their KV, and compute the baseline continuation.
+
+    The KV of each prefill batch is copied into storage allocated once for all contexts
+    (no per-batch list joined at the end, which held the KV twice).
 
     Args:
         lm: the loaded model.
@@ -114,27 +138,41 @@ def capture(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int, *, ba
         progress: optional callable ``advance(n)`` called after each batch.
         kv_dtype: ``model`` keeps the captured KV as computed; ``bfloat16`` rounds it to
             bfloat16 values before the baseline runs (so the uncompressed bf16 policy is
-            exactly lossless).
+            exactly lossless) and stores it in bfloat16.
+        baseline: compute ``baseline_logits`` (``(N, C, vocab)`` float32); False leaves them
+            empty (a caller keeping a compact baseline of its own).
 
     Returns:
         A :class:`Capture`; its KV stays on the model's device. Sliding-window layers hold
         only the positions their cache keeps (``lm.kv_tokens(T)``).
-    """
 
-    kv_parts: list[KVLayers] = []
-    for start in range(0, input_ids.shape[0], batch_size):
+    Raises:
+        KvtuneError: ``kv_dtype`` is not one of :data:`~kvtune.evaluate.model.KV_DTYPES`.
+    """
+    if kv_dtype not in STORAGE_DTYPES:
+        raise KvtuneError(f"--kv-dtype must be one of {', '.join(STORAGE_DTYPES)}, not {kv_dtype!r}")
+    n = input_ids.shape[0]
+    store: KVLayers = []
+    model_dtype = None
+    for start in range(0, n, batch_size):
         ids = input_ids[start : start + batch_size, :context_tokens].to(lm.device)
         out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        kv_parts.append([(k.clone(), v.clone()) for k, v in cache_to_kv(forward_cache(out))])
+        layers = cache_to_kv(forward_cache(out))
+        if not store:
+            model_dtype = layers[0][0].dtype
+            dtype = STORAGE_DTYPES[kv_dtype] or model_dtype
+            store = [(k.new_empty((n, *k.shape[1:]), dtype=dtype), v.new_empty((n, *v.shape[1:]), dtype=dtype))
+                     for k, v in layers]
+        for (sk, sv), (k, v) in zip(store, layers):
+            sk[start : start + ids.shape[0]].copy_(k)  # to bf16: round to nearest even, as Tensor.to
+            sv[start : start + ids.shape[0]].copy_(v)
+        del out, layers
         if progress:
             progress(ids.shape[0])
-    kv = [
-        (torch.cat([p[l][0] for p in kv_parts]), torch.cat([p[l][1] for p in kv_parts]))
-        for l in range(len(kv_parts[0]))
-    ]
-    kv = round_kv(kv, kv_dtype)
-    cap = Capture(input_ids=input_ids, context_tokens=context_tokens, kv=kv, baseline_logits=torch.empty(0))
-    cap.baseline_logits = continuation_logits(lm, cap, kv)
+    cap = Capture(input_ids=input_ids, context_tokens=context_tokens, kv=store, baseline_logits=torch.empty(0),
+                  dtype=model_dtype)
+    if baseline:
+        cap.baseline_logits = continuation_logits(lm, cap, cap.kv)
     return cap
 
 
@@ -143,7 +181,8 @@ def continuation_logits(lm: LoadedModel, cap: Capture, kv: KVLayers, *, batch_si
     """Logits of the continuation tokens run on top of the given (possibly decoded) cache.
 
     Args:
-        kv: per layer ``(N, kv_heads, tokens, head_dim)``, same shapes as ``cap.kv``.
+        kv: per layer ``(N, kv_heads, tokens, head_dim)``, same shapes as ``cap.kv`` (any float
+            dtype: each batch is converted to the model's dtype).
 
     Returns:
         ``(N, C, vocab)`` float32 logits on the CPU.
@@ -162,10 +201,12 @@ def logits_on_cache(lm: LoadedModel, kv: KVLayers, continuation_ids: torch.Tenso
         ``(N, C, vocab)`` float32 logits on the CPU.
     """
     outs = []
+    dtype = next(lm.model.parameters()).dtype
     for start in range(0, continuation_ids.shape[0], batch_size):
-        part = [(k[start : start + batch_size], v[start : start + batch_size]) for k, v in kv]
+        part = [(k[start : start + batch_size].to(dtype), v[start : start + batch_size].to(dtype)) for k, v in kv]
         cache = kv_to_cache(part, lm.model.config, context_tokens=context_tokens)
         ids = continuation_ids[start : start + batch_size].to(lm.device)
         logits = lm.model(input_ids=ids, cache=cache, use_cache=True).logits
         outs.append(logits.float().cpu())
-    return torch.cat(outs)
+        del cache, logits
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

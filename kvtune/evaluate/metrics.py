@@ -24,6 +24,8 @@ perplexity increase gives 1 / 1.2 = 0.833.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +46,13 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def kl_divergence(base_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """KL(P_base || P) per position (nats), ``(N, L, vocab)`` -> ``(N, L)`` float32."""
-    lp = torch.log_softmax(base_logits.float(), dim=-1)
-    lq = torch.log_softmax(logits.float(), dim=-1)
-    return (lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0)
+    return kl_from_logprobs(torch.log_softmax(base_logits.float(), dim=-1), torch.log_softmax(logits.float(), dim=-1))
+
+
+def kl_from_logprobs(base_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(P_base || P) per position (nats) from log-probabilities: ``(..., vocab)`` float32
+    -> ``(...)`` float32, clamped at 0 (rounding can make it slightly negative)."""
+    return (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0.0)
 
 
 def top1_agreement(base_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -64,20 +70,115 @@ def continuation_scores(base_logits: torch.Tensor, logits: torch.Tensor, continu
             scored against token i + 1, so C - 1 tokens per context are scored.
 
     Returns:
+        :func:`summarize_continuation` of :func:`continuation_token_stats` (the same numbers
+        as a streamed evaluation that scores a few contexts at a time).
+    """
+    base = ContinuationBaseline.from_logits(base_logits, continuation_ids)
+    return summarize_continuation(continuation_token_stats(base, logits))
+
+
+@dataclass
+class ContinuationBaseline:
+    """What scoring a continuation run against the uncompressed run needs of the latter.
+
+    Kept instead of the baseline logits (``(N, C, vocab)``): the log-probabilities are the
+    same size, but the run on decoded KV is then scored a few contexts at a time and its
+    logits are never all held (see :func:`continuation_token_stats`).
+
+    Attributes:
+        logp: ``(N, C, vocab)`` float32 log-softmax of the baseline logits (for the KL).
+        argmax: ``(N, C)`` int64 top-1 tokens of the baseline logits.
+        targets: ``(N, C - 1)`` int64 continuation tokens 1..C-1 (position i predicts i + 1).
+        nll: ``(N, C - 1)`` float32 baseline NLL (nats) of each target.
+    """
+
+    logp: torch.Tensor
+    argmax: torch.Tensor
+    targets: torch.Tensor
+    nll: torch.Tensor
+
+    @classmethod
+    def from_logits(cls, base_logits: torch.Tensor, continuation_ids: torch.Tensor) -> "ContinuationBaseline":
+        """From ``(N, C, vocab)`` baseline logits and the ``(N, C)`` int64 continuation ids."""
+        logp = torch.log_softmax(base_logits.float(), dim=-1)
+        targets = continuation_ids[:, 1:]
+        nll = -logp[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return cls(logp=logp, argmax=base_logits.argmax(-1), targets=targets, nll=nll)
+
+    def rows(self, start: int, stop: int) -> "ContinuationBaseline":
+        """Contexts ``start:stop`` (views)."""
+        return ContinuationBaseline(self.logp[start:stop], self.argmax[start:stop], self.targets[start:stop],
+                                    self.nll[start:stop])
+
+    _FIELDS = ("logp", "argmax", "targets", "nll")
+
+    @classmethod
+    def from_batches(cls, parts: Iterator["ContinuationBaseline"], n: int) -> "ContinuationBaseline":
+        """The baseline of ``n`` contexts from the baselines of consecutive batches of them,
+        copied into tensors allocated once (never the batches and the whole at once).
+
+        Raises:
+            ValueError: the batches do not hold exactly ``n`` contexts.
+        """
+        out, filled = None, 0
+        for part in parts:
+            if out is None:
+                out = cls(*(torch.empty((n, *getattr(part, f).shape[1:]), dtype=getattr(part, f).dtype)
+                            for f in cls._FIELDS))
+            rows = part.argmax.shape[0]
+            if filled + rows > n:
+                raise ValueError(f"baseline batches hold more than {n} contexts")
+            for f in cls._FIELDS:
+                getattr(out, f)[filled : filled + rows].copy_(getattr(part, f))
+            filled += rows
+        if out is None or filled != n:
+            raise ValueError(f"baseline batches hold {filled} contexts, not {n}")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the log-probabilities dominate: ``N * C * vocab * 4``)."""
+        return sum(getattr(self, f).numel() * getattr(self, f).element_size() for f in self._FIELDS)
+
+
+def continuation_token_stats(base: ContinuationBaseline, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position scores of the run on decoded KV against ``base``, one context at a time
+    (temporaries of ``C * vocab`` floats, not ``N * C * vocab``).
+
+    Args:
+        base: the baseline of the same N contexts.
+        logits: ``(N, C, vocab)`` logits of the run on the decoded KV.
+
+    Returns:
+        ``nll`` ``(N, C - 1)`` and ``nll_base`` ``(N, C - 1)`` (nats), ``kl`` ``(N, C)`` (nats,
+        KL(P_base || P)), ``top1`` ``(N, C)`` (1.0 where both runs' argmax agree); float32.
+        Concatenating the stats of consecutive context slices gives those of the whole.
+    """
+    nll, kl = [], []
+    for i in range(logits.shape[0]):
+        lq = torch.log_softmax(logits[i : i + 1].float(), dim=-1)
+        nll.append(-lq[:, :-1].gather(-1, base.targets[i : i + 1].unsqueeze(-1)).squeeze(-1))
+        kl.append(kl_from_logprobs(base.logp[i : i + 1], lq))
+    return {"nll": torch.cat(nll), "nll_base": base.nll, "kl": torch.cat(kl),
+            "top1": (base.argmax == logits.argmax(-1)).float()}
+
+
+def summarize_continuation(stats: dict[str, torch.Tensor]) -> dict:
+    """Continuation metrics from :func:`continuation_token_stats` (of all N contexts).
+
+    Returns:
         dict with ``relative_accuracy`` (see module doc), ``ppl_ratio`` (ppl_decoded /
         ppl_original), ``kl_mean`` (nats per position), ``top1_agreement`` (fraction),
         ``nll_base`` and ``nll`` (mean nats per token), and ``per_context_nll_delta``
         (``(N,)`` tensor: mean NLL increase per context).
     """
-    targets = continuation_ids[:, 1:]
-    nll_base = token_nll(base_logits[:, :-1], targets)
-    nll = token_nll(logits[:, :-1], targets)
+    nll, nll_base = stats["nll"], stats["nll_base"]
     delta = (nll - nll_base).mean()
     return {
         "relative_accuracy": float(torch.exp(-delta)),
         "ppl_ratio": float(torch.exp(delta)),
-        "kl_mean": float(kl_divergence(base_logits, logits).mean()),
-        "top1_agreement": float(top1_agreement(base_logits, logits).mean()),
+        "kl_mean": float(stats["kl"].mean()),
+        "top1_agreement": float(stats["top1"].mean()),
         "nll_base": float(nll_base.mean()),
         "nll": float(nll.mean()),
         "per_context_nll_delta": (nll - nll_base).mean(dim=1),

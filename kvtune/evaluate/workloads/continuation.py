@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -24,8 +26,13 @@ import torch
 from kvtune.evaluate.assets import read_texts
 from kvtune.codecs import PolicyConfig, original_nbytes
 from kvtune.core.errors import KvtuneError
-from kvtune.evaluate.capture import Capture, build_contexts, capture, continuation_logits
-from kvtune.evaluate.metrics import bootstrap_relative_accuracy, continuation_scores
+from kvtune.evaluate.capture import Capture, build_contexts, capture, logits_on_cache
+from kvtune.evaluate.metrics import (
+    ContinuationBaseline,
+    bootstrap_relative_accuracy,
+    continuation_token_stats,
+    summarize_continuation,
+)
 from kvtune.evaluate.model import KVLayers, LoadedModel
 from kvtune.evaluate.workloads.base import Sample, Workload, checked_kv_dtype, encode_decode, register
 from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
@@ -36,26 +43,86 @@ def roundtrip_contexts(cap: Capture, config: PolicyConfig, lm: LoadedModel) -> t
 
     Returns:
         ``(decoded, stats)``: decoded per-layer ``(N, kv_heads, tokens, head_dim)`` tensors on
-        the model's device in the capture dtype, and stats with ``stream_bytes``,
+        the model's device in the model dtype, and stats with ``stream_bytes``,
         ``original_bytes`` (bf16 size of the same KV), and ``encode_gbps``/``decode_gbps``
         lists (one per context).
     """
-    enc, dec, stream_bytes, orig_bytes = [], [], 0, 0
-    per_context: list[KVLayers] = []
+    buffers = DecodeBuffers.like(cap, cap.num_contexts, lm.device)
+    stats = RoundtripStats()
     for i in range(cap.num_contexts):
-        kv_i = cap.context_kv(i)
-        decoded, stream, t_enc, t_dec = encode_decode(lm, kv_i, config)
-        b = original_nbytes(kv_i)
-        enc.append(b / t_enc / 1e9)
-        dec.append(b / t_dec / 1e9)
-        stream_bytes += len(stream)
-        orig_bytes += b
-        per_context.append(decoded)
-    merged = [
-        (torch.cat([c[l][0] for c in per_context]), torch.cat([c[l][1] for c in per_context]))
-        for l in range(len(per_context[0]))
-    ]
-    return merged, {"stream_bytes": stream_bytes, "original_bytes": orig_bytes, "encode_gbps": enc, "decode_gbps": dec}
+        buffers.put(i, stats.add(lm, cap.context_kv(i), config))
+    return buffers.kv, stats.as_dict()
+
+
+@dataclass
+class RoundtripStats:
+    """Bytes and codec speeds of a policy's round trips, one context at a time."""
+
+    stream_bytes: int = 0
+    original_bytes: int = 0
+    encode_gbps: list[float] = field(default_factory=list)
+    decode_gbps: list[float] = field(default_factory=list)
+
+    def add(self, lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> KVLayers:
+        """Encode ``kv`` (one context, model dtype), decode it from the bytes alone, count it;
+        returns the decoded KV (on ``lm.device``)."""
+        decoded, stream, t_enc, t_dec = encode_decode(lm, kv, config)
+        b = original_nbytes(kv)
+        self.encode_gbps.append(b / t_enc / 1e9)
+        self.decode_gbps.append(b / t_dec / 1e9)
+        self.stream_bytes += len(stream)
+        self.original_bytes += b
+        return decoded
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stream_bytes": self.stream_bytes, "original_bytes": self.original_bytes,
+                "encode_gbps": self.encode_gbps, "decode_gbps": self.decode_gbps}
+
+
+class DecodeBuffers:
+    """Decoded KV of up to ``rows`` contexts, allocated once and refilled for every policy.
+
+    Attributes:
+        kv: per layer ``(rows, kv_heads, tokens, head_dim)`` in the model dtype on the model's device.
+    """
+
+    def __init__(self, kv: KVLayers) -> None:
+        self.kv = kv
+
+    @classmethod
+    def like(cls, cap: Capture, rows: int, device: torch.device) -> "DecodeBuffers":
+        """Buffers shaped like ``cap``'s KV with ``rows`` contexts (model dtype, on ``device``)."""
+        dtype = cap.dtype or cap.kv[0][0].dtype
+        return cls([(torch.empty((rows, *k.shape[1:]), dtype=dtype, device=device),
+                     torch.empty((rows, *v.shape[1:]), dtype=dtype, device=device)) for k, v in cap.kv])
+
+    def put(self, row: int, decoded: KVLayers) -> None:
+        """Copy one context's decoded KV (per layer ``(1, kv_heads, tokens, head_dim)``) into ``row``."""
+        for (bk, bv), (k, v) in zip(self.kv, decoded):
+            bk[row].copy_(k[0])
+            bv[row].copy_(v[0])
+
+    def rows(self, n: int) -> KVLayers:
+        """The first ``n`` rows (views)."""
+        return [(k[:n], v[:n]) for k, v in self.kv]
+
+
+class LazyContexts(Sequence):
+    """``workload.kv``: each context's KV in the model dtype, built on access from the capture
+    (per layer ``(1, kv_heads, tokens, head_dim)``; copies when the capture stores bf16)."""
+
+    def __init__(self, cap: Capture) -> None:
+        self.cap = cap
+
+    def __len__(self) -> int:
+        return self.cap.num_contexts
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self.cap.context_kv(i % len(self))
 
 
 @register
@@ -71,12 +138,20 @@ class ContinuationWorkload(Workload):
 
     Row metrics: ``ppl_ratio``, ``kl_mean`` (nats per position), ``top1_agreement``,
     ``nll`` / ``nll_base`` (nats per token); ``score`` = ``exp(-nll)``.
+
+    Memory: the captured KV (bf16 storage with ``kv_dtype="bfloat16"``), the baseline's
+    log-probabilities (``N * C * vocab * 4`` bytes), and per evaluation one batch of
+    :attr:`batch_size` decoded contexts (a buffer allocated once) and its logits; see
+    :mod:`kvtune.evaluate.memory`. ``cap``: an existing capture to use (its baseline logits,
+    if any, are not used: the baseline is computed in this workload's batches).
     """
 
     name = "continuation"
     description = "essay windows, teacher-forced continuation (perplexity ratio, KL, top-1 agreement)"
     default_samples = 24
     default_cheap_samples = 8
+    #: Contexts per continuation forward pass (baseline and evaluations alike).
+    batch_size = 4
     score_names = {"cheap": "continuation_token_prob", "full": "continuation_token_prob"}
 
     def __init__(self, lm: LoadedModel, *, settings: WorkloadSettings, progress: Callable[[int], None] | None = None,
@@ -93,16 +168,17 @@ class ContinuationWorkload(Workload):
             self.n_full, self.n_cheap = self.sample_counts(settings)
             ids = build_contexts(lm.tokenizer, read_texts(settings.text), n_contexts=self.n_full,
                                  context_tokens=settings.context_tokens, continuation_tokens=settings.continuation_tokens)
-            cap = capture(lm, ids, settings.context_tokens, progress=progress, kv_dtype=self.kv_dtype)
+            cap = capture(lm, ids, settings.context_tokens, progress=progress, kv_dtype=self.kv_dtype, baseline=False)
         else:
             self.n_full = cap.num_contexts
             self.n_cheap = min(self.default_cheap_samples, self.n_full)
         self.cap = cap
-        self._caps: dict[str, Capture] = {"full": cap}
         t = cap.context_tokens
         self.samples = [Sample(context_ids=row[:t].tolist(), prompt_ids=row[t:].tolist()) for row in cap.input_ids]
-        self.kv = [cap.context_kv(i) for i in range(cap.num_contexts)]
-        self._baselines = {}
+        self.kv = LazyContexts(cap)
+        self._baselines: dict[str, ContinuationBaseline] = {}
+        self._buffers = DecodeBuffers.like(cap, min(self.batch_size, cap.num_contexts), lm.device)
+        self.baseline("full")
         self.setup_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -128,29 +204,52 @@ class ContinuationWorkload(Workload):
     def score(self, base, out, fidelity):  # pragma: no cover - see run_sample
         raise NotImplementedError
 
-    def capture_for(self, fidelity: str) -> Capture:
-        """The capture evaluated at ``fidelity``, with its baseline logits (computed once)."""
+    def baseline(self, fidelity: str) -> ContinuationBaseline:
+        """The baseline of the contexts evaluated at ``fidelity`` (computed once per run).
+
+        The cheap contexts are the first ones of the full set, run in the same batches of
+        :attr:`batch_size`, so their baseline is a slice of the full one whenever the cheap
+        count is a multiple of the batch size (else it is computed on its own batches, the
+        batches its evaluations run in)."""
         self._check_fidelity(fidelity)
         n = self.num_samples(fidelity)
         key = "full" if n == self.n_full else "cheap"
-        if key not in self._caps:
-            sub = self.cap.subset(n)
-            sub.baseline_logits = continuation_logits(self.lm, sub, sub.kv)
-            self._caps[key] = sub
-        return self._caps[key]
+        if key not in self._baselines:
+            if key == "cheap" and n % self.batch_size == 0 and "full" in self._baselines:
+                self._baselines[key] = self._baselines["full"].rows(0, n)
+            else:
+                parts = (ContinuationBaseline.from_logits(logits, self.cap.continuation_ids[a:b])
+                         for a, b, logits in self._batch_logits(n, self.cap.batch_kv))
+                self._baselines[key] = ContinuationBaseline.from_batches(parts, n)
+        return self._baselines[key]
 
-    def baseline(self, fidelity: str) -> Any:
-        return self.capture_for(fidelity).baseline_logits
+    def _batch_logits(self, n: int, batch_kv: Callable[[int, int], KVLayers]):
+        """``(start, stop, logits)`` of the continuation run on ``batch_kv(start, stop)``, batch by batch."""
+        for a in range(0, n, self.batch_size):
+            b = min(a + self.batch_size, n)
+            logits = logits_on_cache(self.lm, batch_kv(a, b), self.cap.continuation_ids[a:b], self.cap.context_tokens,
+                                     batch_size=self.batch_size)
+            yield a, b, logits
 
     def evaluate(self, config: PolicyConfig, *, fidelity: str = "cheap") -> dict[str, Any]:
         """Evaluate one policy (see :meth:`Workload.evaluate`); adds ``ppl_ratio``, ``kl_mean``,
-        ``top1_agreement``, ``nll`` and ``nll_base``."""
+        ``top1_agreement``, ``nll`` and ``nll_base``.
+
+        Contexts go :attr:`batch_size` at a time: each one's KV is encoded, decoded into a
+        buffer allocated once per run, the batch's continuation runs on the buffer, and its
+        scores are kept per position (the logits of one batch at a time are held)."""
         t0 = time.perf_counter()
-        cap = self.capture_for(fidelity)
-        decoded, st = roundtrip_contexts(cap, config, self.lm)
-        logits = continuation_logits(self.lm, cap, decoded)
-        del decoded
-        scores = continuation_scores(cap.baseline_logits, logits, cap.continuation_ids)
+        base = self.baseline(fidelity)
+        n = self.num_samples(fidelity)
+        rt = RoundtripStats()
+
+        def decoded(a: int, b: int) -> KVLayers:
+            for row, i in enumerate(range(a, b)):
+                self._buffers.put(row, rt.add(self.lm, self.cap.context_kv(i), config))
+            return self._buffers.rows(b - a)
+
+        parts = [continuation_token_stats(base.rows(a, b), logits) for a, b, logits in self._batch_logits(n, decoded)]
+        scores = summarize_continuation({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
         lo, hi = bootstrap_relative_accuracy(scores.pop("per_context_nll_delta"))
         metrics = {
             "relative_accuracy_raw": scores.pop("relative_accuracy"),
@@ -160,8 +259,11 @@ class ContinuationWorkload(Workload):
             "score_base": math.exp(-scores["nll_base"]),
             **scores,
         }
-        return self._row(fidelity, cap.num_contexts, metrics, st["encode_gbps"], st["decode_gbps"],
-                         st["stream_bytes"], st["original_bytes"], t0)
+        return self._row(fidelity, n, metrics, rt.encode_gbps, rt.decode_gbps, rt.stream_bytes, rt.original_bytes, t0)
+
+    def kv_sample(self) -> KVLayers:
+        """The first context's KV (model dtype), for cheap compression-ratio estimates."""
+        return self.cap.context_kv(0)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
