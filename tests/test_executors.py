@@ -1,6 +1,8 @@
-"""Executors (kvtune.run.executors): in-process and Ray give the same trials; a worker killed
-mid-trial and a driver killed with kill -9 lose nothing and repeat nothing; bad executor
-options are typed errors before any model loads. One local Ray (2 CPUs) for the module."""
+"""Executors (kvtune.run.executors): in-process and Ray give the same trials and run.json keys,
+the Ray driver building no context (no model loaded, no prepare: the actors build it and hand
+the driver its light view and the files their prepare wrote); a worker killed mid-trial and a
+driver killed with kill -9 lose nothing and repeat nothing; bad executor options are typed
+errors before any model loads. One local Ray (2 CPUs) for the module."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from kvtune.methods.tqc.method import TQCMethod
 from kvtune.methods.tqc.settings import ProfileSettings
 from kvtune.run.executors import make_executor
 from kvtune.run.executors.base import InProcessExecutor, TrialPool
-from kvtune.run.executors.ray_executor import RayExecutor, placement
+from kvtune.run.executors.base import ExecutorError
+from kvtune.run.executors.ray_executor import RayExecutor, TrialWorker, keep_files, placement, written_files
 from kvtune.run.method import METHODS
 from kvtune.run.runner import run_method
 
@@ -41,10 +44,32 @@ def local_ray():
     ray.shutdown()
 
 
-def tqc_settings(tiny_model_dir: Path, tiny_text: Path, root: Path, run: str, budget: int = 6) -> ProfileSettings:
-    return ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), contexts=3, context_tokens=48,
-                           continuation_tokens=8, budget=budget, optimizer="random", device="cpu",
-                           out=str(root / "profiles"), reports=str(root / "reports"), run=run, refine=False)
+def tqc_settings(tiny_model_dir: Path, tiny_text: Path, root: Path, run: str, budget: int = 6,
+                 **other: object) -> ProfileSettings:
+    return ProfileSettings(**{"model": str(tiny_model_dir), "text": str(tiny_text), "contexts": 3, "context_tokens": 48,
+                              "continuation_tokens": 8, "budget": budget, "optimizer": "random", "device": "cpu",
+                              "out": str(root / "profiles"), "reports": str(root / "reports"), "run": run,
+                              "refine": False, **other})
+
+
+#: The tiny run's settings with MixHQ policies (their head calibration needs contexts over 69 tokens).
+MIXHQ = {"space": "presets", "context_tokens": 80}
+
+
+def driver_builds_nothing(monkeypatch, method_class: type) -> None:
+    """From now on, this process (the driver) fails on loading a model or calling the
+    method's ``prepare`` (Ray actors, other processes, are not patched)."""
+    import kvtune.evaluate.model
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the driver built the run's context")
+
+    monkeypatch.setattr(kvtune.evaluate.model, "load_model", refuse)
+    monkeypatch.setattr(method_class, "prepare", refuse)
+
+
+def run_keys(run_dir: Path) -> list[str]:
+    return sorted(json.loads((run_dir / "run.json").read_text()))
 
 
 def tiny_cli_args(tiny_model_dir: Path, tiny_text: Path) -> list[str]:
@@ -126,35 +151,121 @@ def test_ask_tell_tops_up_an_overlapping_pool_with_the_running_as_pending():
     assert not any(r.get("stale") for r in recorded) and sorted(opt.told) == [0, 1, 2, 3, 4]
 
 
-def test_tqc_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir, tiny_text, tmp_path):
+def test_tqc_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir, tiny_text, tmp_path,
+                                                       monkeypatch):
     runs = {}
     for name, executor in [("inprocess", InProcessExecutor(2)), ("ray", RayExecutor(2))]:
-        st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, name)
+        st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, name, **MIXHQ)  # calibrated MixHQ heads
+        if name == "ray":
+            driver_builds_nothing(monkeypatch, TQCMethod)
         runs[name] = run_method(METHODS["tqc"], st, st.run_dir, executor=executor)
     a, b = records(runs["inprocess"].run_dir), records(runs["ray"].run_dir)
     assert_recorded_once(a, 6)
     assert_recorded_once(b, 6)
-    assert_same_trials(a, b)
+    assert_same_trials(a, b)  # same policy ids: the same head scores in the candidates
     info = runs["ray"].info["executor"]
     assert info["name"] == "ray" and info["workers"] == 2
     assert info["worker"] == {"num_cpus": 1.0, "num_gpus": 0, "threads": 1}  # 2 CPUs split between 2 actors
+    assert run_keys(runs["ray"].run_dir) == run_keys(runs["inprocess"].run_dir)
+    assert sorted(runs["ray"].info["timing_seconds"]) == ["load_and_prefill", "refine", "search"]
+    # the actor's calibration.json came back to the run folder, with the scores the driver's space holds
+    calibration = {n: json.loads((r.run_dir / "calibration.json").read_text()) for n, r in runs.items()}
+    assert calibration["ray"] == calibration["inprocess"]
+    view = runs["ray"].context
+    assert view.lm is None and view.workload is None
+    assert [c.policy_id for c in view.space.candidates] == [c.policy_id for c in runs["inprocess"].context.space.candidates]
 
 
-def test_scd_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir, tmp_path):
+def test_a_worker_reads_the_run_folders_calibration_and_hands_back_only_new_files(tiny_model_dir, tiny_text,
+                                                                                   tmp_path):
+    """What a resumed Ray run relies on: the run folder's calibration.json (worker_files) is the
+    one the worker's context uses, and it is not handed back as a file of the worker's."""
+    from kvtune.search.space import load_space
+
+    st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "x", **MIXHQ)
+    first = TrialWorker(METHODS["tqc"], st, {}, {}, threads=1)
+    made = first.handoff()
+    assert sorted(made.files) == ["calibration.json"]  # calibrated in its scratch folder
+    stored = json.loads(made.files["calibration.json"])
+    scores = [[round(1.0 - v, 4) for v in layer] for layer in stored["head_scores"]["scores"]]  # other heads
+    stored["head_scores"]["scores"] = scores
+    given = {"calibration.json": json.dumps(stored).encode()}
+    second = TrialWorker(METHODS["tqc"], st, given, {}, threads=1)
+    handoff = second.handoff()
+    assert handoff.files == {}
+    expected = load_space("presets").with_head_scores(scores)
+    assert [c.policy_id for c in handoff.view.space.candidates] == [c.policy_id for c in expected.candidates]
+    assert handoff.view.lm is None and handoff.view.workload is None
+    for worker in (first, second):
+        worker.shutdown()
+
+
+def test_worker_files_come_back_without_replacing_stored_ones(tmp_path):
+    scratch, run_dir = tmp_path / "scratch", tmp_path / "run"
+    scratch.mkdir()
+    run_dir.mkdir()
+    (scratch / "run.json").write_bytes(b"{}")
+    (scratch / "calibration.json").write_bytes(b"new")
+    (scratch / "maps.pt").write_bytes(b"maps")
+    (scratch / "sub").mkdir()
+    files = written_files(scratch, {"run.json": b"{}", "calibration.json": b"old"})
+    assert files == {"calibration.json": b"new", "maps.pt": b"maps"}  # run.json unchanged, folders left out
+    (run_dir / "calibration.json").write_bytes(b"old")
+    assert keep_files(run_dir, files) == (["maps.pt"], ["calibration.json"])
+    assert (run_dir / "calibration.json").read_bytes() == b"old" and (run_dir / "maps.pt").read_bytes() == b"maps"
+    assert keep_files(run_dir, {"maps.pt": b"maps"}) == ([], [])  # the same bytes: nothing to do
+    with pytest.raises(ExecutorError, match="maps.pt: 4 bytes written by the method's prepare, more than the 3"):
+        written_files(scratch, {}, limit=3)
+
+
+def test_scd_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir, tmp_path, monkeypatch):
     from tiny_runs import scd_pair_settings
 
     from kvtune.evaluate.model import load_model
+    from kvtune.methods.scd.profile import SCDMethod
 
     lm = load_model(str(tiny_model_dir), "cpu")
     consumer, st = scd_pair_settings(lm, tmp_path)
-    rows = {}
+    rows, keys = {}, {}
     for name, executor in [("inprocess", None), ("ray", RayExecutor(2))]:
+        if name == "ray":
+            driver_builds_nothing(monkeypatch, SCDMethod)
         res = run_method(METHODS["scd"], st, tmp_path / name, executor=executor, producer=lm, consumer=consumer)
-        rows[name] = records(res.run_dir)
+        rows[name], keys[name] = records(res.run_dir), run_keys(res.run_dir)
     n = len(rows["inprocess"])
     assert n >= 5  # recompute, raw, raw+tqc, droidspeak and SCD configurations
     assert_recorded_once(rows["ray"], n)
     assert_same_trials(rows["inprocess"], rows["ray"])
+    assert keys["ray"] == keys["inprocess"]
+    for name in ("scd_maps.pt", "scd_calibration.json"):  # written by an actor's prepare, kept by the driver
+        assert (tmp_path / "ray" / name).stat().st_size > 0, name
+    assert res.context.pair.producer is None and res.context.pair.calibration is not None
+
+
+def test_bicache_inprocess_and_ray_record_the_same_buckets(local_ray, tmp_path, monkeypatch):
+    from tiny_runs import bicache_settings, make_qa_data, make_tiny_bert
+
+    from kvtune.methods.bicache.adapters import load_encoder
+    from kvtune.methods.bicache.api import BiCacheMethod
+
+    model = make_tiny_bert(tmp_path / "tiny-bert")
+    adapter, tokenizer = load_encoder(str(model))
+    st = bicache_settings(model, make_qa_data(tmp_path / "qa.jsonl"))
+    rows, keys = {}, {}
+    for name, executor in [("inprocess", None), ("ray", RayExecutor(2))]:
+        if name == "ray":
+            driver_builds_nothing(monkeypatch, BiCacheMethod)
+        res = run_method(METHODS["bicache"], st, tmp_path / name, executor=executor, adapter=adapter,
+                         tokenizer=tokenizer)
+        rows[name], keys[name] = records(res.run_dir), run_keys(res.run_dir)
+    assert sorted(r["key"] for r in rows["ray"]) == sorted(r["key"] for r in rows["inprocess"])
+    assert len(rows["ray"]) == 2 and keys["ray"] == keys["inprocess"]  # 2 prefix-ratio buckets
+    quality = {name: {r["key"]: [(q["depth"], q["policy"], q["kv_cosine"]) for q in r["quality"]] for r in got}
+               for name, got in rows.items()}
+    for key, values in quality["inprocess"].items():
+        assert [v[:2] for v in quality["ray"][key]] == [v[:2] for v in values], key
+        assert [v[2] for v in quality["ray"][key]] == pytest.approx([v[2] for v in values], rel=1e-5, nan_ok=True), key
+    assert res.context.adapter is None and res.context.state is None
 
 
 def test_worker_killed_mid_trial_loses_and_repeats_nothing(local_ray, tiny_model_dir, tiny_text, tmp_path):

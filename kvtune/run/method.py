@@ -5,7 +5,10 @@ reuse ``bicache``) is one package in :mod:`kvtune.methods` holding a :class:`Met
 and its registration (:func:`register_method`, in the package's ``__init__``). It declares:
 
 - ``settings_class``: its frozen, versioned settings (:class:`kvtune.run.settings.RunSettings`);
-- :meth:`Method.prepare`: build the run's context once (load models, capture, calibrate);
+- :meth:`Method.prepare`: build the run's context once (load models, capture, calibrate)
+  where the trials are evaluated: in the driver's process, or in each remote worker;
+- :meth:`Method.driver_view`: the light, picklable part of that context the driver needs
+  when the trials are evaluated remotely (what ``stages``, ``run_info`` and ``finish`` read);
 - :meth:`Method.stages`: its candidates, as one or more ask/tell :class:`Stage` s (a fixed list
   uses the ``exhaustive`` optimizer);
 - :meth:`Method.evaluate`: ``evaluate(context, candidate, stage) -> trial row``;
@@ -209,16 +212,32 @@ class Method:
     def prepare(self, settings: Any, run_dir: Path, hooks: Hooks, **given: Any) -> Any:
         """Build the run's context once (load models, build requests, capture, calibrate).
 
-        ``given``: already loaded objects (tests pass tiny models). Runs with the folder locked.
+        ``given``: already loaded objects (tests pass tiny models). Runs with the folder locked
+        (in-process), or in a remote worker with ``run_dir`` its scratch folder holding copies
+        of the run folder's JSON files (the files it writes there are then copied into the run
+        folder: :mod:`kvtune.run.executors.ray_executor`).
         """
         raise NotImplementedError
 
+    def driver_view(self, context: Any) -> Any:
+        """What the driver keeps of a context built by a remote worker: everything
+        :meth:`stages`, :meth:`run_info`, :meth:`finish` and :meth:`describe_row` read, nothing
+        only :meth:`evaluate` needs (models, captured KV, baselines). It is pickled back to the
+        driver, which never calls :meth:`evaluate` or :meth:`close` on it.
+
+        Default: the context itself (for a method whose context is already light); a method
+        whose context holds models returns a copy without them.
+        """
+        return context
+
     def run_info(self, context: Any) -> dict[str, Any]:
-        """Keys of ``run.json`` known once the context is built (written before the first trial)."""
+        """Keys of ``run.json`` known once the context is built (written before the first
+        trial); ``context`` may be a :meth:`driver_view`."""
         return {}
 
     def stages(self, context: Any, stored: list[dict[str, Any]]) -> Iterator[Stage]:
-        """The ask/tell stages, in order; ``stored``: the trial rows already in the store.
+        """The ask/tell stages, in order; ``stored``: the trial rows already in the store;
+        ``context`` may be a :meth:`driver_view`.
 
         A generator: a later stage may depend on the trials of an earlier one (they are in
         the store by the time it is asked for).
@@ -234,7 +253,8 @@ class Method:
         return str(row.get("label") or row.get("policy_id") or "")
 
     def finish(self, context: Any) -> dict[str, Any]:
-        """Keys added to ``run.json`` after the last stage (timings, calibration summary...)."""
+        """Keys added to ``run.json`` after the last stage (timings, calibration summary...);
+        ``context`` may be a :meth:`driver_view`."""
         return {}
 
     def close(self, context: Any) -> None:

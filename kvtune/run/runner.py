@@ -8,13 +8,17 @@ run folder, and does, for every method alike:
    (:func:`complete_run_result`, no model); then check the settings (before any model loads);
    and the executor's (:meth:`kvtune.run.executors.base.Executor.check`: e.g. the Ray cluster
    is reachable);
-2. ``context = method.prepare(settings, ...)`` and write ``run.json`` (``method``,
+2. start the executor (:meth:`~kvtune.run.executors.base.Executor.start`): it builds the
+   method's context where the trials are evaluated (in-process: ``method.prepare`` here; Ray:
+   in every actor at once, the driver loading no model and keeping the actor's
+   :meth:`~kvtune.run.method.Method.driver_view`); then write ``run.json`` (``method``,
    ``settings``, ``reports``, ``executor`` and the method's
-   :meth:`~kvtune.run.method.Method.run_info`); start the executor's workers;
+   :meth:`~kvtune.run.method.Method.run_info`);
 3. for each of ``method.stages(context, stored)``: the ask/tell loop
    (:func:`kvtune.run.loop.ask_tell`) on the executor's pool, each new row numbered
    (``trial``, in order of completion), appended to ``trials.jsonl``
-   (:class:`kvtune.run.store.TrialStore`) and told to the stage's optimizer;
+   (:class:`kvtune.run.store.TrialStore`) and told to the stage's optimizer; then
+   ``method.finish(context)`` and the workers are released;
 4. :func:`finalize_run`: compile, Pareto front, write every output.
 
 :func:`finalize_run` is also ``kvtune report`` on any run folder; recompiling alone is :meth:`~kvtune.run.method.Method.compile_table` (``kvtune export --floors`` and ``kvtune select``
@@ -52,7 +56,9 @@ class RunResult:
         run_dir: the run folder; settings: its settings; info: its ``run.json``.
         trials: the flat trial rows (None for nested rows); pareto: the front; table: the table.
         files: written files by role; compiled: the method's :class:`Compiled`;
-        context: the method's context (None after :func:`finalize_run` alone).
+        context: the method's context as the driver held it (its
+            :meth:`~kvtune.run.method.Method.driver_view` when the trials ran on remote
+            workers; None after :func:`finalize_run` alone).
     """
 
     run_dir: Path
@@ -91,7 +97,7 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
         executor: where trials are evaluated (None: :class:`InProcessExecutor`, one at a
             time); a resume may use another executor or workers count than the run began with.
         given: passed to :meth:`Method.prepare` (already loaded models; a Ray worker gets a
-            pickled copy).
+            pickled copy, the driver itself then uses none).
 
     A resume of a complete run (:func:`run_is_complete`) evaluates nothing and loads no model:
     it returns the stored outputs (:func:`complete_run_result`), writing again only those
@@ -119,24 +125,22 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
         previous.pop("complete", None)
         method.check(settings)
         executor.check(method, settings)
-        context = method.prepare(settings, run_dir, hooks, **given)
-        try:  # a resume keeps what run.json held (timings, trial counts) until finalize replaces it
+        workers = executor.start(RunJob(method, settings, run_dir, given, hooks))
+        try:
+            context = workers.context
+            # a resume keeps what run.json held (timings, trial counts) until finalize replaces it
             info = {**previous, "method": method.name, "settings": settings.to_dict(), **method.run_info(context),
                     "reports": None if reports is None else str(reports), "executor": executor.describe()}
             write_run_info(run_dir, info)
-            workers = executor.start(RunJob(method, settings, run_dir, context, given, hooks))
-            try:
-                _run_stages(method, context, store, stored, hooks, workers)
-            finally:
-                workers.close()
-            hooks.on_stage("pareto + tables + report", 1)
+            _run_stages(method, context, store, stored, hooks, workers)
             info.update(method.finish(context))
-            info["total_seconds"] = time.perf_counter() - t_start
-            info["complete"] = settings_digest(info["settings"])
-            result = finalize_run(method, run_dir, info=info)
-            hooks.on_progress(1)
         finally:
-            method.close(context)
+            workers.close()
+        hooks.on_stage("pareto + tables + report", 1)
+        info["total_seconds"] = time.perf_counter() - t_start
+        info["complete"] = settings_digest(info["settings"])
+        result = finalize_run(method, run_dir, info=info)
+        hooks.on_progress(1)
     result.context = context
     return result
 

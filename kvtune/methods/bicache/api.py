@@ -201,7 +201,8 @@ def _noop(*_: Any, **__: Any) -> None:
 @dataclass
 class BiCacheContext:
     """What :meth:`BiCacheMethod.prepare` builds once per run: the encoder, the shared prefix
-    and its cached state, the requests per bucket and the codec policies."""
+    and its cached state, the requests per bucket and the codec policies (a
+    :meth:`BiCacheMethod.driver_view` has no encoder, state or requests)."""
 
     settings: BiCacheSettings
     adapter: EncoderAdapter
@@ -285,6 +286,11 @@ class BiCacheMethod(Method):
         return BiCacheContext(settings=settings, adapter=adapter, depths=depths, buckets=buckets, prefix=prefix,
                               state=adapter.prefix_state(prefix), requests=requests, policies=policies,
                               reference_bytes=reference_bytes, info=info, say=say, threads_before=threads_before)
+
+    def driver_view(self, context: BiCacheContext) -> BiCacheContext:
+        """The context without the encoder, the prefix state and the requests: the settings,
+        the buckets (the candidates), the policies and ``run.json``'s keys."""
+        return dataclasses.replace(context, adapter=None, state=None, requests={})
 
     def run_info(self, context: BiCacheContext) -> dict[str, Any]:
         return context.info

@@ -468,7 +468,8 @@ def _shown(value: Any) -> str:
 @dataclass
 class SCDContext:
     """What :meth:`SCDMethod.prepare` builds once per run: the pair with its calibration, the
-    evaluation prefixes and the reference (``recompute``) result and logits."""
+    evaluation prefixes and the reference (``recompute``) result and logits (a
+    :meth:`SCDMethod.driver_view` keeps the calibration only)."""
 
     settings: SCDProfileSettings
     pair: Pair
@@ -607,6 +608,15 @@ class SCDMethod(Method):
         return SCDContext(settings=st, pair=pair, specs=specs, contexts=contexts, continuation=eval_cont, base=base,
                           base_logits=base_logits, baselines=[Recompute(), Raw(), *tqc_methods(st), *ds_methods],
                           info=info, say=say)
+
+    def driver_view(self, context: SCDContext) -> SCDContext:
+        """The context without the models, the evaluation prefixes and the reference: the
+        settings, the calibration (the SCD grid is built from it), the baselines and
+        ``run.json``'s keys."""
+        import dataclasses
+
+        return dataclasses.replace(context, pair=Pair(producer=None, consumer=None, calibration=context.pair.calibration),
+                                   contexts=[], continuation=None, base=None, base_logits=None)
 
     def run_info(self, context: SCDContext) -> dict[str, Any]:
         return context.info

@@ -3,7 +3,8 @@
 Serving", arXiv 2605.13734) on the shared runner (:mod:`kvtune.run.runner`).
 
 Context: the model, the workload (prefilled samples, the uncompressed baseline), the space
-(MixHQ heads calibrated when it needs them) and the ratio estimates of model-based optimizers.
+(MixHQ heads calibrated when it needs them) and the ratio estimates of model-based optimizers;
+the driver of a Ray run keeps it without the model and the workload (:meth:`TQCMethod.driver_view`).
 Stages: ``search`` (the space at ``search_fidelity`` with ``settings.optimizer``), then
 ``refine`` (the search's Pareto set again at full fidelity, :func:`kvtune.methods.tqc.profile.refinement_order`).
 Table: the Pareto front of the final-fidelity rows, gated on the 95 % interval's lower end
@@ -25,7 +26,9 @@ from kvtune.methods.tqc.settings import ProfileSettings
 
 @dataclass
 class TQCContext:
-    """What :meth:`TQCMethod.prepare` builds once per run."""
+    """What :meth:`TQCMethod.prepare` builds once per run (``lm`` and ``workload`` are None in
+    a :meth:`TQCMethod.driver_view`); ``times``: seconds by phase (``run.json``'s
+    ``timing_seconds``)."""
 
     settings: ProfileSettings
     lm: Any
@@ -33,7 +36,6 @@ class TQCContext:
     space: Any
     ratios: Any
     info: dict[str, Any]
-    t_start: float
     times: dict[str, float] = field(default_factory=dict)
 
 
@@ -102,9 +104,15 @@ class TQCMethod(Method):
             "versions": {"kvtune": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "host": {"machine": platform.machine(), "threads": torch.get_num_threads()},
         }
-        ctx = TQCContext(settings=settings, lm=lm, workload=wl, space=space, ratios=ratios, info=info, t_start=t_start)
+        ctx = TQCContext(settings=settings, lm=lm, workload=wl, space=space, ratios=ratios, info=info)
         ctx.times["load_and_prefill"] = time.perf_counter() - t_start
         return ctx
+
+    def driver_view(self, context: TQCContext) -> TQCContext:
+        """The context without the model and the workload: the settings (search at full
+        fidelity when the workload's cheap samples are its full ones), the space with its
+        calibrated MixHQ head scores, the ratio estimates, ``run.json``'s keys and the times."""
+        return dataclasses.replace(context, lm=None, workload=None, times=dict(context.times))
 
     def run_info(self, context: TQCContext) -> dict[str, Any]:
         return context.info
@@ -117,6 +125,7 @@ class TQCMethod(Method):
         from kvtune.methods.tqc.profile import done_by_fidelity, refinement_order
         from kvtune.run.loop import in_order
 
+        t_started = time.perf_counter()
         st, space = context.settings, context.space
         done = done_by_fidelity(stored)
         fid = st.search_fidelity
@@ -125,7 +134,7 @@ class TQCMethod(Method):
         yield Stage("search", space.candidates, optimizer, budget, done.get(fid, {}),
                     title=f"evaluate policies ({fid})")
         t_searched = time.perf_counter()
-        context.times["search"] = t_searched - context.t_start - context.times["load_and_prefill"]
+        context.times["search"] = t_searched - t_started
         if st.refine and fid != "full":
             front = pareto_front(pd.DataFrame(list(optimizer.told.values())))
             by_id = {c.policy_id: c for c in space.candidates}

@@ -1,17 +1,22 @@
 """Where a run's trials are evaluated: the executor interface and the in-process executor.
 
 The driver (:func:`kvtune.run.runner.run_method`) keeps the optimizer, the trial store (the
-record of truth), the Pareto front and the report; an :class:`Executor` only evaluates the
+record of truth), the Pareto front and the report; an :class:`Executor` evaluates the
 candidates it is handed. Per run it is started once (:meth:`Executor.start`, with the method,
-its settings and the driver's context: a :class:`RunJob`) and gives, per stage, a
-:class:`TrialPool`: ``submit(candidate)`` starts an evaluation, ``next_finished()`` returns
-the next ``(candidate, trial row)`` to finish. The ask/tell loop
-(:func:`kvtune.run.loop.ask_tell`) keeps up to :attr:`TrialPool.slots` candidates in flight,
-asking the optimizer with the running ones as pending candidates.
+its settings and the run folder: a :class:`RunJob`): it builds the method's context where the
+trials are evaluated and hands the driver :attr:`Workers.context`, what the method's
+:meth:`~kvtune.run.method.Method.stages`, :meth:`~kvtune.run.method.Method.run_info` and
+:meth:`~kvtune.run.method.Method.finish` read. Per stage it gives a :class:`TrialPool`:
+``submit(candidate)`` starts an evaluation, ``next_finished()`` returns the next
+``(candidate, trial row)`` to finish. The ask/tell loop (:func:`kvtune.run.loop.ask_tell`)
+keeps up to :attr:`TrialPool.slots` candidates in flight, asking the optimizer with the
+running ones as pending candidates.
 
-Executors: :class:`InProcessExecutor` (the default: the driver's own context, one trial after
-the other) and :class:`kvtune.run.executors.ray_executor.RayExecutor` (Ray actors that build
-their own context and evaluate trials in parallel).
+Executors: :class:`InProcessExecutor` (the default: the driver builds the full context with
+:meth:`~kvtune.run.method.Method.prepare` and evaluates one trial after the other) and
+:class:`kvtune.run.executors.ray_executor.RayExecutor` (Ray actors that each build the context
+and evaluate trials in parallel; the driver loads no model and gets the light
+:meth:`~kvtune.run.method.Method.driver_view` of an actor's context).
 """
 
 from __future__ import annotations
@@ -40,19 +45,25 @@ class RunJob:
 
     Attributes:
         method: the registered :class:`~kvtune.run.method.Method`.
-        settings: its settings (picklable: workers rebuild the context from them).
-        run_dir: the run folder (on the driver's machine).
-        context: the driver's context (:meth:`~kvtune.run.method.Method.prepare`).
+        settings: its settings (picklable: workers build the context from them).
+        run_dir: the run folder (on the driver's machine; locked by the driver).
         given: the objects passed to ``prepare`` besides the settings (already loaded models).
-        hooks: the run's :class:`~kvtune.run.method.Hooks` (progress while workers start).
+        hooks: the run's :class:`~kvtune.run.method.Hooks` (progress while the context is
+            built); None: no progress.
     """
 
     method: Any
     settings: Any
     run_dir: Path
-    context: Any
     given: Mapping[str, Any] = field(default_factory=dict)
     hooks: Any = None
+
+    @property
+    def run_hooks(self) -> Any:
+        """:attr:`hooks`, or silent :class:`~kvtune.run.method.Hooks` when None."""
+        from kvtune.run.method import Hooks
+
+        return Hooks() if self.hooks is None else self.hooks
 
 
 class TrialPool(ABC):
@@ -110,7 +121,15 @@ class InOrderPool(TrialPool):
 
 
 class Workers(ABC):
-    """An executor started for one run: a :class:`TrialPool` per stage, then :meth:`close`."""
+    """An executor started for one run: a :class:`TrialPool` per stage, then :meth:`close`.
+
+    Attributes:
+        context: what the driver passes to the method's ``stages``, ``run_info``, ``finish``:
+            the full context (in-process) or the :meth:`~kvtune.run.method.Method.driver_view`
+            of a worker's context (remote workers).
+    """
+
+    context: Any = None
 
     @abstractmethod
     def pool(self, stage: Any) -> TrialPool:
@@ -141,7 +160,13 @@ class Executor(ABC):
 
     @abstractmethod
     def start(self, job: RunJob) -> Workers:
-        """Start evaluating the trials of ``job``'s run (after the driver's ``prepare``)."""
+        """Build the method's context where the trials are evaluated and return the started
+        :class:`Workers` (their :attr:`Workers.context` is the driver's).
+
+        Raises:
+            KvtuneError (and subclasses): the method's own ``prepare`` errors;
+                :class:`ExecutorError` when a remote worker cannot build its context.
+        """
 
     def describe(self) -> dict[str, Any]:
         """What ``run.json`` records about the executor of the last (resumed) session."""
@@ -167,16 +192,26 @@ class InProcessExecutor(Executor):
     name = "inprocess"
 
     def start(self, job: RunJob) -> Workers:
-        return InProcessWorkers(job, self.workers)
+        """``method.prepare`` in this process, into the run folder itself."""
+        context = job.method.prepare(job.settings, job.run_dir, job.run_hooks, **dict(job.given))
+        return InProcessWorkers(job.method, context, self.workers)
 
 
 class InProcessWorkers(Workers):
-    """:class:`InProcessExecutor` started for ``job``: pools evaluating with ``job.context``."""
+    """:class:`InProcessExecutor` started for one run: pools evaluating with the full
+    ``context``; :meth:`close` is the method's ``close(context)``."""
 
-    def __init__(self, job: RunJob, slots: int) -> None:
-        self.job = job
+    def __init__(self, method: Any, context: Any, slots: int) -> None:
+        self.method = method
+        self.context = context
         self.slots = slots
+        self.closed = False
 
     def pool(self, stage: Any) -> TrialPool:
-        method, context = self.job.method, self.job.context
+        method, context = self.method, self.context
         return InOrderPool(lambda cand: method.evaluate(context, cand, stage), self.slots)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.method.close(self.context)

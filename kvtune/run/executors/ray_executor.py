@@ -4,9 +4,15 @@ Each worker is a Ray actor (:class:`TrialWorker`) that builds the method's conte
 the method's own :meth:`~kvtune.run.method.Method.prepare` (load the model, capture the KV and
 the baseline), in a scratch folder of its own holding copies of the run folder's JSON files
 (``run.json``, ``calibration.json``: what a ``prepare`` reads back on a resume), and then
-evaluates the candidates it is sent. A worker's :meth:`~kvtune.run.method.Method.evaluate`
-sees the stage's ``name`` and ``title`` only (no candidates, no optimizer); everything a trial
-needs beyond its context travels with the candidate (e.g. MixHQ head scores in its policy).
+evaluates the candidates it is sent. The actors build their contexts at the same time; the
+driver builds none (it loads no model): from the first actor ready it takes the
+:meth:`~kvtune.run.method.Method.driver_view` of its context (what the method's stages and
+``run.json`` need: e.g. T/Q/C's space with its calibrated MixHQ head scores and the ratio
+estimates) and the files its ``prepare`` wrote into its scratch folder (e.g.
+``calibration.json``, SCD's maps), written into the run folder (:func:`keep_files`). A
+worker's :meth:`~kvtune.run.method.Method.evaluate` sees the stage's ``name`` and ``title``
+only (no candidates, no optimizer); everything a trial needs beyond its context travels with
+the candidate (e.g. MixHQ head scores in its policy).
 
 Placement: when the cluster has GPUs and the settings' ``device`` is ``cuda`` or ``auto``, one
 actor per GPU (``num_gpus=1``; more workers than GPUs is an error); otherwise the cluster's CPUs
@@ -37,8 +43,9 @@ from typing import Any
 from kvtune.core.errors import ConfigError
 from kvtune.run.executors.base import Executor, ExecutorError, RunJob, TrialPool, Workers
 
-__all__ = ["MAX_ATTEMPTS", "PROBE_SECONDS", "Placement", "RayExecutor", "TrialWorker", "WORKER_FILE_BYTES",
-           "check_address", "connect", "placement", "worker_files"]
+__all__ = ["HANDOFF_FILE_BYTES", "Handoff", "MAX_ATTEMPTS", "PROBE_SECONDS", "Placement", "RayExecutor",
+           "TrialWorker", "WORKER_FILE_BYTES", "check_address", "connect", "keep_files", "placement", "worker_files",
+           "written_files"]
 
 #: Workers one candidate may take down (each dying while evaluating it) before the run stops.
 MAX_ATTEMPTS = 3
@@ -46,6 +53,8 @@ MAX_ATTEMPTS = 3
 PROBE_SECONDS = 5.0
 #: Largest run-folder file copied to a worker (bytes; larger ones are not the prepare's inputs).
 WORKER_FILE_BYTES = 1 << 20
+#: Largest file a worker's ``prepare`` may write for the run folder (bytes).
+HANDOFF_FILE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,60 @@ def worker_files(run_dir: Path, limit: int = WORKER_FILE_BYTES) -> dict[str, byt
     return out
 
 
+def written_files(folder: Path, given: Mapping[str, bytes], limit: int = HANDOFF_FILE_BYTES) -> dict[str, bytes]:
+    """The top-level files of ``folder`` (a worker's scratch folder) that its ``prepare``
+    wrote: those not in ``given`` (the copies it started with, by name) or whose bytes
+    differ from them. Sizes are checked before anything is read.
+
+    Raises:
+        ExecutorError: a file larger than ``limit`` bytes (the message names it).
+    """
+    out: dict[str, bytes] = {}
+    for path in sorted(Path(folder).iterdir()):
+        if path.name.startswith(".") or path.is_symlink() or not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size > limit:
+            raise ExecutorError(f"{path.name}: {size} bytes written by the method's prepare, more than the "
+                                f"{limit} a worker hands to the driver")
+        if path.name in given and len(given[path.name]) == size and given[path.name] == path.read_bytes():
+            continue
+        out[path.name] = path.read_bytes()
+    return out
+
+
+def keep_files(run_dir: Path, files: Mapping[str, bytes]) -> tuple[list[str], list[str]]:
+    """Write the files a worker's ``prepare`` wrote (:func:`written_files`) into the run
+    folder, each atomically. A file the run folder already holds is never replaced: with the
+    same bytes it is left as it is, with other bytes too (it is reported).
+
+    Returns:
+        ``(written, kept)``: names written now, and names kept with content other than the
+        worker's.
+    """
+    from kvtune.core.atomic import atomic_write_bytes
+
+    written: list[str] = []
+    kept: list[str] = []
+    for name, data in files.items():
+        path = Path(run_dir) / Path(name).name
+        if not path.exists():
+            atomic_write_bytes(path, data)
+            written.append(path.name)
+        elif path.stat().st_size != len(data) or path.read_bytes() != data:
+            kept.append(path.name)
+    return written, kept
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the driver takes from one worker once its context is built: ``view`` (the
+    method's :meth:`~kvtune.run.method.Method.driver_view`) and ``files`` (:func:`written_files`)."""
+
+    view: Any
+    files: dict[str, bytes]
+
+
 class TrialWorker:
     """The body of a worker actor: the method's context built once, then trials on demand.
 
@@ -156,12 +219,21 @@ class TrialWorker:
         self.folder = Path(tempfile.mkdtemp(prefix="kvtune-worker-"))
         for name, data in files.items():
             (self.folder / Path(name).name).write_bytes(data)
+        self.files = dict(files)
         self.method = method
         self.context = method.prepare(settings, self.folder, Hooks(), **dict(given))
 
     def ready(self) -> int:
         """The actor's process id (once its context is built)."""
         return os.getpid()
+
+    def handoff(self) -> Handoff:
+        """The driver's view of the context and the files ``prepare`` wrote (:class:`Handoff`).
+
+        Raises:
+            ExecutorError: see :func:`written_files`.
+        """
+        return Handoff(self.method.driver_view(self.context), written_files(self.folder, self.files))
 
     def evaluate(self, stage_name: str, title: str, candidate: Any) -> dict[str, Any]:
         """One trial row: ``method.evaluate`` with the actor's context."""
@@ -210,11 +282,14 @@ class RayExecutor(Executor):
         self.placement = placement(ray.cluster_resources(), self.workers, str(getattr(settings, "device", "cpu")))
 
     def start(self, job: RunJob) -> Workers:
-        """Start the actors and wait until each has built its context.
+        """Start the actors and wait until each has built its context; the driver's context
+        is the first one's :meth:`~kvtune.run.method.Method.driver_view`, and the files its
+        ``prepare`` wrote go into the run folder (:func:`keep_files`).
 
         Raises:
             ConfigError: see :meth:`check` (when it was not called first).
-            ExecutorError: an actor failed to build its context (the message holds its error).
+            ExecutorError: an actor failed to build its context or to hand it over (the
+                message holds its error).
         """
         if self.placement is None:
             self.check(job.method, job.settings)
@@ -237,20 +312,28 @@ class RayWorkers(Workers):
         self.given = ray.put(dict(job.given))  # held for the run: a restarted actor is built from it again
         self.live = [actor.remote(job.method, job.settings, files, self.given, where.threads) for _ in range(workers)]
         self.idle: deque[Any] = deque()
-        hooks = job.hooks
-        if hooks is not None:
-            hooks.on_stage(f"start {workers} Ray worker(s)", workers)
+        hooks = job.run_hooks
+        hooks.on_stage(f"start {workers} Ray worker(s)", workers)
         pending = {a.ready.remote(): a for a in self.live}
         try:
             while pending:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
-                self.idle.append(pending.pop(ref))
+                actor = pending.pop(ref)
                 ray.get(ref)
-                if hooks is not None:
-                    hooks.on_progress(1)
-        except ray.exceptions.RayError as exc:
+                if not self.idle:  # the first one ready: the driver's context
+                    self.take_handoff(ray.get(actor.handoff.remote()), job.run_dir, hooks)
+                self.idle.append(actor)
+                hooks.on_progress(1)
+        except (ray.exceptions.RayError, ExecutorError) as exc:
             self.close()
             raise ExecutorError(f"a Ray worker could not build the run's context: {exc}") from None
+
+    def take_handoff(self, handoff: Handoff, run_dir: Path, hooks: Any) -> None:
+        """Keep ``handoff.view`` as the driver's context and its files in ``run_dir``."""
+        self.context = handoff.view
+        _written, kept = keep_files(run_dir, handoff.files)
+        for name in kept:
+            hooks.say(f"{Path(run_dir) / name}: kept as stored; the Ray worker's prepare wrote other content")
 
     def pool(self, stage: Any) -> TrialPool:
         return RayPool(self, stage)
