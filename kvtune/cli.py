@@ -50,7 +50,8 @@ def profile(
     refine: bool = typer.Option(_D.refine, help="Re-evaluate the search's Pareto set at full fidelity."),
     refine_budget: int = typer.Option(_D.refine_budget, min=0, help="At most this many Pareto policies are "
                                       "re-evaluated, 2-D accuracy/ratio front first (0 = all)."),
-    kv_dtype: str = typer.Option(_D.kv_dtype, help="model (KV as computed) or bfloat16 (rounded first, as a bf16 server)."),
+    kv_dtype: str = typer.Option(_D.kv_dtype, help="bfloat16 (KV rounded to and stored in bf16, as a bf16 server "
+                                 "holds it; half the memory) or model (KV as computed, float32 on CPU)."),
     prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
     space: str = typer.Option(_D.space, help="Search space: a bundled space (default, full, presets) or a YAML path."),
     budget: int = typer.Option(_D.budget, min=0, help="Maximum policies to evaluate (0 = the whole space)."),

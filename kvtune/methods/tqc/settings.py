@@ -42,9 +42,11 @@ class ProfileSettings(RunSettings):
         cheap_samples: samples evaluated at cheap fidelity, the first ones of the full set
             (0 = the workload's default).
         max_new_tokens: generation budget at full fidelity (0 = the workload's default).
-        kv_dtype: ``model`` (captured KV as the model computes it, float32 on CPU) or
-            ``bfloat16`` (rounded to bf16 first, as a bf16 server would hold it, so the
-            uncompressed policy is exactly lossless).
+        kv_dtype: ``bfloat16`` (the default: captured KV rounded to bf16, as a bf16 server
+            holds it, and stored in bf16, half the memory; the uncompressed policy is then
+            exactly lossless) or ``model`` (KV as the model computes it, float32 on CPU).
+            Version-2 settings written before the default changed hold their value; version-1
+            settings load as ``model``.
         prompt_format: ``auto`` (the chat template when the tokenizer has one), ``chat`` or
             ``plain``.
         search_fidelity: ``cheap`` (the workload's teacher-forced score on ``cheap_samples``)
@@ -76,7 +78,7 @@ class ProfileSettings(RunSettings):
     samples: int = 0
     cheap_samples: int = 0
     max_new_tokens: int = 0
-    kv_dtype: str = "model"
+    kv_dtype: str = "bfloat16"
     prompt_format: str = "auto"
     search_fidelity: str = "cheap"
     refine: bool = True
@@ -101,8 +103,8 @@ class ProfileSettings(RunSettings):
                 type (e.g. a string budget, floors that are not a list of numbers).
         """
         cls.check_dict(d)
-        if d.get("version") == 1:  # version-1 runs evaluated every policy on all contexts
-            d = {"search_fidelity": "full", **d}
+        if d.get("version") == 1:  # version-1 runs evaluated every policy on all contexts, on float32 KV
+            d = {"search_fidelity": "full", "kv_dtype": "model", **d}
         return super().from_dict(d)
 
     @property
