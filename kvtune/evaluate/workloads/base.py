@@ -108,6 +108,13 @@ def _encode_kwargs(lm: LoadedModel) -> dict[str, Any]:
 def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> tuple[KVLayers, bytes, float, float]:
     """Encode ``kv`` with ``config``, decode it from the bytes alone, time both.
 
+    Both run where the data is: with ``kv`` on a GPU, :func:`encode_kv` takes the device path
+    of :mod:`kvtune.codecs.torchpath` (``impl="auto"``), and :func:`decode_kv` decodes onto
+    ``lm.device`` there as well (a policy without a device implementation is decoded on the
+    CPU and copied); on the CPU, the CPU codecs (compiled kernels or the reference). The
+    stream bytes are the same either way. The timings include the device work (the device
+    is synchronised around them).
+
     Returns:
         ``(decoded on lm.device, stream, encode_seconds, decode_seconds)``.
     """
@@ -115,8 +122,7 @@ def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> tuple[
     t0 = time.perf_counter()
     stream = encode_kv(kv, config, **_encode_kwargs(lm))
     t1 = time.perf_counter()
-    decoded = decode_kv(stream, expect=config)
-    decoded = [(k.to(lm.device), v.to(lm.device)) for k, v in decoded]
+    decoded = decode_kv(stream, expect=config, device=lm.device)
     _sync(lm.device)
     t2 = time.perf_counter()
     return decoded, stream, t1 - t0, t2 - t1

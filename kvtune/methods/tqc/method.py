@@ -129,7 +129,7 @@ class TQCMethod(Method):
         st, space = context.settings, context.space
         done = done_by_fidelity(stored)
         fid = st.search_fidelity
-        optimizer = make_optimizer(st.optimizer, space, seed=st.seed, ratios=context.ratios)
+        optimizer = make_optimizer(st.optimizer, space, seed=st.seed, ratios=context.ratios, device=context.lm.device)
         budget = len(space) if st.budget <= 0 else min(st.budget, len(space))
         yield Stage("search", space.candidates, optimizer, budget, done.get(fid, {}),
                     title=f"evaluate policies ({fid})")

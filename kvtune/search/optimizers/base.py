@@ -26,9 +26,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvtune.core.registry import Registry
 from kvtune.core.errors import ConfigError, KvtuneError
+from kvtune.search.optimizers.gp import compute_device
 from kvtune.search.space import Candidate, SearchSpace
 
 OPTIMIZERS: Registry[type["Optimizer"]] = Registry("optimizer")
@@ -60,12 +62,20 @@ class Optimizer(ABC):
         q_min: the accuracy floor (fraction) for constrained optimizers.
         ratios: ``(n_candidates,)`` float64 compression ratios measured up front (cheap: no
             model forward pass), or ``None`` when not available.
+        device: the torch device of the run (``--device``), where the model-based optimizers
+            (``mobo``, ``kvserve``) fit their Gaussian processes and score acquisitions; the
+            others ignore it. ``None`` (default): the CPU. Proposals are returned on the host.
+
+    Raises:
+        ConfigError: an unusable ``device`` (:func:`~kvtune.search.optimizers.gp.compute_device`:
+            not a device, ``meta``, or CUDA without CUDA), before anything is fitted.
     """
 
     name: str = "base"
 
     def __init__(self, space: SearchSpace, *, seed: int = 0, q_min: float = 0.97,
-                 ratios: np.ndarray | None = None) -> None:
+                 ratios: np.ndarray | None = None, device: torch.device | str | None = None) -> None:
+        self.device = compute_device(device)
         self.space = space
         self.candidates = list(space.candidates)
         self.by_index = {c.index: c for c in self.candidates}
@@ -173,7 +183,8 @@ class Optimizer(ABC):
 
 
 def make_optimizer(name: str, space: SearchSpace, *, seed: int = 0, q_min: float = 0.97,
-                   ratios: np.ndarray | None = None, **options: Any) -> Optimizer:
+                   ratios: np.ndarray | None = None, device: torch.device | str | None = None,
+                   **options: Any) -> Optimizer:
     """Instantiate a registered optimizer (arguments as in :class:`Optimizer`).
 
     ``options`` are passed on as keyword arguments of the optimizer's constructor (its tuning
@@ -181,8 +192,8 @@ def make_optimizer(name: str, space: SearchSpace, *, seed: int = 0, q_min: float
     :class:`ConfigError`.
 
     Raises:
-        ConfigError: unknown optimizer name (the message lists the known ones), or an option
-            the optimizer does not take.
+        ConfigError: unknown optimizer name (the message lists the known ones), an option
+            the optimizer does not take, or an unusable ``device``.
     """
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZERS))}")
@@ -198,6 +209,6 @@ def make_optimizer(name: str, space: SearchSpace, *, seed: int = 0, q_min: float
                 break
         unknown = sorted(set(options) - accepted)
         if unknown:
-            known = sorted(accepted - {"seed", "q_min", "ratios"})
+            known = sorted(accepted - {"seed", "q_min", "ratios", "device"})
             raise ConfigError(f"optimizer {name!r} takes no option(s) {unknown}; its options: {known}")
-    return cls(space, seed=seed, q_min=q_min, ratios=ratios, **options)
+    return cls(space, seed=seed, q_min=q_min, ratios=ratios, device=device, **options)

@@ -6,11 +6,20 @@ only on its seed and the *set* of results told so far, never on the history of c
 resumed run that replays stored trials continues exactly like an uninterrupted one.
 
 Shapes: ``n`` candidates, ``d`` input dimensions, ``k`` observations, ``m`` outputs.
+
+Device: the GP fit, the posterior, the predictions and the BoTorch model run on a torch device
+(:func:`compute_device`; default the CPU), in float64 everywhere; what they return (numpy
+arrays, :class:`GaussianProcess` fields) is on the host. On the CPU the computation is the
+numpy / scipy one (predictions) and the torch one (fit) it always was, so proposals do not
+depend on whether the device is given. Off the CPU the same formulas run in torch on the
+device (:meth:`GaussianProcess.predict_torch`); they agree with the CPU to rounding, not bit
+for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -20,12 +29,50 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtune.core.errors import ConfigError
 from kvtune.search.space import SearchSpace
 
-__all__ = ["GaussianProcess", "torch_threads", "candidate_inputs", "exp_decay", "fit_gp", "gp_posterior", "normal_cdf",
-           "ratio_spread_design", "result_value", "space_features", "standardization", "step_rng", "step_seed"]
+__all__ = ["GaussianProcess", "torch_threads", "candidate_inputs", "compute_device", "exp_decay", "fit_gp",
+           "gp_posterior", "normal_cdf", "ratio_spread_design", "result_value", "space_features", "standardization",
+           "step_rng", "step_seed"]
 
 DTYPE = torch.float64
+CPU = torch.device("cpu")
+
+
+def compute_device(device: torch.device | str | None) -> torch.device:
+    """The torch device the model-based optimizers compute on, checked before any work.
+
+    Args:
+        device: ``None`` (the CPU), ``"auto"`` (CUDA when torch sees it, else the CPU), or
+            anything :class:`torch.device` accepts (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``).
+
+    Returns:
+        The device.
+
+    Raises:
+        ConfigError: not a device torch knows, the ``meta`` device (tensors without data: a GP
+            cannot be fitted there), or a device this process cannot use (e.g. ``"cuda"``
+            without CUDA).
+    """
+    if device is None:
+        return CPU
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else CPU
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"optimizer device {device!r} is not a torch device ({exc})") from None
+    if dev.type == "meta":
+        raise ConfigError("optimizer device 'meta' holds no data: the Gaussian processes need a real device "
+                          "(cpu or cuda)")
+    if dev.type != "cpu":
+        try:
+            torch.zeros(1, dtype=DTYPE, device=dev)
+        except (RuntimeError, AssertionError) as exc:  # torch asserts when built without the backend
+            raise ConfigError(f"optimizer device {dev} cannot be used here ({exc})") from None
+    return dev
 
 
 @contextlib.contextmanager
@@ -133,6 +180,8 @@ class GaussianProcess:
         y_mean, y_std: ``(m,)`` standardization (``y_std`` with ddof=1, as ``Standardize``).
         lengthscale: ``(m, d)``; noise: ``(m,)`` (standardized units); constant: ``(m,)``.
         chol: ``(m, k, k)`` Cholesky factors of ``K + noise I``; alpha: ``(m, k)`` weights.
+        device: where :meth:`predict`, :meth:`believe` and :meth:`to_botorch` compute (the
+            arrays above are on the host whatever it is).
     """
 
     x: np.ndarray
@@ -144,13 +193,19 @@ class GaussianProcess:
     constant: np.ndarray
     chol: np.ndarray
     alpha: np.ndarray
+    device: torch.device = CPU
 
     def predict(self, xq: np.ndarray, *, batch: int = 2048) -> tuple[np.ndarray, np.ndarray]:
         """Latent posterior mean and standard deviation at ``xq`` (``(n, d)``).
 
+        Computed with numpy / scipy on the CPU, or with :meth:`predict_torch` when
+        :attr:`device` is another device.
+
         Returns:
             ``mean, std``: ``(n, m)`` float64, original output units (noise excluded).
         """
+        if self.device.type != "cpu":
+            return self.predict_torch(xq, batch=batch)
         from scipy.linalg import solve_triangular
 
         xq = np.asarray(xq, dtype=np.float64)
@@ -170,6 +225,37 @@ class GaussianProcess:
                 mean[s : s + batch, j] = self.y_mean[j] + self.y_std[j] * mu
                 std[s : s + batch, j] = self.y_std[j] * np.sqrt(var)
         return mean, std
+
+    def predict_torch(self, xq: np.ndarray, *, batch: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`predict` in float64 torch operations on :attr:`device`, every output at once.
+
+        Same formulas (RBF cross-covariance, triangular solve against :attr:`chol`); equal to
+        the numpy result to rounding. ``batch`` query rows go to the device at a time.
+
+        Returns:
+            ``mean, std``: ``(n, m)`` float64 numpy arrays on the host.
+        """
+        dev = self.device
+        t = functools.partial(torch.as_tensor, dtype=DTYPE, device=dev)
+        ls = t(self.lengthscale)[:, None, :]  # (m, 1, d)
+        xa, chol, alpha = t(self.x)[None] / ls, t(self.chol), t(self.alpha)  # (m, k, d), (m, k, k), (m, k)
+        const, y_mean, y_std = t(self.constant)[:, None], t(self.y_mean)[:, None], t(self.y_std)[:, None]
+        xq = np.asarray(xq, dtype=np.float64)
+        means, stds = [], []
+        with torch.no_grad():
+            for s in range(0, xq.shape[0], batch):
+                xb = t(xq[s : s + batch])[None] / ls  # (m, nb, d)
+                sq = (xa * xa).sum(-1)[:, :, None] + (xb * xb).sum(-1)[:, None, :] - 2.0 * xa @ xb.transpose(1, 2)
+                kx = torch.exp(-0.5 * sq.clamp_min(0.0))  # (m, k, nb)
+                mu = const + torch.einsum("mkn,mk->mn", kx, alpha)
+                v = torch.linalg.solve_triangular(chol, kx, upper=False)
+                var = (1.0 - (v * v).sum(1)).clamp_min(1e-12)
+                means.append((y_mean + y_std * mu).T)
+                stds.append((y_std * var.sqrt()).T)
+        m = self.y.shape[1]
+        if not means:
+            return np.empty((0, m)), np.empty((0, m))
+        return torch.cat(means).cpu().numpy(), torch.cat(stds).cpu().numpy()
 
     def loo_scale(self) -> np.ndarray:
         """Calibration factor of each output: RMS of the leave-one-out z-scores, at least 1.
@@ -206,25 +292,26 @@ class GaussianProcess:
             return self
         mean, _ = self.predict(xq)
         return gp_posterior(np.vstack([self.x, xq]), np.vstack([self.y, mean]), self.lengthscale, self.noise,
-                            self.constant)
+                            self.constant, device=self.device)
 
     def to_botorch(self):
-        """The same model as a BoTorch ``SingleTaskGP`` (float64, eval mode), for acquisitions.
+        """The same model as a BoTorch ``SingleTaskGP`` (float64, eval mode) on :attr:`device`,
+        for acquisitions.
 
-        Its posterior equals :meth:`predict` (tested)."""
+        Its posterior equals :meth:`predict` (tested on the CPU)."""
         from botorch.models import SingleTaskGP
         from botorch.models.transforms.outcome import Standardize
 
         m = self.y.shape[1]
+        t = functools.partial(torch.as_tensor, dtype=DTYPE, device=self.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = SingleTaskGP(torch.as_tensor(self.x, dtype=DTYPE), torch.as_tensor(self.y, dtype=DTYPE),
-                                 outcome_transform=Standardize(m=m))
-            ls = torch.as_tensor(self.lengthscale, dtype=DTYPE)
+            model = SingleTaskGP(t(self.x), t(self.y), outcome_transform=Standardize(m=m)).to(self.device)
+            ls = t(self.lengthscale)
             model.covar_module.lengthscale = ls.reshape(model.covar_module.lengthscale.shape)
-            noise = torch.as_tensor(self.noise, dtype=DTYPE)
+            noise = t(self.noise)
             model.likelihood.noise = noise.reshape(model.likelihood.noise.shape)
-            const = torch.as_tensor(self.constant, dtype=DTYPE)
+            const = t(self.constant)
             model.mean_module.constant.data = const.reshape(model.mean_module.constant.shape)
         model.eval()
         return model
@@ -233,7 +320,8 @@ class GaussianProcess:
 _MIN_LENGTHSCALE, _MIN_NOISE = 2.5e-2, 1e-4
 
 
-def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.ndarray | None = None) -> GaussianProcess:
+def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.ndarray | None = None,
+           device: torch.device | str | None = None) -> GaussianProcess:
     """Maximum-a-posteriori fit of independent GPs (see :class:`GaussianProcess`).
 
     L-BFGS-B over (log lengthscales, log noise, constant mean) of every output at once,
@@ -248,11 +336,18 @@ def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.n
         maxiter: L-BFGS-B iteration cap (cost control).
         hyper_rows: if given, the hyperparameters are fitted on these rows only (cost control:
             each L-BFGS step is O(rows^2 d)); the posterior then conditions on all ``k`` rows.
+        device: where the loss, its gradient and the posterior are computed
+            (:func:`compute_device`; default the CPU). L-BFGS-B itself runs on the host (scipy).
 
     Returns:
-        The fitted :class:`GaussianProcess`.
+        The fitted :class:`GaussianProcess`, whose :attr:`~GaussianProcess.device` is ``device``.
+
+    Raises:
+        ConfigError: an unusable ``device`` (:func:`compute_device`).
     """
     from scipy.optimize import minimize
+
+    dev = compute_device(device)
 
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
@@ -261,19 +356,19 @@ def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.n
     k, d = x.shape
     m = y.shape[1]
     y_mean, y_std = standardization(y)
-    ys_all = torch.as_tensor((y - y_mean) / y_std, dtype=DTYPE).T  # (m, k)
-    tx_all = torch.as_tensor(x, dtype=DTYPE)
+    ys_all = torch.as_tensor((y - y_mean) / y_std, dtype=DTYPE, device=dev).T  # (m, k)
+    tx_all = torch.as_tensor(x, dtype=DTYPE, device=dev)
     rows = np.arange(k) if hyper_rows is None else np.asarray(hyper_rows, dtype=np.int64)
     ys, tx = ys_all[:, rows], tx_all[rows]
     diff2 = (tx[:, None, :] - tx[None, :, :]) ** 2  # (rows, rows, d)
-    eye = torch.eye(len(rows), dtype=DTYPE)
+    eye = torch.eye(len(rows), dtype=DTYPE, device=dev)
     loc, scale = math.sqrt(2.0) + 0.5 * math.log(max(d, 1)), math.sqrt(3.0)
 
     def unpack(th):
         return th[: m * d].view(m, d), th[m * d : m * d + m], th[m * d + m :]
 
     def loss_and_grad(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        th = torch.tensor(theta, dtype=DTYPE, requires_grad=True)
+        th = torch.tensor(theta, dtype=DTYPE, device=dev, requires_grad=True)
         log_ls, log_noise, const = unpack(th)
         kmat = torch.exp(-0.5 * torch.einsum("ijd,md->mij", diff2, torch.exp(-2.0 * log_ls)))
         kmat = kmat + torch.exp(log_noise)[:, None, None] * eye
@@ -287,7 +382,7 @@ def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.n
         prior = ((log_ls - loc) ** 2 / (2 * scale**2) + log_ls).sum() + ((log_noise + 4.0) ** 2 / 2 + log_noise).sum()
         loss = nll + prior
         loss.backward()
-        return float(loss.item()), th.grad.numpy().astype(np.float64)
+        return float(loss.item()), th.grad.cpu().numpy().astype(np.float64)
 
     theta0 = np.r_[np.full(m * d, max(loc - scale**2, math.log(_MIN_LENGTHSCALE))), np.full(m, -5.0), np.zeros(m)]
     bounds = ([(math.log(_MIN_LENGTHSCALE), math.log(1e3))] * (m * d) + [(math.log(_MIN_NOISE), 0.0)] * m
@@ -299,7 +394,7 @@ def fit_gp(x: np.ndarray, y: np.ndarray, *, maxiter: int = 100, hyper_rows: np.n
     theta = res.x if np.all(np.isfinite(res.x)) and res.fun < 1e10 else theta0
     with torch.no_grad():
         log_ls, log_noise, const = unpack(torch.as_tensor(theta, dtype=DTYPE))
-    return gp_posterior(x, y, torch.exp(log_ls).numpy(), torch.exp(log_noise).numpy(), const.numpy())
+    return gp_posterior(x, y, torch.exp(log_ls).numpy(), torch.exp(log_noise).numpy(), const.numpy(), device=dev)
 
 
 def standardization(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -312,26 +407,35 @@ def standardization(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def gp_posterior(x: np.ndarray, y: np.ndarray, lengthscale: np.ndarray, noise: np.ndarray,
-                 constant: np.ndarray) -> GaussianProcess:
+                 constant: np.ndarray, *, device: torch.device | str | None = None) -> GaussianProcess:
     """The :class:`GaussianProcess` of given hyperparameters conditioned on ``(x, y)``.
 
     Args:
         x: ``(k, d)`` inputs; y: ``(k, m)`` outputs (standardized here, as by :func:`fit_gp`).
         lengthscale: ``(m, d)``; noise, constant: ``(m,)`` (standardized units).
+        device: where the Cholesky factors are computed (:func:`compute_device`; default the
+            CPU); the result's arrays are on the host.
+
+    Raises:
+        ConfigError: an unusable ``device``.
     """
+    dev = compute_device(device)
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     y_mean, y_std = standardization(y)
+    t = functools.partial(torch.as_tensor, dtype=DTYPE, device=dev)
     with torch.no_grad():
-        tx = torch.as_tensor(x, dtype=DTYPE)
-        ls, nz, const = (torch.as_tensor(np.asarray(a, dtype=np.float64)) for a in (lengthscale, noise, constant))
+        tx = t(x)
+        ls, nz, const = (t(np.asarray(a, dtype=np.float64)) for a in (lengthscale, noise, constant))
         diff2 = (tx[:, None, :] - tx[None, :, :]) ** 2
-        kmat = torch.exp(-0.5 * torch.einsum("ijd,md->mij", diff2, ls**-2)) + nz[:, None, None] * torch.eye(len(x), dtype=DTYPE)
+        kmat = (torch.exp(-0.5 * torch.einsum("ijd,md->mij", diff2, ls**-2))
+                + nz[:, None, None] * torch.eye(len(x), dtype=DTYPE, device=dev))
         chol = torch.linalg.cholesky(kmat)
-        ys = torch.as_tensor((y - y_mean) / y_std, dtype=DTYPE).T
+        ys = t((y - y_mean) / y_std).T
         alpha = torch.cholesky_solve((ys - const[:, None]).unsqueeze(-1), chol).squeeze(-1)
-    return GaussianProcess(x=x, y=y, y_mean=y_mean, y_std=y_std, lengthscale=ls.numpy(), noise=nz.numpy(),
-                           constant=const.numpy(), chol=chol.numpy(), alpha=alpha.numpy())
+    host = lambda a: a.cpu().numpy()  # noqa: E731
+    return GaussianProcess(x=x, y=y, y_mean=y_mean, y_std=y_std, lengthscale=host(ls), noise=host(nz),
+                           constant=host(const), chol=host(chol), alpha=host(alpha), device=dev)
 
 
 def normal_cdf(z: np.ndarray) -> np.ndarray:

@@ -163,7 +163,8 @@ class KVServeOptimizer(Optimizer):
     See the module docstring for every rule and threshold.
 
     Args:
-        space, seed, q_min, ratios: as :class:`~kvtune.search.optimizers.base.Optimizer`.
+        space, seed, q_min, ratios, device: as :class:`~kvtune.search.optimizers.base.Optimizer`
+            (the GP is fitted and evaluated on ``device``).
         n_init: initial design size (ratio-spread).
         lambda0, half_life: exploration schedule ``lambda_t = lambda0 * 0.5 ** (t / half_life)``.
         span_tol, repeat_failures, p_stop: early-stop thresholds.
@@ -172,10 +173,10 @@ class KVServeOptimizer(Optimizer):
     """
 
     def __init__(self, space, *, seed: int = 0, q_min: float = 0.97, ratios: np.ndarray | None = None,
-                 n_init: int = 6, lambda0: float = 0.3, half_life: float = 15.0, span_tol: float = 0.0,
-                 repeat_failures: int = 5, p_stop: float = 1e-4, max_train: int = 300, maxiter: int = 100,
-                 ratio_feature: bool = False) -> None:
-        super().__init__(space, seed=seed, q_min=q_min, ratios=ratios)
+                 device=None, n_init: int = 6, lambda0: float = 0.3, half_life: float = 15.0,
+                 span_tol: float = 0.0, repeat_failures: int = 5, p_stop: float = 1e-4, max_train: int = 300,
+                 maxiter: int = 100, ratio_feature: bool = False) -> None:
+        super().__init__(space, seed=seed, q_min=q_min, ratios=ratios, device=device)
         self.n_init, self.lambda0, self.half_life = int(n_init), float(lambda0), float(half_life)
         self.span_tol, self.repeat_failures, self.p_stop = float(span_tol), int(repeat_failures), float(p_stop)
         self.max_train, self.maxiter = int(max_train), int(maxiter)
@@ -290,7 +291,7 @@ class KVServeOptimizer(Optimizer):
                 y = np.column_stack([z, np.where(ok, lr, np.nanmean(lr[ok]) if ok.any() else 0.0)])
             else:
                 y = z[:, None]
-            gp = fit_gp(self._x[idx], y, maxiter=self.maxiter)
+            gp = fit_gp(self._x[idx], y, maxiter=self.maxiter, device=self.device)
             self._surrogate_cache = (gp, gp.loo_scale())
         return self._surrogate_cache
 

@@ -77,6 +77,7 @@ waiting forever.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -135,8 +136,9 @@ class MOBOOptimizer(Optimizer):
     """Multi-objective BO over (accuracy, ratio, -latency); see the module docstring.
 
     Args:
-        space, seed, q_min, ratios: as :class:`~kvtune.search.optimizers.base.Optimizer` (``q_min`` is
-            not used: the whole front is searched).
+        space, seed, q_min, ratios, device: as :class:`~kvtune.search.optimizers.base.Optimizer`
+            (``q_min`` is not used: the whole front is searched; the GPs, the box decomposition
+            and the acquisition run on ``device``).
         n_init: initial design size.
         mc_samples: quasi-MC samples of the acquisition.
         prescreen: candidates scored by the acquisition each step (cost control).
@@ -148,9 +150,10 @@ class MOBOOptimizer(Optimizer):
     """
 
     def __init__(self, space, *, seed: int = 0, q_min: float = 0.97, ratios: np.ndarray | None = None,
-                 n_init: int = 8, mc_samples: int = 32, prescreen: int = 128, acquisition: str = "qlogehvi",
+                 device=None, n_init: int = 8, mc_samples: int = 32, prescreen: int = 128,
+                 acquisition: str = "qlogehvi",
                  acc_ref: float = 0.5, max_train: int = 300, fit_rows: int = 120, maxiter: int = 60) -> None:
-        super().__init__(space, seed=seed, q_min=q_min, ratios=ratios)
+        super().__init__(space, seed=seed, q_min=q_min, ratios=ratios, device=device)
         if acquisition not in ("qlogehvi", "qlognehvi"):
             raise ValueError(f"acquisition must be 'qlogehvi' or 'qlognehvi', got {acquisition!r}")
         self.n_init, self.mc_samples, self.prescreen = int(n_init), int(mc_samples), int(prescreen)
@@ -217,7 +220,8 @@ class MOBOOptimizer(Optimizer):
             y = [warp_accuracy(vals[:, 0]), np.log(vals[:, 2])]
             if self.ratios is None:
                 y.append(np.log(vals[:, 1]))
-            gp = fit_gp(self._x[idx], np.column_stack(y), maxiter=self.maxiter, hyper_rows=self._hyper_rows(vals))
+            gp = fit_gp(self._x[idx], np.column_stack(y), maxiter=self.maxiter, hyper_rows=self._hyper_rows(vals),
+                        device=self.device)
             self._surrogate_cache = (gp, idx)
         return self._surrogate_cache
 
@@ -238,11 +242,12 @@ class MOBOOptimizer(Optimizer):
 
         from botorch.utils.multi_objective.box_decompositions.non_dominated import FastNondominatedPartitioning
 
-        t_ref = torch.as_tensor(ref, dtype=DTYPE)
+        t_ref = torch.as_tensor(ref, dtype=DTYPE, device=self.device)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            partitioning = FastNondominatedPartitioning(ref_point=t_ref, Y=torch.as_tensor(front, dtype=DTYPE).reshape(-1, 3))
-            cells = partitioning.get_hypercell_bounds().numpy()  # (2, c, 3)
+            y_front = torch.as_tensor(front, dtype=DTYPE, device=self.device).reshape(-1, 3)
+            partitioning = FastNondominatedPartitioning(ref_point=t_ref, Y=y_front)
+            cells = partitioning.get_hypercell_bounds().cpu().numpy()  # (2, c, 3)
 
         # prescreen by optimistic hypervolume improvement
         mean, std = gp.predict(self._x[free])
@@ -280,6 +285,7 @@ class MOBOOptimizer(Optimizer):
         from botorch.sampling import SobolQMCNormalSampler
 
         known_ratio = self.ratios is not None
+        on_device = functools.partial(torch.as_tensor, dtype=DTYPE, device=self.device)
 
         def objective(samples: torch.Tensor, X: torch.Tensor | None = None) -> torch.Tensor:
             acc = 1.0 + WARP_DELTA - torch.exp(-samples[..., 0])
@@ -293,12 +299,12 @@ class MOBOOptimizer(Optimizer):
             warnings.simplefilter("ignore")
             if self.acquisition == "qlognehvi":
                 acqf = qLogNoisyExpectedHypervolumeImprovement(
-                    model=model, ref_point=t_ref, X_baseline=torch.as_tensor(self._x[idx], dtype=DTYPE),
+                    model=model, ref_point=t_ref, X_baseline=on_device(self._x[idx]),
                     sampler=sampler, objective=GenericMCMultiOutputObjective(objective), prune_baseline=True,
-                    cache_root=False, X_pending=None if x_pending is None else torch.as_tensor(x_pending, dtype=DTYPE))
+                    cache_root=False, X_pending=None if x_pending is None else on_device(x_pending))
             else:
                 acqf = qLogExpectedHypervolumeImprovement(
                     model=model, ref_point=t_ref, partitioning=partitioning, sampler=sampler,
                     objective=GenericMCMultiOutputObjective(objective))
-            tx = torch.as_tensor(x_cand, dtype=DTYPE).unsqueeze(1)  # (n, q=1, d)
-            return torch.cat([acqf(tx[s : s + 256]) for s in range(0, tx.shape[0], 256)]).numpy()
+            tx = on_device(x_cand).unsqueeze(1)  # (n, q=1, d)
+            return torch.cat([acqf(tx[s : s + 256]) for s in range(0, tx.shape[0], 256)]).cpu().numpy()

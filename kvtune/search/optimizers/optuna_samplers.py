@@ -61,14 +61,15 @@ class OptunaOptimizer(Optimizer):
     Subclasses implement :meth:`make_sampler`.
 
     Args:
-        space, seed, q_min, ratios: as :class:`~kvtune.search.optimizers.base.Optimizer` (``q_min``
-            unused: the samplers search the whole front).
+        space, seed, q_min, ratios, device: as :class:`~kvtune.search.optimizers.base.Optimizer`
+            (``q_min`` unused: the samplers search the whole front; ``device`` checked, unused:
+            Optuna's samplers run on the CPU).
         n_startup_trials: random trials before the model-based samplers (TPE, GP) start.
     """
 
     def __init__(self, space, *, seed: int = 0, q_min: float = 0.97, ratios: np.ndarray | None = None,
-                 n_startup_trials: int = 10) -> None:
-        super().__init__(space, seed=seed, q_min=q_min, ratios=ratios)
+                 device=None, n_startup_trials: int = 10) -> None:
+        super().__init__(space, seed=seed, q_min=q_min, ratios=ratios, device=device)
         from optuna.distributions import CategoricalDistribution, IntDistribution
 
         self.n_startup_trials = int(n_startup_trials)
