@@ -193,6 +193,11 @@ def test_tqc_search_optimizer_gets_the_model_device(small, monkeypatch):
     monkeypatch.setattr(optimizers, "make_optimizer", spy)
     sentinel = torch.device("cpu")
     ctx = TQCContext(settings=ProfileSettings(optimizer="random", refine=False), lm=SimpleNamespace(device=sentinel),
-                     workload=None, space=space, ratios=ratios, info={}, t_start=0.0)
+                     workload=None, space=space, ratios=ratios, info={})
     stage = next(TQCMethod().stages(ctx, []))
     assert seen["device"] is sentinel and stage.optimizer.device == torch.device("cpu")
+    # a Ray driver holds no model (its context is the workers' driver_view): the driver's own device
+    light = TQCMethod().driver_view(ctx)
+    assert light.lm is None
+    next(TQCMethod().stages(light, []))
+    assert seen["device"] == torch.device("cuda" if torch.cuda.is_available() else "cpu")

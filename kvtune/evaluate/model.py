@@ -128,7 +128,7 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _model_source(spec: str) -> tuple[str, dict[str, Any]]:
+def model_source(spec: str) -> tuple[str, dict[str, Any]]:
     """``(path_or_id, from_pretrained kwargs)`` for a ``--model`` spec."""
     if spec in ASSETS:
         if ASSETS[spec].kind != "model":
@@ -232,7 +232,7 @@ def load_model(spec: str, device: str = "auto") -> LoadedModel:
         resolve_asset(spec)  # keep the pin check
         verify_sealed_folder(convert_to)  # what is loaded is what was converted
     else:
-        src, kwargs = _model_source(spec)
+        src, kwargs = model_source(spec)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -72,6 +72,8 @@ class TQCMethod(Method):
         import torch
 
         from kvtune import __version__
+        from kvtune.core.allocator import limit_heap_retention, release_free_memory
+        from kvtune.evaluate.memory import ModelShape, estimate_profile_memory
         from kvtune.evaluate.model import load_model
         from kvtune.evaluate.ratio import estimate_ratios
         from kvtune.evaluate.workloads import make_workload, workload_sample_counts
@@ -80,6 +82,7 @@ class TQCMethod(Method):
         from kvtune.search.space import load_space
 
         torch.manual_seed(settings.seed)
+        limit_heap_retention()  # freed prefill/baseline/batch tensors go back to the system
         t_start = time.perf_counter()
         space = load_space(settings.space)
         n_full, _ = workload_sample_counts(settings.workload, settings)
@@ -103,7 +106,12 @@ class TQCMethod(Method):
             "workload_info": wl.describe(),
             "versions": {"kvtune": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "host": {"machine": platform.machine(), "threads": torch.get_num_threads()},
+            "memory_estimate": estimate_profile_memory(
+                ModelShape.from_config(lm.config), contexts=n_full, context_tokens=settings.context_tokens,
+                continuation_tokens=settings.continuation_tokens, kv_dtype=settings.kv_dtype,
+                workload=settings.workload).parts,
         }
+        release_free_memory()
         ctx = TQCContext(settings=settings, lm=lm, workload=wl, space=space, ratios=ratios, info=info)
         ctx.times["load_and_prefill"] = time.perf_counter() - t_start
         return ctx
@@ -129,7 +137,8 @@ class TQCMethod(Method):
         st, space = context.settings, context.space
         done = done_by_fidelity(stored)
         fid = st.search_fidelity
-        optimizer = make_optimizer(st.optimizer, space, seed=st.seed, ratios=context.ratios, device=context.lm.device)
+        optimizer = make_optimizer(st.optimizer, space, seed=st.seed, ratios=context.ratios,
+                                   device=search_device(st.device, context.lm))
         budget = len(space) if st.budget <= 0 else min(st.budget, len(space))
         yield Stage("search", space.candidates, optimizer, budget, done.get(fid, {}),
                     title=f"evaluate policies ({fid})")
@@ -208,6 +217,17 @@ class TQCMethod(Method):
     def reports_folder(self, info: dict[str, Any]) -> Path | None:
         return Path(ProfileSettings.from_dict(info["settings"]).reports)
 
+
+
+def search_device(device: str, lm: Any) -> Any:
+    """Where the driver's optimizer fits its Gaussian processes: the model's device when the
+    driver holds the model, else (trials on Ray workers) CUDA if ``--device`` allows it and
+    this process sees a GPU, else the CPU."""
+    import torch
+
+    if lm is not None:
+        return lm.device
+    return torch.device("cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
 
 
 def run_policy_table(pareto: Any, run_dir: Path, info: dict[str, Any], *, model: str, floors: Sequence[float]) -> Any:

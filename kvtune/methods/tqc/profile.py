@@ -26,6 +26,12 @@ import torch
 
 from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
+from kvtune.evaluate.memory import (
+    MemoryEstimate,
+    check_memory_fits,
+    estimate_profile_memory,
+    model_shape,
+)
 from kvtune.evaluate.metrics import spearman
 from kvtune.evaluate.assets import read_texts
 from kvtune.evaluate.workloads import FIDELITIES, PROMPT_FORMATS, WORKLOADS, workload_sample_counts
@@ -137,7 +143,7 @@ def check_profile_settings(settings: ProfileSettings) -> None:
         KvtuneError (and subclasses): fidelity, optimizer, ``kv_dtype``, ``prompt_format``,
             ``device``, workload and sample counts, the space (and ``context_tokens`` long
             enough for its MixHQ head calibration, :func:`check_head_calibration`),
-            ``--text``/``--data``.
+            ``--text``/``--data``, and the memory the run needs (:func:`check_profile_memory`).
     """
     check_floors(settings.floors, "floors")
     if settings.search_fidelity not in FIDELITIES:
@@ -152,6 +158,25 @@ def check_profile_settings(settings: ProfileSettings) -> None:
     check_head_calibration(load_space(settings.space), settings)
     n_full, _ = workload_sample_counts(settings.workload, settings)  # bad workload/sizes: fail before loading
     check_workload_inputs(settings, n_full)
+    check_profile_memory(settings, n_full)
+
+
+def check_profile_memory(settings: ProfileSettings, n_full: int) -> MemoryEstimate | None:
+    """Estimate the run's peak memory from the model's configuration and refuse it when it
+    exceeds the memory available now (:mod:`kvtune.evaluate.memory`); None when the model's
+    configuration cannot be read without loading it (its load reports why).
+
+    Raises:
+        ConfigError: the run cannot fit; the message names the settings to lower.
+    """
+    shape = model_shape(settings.model)
+    if shape is None:
+        return None
+    estimate = estimate_profile_memory(shape, contexts=n_full, context_tokens=settings.context_tokens,
+                                       continuation_tokens=settings.continuation_tokens, kv_dtype=settings.kv_dtype,
+                                       workload=settings.workload)
+    check_memory_fits(estimate, kv_dtype=settings.kv_dtype)
+    return estimate
 
 
 def check_head_calibration(space: Any, settings: ProfileSettings) -> None:
