@@ -378,3 +378,14 @@ def test_make_executor_and_placement_refuse_what_cannot_run():
         placement({"CPU": 16.0, "GPU": 8.0}, 9, "cuda")
     with pytest.raises(ConfigError, match="has 0 GPU"):
         placement({"CPU": 16.0}, 1, "cuda")
+
+
+def test_an_explicit_address_failure_says_how_token_authentication_is_set(monkeypatch):
+    from kvtune.run.executors.ray_executor import auth_hint
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    hint = auth_hint("10.0.0.5:6379")
+    assert "RAY_AUTH_MODE=token" in hint and "ray get-auth-token" in hint
+    assert auth_hint(None) == auth_hint("auto") == ""  # a local Ray finds its own mode
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert auth_hint("10.0.0.5:6379") == ""  # already set: the failure is something else

@@ -113,7 +113,9 @@ def test_eight_bit_policy_is_within_its_interval_of_100_percent(real_lm, name):
     from kvtune.evaluate.workloads import make_workload
     from kvtune.methods.tqc.settings import ProfileSettings
 
-    wl = make_workload(name, real_lm, settings=ProfileSettings(workload=name, **REAL_SIZES[name]))
+    # float32 KV as captured (the sizes and tolerance were set with it; with the bf16 default, boolq's
+    # 4-sample interval for 8 bits ends 0.0003 below 100 % + TOLERANCE)
+    wl = make_workload(name, real_lm, settings=ProfileSettings(workload=name, kv_dtype="model", **REAL_SIZES[name]))
     r8 = wl.evaluate(_uniform(8), fidelity="cheap")
     assert r8["relative_accuracy_lo"] - TOLERANCE <= 1.0 <= r8["relative_accuracy_hi"] + TOLERANCE, r8
     assert r8["relative_accuracy"] <= 1.0 and 1.6 < r8["compression_ratio"] < 1.8

@@ -361,7 +361,8 @@ def test_settings_round_trip_and_version_1_upgrade():
           if k not in {"workload", "data", "samples", "cheap_samples", "max_new_tokens", "kv_dtype", "prompt_format"}}
     v1["version"] = 1
     up = ProfileSettings.from_dict(v1)
-    assert up == ProfileSettings() and up.workload == "continuation" and up.version == 2
+    # version-1 runs captured float32 KV: they keep it though the default is now bfloat16
+    assert up == ProfileSettings(kv_dtype="model") and up.workload == "continuation" and up.version == 2
     with pytest.raises(KvtuneError, match="version 3 is not one of"):
         ProfileSettings.from_dict({**s.to_dict(), "version": 3})
 

@@ -44,8 +44,8 @@ from kvtune.core.errors import ConfigError
 from kvtune.run.executors.base import Executor, ExecutorError, RunJob, TrialPool, Workers
 
 __all__ = ["HANDOFF_FILE_BYTES", "Handoff", "MAX_ATTEMPTS", "PROBE_SECONDS", "Placement", "RayExecutor",
-           "TrialWorker", "WORKER_FILE_BYTES", "check_address", "connect", "keep_files", "placement", "worker_files",
-           "written_files"]
+           "TrialWorker", "WORKER_FILE_BYTES", "auth_hint", "check_address", "connect", "keep_files", "placement",
+           "worker_files", "written_files"]
 
 #: Workers one candidate may take down (each dying while evaluating it) before the run stops.
 MAX_ATTEMPTS = 3
@@ -127,8 +127,19 @@ def connect(address: str | None) -> bool:
         ray.init(address=address, include_dashboard=False, logging_level="warning")
     except Exception as exc:  # ConnectionError, RuntimeError, ValueError...: one clear line
         where = f"the Ray cluster at {address}" if address else "a Ray on this machine"
-        raise ConfigError(f"cannot connect to {where}: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"cannot connect to {where}: {type(exc).__name__}: {exc}{auth_hint(address)}") from None
     return True
+
+
+def auth_hint(address: str | None) -> str:
+    """What to check when connecting to ``address`` failed: Ray >= 2.59 starts clusters with
+    token authentication, and a driver given an explicit address sends its token only with
+    ``RAY_AUTH_MODE=token`` (``auto`` finds the local cluster's mode by itself)."""
+    if address in (None, "auto", "local") or os.environ.get("RAY_AUTH_MODE"):
+        return ""
+    return ("; if the cluster uses token authentication (the default of `ray start` since Ray 2.59), set "
+            "RAY_AUTH_MODE=token and give this machine the head's token (~/.ray/auth_token, or RAY_AUTH_TOKEN; "
+            "`ray get-auth-token` on the head prints it)")
 
 
 def worker_files(run_dir: Path, limit: int = WORKER_FILE_BYTES) -> dict[str, bytes]:
