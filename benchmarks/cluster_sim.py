@@ -232,7 +232,8 @@ def summarize_cluster(frame):
     seeds that reached the target of ``max(time to target, total ask seconds)`` -- a lower
     bound on the wall time of a serial driver that spends the measured ask time (it cannot
     end before its evaluations nor before its asks); ``speedup_bound`` the same ratio as
-    ``speedup`` on it."""
+    ``speedup`` on it; ``hit_speedup`` the same ratio on ``t_hit_mean`` (means over the seeds
+    that hit, which may differ between worker counts)."""
     import pandas as pd
 
     keys = ["ask_time", "optimizer", "workers"]
@@ -248,7 +249,34 @@ def summarize_cluster(frame):
     one = out[out["workers"] == 1].set_index(["ask_time", "optimizer"])
     out.insert(6, "speedup", one["t_hv_mean"].reindex(index).to_numpy() / out["t_hv_mean"].to_numpy())
     out["speedup_bound"] = one["t_bound_mean"].reindex(index).to_numpy() / out["t_bound_mean"].to_numpy()
+    out["hit_speedup"] = one["t_hit_mean"].reindex(index).to_numpy() / out["t_hit_mean"].to_numpy()
     return out
+
+
+def write_summary(out: Path, header: str, frame) -> None:
+    """Write ``<out>.csv`` (the rows) and ``<out>.md`` (``header`` + the summary table),
+    each atomically (a temporary file renamed over it)."""
+    import os
+
+    from benchmarks.search import markdown_table
+
+    frame.to_csv(out.with_suffix(".csv.tmp"), index=False)
+    os.replace(out.with_suffix(".csv.tmp"), out.with_suffix(".csv"))
+    md = out.with_suffix(".md.tmp")
+    md.write_text(header.rstrip("\n") + "\n\n" + markdown_table(summarize_cluster(frame)) + "\n")
+    os.replace(md, out.with_suffix(".md"))
+
+
+def resummarize(out: Path) -> int:
+    """Rebuild ``<out>.md``'s table from ``<out>.csv``, keeping the text above the table."""
+    import pandas as pd
+
+    frame = pd.read_csv(out.with_suffix(".csv"))
+    lines = out.with_suffix(".md").read_text().splitlines()
+    head = [ln for ln in lines[:next((i for i, ln in enumerate(lines) if ln.startswith("|")), len(lines))]]
+    write_summary(out, "\n".join(head), frame)
+    print(summarize_cluster(frame).to_string(index=False))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-evals", type=int, default=2064, help="most evaluations started per run")
     parser.add_argument("--ask-time", default="free", help="comma-separated: free, charged")
     parser.add_argument("--out", default="benchmarks/results/cluster_sim")
+    parser.add_argument("--resummarize", action="store_true",
+                        help="rebuild the table of <out>.md from <out>.csv (keeps the md's text above it); no run")
     args = parser.parse_args(argv)
+    if args.resummarize:
+        return resummarize(Path(args.out))
 
     import os
 
     import pandas as pd
 
-    from benchmarks.search import markdown_table, replay_problem
+    from benchmarks.search import replay_problem
     from kvtune.core.errors import KvtuneError
     from kvtune.search.optimizers import OPTIMIZERS
 
@@ -326,11 +358,7 @@ def main(argv: list[str] | None = None) -> int:
              f"({replay.best_feasible_ratio(args.q_min):.4f}). Seeds 0..{args.seeds - 1}; at most "
              f"{args.max_evals} evaluations per run; ask time {', '.join(modes)}. Wall time {wall:.0f} s; load "
              f"average {load0} at the start, {load1} at the end (1, 5, 15 min).")
-    frame.to_csv(out.with_suffix(".csv.tmp"), index=False)
-    os.replace(out.with_suffix(".csv.tmp"), out.with_suffix(".csv"))
-    md = out.with_suffix(".md.tmp")
-    md.write_text(f"# Simulated cluster: {problem}\n\n{notes}\n\n" + markdown_table(summary) + "\n")
-    os.replace(md, out.with_suffix(".md"))
+    write_summary(out, f"# Simulated cluster: {problem}\n\n{notes}", frame)
     print(summary.to_string(index=False))
     print("wrote", out.with_suffix(".csv"), out.with_suffix(".md"))
     return 0

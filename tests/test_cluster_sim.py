@@ -116,13 +116,15 @@ def test_hypervolume_tracker_matches_hand_computed_volumes():
 def test_summary_speedups_against_one_worker():
     import pandas as pd
 
-    rows = [  # (optimizer, workers, seed, t_hv_s, n_hv, ask_total_s)
-        ("m", 1, 0, 100.0, 50, 10.0), ("m", 1, 1, 300.0, 70, 20.0),
-        ("m", 8, 0, 20.0, 60, 30.0), ("m", 8, 1, 30.0, 80, 20.0),
-        ("m", 32, 0, 10.0, 90, 40.0), ("m", 32, 1, float("nan"), 0, 50.0)]
+    nan = float("nan")
+    rows = [  # (optimizer, workers, seed, t_hv_s, n_hv, ask_total_s, t_hit_s)
+        ("m", 1, 0, 100.0, 50, 10.0, 60.0), ("m", 1, 1, 300.0, 70, 20.0, nan),
+        ("m", 8, 0, 20.0, 60, 30.0, 10.0), ("m", 8, 1, 30.0, 80, 20.0, 20.0),
+        ("m", 32, 0, 10.0, 90, 40.0, nan), ("m", 32, 1, nan, 0, 50.0, nan)]
     frame = pd.DataFrame([{"ask_time": "free", "optimizer": o, "workers": w, "seed": s, "t_hv_s": t, "n_hv": n,
-                           "reached": n > 0, "n_hit": 0, "t_hit_s": float("nan"), "told": n, "utilization": 1.0,
-                           "ask_total_s": a, "ask_mean_s": a / 10} for o, w, s, t, n, a in rows])
+                           "reached": n > 0, "n_hit": 0 if np.isnan(h) else 5, "t_hit_s": h, "told": n,
+                           "utilization": 1.0, "ask_total_s": a, "ask_mean_s": a / 10}
+                          for o, w, s, t, n, a, h in rows])
     out = cluster_sim.summarize_cluster(frame).set_index("workers")
     assert out.loc[1, "t_hv_mean"] == 200.0 and out.loc[8, "t_hv_mean"] == 25.0
     assert out.loc[8, "speedup"] == pytest.approx(8.0) and out.loc[32, "speedup"] == pytest.approx(20.0)
@@ -130,3 +132,5 @@ def test_summary_speedups_against_one_worker():
     # bound: max(t, asks) over reached seeds: W=1 (100, 300) -> 200; W=8 (30, 30) -> 30; W=32 (40) -> 40
     assert out.loc[8, "t_bound_mean"] == 30.0 and out.loc[32, "t_bound_mean"] == 40.0
     assert out.loc[8, "speedup_bound"] == pytest.approx(200 / 30) and out.loc[32, "speedup_bound"] == pytest.approx(5.0)
+    assert out.loc[1, "hit"] == 1 and out.loc[8, "hit"] == 2 and out.loc[32, "hit"] == 0
+    assert out.loc[8, "hit_speedup"] == pytest.approx(60 / 15) and np.isnan(out.loc[32, "hit_speedup"])
