@@ -253,9 +253,9 @@ def summarize_cluster(frame):
     return out
 
 
-def write_summary(out: Path, header: str, frame) -> None:
-    """Write ``<out>.csv`` (the rows) and ``<out>.md`` (``header`` + the summary table),
-    each atomically (a temporary file renamed over it)."""
+def write_summary(out: Path, header: str, frame, footer: str = "") -> None:
+    """Write ``<out>.csv`` (the rows) and ``<out>.md`` (``header``, the summary table,
+    ``footer``), each atomically (a temporary file renamed over it)."""
     import os
 
     from benchmarks.search import markdown_table
@@ -263,18 +263,20 @@ def write_summary(out: Path, header: str, frame) -> None:
     frame.to_csv(out.with_suffix(".csv.tmp"), index=False)
     os.replace(out.with_suffix(".csv.tmp"), out.with_suffix(".csv"))
     md = out.with_suffix(".md.tmp")
-    md.write_text(header.rstrip("\n") + "\n\n" + markdown_table(summarize_cluster(frame)) + "\n")
+    md.write_text(header.rstrip("\n") + "\n\n" + markdown_table(summarize_cluster(frame)) + "\n"
+                  + (f"\n{footer.strip(chr(10))}\n" if footer.strip() else ""))
     os.replace(md, out.with_suffix(".md"))
 
 
 def resummarize(out: Path) -> int:
-    """Rebuild ``<out>.md``'s table from ``<out>.csv``, keeping the text above the table."""
+    """Rebuild ``<out>.md``'s table from ``<out>.csv``, keeping the text above and below it."""
     import pandas as pd
 
     frame = pd.read_csv(out.with_suffix(".csv"))
     lines = out.with_suffix(".md").read_text().splitlines()
-    head = [ln for ln in lines[:next((i for i, ln in enumerate(lines) if ln.startswith("|")), len(lines))]]
-    write_summary(out, "\n".join(head), frame)
+    rows = [i for i, ln in enumerate(lines) if ln.startswith("|")]
+    first, last = (rows[0], rows[-1] + 1) if rows else (len(lines), len(lines))
+    write_summary(out, "\n".join(lines[:first]), frame, "\n".join(lines[last:]))
     print(summarize_cluster(frame).to_string(index=False))
     return 0
 

@@ -134,3 +134,19 @@ def test_summary_speedups_against_one_worker():
     assert out.loc[8, "speedup_bound"] == pytest.approx(200 / 30) and out.loc[32, "speedup_bound"] == pytest.approx(5.0)
     assert out.loc[1, "hit"] == 1 and out.loc[8, "hit"] == 2 and out.loc[32, "hit"] == 0
     assert out.loc[8, "hit_speedup"] == pytest.approx(60 / 15) and np.isnan(out.loc[32, "hit_speedup"])
+
+
+def test_resummarize_keeps_the_text_around_the_table(tmp_path):
+    import pandas as pd
+
+    frame = pd.DataFrame([{"ask_time": "free", "optimizer": "m", "workers": w, "seed": 0, "t_hv_s": t, "n_hv": 10,
+                           "reached": True, "n_hit": 0, "t_hit_s": float("nan"), "told": 10, "utilization": 1.0,
+                           "ask_total_s": 1.0, "ask_mean_s": 0.1} for w, t in [(1, 40.0), (8, 5.0)]])
+    out = tmp_path / "sim"
+    frame.to_csv(out.with_suffix(".csv"), index=False)
+    out.with_suffix(".md").write_text("# Title\n\nNotes above.\n\n| old | table |\n| --- | --- |\n| 1 | 2 |\n\nNotes below.\n")
+    assert cluster_sim.resummarize(out) == 0
+    text = out.with_suffix(".md").read_text()
+    assert text.startswith("# Title\n\nNotes above.\n\n| ask_time | optimizer | workers |")
+    assert text.endswith("\n\nNotes below.\n") and "| old |" not in text
+    assert "| free | m | 8 | 1 | 1 | 5.000 | 8.000 |" in text  # speedup 40 / 5
