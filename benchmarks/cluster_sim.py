@@ -26,7 +26,9 @@ told trials reaches ``--target`` (0.99) of the exhaustive front's hypervolume
 (:meth:`kvtune.search.optimizers.replay.ReplayObjective.hypervolume`, the benchmark's
 normalization and reference point), and at which the exhaustive best feasible ratio at
 ``--q-min`` is found (the figure ``kvserve`` optimizes; recorded when it happens before the
-run ends). Speedup = mean time to target on 1 worker / mean time on W workers::
+run ends). Speedup = mean time to target on 1 worker / mean time on W workers.
+``utilization`` = worker-seconds of the evaluations told by the end of the run / (W x its
+simulated length); evaluations still running when the target is reached are not counted::
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/cluster_sim.py --optimizers mobo,kvserve,random \\
         --workers 1,8,32 --seeds 5 --out benchmarks/results/cluster_sim
