@@ -32,6 +32,8 @@ simulated length); evaluations still running when the target is reached are not 
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/cluster_sim.py --optimizers mobo,kvserve,random \\
         --workers 1,8,32 --seeds 5 --out benchmarks/results/cluster_sim
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/cluster_sim.py --optimizers mobo,kvserve \
+        --workers 1,8,32 --seeds 5 --ask-time charged --out benchmarks/results/cluster_sim_charged
 
 Writes ``<out>.csv`` (one row per optimizer x workers x seed x ask-time mode) and
 ``<out>.md`` (summary).

@@ -27,8 +27,8 @@ Batch asks (``--batch 1,4,8``): each optimizer also runs asking ``q`` candidates
 script prints and writes (``<out>_batch.md``) the mean hypervolume relative to ``q = 1`` and
 the hits at each floor per batch size::
 
-    python benchmarks/search.py --optimizers mobo,kvserve --q-mins 0.97 --batch 1,4,8 \
-        --seeds 5 --budgets 0.02,0.05 --out benchmarks/results/search_batch
+    python benchmarks/search.py --optimizers mobo,kvserve,random --q-mins 0.97 --batch 1,4,8 \
+        --seeds 10 --budgets 0.02,0.05 --out benchmarks/results/search_batch
 
 Writes ``<out>.csv`` (one row per optimizer x seed x budget), ``<out>.md`` (summary table) and
 ``<out>.html`` (convergence plot, plotly, opens offline).
