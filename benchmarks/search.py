@@ -27,8 +27,8 @@ Batch asks (``--batch 1,4,8``): each optimizer also runs asking ``q`` candidates
 script prints and writes (``<out>_batch.md``) the mean hypervolume relative to ``q = 1`` and
 the hits at each floor per batch size::
 
-    python benchmarks/search.py --optimizers mobo,kvserve --q-mins 0.97 --batch 1,4,8 \
-        --seeds 5 --budgets 0.02,0.05 --out benchmarks/results/search_batch
+    python benchmarks/search.py --optimizers mobo,kvserve,random --q-mins 0.97 --batch 1,4,8 \
+        --seeds 10 --budgets 0.02,0.05 --out benchmarks/results/search_batch
 
 Writes ``<out>.csv`` (one row per optimizer x seed x budget), ``<out>.md`` (summary table) and
 ``<out>.html`` (convergence plot, plotly, opens offline).
@@ -51,7 +51,7 @@ def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
 
 
-def _markdown(frame) -> str:
+def markdown_table(frame) -> str:
     """A pandas frame as a Markdown table (floats to 3 decimals; no tabulate needed)."""
     def cell(v) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -59,6 +59,39 @@ def _markdown(frame) -> str:
     rows = [" | ".join(map(str, frame.columns)), " | ".join("---" for _ in frame.columns)]
     rows += [" | ".join(cell(v) for v in r) for r in frame.itertuples(index=False)]
     return "\n".join(f"| {r} |" for r in rows)
+
+
+def replay_problem(table: str, space_path: str, calibration: str | None = None):
+    """``(space, replay, description)`` of a real replay table and the space it was made from.
+
+    A space with MixHQ candidates gets the head scores of ``calibration`` (default: ``<table
+    stem>_calibration.json`` next to the table); their values are part of the policy ids.
+
+    Raises:
+        KvtuneError: the calibration file is missing or not a kvtune calibration.json, or the
+            space/table cannot be loaded.
+    """
+    from kvtune.core.errors import KvtuneError
+    from kvtune.search.optimizers.replay import ReplayObjective
+    from kvtune.search.space import load_space
+
+    space = load_space(space_path)
+    if space.needs_head_scores:
+        import json
+
+        from kvtune.evaluate.calibrate import HeadScores
+
+        cal = Path(calibration) if calibration else Path(table).with_name(Path(table).stem + "_calibration.json")
+        if not cal.is_file():
+            raise KvtuneError(f"space {space.name} has MixHQ candidates: pass --calibration (the run's "
+                              f"calibration.json); {cal} does not exist")
+        try:
+            scores = HeadScores.from_dict(json.loads(cal.read_text(encoding="utf-8"))["head_scores"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise KvtuneError(f"{cal}: not a kvtune calibration.json ({exc})") from None
+        space = space.with_head_scores(scores.scores)
+    replay = ReplayObjective.from_parquet(table)
+    return space, replay, f"{Path(table).name} on {space.name} ({len(space)} candidates)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,26 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             replay = ReplayObjective(table, source=f"<synthetic {args.synthetic_size}>")
             problem = f"synthetic-{args.synthetic_size} ({len(space)} candidates)"
         else:
-            from kvtune.search.space import load_space
-
-            space = load_space(args.space)
-            if space.needs_head_scores:
-                import json
-
-                from kvtune.evaluate.calibrate import HeadScores
-
-                cal = Path(args.calibration) if args.calibration else Path(args.table).with_name(
-                    Path(args.table).stem + "_calibration.json")
-                if not cal.is_file():
-                    raise KvtuneError(f"space {space.name} has MixHQ candidates: pass --calibration (the run's "
-                                      f"calibration.json); {cal} does not exist")
-                try:
-                    scores = HeadScores.from_dict(json.loads(cal.read_text(encoding="utf-8"))["head_scores"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise KvtuneError(f"{cal}: not a kvtune calibration.json ({exc})") from None
-                space = space.with_head_scores(scores.scores)
-            replay = ReplayObjective.from_parquet(args.table)
-            problem = f"{Path(args.table).name} on {space.name} ({len(space)} candidates)"
+            space, replay, problem = replay_problem(args.table, args.space, args.calibration)
         names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
         unknown = [n for n in names if n not in OPTIMIZERS]
         if unknown:
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         load = " ".join(f"{v:.2f}" for v in os.getloadavg())
         md = Path(args.out).with_name(Path(args.out).name + "_batch.md")
         md.write_text(f"# Batch asks: {problem}\n\n{notes} Batch sizes {batches}; load average at the end "
-                      f"{load} (1, 5, 15 min).\n\n" + _markdown(table) + "\n")
+                      f"{load} (1, 5, 15 min).\n\n" + markdown_table(table) + "\n")
         print(table.to_string(index=False))
         paths["batch"] = str(md)
     print("wrote", ", ".join(paths.values()))
