@@ -26,8 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtune.evaluate.spool import DiskTensor
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -86,13 +90,15 @@ class ContinuationBaseline:
     logits are never all held (see :func:`continuation_token_stats`).
 
     Attributes:
-        logp: ``(N, C, vocab)`` float32 log-softmax of the baseline logits (for the KL).
+        logp: ``(N, C, vocab)`` float32 log-softmax of the baseline logits (for the KL), in
+            memory or spooled to disk (:class:`~kvtune.evaluate.spool.DiskTensor`; see
+            :meth:`from_batches`).
         argmax: ``(N, C)`` int64 top-1 tokens of the baseline logits.
         targets: ``(N, C - 1)`` int64 continuation tokens 1..C-1 (position i predicts i + 1).
         nll: ``(N, C - 1)`` float32 baseline NLL (nats) of each target.
     """
 
-    logp: torch.Tensor
+    logp: "torch.Tensor | DiskTensor"
     argmax: torch.Tensor
     targets: torch.Tensor
     nll: torch.Tensor
@@ -113,32 +119,43 @@ class ContinuationBaseline:
     _FIELDS = ("logp", "argmax", "targets", "nll")
 
     @classmethod
-    def from_batches(cls, parts: Iterator["ContinuationBaseline"], n: int) -> "ContinuationBaseline":
+    def from_batches(cls, parts: Iterator["ContinuationBaseline"], n: int, *, spool: bool = False
+                     ) -> "ContinuationBaseline":
         """The baseline of ``n`` contexts from the baselines of consecutive batches of them,
-        copied into tensors allocated once (never the batches and the whole at once).
+        copied into storage allocated once (never the batches and the whole at once); with
+        ``spool`` the log-probabilities go to a temporary file
+        (:class:`~kvtune.evaluate.spool.DiskTensor`) and only one batch is held at a time.
 
         Raises:
             ValueError: the batches do not hold exactly ``n`` contexts.
+            SpoolError: the temporary file cannot hold them (``spool``).
         """
+        from kvtune.evaluate.spool import DiskTensor
+
         out, filled = None, 0
         for part in parts:
             if out is None:
                 out = cls(*(torch.empty((n, *getattr(part, f).shape[1:]), dtype=getattr(part, f).dtype)
+                            if not (spool and f == "logp") else DiskTensor.empty((n, *part.logp.shape[1:]))
                             for f in cls._FIELDS))
             rows = part.argmax.shape[0]
             if filled + rows > n:
                 raise ValueError(f"baseline batches hold more than {n} contexts")
             for f in cls._FIELDS:
-                getattr(out, f)[filled : filled + rows].copy_(getattr(part, f))
+                if isinstance(getattr(out, f), DiskTensor):
+                    getattr(out, f).write(filled, getattr(part, f))
+                else:
+                    getattr(out, f)[filled : filled + rows].copy_(getattr(part, f))
             filled += rows
         if out is None or filled != n:
             raise ValueError(f"baseline batches hold {filled} contexts, not {n}")
         return out
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held (the log-probabilities dominate: ``N * C * vocab * 4``)."""
-        return sum(getattr(self, f).numel() * getattr(self, f).element_size() for f in self._FIELDS)
+    def loaded(self) -> "ContinuationBaseline":
+        """This baseline with its log-probabilities in memory (read back when spooled)."""
+        if isinstance(self.logp, torch.Tensor):
+            return self
+        return ContinuationBaseline(self.logp.read(), self.argmax, self.targets, self.nll)
 
 
 def continuation_token_stats(base: ContinuationBaseline, logits: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -146,7 +163,7 @@ def continuation_token_stats(base: ContinuationBaseline, logits: torch.Tensor) -
     (temporaries of ``C * vocab`` floats, not ``N * C * vocab``).
 
     Args:
-        base: the baseline of the same N contexts.
+        base: the baseline of the same N contexts (read back from disk when spooled).
         logits: ``(N, C, vocab)`` logits of the run on the decoded KV.
 
     Returns:
@@ -154,6 +171,7 @@ def continuation_token_stats(base: ContinuationBaseline, logits: torch.Tensor) -
         KL(P_base || P)), ``top1`` ``(N, C)`` (1.0 where both runs' argmax agree); float32.
         Concatenating the stats of consecutive context slices gives those of the whole.
     """
+    base = base.loaded()
     nll, kl = [], []
     for i in range(logits.shape[0]):
         lq = torch.log_softmax(logits[i : i + 1].float(), dim=-1)

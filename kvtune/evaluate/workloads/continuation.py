@@ -139,10 +139,10 @@ class ContinuationWorkload(Workload):
     Row metrics: ``ppl_ratio``, ``kl_mean`` (nats per position), ``top1_agreement``,
     ``nll`` / ``nll_base`` (nats per token); ``score`` = ``exp(-nll)``.
 
-    Memory: the captured KV (bf16 storage with ``kv_dtype="bfloat16"``), the baseline's
-    log-probabilities (``N * C * vocab * 4`` bytes), and per evaluation one batch of
-    :attr:`batch_size` decoded contexts (a buffer allocated once) and its logits; see
-    :mod:`kvtune.evaluate.memory`. ``cap``: an existing capture to use (its baseline logits,
+    Memory: the captured KV (bf16 storage with ``kv_dtype="bfloat16"``), and per evaluation
+    one batch of :attr:`batch_size` decoded contexts (a buffer allocated once), its logits and
+    its rows of the baseline's log-probabilities, which are kept in an unlinked temporary file
+    (``N * C * vocab * 4`` bytes, :mod:`kvtune.evaluate.spool`); see :mod:`kvtune.evaluate.memory`. ``cap``: an existing capture to use (its baseline logits,
     if any, are not used: the baseline is computed in this workload's batches).
     """
 
@@ -220,7 +220,7 @@ class ContinuationWorkload(Workload):
             else:
                 parts = (ContinuationBaseline.from_logits(logits, self.cap.continuation_ids[a:b])
                          for a, b, logits in self._batch_logits(n, self.cap.batch_kv))
-                self._baselines[key] = ContinuationBaseline.from_batches(parts, n)
+                self._baselines[key] = ContinuationBaseline.from_batches(parts, n, spool=True)
         return self._baselines[key]
 
     def _batch_logits(self, n: int, batch_kv: Callable[[int, int], KVLayers]):
