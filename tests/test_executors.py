@@ -155,7 +155,8 @@ def test_tqc_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir,
                                                        monkeypatch):
     runs = {}
     for name, executor in [("inprocess", InProcessExecutor(2)), ("ray", RayExecutor(2))]:
-        st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, name, **MIXHQ)  # calibrated MixHQ heads
+        # calibrated MixHQ heads; 9 contexts: 3 forward batches, the setup splits in 2 parts on 2 workers
+        st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, name, **MIXHQ, contexts=9)
         if name == "ray":
             driver_builds_nothing(monkeypatch, TQCMethod)
         runs[name] = run_method(METHODS["tqc"], st, st.run_dir, executor=executor)
@@ -166,6 +167,9 @@ def test_tqc_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir,
     info = runs["ray"].info["executor"]
     assert info["name"] == "ray" and info["workers"] == 2
     assert info["worker"] == {"num_cpus": 1.0, "num_gpus": 0, "threads": 1}  # 2 CPUs split between 2 actors
+    assert info["setup_parts"] == 2
+    for r in b:  # assembled from the parts, each actor's setup is bitwise the in-process one
+        assert quality(b)[r["policy_id"]] == quality(a)[r["policy_id"]]
     assert run_keys(runs["ray"].run_dir) == run_keys(runs["inprocess"].run_dir)
     assert sorted(runs["ray"].info["timing_seconds"]) == ["load_and_prefill", "refine", "search"]
     # the actor's calibration.json came back to the run folder, with the scores the driver's space holds
@@ -271,7 +275,7 @@ def test_bicache_inprocess_and_ray_record_the_same_buckets(local_ray, tmp_path, 
 def test_worker_killed_mid_trial_loses_and_repeats_nothing(local_ray, tiny_model_dir, tiny_text, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
-    st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "killed-worker")
+    st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "killed-worker", contexts=9)  # a split setup
     executor = RayExecutor(2)
     started = {}
     real_start = executor.start
@@ -309,6 +313,7 @@ def test_worker_killed_mid_trial_loses_and_repeats_nothing(local_ray, tiny_model
     assert len(starts) == 6 + 2  # the killed trial was started 3 times (killed twice), every other once
     assert sorted(starts.count(pid) for pid in set(starts)) == [1, 1, 1, 1, 1, 3]
     assert len(res.trials) == 6
+    assert res.info["executor"]["setup_parts"] == 2  # the restarted actor built its whole context alone
 
 
 def test_driver_killed_then_resumed_with_one_worker(local_ray, tiny_model_dir, tiny_text, tmp_path):

@@ -209,15 +209,35 @@ class Method:
 
     # ------------------------------------------------------------------ the run
 
-    def prepare(self, settings: Any, run_dir: Path, hooks: Hooks, **given: Any) -> Any:
+    def prepare(self, settings: Any, run_dir: Path, hooks: Hooks, *, parts: Sequence[Any] | None = None,
+                **given: Any) -> Any:
         """Build the run's context once (load models, build requests, capture, calibrate).
 
-        ``given``: already loaded objects (tests pass tiny models). Runs with the folder locked
-        (in-process), or in a remote worker with ``run_dir`` its scratch folder holding copies
-        of the run folder's JSON files (the files it writes there are then copied into the run
-        folder: :mod:`kvtune.run.executors.ray_executor`).
+        ``given``: already loaded objects (tests pass tiny models; a worker passes what its
+        :meth:`prepare_part` returned). Runs with the folder locked (in-process), or in a
+        remote worker with ``run_dir`` its scratch folder holding copies of the run folder's
+        JSON files (the files it writes there are then copied into the run folder:
+        :mod:`kvtune.run.executors.ray_executor`). ``parts``: every part of
+        :meth:`prepare_part` (built on several workers), used instead of computing them.
         """
         raise NotImplementedError
+
+    def setup_parts(self, settings: Any, workers: int) -> int:
+        """Parts the setup of a run on ``workers`` workers splits into: each worker builds one
+        (:meth:`prepare_part`) and then its context from all of them (``prepare(parts=...)``).
+        1 (this default): not split, each worker runs :meth:`prepare` alone."""
+        return 1
+
+    def prepare_part(self, settings: Any, run_dir: Path, hooks: Hooks, index: int, count: int,
+                     **given: Any) -> tuple[Any, dict[str, Any]]:
+        """Part ``index`` of ``count`` (:meth:`setup_parts`) of the setup: ``(part, given)``,
+        the part (picklable, sent to every worker) and objects for this worker's own
+        :meth:`prepare` (e.g. the model it loaded).
+
+        Raises:
+            NotImplementedError: a method whose setup does not split.
+        """
+        raise NotImplementedError(f"method {self.name!r}: its setup does not split into parts")
 
     def driver_view(self, context: Any) -> Any:
         """What the driver keeps of a context built by a remote worker: everything

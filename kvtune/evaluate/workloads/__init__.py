@@ -29,7 +29,8 @@ See :mod:`kvtune.evaluate.workloads.base` for what one evaluation does and
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from kvtune.core.errors import KvtuneError
 from kvtune.evaluate.metrics import spearman
@@ -54,6 +55,8 @@ __all__ = [
     "register",
     "make_workload",
     "workload_sample_counts",
+    "workload_part_count",
+    "build_workload_part",
     "spearman",
     "DataError",
     "Field",
@@ -83,7 +86,7 @@ def workload_sample_counts(name: str, settings: WorkloadSettings) -> tuple[int, 
 
 
 def make_workload(name: str, lm: LoadedModel, *, settings: WorkloadSettings,
-                  progress: Callable[[int], None] | None = None) -> Workload:
+                  progress: Callable[[int], None] | None = None, parts: Sequence[Any] | None = None) -> Workload:
     """Build a workload: load its data, prefill every sample, compute the cheap baseline.
 
     Args:
@@ -93,8 +96,41 @@ def make_workload(name: str, lm: LoadedModel, *, settings: WorkloadSettings,
             :class:`~kvtune.evaluate.workloads.settings.WorkloadSettings` fields).
         progress: optional ``progress(n)`` called after each prefilled sample
             (``workload_sample_counts(name, settings)[0]`` calls in total).
+        parts: the setup built in parts on several workers (:func:`build_workload_part`),
+            assembled instead of computed.
 
     Raises:
-        KvtuneError: unknown workload, bad settings; DataError: bad data; AssetError: assets.
+        KvtuneError: unknown workload, bad settings, ``parts`` for a workload whose setup does
+            not split; DataError: bad data; AssetError: assets; PartError: parts of other settings.
     """
-    return _workload_class(name)(lm, settings=settings, progress=progress)
+    cls = _workload_class(name)
+    if parts is None:
+        return cls(lm, settings=settings, progress=progress)
+    if not hasattr(cls, "build_part"):
+        raise KvtuneError(f"workload {name!r}: its setup does not split into parts")
+    return cls(lm, settings=settings, progress=progress, parts=parts)
+
+
+def workload_part_count(name: str, settings: WorkloadSettings, workers: int) -> int:
+    """Parts the workload's setup splits into for ``workers`` workers (1: not split;
+    :mod:`kvtune.evaluate.workloads.parts`).
+
+    Raises:
+        KvtuneError: unknown workload, invalid counts.
+    """
+    return _workload_class(name).part_count(settings, workers)
+
+
+def build_workload_part(name: str, lm: LoadedModel, *, settings: WorkloadSettings, index: int, count: int,
+                        progress: Callable[[int], None] | None = None) -> Any:
+    """Part ``index`` of ``count`` of the workload's setup (e.g.
+    :meth:`ContinuationWorkload.build_part`), for :func:`make_workload`'s ``parts``.
+
+    Raises:
+        KvtuneError: unknown workload, or one whose setup does not split
+            (``workload_part_count(...) == 1``).
+    """
+    cls = _workload_class(name)
+    if not hasattr(cls, "build_part"):
+        raise KvtuneError(f"workload {name!r}: its setup does not split into parts")
+    return cls.build_part(lm, settings, index, count, progress)

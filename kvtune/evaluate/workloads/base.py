@@ -501,6 +501,13 @@ class Workload(ABC):
             **(self.source.describe() if self.source is not None else {}),
         }
 
+    @classmethod
+    def part_count(cls, settings: WorkloadSettings, workers: int) -> int:
+        """Parts the setup splits into for ``workers`` workers, each built on one of them
+        (:mod:`kvtune.evaluate.workloads.parts`); 1 (this default): not split, each worker
+        builds it all."""
+        return 1
+
     def calibration_ids(self, *, contexts: int = 2, max_tokens: int = 1024) -> torch.Tensor:
         """``(N, T)`` int64 real context ids for calibration passes (MixHQ head scores).
 

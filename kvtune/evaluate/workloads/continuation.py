@@ -35,6 +35,13 @@ from kvtune.evaluate.metrics import (
 )
 from kvtune.evaluate.model import KVLayers, LoadedModel
 from kvtune.evaluate.workloads.base import Sample, Workload, checked_kv_dtype, encode_decode, register
+from kvtune.evaluate.workloads.parts import (
+    CapturedBatch,
+    assemble_baseline,
+    assemble_capture,
+    batches_of_part,
+    ordered_batches,
+)
 from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
 
 
@@ -143,7 +150,10 @@ class ContinuationWorkload(Workload):
     one batch of :attr:`batch_size` decoded contexts (a buffer allocated once), its logits and
     its rows of the baseline's log-probabilities, which are kept in an unlinked temporary file
     (``N * C * vocab * 4`` bytes, :mod:`kvtune.evaluate.spool`); see :mod:`kvtune.evaluate.memory`. ``cap``: an existing capture to use (its baseline logits,
-    if any, are not used: the baseline is computed in this workload's batches).
+    if any, are not used: the baseline is computed in this workload's batches). ``parts``: the
+    setup built in parts by :meth:`build_part` (on several workers), assembled instead of
+    computed (:mod:`kvtune.evaluate.workloads.parts`; raises its ``PartError`` when they do
+    not make up these settings' contexts).
     """
 
     name = "continuation"
@@ -155,7 +165,7 @@ class ContinuationWorkload(Workload):
     score_names = {"cheap": "continuation_token_prob", "full": "continuation_token_prob"}
 
     def __init__(self, lm: LoadedModel, *, settings: WorkloadSettings, progress: Callable[[int], None] | None = None,
-                 cap: Capture | None = None) -> None:
+                 cap: Capture | None = None, parts: Sequence[Sequence[CapturedBatch]] | None = None) -> None:
         self.lm = lm
         self.settings = checked_settings(settings)
         self.kv_dtype = checked_kv_dtype(settings.kv_dtype)
@@ -163,12 +173,20 @@ class ContinuationWorkload(Workload):
         self.source = None
         self.prompt_format = None
         self.stop_ids: set[int] = set()
+        self._baselines: dict[str, ContinuationBaseline] = {}
         t0 = time.perf_counter()
         if cap is None:
             self.n_full, self.n_cheap = self.sample_counts(settings)
-            ids = build_contexts(lm.tokenizer, read_texts(settings.text), n_contexts=self.n_full,
-                                 context_tokens=settings.context_tokens, continuation_tokens=settings.continuation_tokens)
-            cap = capture(lm, ids, settings.context_tokens, progress=progress, kv_dtype=self.kv_dtype, baseline=False)
+            ids = self.context_ids(lm, settings)
+            if parts is None:
+                cap = capture(lm, ids, settings.context_tokens, batch_size=self.batch_size, progress=progress,
+                              kv_dtype=self.kv_dtype, baseline=False)
+            else:
+                batches = ordered_batches(parts, ids, settings.context_tokens)
+                cap = assemble_capture(batches, ids, settings.context_tokens, lm.device)
+                self._baselines["full"] = assemble_baseline(batches)
+                if progress:
+                    progress(self.n_full)
         else:
             self.n_full = cap.num_contexts
             self.n_cheap = min(self.default_cheap_samples, self.n_full)
@@ -176,10 +194,53 @@ class ContinuationWorkload(Workload):
         t = cap.context_tokens
         self.samples = [Sample(context_ids=row[:t].tolist(), prompt_ids=row[t:].tolist()) for row in cap.input_ids]
         self.kv = LazyContexts(cap)
-        self._baselines: dict[str, ContinuationBaseline] = {}
         self._buffers = DecodeBuffers.like(cap, min(self.batch_size, cap.num_contexts), lm.device)
         self.baseline("full")
         self.setup_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def context_ids(lm: LoadedModel, settings: WorkloadSettings) -> torch.Tensor:
+        """``(N, T + C)`` int64 token ids of the run's contexts (:func:`~kvtune.evaluate.capture.build_contexts`
+        on ``--text``; N from :meth:`sample_counts`).
+
+        Raises:
+            KvtuneError: see :func:`~kvtune.evaluate.capture.build_contexts`; AssetError: the text.
+        """
+        n_full, _ = ContinuationWorkload.sample_counts(settings)
+        return build_contexts(lm.tokenizer, read_texts(settings.text), n_contexts=n_full,
+                              context_tokens=settings.context_tokens, continuation_tokens=settings.continuation_tokens)
+
+    @classmethod
+    def part_count(cls, settings: WorkloadSettings, workers: int) -> int:
+        """Parts the setup splits into for ``workers`` workers: one per forward batch at most
+        (:mod:`kvtune.evaluate.workloads.parts`)."""
+        n_full, _ = cls.sample_counts(settings)
+        return max(1, min(workers, -(-n_full // cls.batch_size)))
+
+    @classmethod
+    @torch.inference_mode()
+    def build_part(cls, lm: LoadedModel, settings: WorkloadSettings, index: int, count: int,
+                   progress: Callable[[int], None] | None = None) -> list[CapturedBatch]:
+        """Part ``index`` of ``count`` of the setup (:mod:`kvtune.evaluate.workloads.parts`):
+        the prefill KV and the baseline of the forward batches ``b`` with ``b % count == index``,
+        computed exactly as :meth:`__init__` computes them; ``parts=`` of :meth:`__init__`
+        assembles all parts.
+
+        Raises:
+            KvtuneError: bad settings (see :meth:`context_ids`); ValueError: ``index`` not in ``range(count)``.
+        """
+        settings = checked_settings(settings)
+        kv_dtype = checked_kv_dtype(settings.kv_dtype)
+        ids = cls.context_ids(lm, settings)
+        out = []
+        for a, b in batches_of_part(int(ids.shape[0]), cls.batch_size, index, count):
+            cap = capture(lm, ids[a:b], settings.context_tokens, batch_size=cls.batch_size, progress=progress,
+                          kv_dtype=kv_dtype, baseline=False)
+            logits = logits_on_cache(lm, cap.batch_kv(0, b - a), cap.continuation_ids, cap.context_tokens,
+                                     batch_size=cls.batch_size)
+            out.append(CapturedBatch.of(a, cap, ContinuationBaseline.from_logits(logits, cap.continuation_ids)))
+            del cap, logits
+        return out
 
     @classmethod
     def sample_counts(cls, settings: WorkloadSettings) -> tuple[int, int]:

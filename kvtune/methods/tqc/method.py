@@ -66,7 +66,39 @@ class TQCMethod(Method):
 
         check_profile_settings(settings)
 
-    def prepare(self, settings: ProfileSettings, run_dir: Path, hooks: Hooks, **given: Any) -> TQCContext:
+    def setup_parts(self, settings: ProfileSettings, workers: int) -> int:
+        """The workload's parts (:func:`kvtune.evaluate.workloads.workload_part_count`): with
+        ``continuation``, one per worker up to one per forward batch of contexts."""
+        from kvtune.evaluate.workloads import workload_part_count
+
+        return workload_part_count(settings.workload, settings, workers)
+
+    def prepare_part(self, settings: ProfileSettings, run_dir: Path, hooks: Hooks, index: int, count: int,
+                     **given: Any) -> tuple[Any, dict[str, Any]]:
+        """Load the model (unless given as ``lm``) and build part ``index`` of ``count`` of the
+        workload's prefill and baseline (:func:`kvtune.evaluate.workloads.build_workload_part`);
+        returns the part and ``{"lm": model}`` for this worker's :meth:`prepare`."""
+        import torch
+
+        from kvtune.core.allocator import limit_heap_retention
+        from kvtune.evaluate.model import load_model
+        from kvtune.evaluate.workloads import build_workload_part
+
+        torch.manual_seed(settings.seed)
+        limit_heap_retention()
+        hooks.on_stage("load model", 1)
+        lm = given.get("lm") or load_model(settings.model, settings.device)
+        hooks.on_progress(1)
+        hooks.on_stage(f"prefill {settings.workload} samples (part {index + 1} of {count})", 0)
+        part = build_workload_part(settings.workload, lm, settings=settings, index=index, count=count,
+                                   progress=lambda n: hooks.on_progress(n))
+        return part, {"lm": lm}
+
+    def prepare(self, settings: ProfileSettings, run_dir: Path, hooks: Hooks, *, parts: Sequence[Any] | None = None,
+                **given: Any) -> TQCContext:
+        """Load the model (unless given as ``lm``), prefill the workload's samples and run its
+        baseline (or assemble them from ``parts``: :meth:`prepare_part`), calibrate the space
+        when it needs it and estimate the candidates' ratios (module docstring)."""
         import platform
 
         import torch
@@ -87,10 +119,11 @@ class TQCMethod(Method):
         space = load_space(settings.space)
         n_full, _ = workload_sample_counts(settings.workload, settings)
         hooks.on_stage("load model", 1)
-        lm = load_model(settings.model, settings.device)
+        lm = given.get("lm") or load_model(settings.model, settings.device)
         hooks.on_progress(1)
         hooks.on_stage(f"prefill {settings.workload} samples", n_full)
-        wl = make_workload(settings.workload, lm, settings=settings, progress=lambda n: hooks.on_progress(n))
+        wl = make_workload(settings.workload, lm, settings=settings, progress=lambda n: hooks.on_progress(n),
+                           parts=parts)
         if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine
             settings = dataclasses.replace(settings, search_fidelity="full")
         space = calibrated_space(space, lm, wl.calibration_ids(), run_dir, hooks.on_stage, hooks.on_progress)

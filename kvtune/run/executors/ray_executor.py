@@ -4,8 +4,12 @@ Each worker is a Ray actor (:class:`TrialWorker`) that builds the method's conte
 the method's own :meth:`~kvtune.run.method.Method.prepare` (load the model, capture the KV and
 the baseline), in a scratch folder of its own holding copies of the run folder's JSON files
 (``run.json``, ``calibration.json``: what a ``prepare`` reads back on a resume), and then
-evaluates the candidates it is sent. The actors build their contexts at the same time; the
-driver builds none (it loads no model): from the first actor ready it takes the
+evaluates the candidates it is sent. The actors build their contexts at the same time; when
+the method's setup splits (:meth:`~kvtune.run.method.Method.setup_parts`: T/Q/C on the
+``continuation`` workload splits its prefill and baseline by forward batch,
+:mod:`kvtune.evaluate.workloads.parts`), each actor first builds one part, the parts travel
+through Ray's object store, and every actor builds its context from all of them, so N workers
+do the setup's work once, not N times. The driver builds none (it loads no model): from the first actor ready it takes the
 :meth:`~kvtune.run.method.Method.driver_view` of its context (what the method's stages and
 ``run.json`` need: e.g. T/Q/C's space with its calibrated MixHQ head scores and the ratio
 estimates) and the files its ``prepare`` wrote into its scratch folder (e.g.
@@ -45,7 +49,7 @@ from kvtune.run.executors.base import Executor, ExecutorError, RunJob, TrialPool
 
 __all__ = ["HANDOFF_FILE_BYTES", "Handoff", "MAX_ATTEMPTS", "PROBE_SECONDS", "Placement", "RayExecutor",
            "TrialWorker", "WORKER_FILE_BYTES", "auth_hint", "check_address", "connect", "keep_files", "placement",
-           "worker_files", "written_files"]
+           "restarted", "worker_files", "written_files"]
 
 #: Workers one candidate may take down (each dying while evaluating it) before the run stops.
 MAX_ATTEMPTS = 3
@@ -218,21 +222,44 @@ class TrialWorker:
             (:func:`worker_files`); the folder is ``prepare``'s ``run_dir``.
         given: objects passed to ``prepare`` (already loaded models), or {}.
         threads: ``torch.set_num_threads`` of the actor.
+        build: build the context now (``prepare``); False: the driver splits the setup
+            (:meth:`prepare_part`, then :meth:`build` with every part). An actor restarted
+            by Ray builds its whole context alone either way.
     """
 
     def __init__(self, method: Any, settings: Any, files: Mapping[str, bytes], given: Mapping[str, Any],
-                 threads: int) -> None:
+                 threads: int, build: bool = True) -> None:
         import torch
-
-        from kvtune.run.method import Hooks
 
         torch.set_num_threads(threads)
         self.folder = Path(tempfile.mkdtemp(prefix="kvtune-worker-"))
         for name, data in files.items():
             (self.folder / Path(name).name).write_bytes(data)
         self.files = dict(files)
-        self.method = method
-        self.context = method.prepare(settings, self.folder, Hooks(), **dict(given))
+        self.method, self.settings, self.given = method, settings, dict(given)
+        self.context: Any = None
+        if build or restarted():
+            self.build()
+
+    def prepare_part(self, index: int, count: int) -> Any:
+        """Part ``index`` of ``count`` of the method's setup
+        (:meth:`~kvtune.run.method.Method.prepare_part`), for every worker's :meth:`build`."""
+        from kvtune.run.method import Hooks
+
+        part, given = self.method.prepare_part(self.settings, self.folder, Hooks(), index, count, **self.given)
+        self.given.update(given)
+        return part
+
+    def build(self, *parts: Any) -> int:
+        """Build the context (``prepare``, from ``parts`` when given) unless built already;
+        returns the actor's process id."""
+        from kvtune.run.method import Hooks
+
+        if self.context is None:
+            extra = {"parts": list(parts)} if parts else {}
+            self.context = self.method.prepare(self.settings, self.folder, Hooks(), **extra, **self.given)
+            self.given = {}  # what the context needs of them, it holds
+        return os.getpid()
 
     def ready(self) -> int:
         """The actor's process id (once its context is built)."""
@@ -260,6 +287,16 @@ class TrialWorker:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def restarted() -> bool:
+    """Whether this process is a Ray actor restarted after its process died."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
+
+
 class RayExecutor(Executor):
     """``workers`` Ray actors evaluating a run's trials in parallel (module docstring).
 
@@ -280,6 +317,7 @@ class RayExecutor(Executor):
         self.address = address
         self.max_restarts = max_restarts
         self.placement: Placement | None = None
+        self.setup_parts: int | None = None
 
     def check(self, method: Any, settings: Any) -> None:
         """Connect to Ray (:func:`connect`) and place the workers (:func:`placement`).
@@ -304,11 +342,16 @@ class RayExecutor(Executor):
         """
         if self.placement is None:
             self.check(job.method, job.settings)
-        return RayWorkers(job, self.workers, self.placement, self.max_restarts)
+        workers = RayWorkers(job, self.workers, self.placement, self.max_restarts)
+        self.setup_parts = workers.parts
+        return workers
 
     def describe(self) -> dict[str, Any]:
+        """The base keys plus ``address``, ``worker`` (:class:`Placement`) and ``setup_parts``
+        (parts the setup was split into; 1: each worker built it all; None before :meth:`start`)."""
         return {**super().describe(), "address": self.address or "local",
-                "worker": None if self.placement is None else asdict(self.placement)}
+                "worker": None if self.placement is None else asdict(self.placement),
+                "setup_parts": self.setup_parts}
 
 
 class RayWorkers(Workers):
@@ -321,11 +364,19 @@ class RayWorkers(Workers):
                                                 max_restarts=max_restarts, max_task_retries=max_restarts)
         files = worker_files(job.run_dir)
         self.given = ray.put(dict(job.given))  # held for the run: a restarted actor is built from it again
-        self.live = [actor.remote(job.method, job.settings, files, self.given, where.threads) for _ in range(workers)]
+        self.parts = parts = max(1, job.method.setup_parts(job.settings, workers))
+        self.live = [actor.remote(job.method, job.settings, files, self.given, where.threads, build=parts < 2)
+                     for _ in range(workers)]
         self.idle: deque[Any] = deque()
         hooks = job.run_hooks
-        hooks.on_stage(f"start {workers} Ray worker(s)", workers)
-        pending = {a.ready.remote(): a for a in self.live}
+        if parts < 2:
+            hooks.on_stage(f"start {workers} Ray worker(s)", workers)
+            pending = {a.ready.remote(): a for a in self.live}
+        else:  # each of the first `parts` actors builds one part; every actor builds its context from all
+            hooks.on_stage(f"start {workers} Ray worker(s), setup split in {parts} parts", workers)
+            built = [a.prepare_part.remote(i, parts) for i, a in enumerate(self.live[:parts])]
+            pending = {a.build.remote(*built): a for a in self.live}
+            del built  # the parts leave the object store once every actor has its context
         try:
             while pending:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
