@@ -394,3 +394,17 @@ def test_an_explicit_address_failure_says_how_token_authentication_is_set(monkey
     assert auth_hint(None) == auth_hint("auto") == ""  # a local Ray finds its own mode
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     assert auth_hint("10.0.0.5:6379") == ""  # already set: the failure is something else
+
+
+def test_workers_of_a_ray_on_this_machine_that_do_not_fit_are_refused_before_any_starts(local_ray, tiny_model_dir,
+                                                                                      tiny_text, tmp_path, monkeypatch):
+    import kvtune.evaluate.memory as memory
+    from kvtune.methods.tqc.profile import check_profile_memory
+
+    st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "memory")
+    estimate = check_profile_memory(st, 3)
+    monkeypatch.setattr(memory, "available_memory", lambda: int(estimate.total * 1.5))  # one context fits, two do not
+    METHODS["tqc"].check(st)
+    RayExecutor(1).check(METHODS["tqc"], st)
+    with pytest.raises(ConfigError, match="per worker x 2 workers.*or use fewer --workers"):
+        RayExecutor(2).check(METHODS["tqc"], st)

@@ -181,6 +181,11 @@ class Method:
     def check(self, settings: Any) -> None:
         """Fail before any model loads on settings that cannot work (typed errors)."""
 
+    def check_workers(self, settings: Any, workers: int) -> None:
+        """Fail before any model loads when ``workers`` processes on this machine, each
+        building a context, cannot fit (an executor calls it for the workers it starts here;
+        :meth:`check` covers one). Default: nothing to check."""
+
     def stored_settings(self, run_dir: Path, info: Mapping[str, Any]) -> Any:
         """The settings stored in a run's ``run.json`` (``info``), read as this method's.
 

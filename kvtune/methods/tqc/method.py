@@ -73,6 +73,19 @@ class TQCMethod(Method):
 
         return workload_part_count(settings.workload, settings, workers)
 
+    def check_workers(self, settings: ProfileSettings, workers: int) -> None:
+        """Refuse ``workers`` contexts on this machine that do not fit in its memory
+        (:func:`kvtune.methods.tqc.profile.check_profile_memory`).
+
+        Raises:
+            ConfigError: the message gives the estimate per worker and names the settings to lower.
+        """
+        from kvtune.evaluate.workloads import workload_sample_counts
+        from kvtune.methods.tqc.profile import check_profile_memory
+
+        n_full, _ = workload_sample_counts(settings.workload, settings)
+        check_profile_memory(settings, n_full, workers=workers)
+
     def prepare_part(self, settings: ProfileSettings, run_dir: Path, hooks: Hooks, index: int, count: int,
                      **given: Any) -> tuple[Any, dict[str, Any]]:
         """Load the model (unless given as ``lm``) and build part ``index`` of ``count`` of the

@@ -161,10 +161,11 @@ def check_profile_settings(settings: ProfileSettings) -> None:
     check_profile_memory(settings, n_full)
 
 
-def check_profile_memory(settings: ProfileSettings, n_full: int) -> MemoryEstimate | None:
+def check_profile_memory(settings: ProfileSettings, n_full: int, workers: int = 1) -> MemoryEstimate | None:
     """Estimate the run's peak memory from the model's configuration and refuse it when it
-    exceeds the memory available now (:mod:`kvtune.evaluate.memory`); None when the model's
-    configuration cannot be read without loading it (its load reports why).
+    (times ``workers`` processes on this machine) exceeds the memory available now
+    (:mod:`kvtune.evaluate.memory`); None when the model's configuration cannot be read
+    without loading it (its load reports why).
 
     Raises:
         ConfigError: the run cannot fit; the message names the settings to lower.
@@ -175,7 +176,7 @@ def check_profile_memory(settings: ProfileSettings, n_full: int) -> MemoryEstima
     estimate = estimate_profile_memory(shape, contexts=n_full, context_tokens=settings.context_tokens,
                                        continuation_tokens=settings.continuation_tokens, kv_dtype=settings.kv_dtype,
                                        workload=settings.workload)
-    check_memory_fits(estimate, kv_dtype=settings.kv_dtype)
+    check_memory_fits(estimate, kv_dtype=settings.kv_dtype, workers=workers)
     return estimate
 
 

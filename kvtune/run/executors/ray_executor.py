@@ -48,7 +48,7 @@ from kvtune.core.errors import ConfigError
 from kvtune.run.executors.base import Executor, ExecutorError, RunJob, TrialPool, Workers
 
 __all__ = ["HANDOFF_FILE_BYTES", "Handoff", "MAX_ATTEMPTS", "PROBE_SECONDS", "Placement", "RayExecutor",
-           "TrialWorker", "WORKER_FILE_BYTES", "auth_hint", "check_address", "connect", "keep_files", "placement",
+           "TrialWorker", "WORKER_FILE_BYTES", "auth_hint", "check_address", "cluster_is_this_machine", "connect", "keep_files", "placement",
            "restarted", "worker_files", "written_files"]
 
 #: Workers one candidate may take down (each dying while evaluating it) before the run stops.
@@ -287,6 +287,14 @@ class TrialWorker:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def cluster_is_this_machine() -> bool:
+    """Whether the connected Ray cluster has one live node, this process's machine."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") == ray.util.get_node_ip_address()
+
+
 def restarted() -> bool:
     """Whether this process is a Ray actor restarted after its process died."""
     import ray
@@ -322,13 +330,19 @@ class RayExecutor(Executor):
     def check(self, method: Any, settings: Any) -> None:
         """Connect to Ray (:func:`connect`) and place the workers (:func:`placement`).
 
+        On a cluster of this machine alone every worker's context is held here: the method
+        checks that they fit (:meth:`~kvtune.run.method.Method.check_workers`).
+
         Raises:
-            ConfigError: see :func:`connect` and :func:`placement`.
+            ConfigError: see :func:`connect` and :func:`placement`; workers that do not fit in
+                this machine's memory.
         """
         import ray
 
         connect(self.address)
         self.placement = placement(ray.cluster_resources(), self.workers, str(getattr(settings, "device", "cpu")))
+        if cluster_is_this_machine():
+            method.check_workers(settings, self.workers)
 
     def start(self, job: RunJob) -> Workers:
         """Start the actors and wait until each has built its context; the driver's context
