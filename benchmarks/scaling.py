@@ -54,10 +54,18 @@ class Result:
     load_before: float
     load_after: float
     exit_code: int
+    setup_s: float = float("nan")
+    search_s: float = float("nan")
+    refine_s: float = float("nan")
+    setup_parts: int = 1
 
 
 class MemorySampler(threading.Thread):
-    """Peak summed RSS of Ray ``TrialWorker`` actors and peak rise of used memory, every ``period`` s."""
+    """Peak summed RSS of Ray ``TrialWorker`` actors and peak rise of used memory, every ``period`` s.
+
+    It also gives the actors this script's scheduling priority: Ray starts worker processes at
+    nice 15, below the profiling process and below anything else running on the machine,
+    which would make the Ray rows pay for every other process and the in-process row not."""
 
     def __init__(self, period: float = 0.25) -> None:
         super().__init__(daemon=True)
@@ -73,15 +81,34 @@ class MemorySampler(threading.Thread):
                 cmd = " ".join(p.info.get("cmdline") or [])
                 if "TrialWorker" in cmd and p.info.get("memory_info") is not None:
                     total += p.info["memory_info"].rss
+                    self.same_priority(p)
             self.actors_peak = max(self.actors_peak, total)
             self.rise_peak = max(self.rise_peak, psutil.virtual_memory().used - self.base_used)
             self.stop.wait(self.period)
+
+    @staticmethod
+    def same_priority(p: psutil.Process) -> None:
+        """Set ``p``'s nice value to this process's (no-op when it is already)."""
+        try:
+            if p.nice() != os.nice(0):
+                p.nice(os.nice(0))
+        except (psutil.Error, OSError):  # gone, or not ours to change
+            pass
 
 
 def max_rss_gb(time_output: str) -> float:
     """GNU ``time -v``'s "Maximum resident set size (kbytes)" in GB (1e9 bytes); NaN when absent."""
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_output)
     return int(m.group(1)) * 1024 / 1e9 if m else float("nan")
+
+
+def timing(run_dir: Path) -> dict:
+    """``run.json``'s ``timing_seconds`` and the executor's ``setup_parts`` ({} when missing)."""
+    path = run_dir / "run.json"
+    if not path.is_file():
+        return {}
+    info = json.loads(path.read_text())
+    return {**(info.get("timing_seconds") or {}), "setup_parts": (info.get("executor") or {}).get("setup_parts")}
 
 
 def stored_trials(run_dir: Path) -> int:
@@ -121,7 +148,14 @@ def run_config(config: str, extra: list[str], scratch: Path, port: int) -> Resul
                   machine_peak_rise_gb=round(sampler.rise_peak / 1e9, 3),
                   trials=stored_trials(out / "profiles" / f"scaling-{config}"),
                   load_before=round(load_before, 2), load_after=round(os.getloadavg()[0], 2),
-                  exit_code=proc.returncode)
+                  exit_code=proc.returncode, **phases(timing(out / "profiles" / f"scaling-{config}")))
+
+
+def phases(t: dict) -> dict:
+    """Result fields from :func:`timing`: setup (a worker's prepare), search and refine seconds, setup parts."""
+    nan = float("nan")
+    return {"setup_s": round(t.get("load_and_prefill", nan), 1), "search_s": round(t.get("search", nan), 1),
+            "refine_s": round(t.get("refine", nan), 1), "setup_parts": int(t.get("setup_parts") or 1)}
 
 
 def markdown(results: list[Result], extra: list[str]) -> str:
@@ -130,12 +164,17 @@ def markdown(results: list[Result], extra: list[str]) -> str:
              f"{psutil.virtual_memory().total / 2**30:.0f} GiB)", "",
              f"Profile options: `{' '.join(extra) or '(defaults)'}`; one torch thread per worker.", "",
              "| config | workers | wall (s) | speedup vs " + results[0].config + " | driver peak RSS (GB) | "
-             "actors peak RSS (GB) | machine peak rise (GB) | trials | load before/after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "actors peak RSS (GB) | machine peak rise (GB) | trials | setup / search / refine (s) | setup parts | "
+             "load before/after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.config} | {r.workers} | {r.wall_s:.0f} | {ref / r.wall_s:.2f}x | {r.driver_peak_rss_gb:.2f} | "
                      f"{r.actors_peak_rss_gb:.2f} | {r.machine_peak_rise_gb:.2f} | {r.trials} | "
+                     f"{r.setup_s:.0f} / {r.search_s:.0f} / {r.refine_s:.0f} | {r.setup_parts} | "
                      f"{r.load_before:.1f} / {r.load_after:.1f} |")
+    lines += ["", "Setup: a worker's context (load, prefill, baseline, calibration, ratio estimates; with "
+              "setup parts > 1 each worker built one part and assembled all); search and refine: the "
+              "driver's stages, wall time."]
     return "\n".join(lines) + "\n"
 
 

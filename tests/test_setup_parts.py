@@ -96,8 +96,9 @@ def test_tqc_prepare_from_parts_keeps_the_worker_s_model_and_gives_the_same_cont
     st = settings(tiny_text, model=str(tiny_model_dir), out=str(tmp_path), reports=str(tmp_path), device="cpu")
     method = TQCMethod()
     built = [method.prepare_part(st, tmp_path, Hooks(), i, 2, lm=lm) for i in range(2)]
-    assert all(given == {"lm": lm} for _, given in built)
-    ctx = method.prepare(st, tmp_path / "a", Hooks(), parts=[p for p, _ in built], lm=lm)
+    assert all(given["lm"] is lm and sorted(given) == ["lm", "setup_started"] for _, given in built)
+    ctx = method.prepare(st, tmp_path / "a", Hooks(), parts=[p for p, _ in built], **built[0][1])
+    assert ctx.times["load_and_prefill"] > 0
     whole = method.prepare(st, tmp_path / "b", Hooks(), lm=lm)
     assert ctx.lm is lm
     assert [c.policy_id for c in ctx.space.candidates] == [c.policy_id for c in whole.space.candidates]

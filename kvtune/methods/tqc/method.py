@@ -90,13 +90,16 @@ class TQCMethod(Method):
                      **given: Any) -> tuple[Any, dict[str, Any]]:
         """Load the model (unless given as ``lm``) and build part ``index`` of ``count`` of the
         workload's prefill and baseline (:func:`kvtune.evaluate.workloads.build_workload_part`);
-        returns the part and ``{"lm": model}`` for this worker's :meth:`prepare`."""
+        returns the part and, for this worker's :meth:`prepare`, ``{"lm": model,
+        "setup_started": perf_counter() when this began}`` (so the context's
+        ``load_and_prefill`` time counts the part)."""
         import torch
 
         from kvtune.core.allocator import limit_heap_retention
         from kvtune.evaluate.model import load_model
         from kvtune.evaluate.workloads import build_workload_part
 
+        t_start = time.perf_counter()
         torch.manual_seed(settings.seed)
         limit_heap_retention()
         hooks.on_stage("load model", 1)
@@ -105,7 +108,7 @@ class TQCMethod(Method):
         hooks.on_stage(f"prefill {settings.workload} samples (part {index + 1} of {count})", 0)
         part = build_workload_part(settings.workload, lm, settings=settings, index=index, count=count,
                                    progress=lambda n: hooks.on_progress(n))
-        return part, {"lm": lm}
+        return part, {"lm": lm, "setup_started": t_start}
 
     def prepare(self, settings: ProfileSettings, run_dir: Path, hooks: Hooks, *, parts: Sequence[Any] | None = None,
                 **given: Any) -> TQCContext:
@@ -128,7 +131,7 @@ class TQCMethod(Method):
 
         torch.manual_seed(settings.seed)
         limit_heap_retention()  # freed prefill/baseline/batch tensors go back to the system
-        t_start = time.perf_counter()
+        t_start = given.get("setup_started", time.perf_counter())
         space = load_space(settings.space)
         n_full, _ = workload_sample_counts(settings.workload, settings)
         hooks.on_stage("load model", 1)
