@@ -24,7 +24,8 @@ from kvtune.methods.tqc.settings import ProfileSettings
 from kvtune.run.executors import make_executor
 from kvtune.run.executors.base import InProcessExecutor, TrialPool
 from kvtune.run.executors.base import ExecutorError
-from kvtune.run.executors.ray_executor import RayExecutor, TrialWorker, keep_files, placement, written_files
+from kvtune.run.executors.ray_executor import (RayExecutor, TrialWorker, keep_files, placement, worker_files,
+                                               written_files)
 from kvtune.run.method import METHODS
 from kvtune.run.runner import run_method
 
@@ -108,6 +109,14 @@ class SlowTQC(TQCMethod):
         (self.marks / f"{candidate.policy_id}.{time.time_ns()}").touch()
         time.sleep(self.delay)
         return super().evaluate(context, candidate, stage)
+
+
+class PidCalibratedTQC(TQCMethod):
+    """T/Q/C whose prepare writes a calibration file that differs between processes."""
+
+    def prepare(self, settings, run_dir, hooks, **given):
+        (Path(run_dir) / "extra.json").write_text(json.dumps({"pid": os.getpid()}))
+        return super().prepare(settings, run_dir, hooks, **given)
 
 
 class LastInFirstOut(TrialPool):
@@ -212,6 +221,14 @@ def test_worker_files_come_back_without_replacing_stored_ones(tmp_path):
     (scratch / "calibration.json").write_bytes(b"new")
     (scratch / "maps.pt").write_bytes(b"maps")
     (scratch / "sub").mkdir()
+    (run_dir / "basis.safetensors").write_bytes(b"b" * 10)
+    (run_dir / "big.json").write_bytes(b"{}" + b" " * 20)
+    (run_dir / "notes.txt").write_bytes(b"x")
+    assert worker_files(run_dir, limit=16) == {"basis.safetensors": b"b" * 10}  # JSON bounded, others left out
+    assert sorted(worker_files(run_dir)) == ["basis.safetensors", "big.json"]
+    assert worker_files(run_dir, tensors_limit=9) == {"big.json": b"{}" + b" " * 20}
+    for name in ("basis.safetensors", "big.json", "notes.txt"):
+        (run_dir / name).unlink()
     files = written_files(scratch, {"run.json": b"{}", "calibration.json": b"old"})
     assert files == {"calibration.json": b"new", "maps.pt": b"maps"}  # run.json unchanged, folders left out
     (run_dir / "calibration.json").write_bytes(b"old")
@@ -408,3 +425,11 @@ def test_workers_of_a_ray_on_this_machine_that_do_not_fit_are_refused_before_any
     RayExecutor(1).check(METHODS["tqc"], st)
     with pytest.raises(ConfigError, match="per worker x 2 workers.*or use fewer --workers"):
         RayExecutor(2).check(METHODS["tqc"], st)
+
+
+def test_workers_whose_prepare_wrote_other_calibration_files_stop_the_run(local_ray, tiny_model_dir, tiny_text,
+                                                                         tmp_path):
+    st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "differs")
+    with pytest.raises(ExecutorError, match="workers calibrated differently .*extra.json"):
+        run_method(PidCalibratedTQC(), st, st.run_dir, executor=RayExecutor(2))
+    assert not (st.run_dir / "trials.jsonl").exists() or not (st.run_dir / "trials.jsonl").read_text().strip()

@@ -146,15 +146,18 @@ def auth_hint(address: str | None) -> str:
             "`ray get-auth-token` on the head prints it)")
 
 
-def worker_files(run_dir: Path, limit: int = WORKER_FILE_BYTES) -> dict[str, bytes]:
+def worker_files(run_dir: Path, limit: int = WORKER_FILE_BYTES, tensors_limit: int = HANDOFF_FILE_BYTES
+                 ) -> dict[str, bytes]:
     """The run folder's top-level JSON files of at most ``limit`` bytes each (``run.json``,
-    ``calibration.json``...), by name: copied into each worker's scratch folder, whose
-    ``prepare`` may read them back. Sizes are checked before anything is read."""
+    ``calibration.json``...) and safetensors files of at most ``tensors_limit`` bytes (the
+    calibration's PCA bases), by name: copied into each worker's scratch folder, whose
+    ``prepare`` reads them back. Sizes are checked before anything is read."""
     out: dict[str, bytes] = {}
-    for path in sorted(Path(run_dir).glob("*.json")):
-        if path.name.startswith(".") or not path.is_file() or path.stat().st_size > limit:
-            continue
-        out[path.name] = path.read_bytes()
+    for pattern, most in (("*.json", limit), ("*.safetensors", tensors_limit)):
+        for path in sorted(Path(run_dir).glob(pattern)):
+            if path.name.startswith(".") or path.is_symlink() or not path.is_file() or path.stat().st_size > most:
+                continue
+            out[path.name] = path.read_bytes()
     return out
 
 
@@ -272,6 +275,17 @@ class TrialWorker:
             ExecutorError: see :func:`written_files`.
         """
         return Handoff(self.method.driver_view(self.context), written_files(self.folder, self.files))
+
+    def written_digests(self) -> dict[str, str]:
+        """SHA-256 of each file ``prepare`` wrote (:func:`written_files`), by name: workers
+        whose calibrations differ would evaluate the driver's candidates with other artifacts.
+
+        Raises:
+            ExecutorError: see :func:`written_files`.
+        """
+        import hashlib
+
+        return {name: hashlib.sha256(data).hexdigest() for name, data in written_files(self.folder, self.files).items()}
 
     def evaluate(self, stage_name: str, title: str, candidate: Any) -> dict[str, Any]:
         """One trial row: ``method.evaluate`` with the actor's context."""
@@ -391,13 +405,20 @@ class RayWorkers(Workers):
             built = [a.prepare_part.remote(i, parts) for i, a in enumerate(self.live[:parts])]
             pending = {a.build.remote(*built): a for a in self.live}
             del built  # the parts leave the object store once every actor has its context
+        first: dict[str, str] = {}
         try:
             while pending:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
                 actor = pending.pop(ref)
                 ray.get(ref)
+                digests = ray.get(actor.written_digests.remote())
                 if not self.idle:  # the first one ready: the driver's context
                     self.take_handoff(ray.get(actor.handoff.remote()), job.run_dir, hooks)
+                    first = digests
+                elif digests != first:
+                    raise ExecutorError(f"workers calibrated differently (files written by their prepare: {first} "
+                                        f"vs {digests}); give every worker the same hardware and threads, or run "
+                                        "the calibration once in-process and resume the run with Ray")
                 self.idle.append(actor)
                 hooks.on_progress(1)
         except (ray.exceptions.RayError, ExecutorError) as exc:
