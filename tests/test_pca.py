@@ -315,3 +315,23 @@ def test_run_calibration_writes_reads_back_and_serving_loads_the_basis(tiny_mode
     kv = [(torch.randn(1, lm.kv_heads, 5, lm.head_dim), torch.randn(1, lm.kv_heads, 5, lm.head_dim))] * lm.num_layers
     assert len(decode_kv(encode_kv(kv, cfg), expect=cfg)) == lm.num_layers
     assert math.isfinite(float(basis.layers[0][0].eigenvalues.sum()))
+
+
+def test_sink_tokens_are_bfloat16_coefficients_outside_the_component_statistics(basis):
+    kv = correlated_kv(2, 60, seed=8)
+    kv = [(k.clone(), v.clone()) for k, v in kv]
+    for k, v in kv:
+        k[:, :, 0] *= 200.0  # an attention-sink-like outlier token
+        v[:, :, 0] *= 200.0
+    plain = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 4}, "range")
+    sink = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 4, "sink_tokens": 1}, "range")
+    assert sink.label.endswith("K:dp4/s1|V:dp4/s1|range")
+    plan = sink.key.plan((1, HEADS, 60, DIM), layer=0, kind="key")
+    assert plan[0].bits == 16 and plan[0].shape == (1, HEADS, 1, DIM) and all(s.shape[2] == 59 for s in plan[1:])
+    errs = {}
+    for name, cfg in (("plain", plain), ("sink", sink)):
+        out = decode_kv(encode_kv(kv, cfg), expect=cfg)
+        errs[name] = max(float((a[:, :, 1:] - b[:, :, 1:]).norm() / a[:, :, 1:].norm())
+                         for p, q in zip(kv, out) for a, b in zip(p, q))
+    assert errs["sink"] < errs["plain"] / 2  # the outlier no longer sets the other tokens' steps
+    assert decode_kv(encode_kv([(torch.randn(1, HEADS, 1, DIM),) * 2], sink))[0][0].shape == (1, HEADS, 1, DIM)

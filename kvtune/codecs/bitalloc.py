@@ -33,9 +33,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from kvtune.codecs.base import MetaField, Quantizer, Segment, Transform, param, register_quantizer
+from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, Segment, Transform, param, register_quantizer
 from kvtune.codecs.pca import PCA, check_digest, lookup
-from kvtune.codecs.quantizers import FP16_MAX, asymmetric_params, dequantize_affine, quantize_affine
+from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, asymmetric_params, dequantize_affine, quantize_affine
 from kvtune.core.errors import ConfigError
 
 __all__ = [
@@ -144,10 +144,10 @@ class ComponentQuantizer(Quantizer):
 
 @dataclass(frozen=True, eq=False)
 class ComponentSegment(Segment):
-    """A segment of chosen components (all tokens) of a ``(batch, kv_heads, tokens, head_dim)``
-    tensor of PCA coefficients: component ``j`` sits at head ``j // head_dim``, channel
-    ``j % head_dim`` (:mod:`kvtune.codecs.pca`). Its data is ``(batch, 1, tokens, n)``, the
-    components on the last axis in increasing order.
+    """A segment of chosen components (the tokens of :attr:`tokens`, a slice or ``None`` for
+    all) of a ``(batch, kv_heads, tokens, head_dim)`` tensor of PCA coefficients: component
+    ``j`` sits at head ``j // head_dim``, channel ``j % head_dim`` (:mod:`kvtune.codecs.pca`).
+    Its data is ``(batch, 1, tokens, n)``, the components on the last axis in increasing order.
 
     Attributes:
         head_idx, chan_idx: int64 ``(n,)`` head and channel of each component.
@@ -166,28 +166,36 @@ class ComponentSegment(Segment):
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, 1, tokens, n)``: the segment's components of ``x``."""
-        return x[:, self.head_idx, :, self.chan_idx].permute(1, 2, 0).unsqueeze(1)
+        t = slice(None) if self.tokens is None else self.tokens
+        return x[:, self.head_idx, t, self.chan_idx].permute(1, 2, 0).unsqueeze(1)
 
     def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
         """Write ``(batch, 1, tokens, n)`` ``y`` at the segment's components of ``out`` (in place)."""
-        out[:, self.head_idx, :, self.chan_idx] = y[:, 0].permute(2, 0, 1)
+        t = slice(None) if self.tokens is None else self.tokens
+        out[:, self.head_idx, t, self.chan_idx] = y[:, 0].permute(2, 0, 1)
 
 
-def component_segments(shape: tuple[int, ...], widths: Sequence[int], coder) -> tuple[ComponentSegment, ...]:
+def component_segments(shape: tuple[int, ...], widths: Sequence[int], coder, *, first_token: int = 0
+                       ) -> tuple[ComponentSegment, ...]:
     """One :class:`ComponentSegment` per distinct non-zero width (ascending), holding the
-    components of that width; zero-width components are in no segment.
+    components of that width over tokens ``first_token ..``; zero-width components are in no
+    segment (none at all when no token is left).
 
     Args:
         shape: ``(batch, kv_heads, tokens, head_dim)`` with ``kv_heads * head_dim == len(widths)``.
         widths: bits per component.
         coder: width -> block quantizer.
+        first_token: tokens before it are left to other segments (bfloat16 sinks).
     """
     b, h, t, d = shape
+    if first_token >= t:
+        return ()
+    tokens = slice(first_token, t) if first_token else None
     w = torch.as_tensor(widths, dtype=torch.int64)
     out = []
     for bits in sorted({int(v) for v in widths if v > 0}):
         idx = torch.nonzero(w == bits).flatten()
-        out.append(ComponentSegment(None, None, (b, 1, t, idx.numel()), coder(bits), idx // d, idx % d))
+        out.append(ComponentSegment(None, tokens, (b, 1, t - first_token, idx.numel()), coder(bits), idx // d, idx % d))
     return tuple(out)
 
 
@@ -215,6 +223,9 @@ class DPAlloc(Quantizer):
             allocation; ``""`` until calibration fills it in.
         grid: ``"gauss"`` (MSE-optimal step for Gaussian coefficients, clamps outliers) or
             ``"minmax"`` (min/max grid, never clamps): :class:`ComponentQuantizer`.
+        sink_tokens: the first tokens (attention sinks, whose KV are outliers that would set
+            every component's range or be clamped) kept as bfloat16 coefficients, outside the
+            per-component statistics; 16 bits per element on those tokens.
 
     Raises:
         ConfigError: on construction, a bad parameter; on use, a missing basis
@@ -226,6 +237,7 @@ class DPAlloc(Quantizer):
     max_bits: int = param(8, low=1, high=8, doc="most bits of one component")
     basis: str = param("", doc="sha256 digest of the PCA basis ('' = filled in by calibration)")
     grid: str = param("gauss", choices=("gauss", "minmax"), doc="per-component grid (ComponentQuantizer)")
+    sink_tokens: int = param(0, low=0, high=2**31 - 1, doc="first tokens kept in bfloat16 (all coefficients)")
 
     def validate(self) -> None:
         if not 0 < self.bits <= self.max_bits:
@@ -247,9 +259,14 @@ class DPAlloc(Quantizer):
         Raises:
             ValueError: another width.
         """
+        if bits == BF16_BITS and self.sink_tokens:
+            return NoQuantizer()
         if not 1 <= bits <= self.max_bits:
             raise ValueError(f"dp-alloc has no {bits}-bit block kernel")
         return ComponentQuantizer(bits=bits, grid=self.grid)
+
+    def window_widths(self) -> tuple[int, ...]:
+        return (BF16_BITS,) if self.sink_tokens else ()
 
     def widths(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[int, ...]:
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:func:`allocate_bits`)."""
@@ -258,7 +275,9 @@ class DPAlloc(Quantizer):
         return _layer_widths(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), total, self.max_bits)
 
     def plan(self, shape, *, layer: int, kind: str, min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
-        """One segment per width in use (:func:`component_segments`); none for an empty tensor.
+        """The first ``sink_tokens`` tokens as one bfloat16 segment (every coefficient), then one
+        segment per width in use over the other tokens (:func:`component_segments`); none for an
+        empty tensor.
 
         Raises:
             ConfigError: per-token floors (``min_bits`` with a non-zero value), or a basis that
@@ -271,7 +290,9 @@ class DPAlloc(Quantizer):
         widths = self.widths(shape, layer=layer, kind=kind)
         if shape[2] == 0:
             return ()
-        return component_segments(shape, widths, self.coder)
+        sink = min(self.sink_tokens, shape[2])
+        head = (Segment(None, slice(0, sink), (shape[0], shape[1], sink, shape[3]), NoQuantizer()),) if sink else ()
+        return head + component_segments(shape, widths, self.coder, first_token=sink)
 
     def dequantize(self, q, *, layer: int, kind: str) -> torch.Tensor:
         """Float32 reconstruction; dropped (0-bit) components decode as 0, the calibration mean
@@ -282,9 +303,9 @@ class DPAlloc(Quantizer):
         return out
 
     def short_label(self) -> str:
-        """``dp{bits}[/m{max_bits}][/minmax]``, e.g. ``dp1.5`` or ``dp2/m4``."""
+        """``dp{bits}[/m{max_bits}][/minmax][/s{sink_tokens}]``, e.g. ``dp1.5`` or ``dp2/m4/s4``."""
         return (f"dp{self.bits:g}" + (f"/m{self.max_bits}" if self.max_bits != 8 else "")
-                + ("/minmax" if self.grid == "minmax" else ""))
+                + ("/minmax" if self.grid == "minmax" else "") + (f"/s{self.sink_tokens}" if self.sink_tokens else ""))
 
 
 # ----------------------------------------------------------------------------- policy rules
