@@ -335,3 +335,81 @@ def test_sink_tokens_are_bfloat16_coefficients_outside_the_component_statistics(
                          for p, q in zip(kv, out) for a, b in zip(p, q))
     assert errs["sink"] < errs["plain"] / 2  # the outlier no longer sets the other tokens' steps
     assert decode_kv(encode_kv([(torch.randn(1, HEADS, 1, DIM),) * 2], sink))[0][0].shape == (1, HEADS, 1, DIM)
+
+
+# ----------------------------------------------------------------------------- calibration contexts
+
+
+def _overlaps(starts: list[int], width: int, others: list[int], other_width: int) -> bool:
+    return any(a < b + other_width and b < a + width for a in starts for b in others)
+
+
+@pytest.mark.parametrize("stream, n_eval, window, n_calib, calib", [
+    (1000, 4, 100, 4, 60), (1000, 1, 100, 8, 100), (1000, 10, 95, 2, 5), (620, 3, 150, 2, 80), (600, 1, 600, 0, 10)])
+def test_gap_windows_share_no_position_with_the_taken_windows(stream, n_eval, window, n_calib, calib):
+    from kvtune.evaluate.capture import gap_window_starts, window_starts
+
+    taken = window_starts(stream, n_eval, window)
+    starts = gap_window_starts(stream, taken, window, n_calib, calib)
+    assert len(starts) == n_calib and starts == sorted(set(starts))
+    assert all(0 <= s and s + calib <= stream for s in starts)
+    assert all(b - a >= calib for a, b in zip(starts, starts[1:]))  # calibration windows apart from each other
+    assert not _overlaps(starts, calib, taken, window)
+
+
+def test_gap_windows_spread_over_the_gaps_and_too_many_is_a_named_error():
+    from kvtune.core.errors import KvtuneError
+    from kvtune.evaluate.capture import gap_window_starts
+
+    # taken [0,100) [300,400) [600,700); free [100,300) [400,600) [700,1000): slots of 100
+    assert gap_window_starts(1000, [0, 300, 600], 100, 3, 100) == [100, 400, 700]
+    assert gap_window_starts(1000, [0, 300, 600], 100, 7, 100) == [100, 200, 400, 500, 700, 800, 900]
+    with pytest.raises(KvtuneError, match=r"room for 7 calibration windows of 100 tokens, not 8.*--contexts.*--context-tokens"):
+        gap_window_starts(1000, [0, 300, 600], 100, 8, 100)
+
+
+def test_continuation_pca_calibration_windows_are_text_apart_from_the_evaluated_ones(tiny_model_dir, tiny_text):
+    from kvtune.core.errors import KvtuneError
+    from kvtune.evaluate.assets import read_texts
+    from kvtune.evaluate.capture import token_stream
+    from kvtune.evaluate.model import load_model
+    from kvtune.evaluate.workloads import make_workload
+    from kvtune.methods.tqc.settings import ProfileSettings
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    st = ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), samples=3, cheap_samples=2, context_tokens=48,
+                         continuation_tokens=8, kv_dtype="bfloat16")
+    wl = make_workload("continuation", lm, settings=st)
+    stream = token_stream(lm.tokenizer, read_texts(str(tiny_text)))
+
+    def place(row: list[int]) -> int:  # where a window lies in the text (unique for these pseudo-word windows)
+        found = [i for i in range(len(stream) - len(row) + 1) if stream[i : i + len(row)] == row]
+        assert len(found) == 1
+        return found[0]
+
+    evaluated = [place(s.context_ids + s.prompt_ids) for s in wl.samples]
+    ids = wl.pca_calibration_ids(contexts=4, max_tokens=32)
+    assert ids.shape == (4, 32) and ids.dtype == torch.long
+    calib = [place(row) for row in ids.tolist()]
+    assert len(set(calib)) == 4 and not _overlaps(calib, 32, evaluated, 56)
+    assert wl.pca_calibration_ids(contexts=2, max_tokens=4096).shape == (2, 48)  # at most --context-tokens
+    with pytest.raises(KvtuneError, match="--contexts"):
+        wl.pca_calibration_ids(contexts=10_000)
+    assert torch.equal(wl.calibration_ids(), torch.tensor([s.context_ids for s in wl.samples[:2]]))  # MixHQ: unchanged
+
+
+def test_calibrated_space_fits_the_pca_basis_on_pca_ids_only_when_fitting(tiny_model_dir, tmp_path):
+    from kvtune.evaluate.calibrate_pca import calibrate_pca_basis
+    from kvtune.evaluate.model import load_model
+    from kvtune.methods.tqc.profile import calibrated_pca_bases
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    gen = torch.Generator().manual_seed(1)
+    heads_ids, pca_ids = torch.randint(0, 100, (2, 24), generator=gen), torch.randint(0, 100, (3, 20), generator=gen)
+    calls = []
+    digests = calibrated_pca_bases(["pre", "post"], lm, lambda: calls.append(1) or pca_ids, tmp_path)
+    assert calls == [1]  # one call for both bases
+    assert digests["pre"] == calibrate_pca_basis(lm, pca_ids, key_rope="pre").digest
+    assert digests["pre"] != calibrate_pca_basis(lm, heads_ids, key_rope="pre").digest
+    assert calibrated_pca_bases(["pre", "post"], lm, lambda: calls.append(1) or pca_ids, tmp_path) == digests
+    assert calls == [1]  # read back from the run folder: not called

@@ -216,6 +216,22 @@ class SearchSpace:
         return SearchSpace(name=self.name, path=self.path, description=self.description,
                            parameters=self.parameters, fixed=self.fixed, candidates=cands)
 
+    def subset(self, policy_ids) -> "SearchSpace":
+        """A copy with the candidates whose ``policy_id`` is in ``policy_ids`` only, in this
+        space's order, renumbered from 0 (e.g. the candidates a replay table holds, when the
+        space file gained candidates after the table was evaluated).
+
+        Raises:
+            SpaceError: no candidate is kept.
+        """
+        keep = set(policy_ids)
+        cands = [Candidate(index=i, params=c.params, config=c.config)
+                 for i, c in enumerate(c for c in self.candidates if c.policy_id in keep)]
+        if not cands:
+            raise SpaceError(f"{self.path}: none of the {len(self)} candidates of space {self.name!r} is kept")
+        return SearchSpace(name=self.name, path=self.path, description=self.description,
+                           parameters=self.parameters, fixed=self.fixed, candidates=cands)
+
     def family(self, candidate: Candidate) -> tuple:
         """Hashable family key: the candidate's categorical values and which parameters are
         active. Candidates of one family differ only in numeric parameters."""

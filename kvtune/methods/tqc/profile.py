@@ -15,6 +15,7 @@ and the report is ``<reports>/<run>.html``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -323,7 +324,8 @@ def read_calibration(path: Path) -> dict[str, Any]:
     return doc
 
 
-def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook):
+def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook,
+                     *, pca_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None):
     """Fill the space's calibration data from ``calibration.json`` or new calibration passes:
     MixHQ head scores, and PCA bases for ``pca`` / ``dp-alloc`` policies
     (:func:`calibrated_pca_bases`).
@@ -332,6 +334,16 @@ def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on
     tables) uses the same; scores travel inside every MixHQ policy's configuration, a basis by
     its digest. Entries already in ``calibration.json`` are read back, never recomputed or
     replaced; new ones are added to it (atomic writes).
+
+    Args:
+        calibration_ids: ``(N, T)`` int64 contexts of the MixHQ head calibration (the
+            workload's :meth:`~kvtune.evaluate.workloads.base.Workload.calibration_ids`: the
+            first evaluated contexts, kept so that existing runs keep their head scores).
+        pca_ids: the contexts the PCA bases are fitted on, or a function returning them
+            (called only when a basis is fitted): the workload's
+            :meth:`~kvtune.evaluate.workloads.base.Workload.pca_calibration_ids`, contexts
+            apart from the evaluated ones (KVTC, arXiv 2511.01815, sec. 3); None:
+            ``calibration_ids``.
     """
     if space.needs_head_scores:
         path = run_dir / "calibration.json"
@@ -345,19 +357,21 @@ def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on
             on_progress(1)
         space = space.with_head_scores(scores.scores)
     if space.needs_pca_basis:
-        space = space.with_pca_basis(calibrated_pca_bases(sorted(space.pca_ropes_missing), lm, calibration_ids,
+        space = space.with_pca_basis(calibrated_pca_bases(sorted(space.pca_ropes_missing), lm,
+                                                          calibration_ids if pca_ids is None else pca_ids,
                                                           run_dir, on_stage, on_progress))
     return space
 
 
-def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook = _noop,
-                         on_progress: Hook = _noop) -> dict[str, str]:
+def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor | Callable[[], torch.Tensor], run_dir: Path,
+                         on_stage: Hook = _noop, on_progress: Hook = _noop) -> dict[str, str]:
     """The run's PCA basis for each ``rope`` mode in ``ropes``, registered in this process
     (:func:`kvtune.codecs.pca.register_basis`); returns ``{rope: digest}``.
 
     A basis recorded in ``calibration.json`` (``pca_bases.<rope>``: ``digest``, ``file``) is
     read back from its file and checked against the digest. Otherwise it is fitted on
-    ``calibration_ids`` (:func:`kvtune.evaluate.calibrate_pca.calibrate_pca_basis`, across KV
+    ``calibration_ids`` (``(N, T)`` int64, or a function returning them, called once and only
+    when a basis is fitted; :func:`kvtune.evaluate.calibrate_pca.calibrate_pca_basis`, across KV
     heads, keys pre- or post-RoPE), written to :data:`PCA_BASIS_FILES` ``[rope]`` (atomic; an
     existing file of that name is read instead, never replaced) and recorded in
     ``calibration.json``.
@@ -371,6 +385,7 @@ def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor, run_dir: Path
 
     path = run_dir / "calibration.json"
     out = {}
+    ids = functools.cache(calibration_ids if callable(calibration_ids) else lambda: calibration_ids)
     for rope in ropes:
         doc = read_calibration(path)
         entry = (doc.get("pca_bases") or {}).get(rope)
@@ -382,7 +397,7 @@ def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor, run_dir: Path
                 basis = load_basis(file)
             else:
                 on_stage(f"fit PCA basis ({rope}-RoPE keys)", 1)
-                basis = calibrate_pca_basis(lm, calibration_ids, key_rope=rope)
+                basis = calibrate_pca_basis(lm, ids(), key_rope=rope)
                 save_basis(basis, file)
                 on_progress(1)
             bases = {**(doc.get("pca_bases") or {}), rope: {"digest": basis.digest, "file": file.name,
