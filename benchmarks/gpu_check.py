@@ -97,6 +97,8 @@ def policies(layers: int, only: str | None) -> dict[str, PolicyConfig]:
         if only and only not in name:
             continue
         cfg = preset.config()
+        if cfg.needs_pca_basis:  # kvtc-*: no device path (kvtune.codecs.pca), and no basis without a run
+            continue
         out[name] = cfg.with_head_scores(scores) if cfg.needs_head_scores else cfg
         if cfg.codec.name == "range":
             out[f"{name}[device part]"] = PolicyConfig.from_dict({**out[name].to_dict(), "codec": "bitpack"})

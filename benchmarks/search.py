@@ -65,7 +65,9 @@ def replay_problem(table: str, space_path: str, calibration: str | None = None):
     """``(space, replay, description)`` of a real replay table and the space it was made from.
 
     A space with MixHQ candidates gets the head scores of ``calibration`` (default: ``<table
-    stem>_calibration.json`` next to the table); their values are part of the policy ids.
+    stem>_calibration.json`` next to the table); their values are part of the policy ids. The
+    space is cut to the candidates the table holds (:meth:`SearchSpace.subset`): a table
+    evaluated before the space file gained candidates still replays its own.
 
     Raises:
         KvtuneError: the calibration file is missing or not a kvtune calibration.json, or the
@@ -91,7 +93,12 @@ def replay_problem(table: str, space_path: str, calibration: str | None = None):
             raise KvtuneError(f"{cal}: not a kvtune calibration.json ({exc})") from None
         space = space.with_head_scores(scores.scores)
     replay = ReplayObjective.from_parquet(table)
-    return space, replay, f"{Path(table).name} on {space.name} ({len(space)} candidates)"
+    # candidates the space gained after the table was evaluated (full.yaml's dp-alloc branch) are
+    # left out: the replay answers the table's own candidates
+    n_space = len(space)
+    space = space.subset(replay.table["policy_id"])
+    left = f", {n_space - len(space)} not in the table left out" if len(space) < n_space else ""
+    return space, replay, f"{Path(table).name} on {space.name} ({len(space)} candidates{left})"
 
 
 def main(argv: list[str] | None = None) -> int:

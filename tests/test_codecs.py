@@ -39,7 +39,9 @@ from kvtune.codecs import fastpath
 from kvtune.codecs.base import BF16_BITS, plan_segments
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
 from kvtune.codecs.fp8 import FP8Quantizer
+from kvtune.codecs.bitalloc import DPAlloc
 from kvtune.codecs.mixhq import MixHQ, rank_heads
+from kvtune.codecs.pca import PCA, RopeSpec, fit_pca_basis, register_basis
 from kvtune.codecs.policy import apply_transforms, invert_transforms, transform_min_bits
 from kvtune.codecs.stream import write_stream
 from kvtune.codecs.transforms import (
@@ -119,11 +121,28 @@ SPLIT_LAYER = 5  # two heads, one high one low
 # Every registered component must have examples here: registering a new one without adding it
 # fails test_every_registered_component_is_in_the_matrix.
 
+def _matrix_basis(key_rope: str) -> str:
+    """A registered PCA basis for layers 0..6 with the matrix's geometry at layers 3..6 (fitted on
+    other data than the matrix's), keys pre- or post-RoPE; its digest."""
+    shapes = [((1, 2, 120, 64),) * 2] * 3 + [tuple((1, s[1], 120, s[3]) for s in pair) for pair in MATRIX_SHAPES]
+    rope = [RopeSpec((1.0 / 10000 ** (torch.arange(0, s[0][3], 2, dtype=torch.float64) / s[0][3])).float())
+            for s in shapes]
+    return register_basis(fit_pca_basis([make_kv(shapes, seed=s) for s in (50, 60)], key_rope=key_rope,
+                                        rope=rope if key_rope == "pre" else ()))
+
+
+MATRIX_BASIS, MATRIX_BASIS_POST = _matrix_basis("pre"), _matrix_basis("post")
+BASIS_BOUND = ("pca", "dp-alloc")
+"""Components bound to a calibrated basis of fixed geometry: in the round-trip matrix (on the
+matrix's shapes), not in the shape-generic tests (their own are in test_pca.py), and without
+compiled kernels (pure torch: the fast path refuses them)."""
+
 TRANSFORM_EXAMPLES = {
     "identity": [Identity()],
     "hadamard": [Hadamard(), Hadamard(seed=7)],
     "delta": [Delta(), Delta(group_size=4, anchor_bits=8), Delta(group_size=32, anchor_bits=BF16_BITS)],
     "affine": [Affine(), Affine(statistic="absmax", shift=True)],
+    "pca": [PCA(basis=MATRIX_BASIS), PCA(basis=MATRIX_BASIS_POST, rope="post")],
 }
 QUANTIZER_EXAMPLES = {
     "uniform": [
@@ -152,6 +171,8 @@ QUANTIZER_EXAMPLES = {
         MixHQ(fraction=1.0, high_bits=4, low_bits=3, symmetric=True, group_size=0, sink_tokens=2, head_scores=SCORES),
     ],
     "fp8": [FP8Quantizer(), FP8Quantizer(format="e5m2", scaled=True)],
+    "dp-alloc": [DPAlloc(basis=MATRIX_BASIS), DPAlloc(bits=1.5, max_bits=4, grid="minmax", basis=MATRIX_BASIS),
+                 DPAlloc(bits=8, basis=MATRIX_BASIS_POST)],
 }
 _OPTIONAL_CODECS = {  # codecs written alongside this library, with examples once registered
     "range": lambda cls: [cls(), cls(model="per_head")],
@@ -161,8 +182,8 @@ CODEC_EXAMPLES = {"bitpack": [BitPack()]} | {
     name: examples(CODECS[name]) for name, examples in _OPTIONAL_CODECS.items() if name in CODECS
 }
 
-ALL_TRANSFORMS = [t for ts in TRANSFORM_EXAMPLES.values() for t in ts]
-ALL_QUANTIZERS = [q for qs in QUANTIZER_EXAMPLES.values() for q in qs]
+ALL_TRANSFORMS = [t for name, ts in TRANSFORM_EXAMPLES.items() if name not in BASIS_BOUND for t in ts]
+ALL_QUANTIZERS = [q for name, qs in QUANTIZER_EXAMPLES.items() if name not in BASIS_BOUND for q in qs]
 UNIFORM = QUANTIZER_EXAMPLES["uniform"]
 PLAIN_UNIFORM = UNIFORM[:11]  # one width, no windows: the block kernel alone
 ALL_CODECS = [c for cs in CODEC_EXAMPLES.values() for c in cs]
@@ -177,6 +198,25 @@ def _transform_samples() -> list[PolicyConfig]:
     for i, t in enumerate(t for t in ALL_TRANSFORMS if not t.is_identity):
         for j in range(i % 3, n, 3):
             out.append(PolicyConfig(transforms=(t,), key=ALL_QUANTIZERS[j], value=ALL_QUANTIZERS[(j + 1) % n]))
+    return out
+
+
+def _uses_basis(p: PolicyConfig) -> bool:
+    return any(c.name in BASIS_BOUND for c in (*p.transforms, p.key, p.value))
+
+
+def _basis_bound_samples() -> list[PolicyConfig]:
+    """pca (pre and post RoPE) with dp-alloc, uniform, bfloat16 and fp8, after other transforms,
+    with every codec."""
+    pre, post = TRANSFORM_EXAMPLES["pca"]
+    dp = QUANTIZER_EXAMPLES["dp-alloc"]
+    out = [PolicyConfig(transforms=(pre,), key=dp[0], value=dp[1], codec=c) for c in ALL_CODECS]
+    out += [
+        PolicyConfig(transforms=(post,), key=dp[2], value=NoQuantizer()),
+        PolicyConfig(transforms=(pre,), key=UNIFORM[1], value=QUANTIZER_EXAMPLES["fp8"][0]),
+        PolicyConfig(transforms=(Hadamard(), pre), key=NoQuantizer(), value=dp[0], codec=ALL_CODECS[-1]),
+        PolicyConfig(transforms=(Affine(shift=True), post), key=UNIFORM[11], value=UNIFORM[12]),
+    ]
     return out
 
 
@@ -205,7 +245,10 @@ POLICIES = (
         PolicyConfig(transforms=(Delta(group_size=4, anchor_bits=3), Delta(group_size=6, anchor_bits=7)),
                      key=UNIFORM[1], value=QUANTIZER_EXAMPLES["fp8"][0]),
     ]
+    + _basis_bound_samples()
 )
+# policies of components with compiled kernels (every one but BASIS_BOUND)
+KERNEL_POLICIES = [p for p in POLICIES if not _uses_basis(p)]
 # bfloat16 input on a sample (every policy runs on float32)
 BF16_POLICIES = POLICIES[::5]
 
@@ -215,8 +258,8 @@ def _id(p: PolicyConfig) -> str:
 
 
 def test_every_registered_component_is_in_the_matrix():
-    assert set(TRANSFORMS) == set(TRANSFORM_EXAMPLES) == {"identity", "hadamard", "delta", "affine"}
-    assert set(QUANTIZERS) == set(QUANTIZER_EXAMPLES) == {"uniform", "none", "mixhq", "fp8"}
+    assert set(TRANSFORMS) == set(TRANSFORM_EXAMPLES) == {"identity", "hadamard", "delta", "affine", "pca"}
+    assert set(QUANTIZERS) == set(QUANTIZER_EXAMPLES) == {"uniform", "none", "mixhq", "fp8", "dp-alloc"}
     assert set(CODECS) == set(CODEC_EXAMPLES) and "bitpack" in CODECS
     used = {(kind, c.name) for p in POLICIES for kind, c in
             [*(("transform", t) for t in p.transforms), ("quantizer", p.key), ("quantizer", p.value), ("codec", p.codec)]}
@@ -258,7 +301,7 @@ def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtyp
 
 @pytest.mark.parametrize(
     "cfg, dtype",
-    [(p, torch.float32) for p in POLICIES] + [(p, torch.bfloat16) for p in BF16_POLICIES],
+    [(p, torch.float32) for p in KERNEL_POLICIES] + [(p, torch.bfloat16) for p in BF16_POLICIES if not _uses_basis(p)],
     ids=lambda x: x.label if isinstance(x, PolicyConfig) else str(x).removeprefix("torch."),
 )
 def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
@@ -277,6 +320,20 @@ def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
 
 
+@pytest.mark.parametrize("cfg", [p for p in POLICIES if _uses_basis(p)], ids=_id)
+def test_basis_bound_policies_have_no_kernel_path_and_auto_is_the_reference(cfg):
+    """pca / dp-alloc are pure torch: the fast path says so (impl="fast" is a typed error) and
+    "auto" writes and reads the reference bytes."""
+    assert not fastpath.supports(cfg)
+    kv = make_kv(MATRIX_SHAPES, seed=7)
+    with pytest.raises(ConfigError, match="no fast path"):
+        encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="fast")
+    stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET)
+    assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference")
+    for (k1, v1), (k2, v2) in zip(decode_kv(stream, expect=cfg), decode_kv(stream, impl="reference")):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 # degenerate but meaningful shapes (one head, one token, no tokens, one channel, batch 2), encoded
 # at layer MATRIX_OFFSET where mixhq's scores have 2 heads; and shapes that are no KV cache
 DEGENERATE_SHAPES = [(1, 2, 1, 1), (1, 2, 0, 16), (2, 2, 3, 1), (1, 2, 1, 16), (1, 2, 0, 1)]
@@ -284,12 +341,12 @@ REFUSED_SHAPES = {(0, 2, 8, 16): "batch = 0", (1, 0, 8, 16): "kv_heads = 0", (1,
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])
-@pytest.mark.parametrize("cfg", POLICIES, ids=_id)
+@pytest.mark.parametrize("cfg", KERNEL_POLICIES, ids=_id)
 def test_every_component_round_trips_degenerate_shapes_and_refuses_empty_axes(cfg, impl):
     """Every registered component (the matrix) on tiny and empty shapes: they encode, decode to
     the in-memory pipeline's tensors on both paths, with the same bytes; shapes with no batch,
     heads or channels are refused at encode with a typed error (an ``affine`` stream of 0 heads
-    used to encode and then fail to decode)."""
+    used to encode and then fail to decode). Basis-bound components: test_pca.py."""
     for shape in DEGENERATE_SHAPES:
         kv = make_kv([(shape, shape)], seed=11)
         stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)

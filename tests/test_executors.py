@@ -198,15 +198,16 @@ def test_a_worker_reads_the_run_folders_calibration_and_hands_back_only_new_file
     st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "x", **MIXHQ)
     first = TrialWorker(METHODS["tqc"], st, {}, {}, threads=1)
     made = first.handoff()
-    assert sorted(made.files) == ["calibration.json"]  # calibrated in its scratch folder
+    # calibrated in its scratch folder: MixHQ head scores, and the PCA basis of the kvtc presets
+    assert sorted(made.files) == ["calibration.json", "pca_basis.safetensors"]
     stored = json.loads(made.files["calibration.json"])
     scores = [[round(1.0 - v, 4) for v in layer] for layer in stored["head_scores"]["scores"]]  # other heads
     stored["head_scores"]["scores"] = scores
-    given = {"calibration.json": json.dumps(stored).encode()}
+    given = {"calibration.json": json.dumps(stored).encode(), "pca_basis.safetensors": made.files["pca_basis.safetensors"]}
     second = TrialWorker(METHODS["tqc"], st, given, {}, threads=1)
     handoff = second.handoff()
     assert handoff.files == {}
-    expected = load_space("presets").with_head_scores(scores)
+    expected = load_space("presets").with_head_scores(scores).with_pca_basis(stored["pca_bases"]["pre"]["digest"])
     assert [c.policy_id for c in handoff.view.space.candidates] == [c.policy_id for c in expected.candidates]
     assert handoff.view.lm is None and handoff.view.workload is None
     for worker in (first, second):

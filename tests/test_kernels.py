@@ -431,6 +431,44 @@ def test_all_finite_matches_isfinite(n):
     assert not K.all_finite_f32(x) and K.all_finite_f32(np.zeros((2, 3, 5), np.float32))
 
 
+def test_crc32_folds_with_clmul_on_x86_hosts_that_have_it():
+    """The fast CRC is not silently off on the development machines (x86-64 with pclmul)."""
+    import platform
+
+    import llvmlite.binding as llvm
+
+    host = platform.machine().lower() in ("x86_64", "amd64") and llvm.get_host_cpu_features().get("pclmul", False)
+    from numba.core import config
+
+    if config.CPU_NAME is None and config.CPU_FEATURES is None:
+        assert K.CRC32_CLMUL == bool(host)
+
+
+@covers("max_magnitude_bf16", "max_magnitude_f32")
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 33, 1000])
+def test_max_magnitude_matches_abs_amax(n):
+    """The bit pattern of ``x.abs().amax()``; at or above inf's pattern exactly when a value is
+    NaN or inf (then ``isfinite`` is False), for bfloat16 bits and float32."""
+    rng = np.random.default_rng(n)
+    for bad in (None, np.nan, -np.nan, np.inf, -np.inf, 3e38, -65504.0, 0.0):
+        for pos in ((0, n - 1, n // 2) if n else (0,)):
+            x = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 1e3)
+            if bad is not None and n:
+                x[pos] = bad
+            for arr, fn, t, inf in ((x.numpy(), K.max_magnitude_f32, x, 0x7F800000),
+                                    (bf16_bits(x), K.max_magnitude_bf16, x.to(torch.bfloat16), 0x7F80)):
+                got = fn(arr)
+                finite = bool(torch.isfinite(t).all())
+                assert (got < inf) == finite, (n, bad, pos, fn.__name__)
+                if finite:
+                    ref = float(t.abs().amax()) if n else 0.0
+                    shift = 16 if inf == 0x7F80 else 0
+                    assert float(np.array([got << shift], np.uint32).view(np.float32)[0]) == ref, (n, bad, pos)
+    x = np.zeros((2, 3, 5), np.float32)  # any shape; the sign does not count
+    x[1, 2, 4] = -2.5
+    assert K.max_magnitude_f32(x) == int(np.float32(2.5).view(np.uint32))
+
+
 @covers("to_float32")
 @pytest.mark.parametrize("n", [0, 1, 13, 64])
 def test_to_float32_matches_torch(n):
@@ -653,13 +691,20 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
 
 
 @covers("crc32_update", "crc32_combine")
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 1000, 4099])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 63, 64, 65, 79, 80, 127, 128, 129, 191, 192, 1000, 4099, 1 << 17])
 def test_crc32_matches_zlib(n):
+    """Around the carry-less folding's boundaries (64 bytes to start, 64-byte steps, 16-byte
+    blocks, then a byte tail), on writable and read-only arrays and slices at odd offsets."""
     rng = np.random.default_rng(n)
     a = rng.integers(0, 256, size=n).astype(np.uint8)
     b = rng.integers(0, 256, size=(n * 7) % 61).astype(np.uint8)
     for seed in (0, 0xFFFFFFFF, 0x12345678):
         assert K.crc32_update(seed, a) == zlib.crc32(a.tobytes(), seed)
+    ro = a.copy()
+    ro.flags.writeable = False
+    assert K.crc32_update(7, ro) == zlib.crc32(a.tobytes(), 7)
+    if n > 3:
+        assert K.crc32_update(0, a[3:]) == zlib.crc32(a[3:].tobytes())  # unaligned start
     ca, cb = zlib.crc32(a.tobytes()), zlib.crc32(b.tobytes())
     assert K.crc32_combine(ca, cb, b.size) == zlib.crc32(a.tobytes() + b.tobytes())
     assert K.crc32_combine(ca, 0, 0) == ca
@@ -672,6 +717,7 @@ def test_warm_up_compiles_the_fast_path_kernels():
     for fn in (K.encode_segments, K.decode_segments, K.to_float32, K.store_output, K.hadamard_rows, K.delta_rows,
                K.affine_fit, K.affine_rows, K.crc32_combine):
         assert fn.signatures, fn.__name__
+    assert len(K.crc32_update.signatures) >= 2  # writable sections and read-only streams
     assert len(K.encode_segments.signatures) >= 2  # float32 and bfloat16-bits inputs
 
 

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from kvtune.codecs import CODECS, BitPack, PolicyConfig, decode_kv, encode_kv, read_header
-from kvtune.codecs.presets import PRESETS_PATH, load_presets, missing_components, read_presets
+from kvtune.codecs.presets import (
+    PRESETS_PATH,
+    calibration_needs,
+    check_calibrated,
+    load_presets,
+    missing_components,
+    read_presets,
+)
 from kvtune.core.errors import ConfigError
 
 try:  # the range codec is written alongside this library; the cachegen preset needs it
@@ -20,7 +27,7 @@ try:  # the range codec is written alongside this library; the cachegen preset n
 except ImportError:
     pass
 
-NAMES = ["kivi-2", "kivi-4", "cachegen", "quarot-4", "duo-like", "fp8", "none"]
+NAMES = ["kivi-2", "kivi-4", "cachegen", "quarot-4", "duo-like", "kvtc-2", "kvtc-3", "fp8", "none"]
 SHAPE = (1, 3, 1024, 64)  # SmolLM2-135M: 3 KV heads, head_dim 64; 1,024 tokens
 SCORES = [[0.1, 0.9, 0.3]]  # one layer: head 1 is the retrieval head (1 of 3 at fraction 0.25)
 
@@ -148,6 +155,56 @@ def test_duo_like_needs_head_scores(presets):
     ready = cfg.with_head_scores(SCORES)
     q = ready.value.quantize(kv_of()[0][1], layer=0, kind="value")
     assert q.bits_per_head().tolist() == [3.0, 9.0, 3.0]
+
+
+def kvtc_basis(layers: int = 1, tokens: int = 512):
+    """A pre-RoPE PCA basis fitted on :func:`kv_of` KV of SHAPE's geometry (other seed)."""
+    from kvtune.codecs.pca import RopeSpec, fit_pca_basis, register_basis
+
+    rope = (RopeSpec(1.0 / 10000 ** (torch.arange(0, SHAPE[3], 2, dtype=torch.float32) / SHAPE[3]), 1.0),) * layers
+    basis = fit_pca_basis([kv_of((1, SHAPE[1], tokens, SHAPE[3]), layers=layers, seed=7)], key_rope="pre", rope=rope)
+    register_basis(basis)
+    return basis
+
+
+@pytest.mark.skipif("range" not in CODECS, reason="the kvtc presets are range coded")
+def test_kvtc_presets_need_a_pca_basis_and_then_cost_their_bits(presets):
+    from kvtune.codecs.pca import BasisNotLoadedError
+
+    kv = kv_of()
+    errors, bits = {}, {}
+    digest = kvtc_basis().digest
+    for name, b in (("kvtc-2", 2), ("kvtc-3", 3)):
+        cfg = presets[name]
+        assert cfg.label == f"pca:pre|K:dp{b}/s4|V:dp{b}/s4|range" and calibration_needs(cfg) == ["a PCA basis (pre-RoPE keys)"]
+        with pytest.raises(BasisNotLoadedError, match="without a basis"):
+            encode_kv(kv, cfg)
+        with pytest.raises(ConfigError, match=f"preset '{name}' needs a PCA basis \\(pre-RoPE keys\\).*--space presets"):
+            check_calibrated(name, cfg)
+        ready = cfg.with_pca_basis(digest)
+        assert calibration_needs(ready) == [] and check_calibrated(name, ready) is ready
+        stream = encode_kv(kv, ready)
+        h = read_header(stream)
+        # per token B = b * 192 bits over the 192 components, tokens 0-3 as bfloat16 coefficients; range coded
+        # symbols never cost more than their width (plus the coder's tables)
+        plain = read_header(encode_kv(kv, dataclasses.replace(ready, codec=BitPack())))
+        # (each segment of one width is padded to whole bytes: < 1 byte for each of at most 8 widths)
+        assert 0 <= plain.payload_nbytes * 8 - 2 * (4 * 192 * 16 + 1020 * b * 192) < 2 * 8 * 8
+        assert h.payload_nbytes < plain.payload_nbytes
+        bits[name] = 8 * len(stream) / h.num_elements
+        (k2, v2), = decode_kv(stream, expect=ready)
+        errors[name] = float((v2 - kv[0][1]).norm() / kv[0][1].norm())
+    assert bits["kvtc-2"] < 2.1 and bits["kvtc-3"] < 3.1 and bits["kvtc-2"] < bits["kvtc-3"]
+    assert errors["kvtc-3"] < errors["kvtc-2"] < 0.5  # isotropic Gaussian values: ~0.3 at 2 bits (no PCA gain)
+
+
+def test_calibration_needs_name_head_scores_and_nothing_for_ready_presets(presets):
+    assert calibration_needs(presets["duo-like"]) == ["MixHQ head scores"]
+    with pytest.raises(ConfigError, match="preset 'duo-like' needs MixHQ head scores"):
+        check_calibrated("duo-like", presets["duo-like"])
+    assert [n for n, c in presets.items() if calibration_needs(c)] == [
+        n for n in ("duo-like", "kvtc-2", "kvtc-3") if n in presets]
+    assert calibration_needs(_ready(presets["duo-like"])) == [] and calibration_needs(presets["kivi-2"]) == []
 
 
 # ----------------------------------------------------------------------------- malformed files

@@ -62,6 +62,8 @@ SCD_BAD = [
     ("profile_contexts", "0", r"--set profile_contexts=0: .*>= 1"),
     ("holdout_fraction", "2", r"--set holdout_fraction=2.0: .*in \(0, 1\)"),
     ("holdout_fraction", "0", r"--set holdout_fraction=0.0: .*in \(0, 1\)"),
+    ("tqc_presets", "kivi-4,kvtc-2", r"--set tqc_presets=kivi-4,kvtc-2: preset 'kvtc-2' needs a PCA basis \(pre-RoPE keys\)"),
+    ("tqc_presets", "duo-like", r"--set tqc_presets=duo-like: preset 'duo-like' needs MixHQ head scores"),
 ]
 
 

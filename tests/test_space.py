@@ -19,11 +19,30 @@ def _write(tmp_path, body: str):
 
 def test_default_space_enumerates_the_full_product():
     space = load_space("default")
-    assert len(space) == 2 * 4 * 2 * 2 * 4 * 2
+    uniform = [c for c in space.candidates if c.params["kv.name"] == "uniform"]
+    assert len(uniform) == 2 * 4 * 2 * 2 * 4 * 2
+    assert all(c.config.codec.name == "bitpack" and c.config.value.granularity == "per_token" for c in uniform)
+    pca = [c for c in space.candidates if c.params["kv.name"] == "dp-alloc"]
+    assert [c.config.label for c in pca] == ["pca:pre|K:dp2/s4|V:dp2/s4|range", "pca:pre|K:dp3/s4|V:dp3/s4|range"]
+    assert len(space) == len(uniform) + len(pca) and space.needs_pca_basis and space.pca_ropes_missing == {"pre"}
     ids = [c.policy_id for c in space.candidates]
     assert len(set(ids)) == len(ids)
     first = space.candidates[0].config.to_dict()
     assert first["codec"]["name"] == "bitpack" and first["value"]["granularity"] == "per_token"
+
+
+def test_full_space_has_the_pca_family_and_subset_keeps_the_replay_candidates():
+    space = load_space("full")
+    pca = [c for c in space.candidates if c.params["kv.name"] == "dp-alloc"]
+    assert sorted((c.config.key.bits, c.config.codec.name) for c in pca) == sorted(
+        (b, codec) for b in (1.5, 2, 3, 4) for codec in ("bitpack", "range"))
+    assert all(c.config.transforms[0].rope == "pre" and c.config.key.sink_tokens == 4 for c in pca)
+    assert len(space) == 1280 + 768 + 16 + 8
+    others = [c.policy_id for c in space.candidates if c.params["kv.name"] != "dp-alloc"]
+    sub = space.subset(others + ["not-an-id"])
+    assert [c.policy_id for c in sub.candidates] == others and [c.index for c in sub.candidates] == list(range(len(others)))
+    with pytest.raises(SpaceError, match="none of the 2072 candidates"):
+        space.subset([])
 
 
 def test_assignment_paths():
@@ -82,8 +101,8 @@ def test_precision_partial_order():
     by = {tuple(sorted(c.params.items())): c for c in space.candidates}
 
     def get(**kw):
-        base = {"transforms": "identity", "key.bits": 4, "key.granularity": "per_channel", "key.group_size": 32,
-                "value.bits": 4, "value.group_size": 32}
+        base = {"transforms": "identity", "kv.name": "uniform", "key.bits": 4, "key.granularity": "per_channel",
+                "key.group_size": 32, "value.bits": 4, "value.granularity": "per_token", "value.group_size": 32}
         base.update({k.replace("_", ".", 1) if k.startswith(("key_", "value_")) else k: v for k, v in kw.items()})
         return by[tuple(sorted(base.items()))]
 

@@ -23,8 +23,8 @@ newly registered component, a big-endian host, numba missing -- uses the referen
 :func:`~kvtune.codecs.encode_kv` / :func:`~kvtune.codecs.decode_kv`.
 
 Ranges: like the reference, encoding refuses a value beyond a segment's block range
-(:func:`kvtune.codecs.base.check_value_range`; one extra pass over the tensor unless its dtype
-cannot exceed the plan's smallest limit, e.g. float16 input for ``uniform`` of 2+ bits), and a
+(:func:`kvtune.codecs.base.check_value_range`, run only when the tensor's largest magnitude,
+found by the same pass as the NaN / inf check, exceeds the plan's smallest limit), and a
 float16 output saturates at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`).
 
 Threads: :func:`num_threads` (default: ``torch.get_num_threads()``). The output never depends
@@ -54,7 +54,7 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.checksum import crc32
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
-from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE
+from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
@@ -320,18 +320,22 @@ def _apply_transforms(x: np.ndarray, plan: _Plan, out: np.ndarray) -> np.ndarray
     return y
 
 
-def _check_value_range(x: np.ndarray, plan: _Plan, layer: int, kind: str) -> None:
-    """Refuse values beyond a segment's block range, as the reference does
-    (:func:`kvtune.codecs.base.check_value_range`, which words the error): one pass for the
-    largest magnitude (a bfloat16's is its bits without the sign), the per-segment check only
-    when it exceeds the smallest limit of the plan."""
+def _magnitude(x: np.ndarray) -> tuple[bool, float]:
+    """``(finite, amax)`` of a bfloat16-bits or float32 array in one pass
+    (:func:`kvtune.codecs.kernels.max_magnitude_bf16` / ``max_magnitude_f32``): whether no
+    value is NaN or inf, and the largest ``|x|`` (NaN or inf when one is)."""
     if x.dtype == np.uint16:
-        mag = _scratch(x.nbytes)[: x.nbytes].view(np.uint16)
-        np.bitwise_and(x.reshape(-1), np.uint16(0x7FFF), out=mag)
-        amax = float(np.array([int(mag.max()) << 16], np.uint32).view(np.float32)[0]) if x.size else 0.0
-    else:
-        hi, lo = (float(x.max()), float(x.min())) if x.size else (0.0, 0.0)
-        amax = hi if hi >= -lo else -lo  # NaN (a transform's overflow) propagates
+        bits = K.max_magnitude_bf16(x)
+        return bits < 0x7F80, float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+    bits = K.max_magnitude_f32(x)
+    return bits < 0x7F800000, float(np.array([bits], np.uint32).view(np.float32)[0])
+
+
+def _check_value_range(x: np.ndarray, amax: float, plan: _Plan, layer: int, kind: str) -> None:
+    """Refuse values beyond a segment's block range, as the reference does
+    (:func:`kvtune.codecs.base.check_value_range`, which words the error): the per-segment
+    check runs only when the largest magnitude ``amax`` of ``x`` exceeds the smallest limit of
+    the plan (or is NaN)."""
     if amax <= plan.value_limit:
         return
     y = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float() if x.dtype == np.uint16 else torch.from_numpy(x)
@@ -373,7 +377,8 @@ def _encode_one(task) -> tuple[list, int, int]:
     """One K or V tensor -> ``(sections, crc32 of their concatenation, total bytes)``."""
     t, comp, kind, layer, index = task
     x = _input_array(t)
-    if not (K.all_finite_bf16(x) if x.dtype == np.uint16 else K.all_finite_f32(x)):
+    finite, amax = _magnitude(x)
+    if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     plan = comp.plan(kind, x.shape, layer)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
@@ -382,8 +387,8 @@ def _encode_one(task) -> tuple[list, int, int]:
     out = _empty(plan.nbytes, np.uint8)  # the bitpack layout; other codecs use its state and metadata bytes
     if plan.transforms:
         x = _apply_transforms(x, plan, out)
-    if plan.transforms or DTYPE_MAX[t.dtype] > plan.value_limit:  # else every value is in range
-        _check_value_range(x, plan, layer, kind)
+        amax = _magnitude(x)[1]
+    _check_value_range(x, amax, plan, layer, kind)
     if comp.bitpack:
         seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2])
         if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
@@ -413,8 +418,9 @@ def _encode_one(task) -> tuple[list, int, int]:
 def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     """Sections of every tensor of ``kv``, with their CRCs.
 
-    Each task first checks its tensor for NaN / inf with one vectorized integer pass over the
-    exponent bits (:func:`kvtune.codecs.kernels.all_finite_bf16`), on the codec threads.
+    Each task first checks its tensor for NaN / inf and finds its largest magnitude (for the
+    value limits) with one vectorized integer pass over its bits
+    (:func:`kvtune.codecs.kernels.max_magnitude_bf16`), on the codec threads.
 
     Raises:
         KVInputError: a tensor has a NaN or inf (the first such tensor in layer order, K before V).

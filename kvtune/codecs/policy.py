@@ -5,7 +5,9 @@ A :class:`PolicyConfig` composes transforms (applied in order, inverted in rever
 quantizer for keys, one for values, and a codec. It round-trips through JSON, has a stable
 ``policy_id`` (hash of its canonical JSON) and a compact ``label``. Calibration data a policy
 needs at run time (``mixhq``'s per-head retrieval scores) is part of the configuration
-(:meth:`PolicyConfig.with_head_scores`), so streams stay self-describing.
+(:meth:`PolicyConfig.with_head_scores`), so streams stay self-describing; a calibrated PCA
+basis (``pca`` / ``dp-alloc``, :mod:`kvtune.codecs.pca`) is too large for that and is named by
+its digest (:meth:`PolicyConfig.with_pca_basis`), the basis itself being a run artifact.
 
 Per K or V tensor of layer ``l`` the pipeline is::
 
@@ -45,6 +47,8 @@ import kvtune.codecs.fp8  # noqa: F401  (registers the "fp8" quantizer)
 import kvtune.codecs.mixhq  # noqa: F401  (registers the "mixhq" quantizer)
 import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
 from kvtune.codecs import fastpath, torchpath
+from kvtune.codecs.bitalloc import check_pca_pairing, fill_dp_alloc  # registers "dp-alloc"
+from kvtune.codecs.pca import fill_pca_bases, missing_pca_ropes  # registers "pca"
 from kvtune.codecs.base import (
     Codec,
     MetaField,
@@ -128,6 +132,7 @@ class PolicyConfig:
                 raise ConfigError(f"policy {slot!r} must be a {base.__name__}, got {getattr(self, slot)!r}")
         if type(self.version) is not int or self.version not in POLICY_VERSIONS:  # 1.0 == 1 but is not the schema version
             raise ConfigError(f"policy 'version' = {self.version!r} is not supported; allowed: {POLICY_VERSIONS}")
+        check_pca_pairing(self.transforms, {"key": self.key, "value": self.value})
         floors = tuple(sorted({b for t in self.transforms for b in t.min_bits_values()}))
         for slot in ("key", "value"):
             for bits in getattr(self, slot).symbol_widths(floors):
@@ -243,6 +248,35 @@ class PolicyConfig:
             ConfigError: scores that are not a list of lists of finite numbers.
         """
         return dataclasses.replace(self, key=self.key.with_head_scores(scores), value=self.value.with_head_scores(scores))
+
+    @property
+    def needs_pca_basis(self) -> bool:
+        """True when a ``pca`` transform has no basis yet (:mod:`kvtune.codecs.pca`)."""
+        return bool(missing_pca_ropes(self.transforms))
+
+    @property
+    def pca_ropes_missing(self) -> frozenset[str]:
+        """The ``rope`` modes (``"pre"``/``"post"``) of the ``pca`` transforms without a basis:
+        the bases a calibration must fit for this policy."""
+        return missing_pca_ropes(self.transforms)
+
+    def with_pca_basis(self, bases: str | Mapping[str, str]) -> "PolicyConfig":
+        """A copy whose basis-less ``pca`` transforms get a basis digest, and whose basis-less
+        ``dp-alloc`` quantizers get the digest of the ``pca`` transform they follow.
+
+        Args:
+            bases: a :attr:`kvtune.codecs.pca.PCABasis.digest`, or a mapping ``rope mode ->
+                digest`` (each ``pca`` transform takes the basis of its ``rope``).
+
+        Returns:
+            The new policy (a different :attr:`policy_id` when something was filled in).
+
+        Raises:
+            ConfigError: a digest that is not 64 hex digits.
+        """
+        transforms = fill_pca_bases(self.transforms, bases)
+        return dataclasses.replace(self, transforms=transforms, key=fill_dp_alloc(self.key, transforms),
+                                   value=fill_dp_alloc(self.value, transforms))
 
     # ------------------------------------------------------------------ presets
 

@@ -16,9 +16,14 @@ The presets live in ``kvtune/search/spaces/presets.yaml``, package data read thr
           value: {name: uniform, bits: 2, granularity: per_token, group_size: 32, recent_tokens: 128}
           codec: bitpack
 
-:func:`load_presets` returns ``{name: PolicyConfig}`` in file order. Policies whose quantizer
-ranks heads (``mixhq``, the ``duo-like`` preset) are returned without head scores: fill them in
-from a calibration pass with :meth:`PolicyConfig.with_head_scores` before encoding.
+:func:`load_presets` returns ``{name: PolicyConfig}`` in file order. Some presets need a
+calibration pass on the model's KV before they can encode, and are returned without it:
+policies whose quantizer ranks heads (``mixhq``, the ``duo-like`` preset) need head scores
+(:meth:`PolicyConfig.with_head_scores`); the ``kvtc-*`` presets (KVTC, "KV Cache Transform
+Coding for Compact Storage in LLM Inference", arXiv 2511.01815, sec. 3) need a PCA basis
+(:meth:`PolicyConfig.with_pca_basis`). A profile run calibrates both (``--space presets``);
+code that uses a preset without a run refuses such presets up front
+(:func:`calibration_needs`, :func:`check_calibrated`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from kvtune.codecs.base import CODECS, QUANTIZERS, TRANSFORMS
 from kvtune.codecs.policy import PolicyConfig
 from kvtune.core.errors import ConfigError
 
-__all__ = ["PRESETS_PATH", "PRESETS_VERSION", "Preset", "read_presets", "load_presets", "missing_components"]
+__all__ = ["PRESETS_PATH", "PRESETS_VERSION", "Preset", "read_presets", "load_presets", "missing_components",
+           "calibration_needs", "check_calibrated"]
 
 PRESETS_PATH = Path(str(resources.files("kvtune.search").joinpath("spaces", "presets.yaml")))
 PRESETS_VERSION = 1
@@ -92,6 +98,33 @@ def missing_components(policy: Mapping[str, Any]) -> list[str]:
         if isinstance(name, str) and name not in registry:
             missing.append(f"{slot} {name!r}")
     return missing
+
+
+def calibration_needs(config: PolicyConfig) -> list[str]:
+    """What ``config`` still needs from a calibration pass on the model's KV before it can encode.
+
+    Example: ``["MixHQ head scores"]`` (``duo-like``), ``["a PCA basis (pre-RoPE keys)"]``
+    (``kvtc-2``); ``[]`` for a policy that can encode as it is.
+    """
+    needs = ["MixHQ head scores"] if config.needs_head_scores else []
+    return needs + [f"a PCA basis ({rope}-RoPE keys)" for rope in sorted(config.pca_ropes_missing)]
+
+
+def check_calibrated(name: str, config: PolicyConfig) -> PolicyConfig:
+    """``config`` when it can encode without a calibration pass.
+
+    Raises:
+        ConfigError: it needs one (:func:`calibration_needs`); the message names the preset,
+            what it needs and how to get it.
+    """
+    needs = calibration_needs(config)
+    if needs:
+        raise ConfigError(
+            f"preset {name!r} needs {' and '.join(needs)} from a calibration pass on the model's KV, which is not "
+            "done here: profile it in a run (--space presets; the run calibrates it and keeps the data in "
+            "calibration.json) and use that run's policy table, or fill it in yourself "
+            "(PolicyConfig.with_head_scores / with_pca_basis)")
+    return config
 
 
 def _entry_lines(text: str) -> list[int | None]:

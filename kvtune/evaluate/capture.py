@@ -78,6 +78,25 @@ class Capture:
         return sum(t.numel() * t.element_size() for layer in self.kv for t in layer)
 
 
+def token_stream(tokenizer, documents: list[tuple[str, str]]) -> list[int]:
+    """The documents' token ids in the given order, each followed by the EOS token (when the
+    tokenizer has one): the text :func:`build_contexts` cuts its windows from."""
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for _, text in documents:
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.extend(sep)
+    return stream
+
+
+def window_starts(stream_tokens: int, n_windows: int, window: int) -> list[int]:
+    """Start offsets of :func:`build_contexts`' windows: ``n_windows`` windows of ``window``
+    tokens at evenly spaced offsets of a stream of ``stream_tokens`` tokens (the first at 0;
+    with ``n_windows * window <= stream_tokens`` they never overlap)."""
+    stride = (stream_tokens - window) // max(n_windows - 1, 1)
+    return [i * stride for i in range(n_windows)]
+
+
 def build_contexts(
     tokenizer, documents: list[tuple[str, str]], *, n_contexts: int, context_tokens: int,
     continuation_tokens: int,
@@ -99,11 +118,7 @@ def build_contexts(
     """
     if n_contexts < 1 or context_tokens < 1 or continuation_tokens < 2:
         raise KvtuneError("need --contexts >= 1, --context-tokens >= 1 and --continuation-tokens >= 2")
-    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    stream: list[int] = []
-    for _, text in documents:
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        stream.extend(sep)
+    stream = token_stream(tokenizer, documents)
     head = start_tokens(tokenizer)
     window = context_tokens + continuation_tokens - len(head)
     if window < continuation_tokens + 1:
@@ -113,9 +128,72 @@ def build_contexts(
             f"the text has {len(stream)} tokens, fewer than {n_contexts} contexts x {window} tokens; "
             "use fewer or shorter contexts, or more text"
         )
-    stride = (len(stream) - window) // max(n_contexts - 1, 1)
-    rows = [head + stream[i * stride : i * stride + window] for i in range(n_contexts)]
+    rows = [head + stream[s : s + window] for s in window_starts(len(stream), n_contexts, window)]
     return torch.tensor(rows, dtype=torch.long)
+
+
+def gap_window_starts(stream_tokens: int, taken: list[int], taken_window: int, n_windows: int,
+                      window: int) -> list[int]:
+    """Start offsets of ``n_windows`` windows of ``window`` tokens that share no position with
+    the windows ``[t, t + taken_window)`` for ``t`` in ``taken`` (sorted, non-overlapping):
+    the free stretches (between those windows and after the last) are cut into slots of
+    ``window`` tokens, and ``n_windows`` slots evenly spread over them are returned, in order.
+
+    Returns:
+        The starts (an empty list for ``n_windows == 0``).
+
+    Raises:
+        KvtuneError: fewer than ``n_windows`` slots fit (the message names ``--contexts`` and
+            ``--context-tokens``); ``n_windows < 0`` or ``window < 1``.
+    """
+    if n_windows < 0 or window < 1:
+        raise KvtuneError(f"need >= 0 calibration windows of >= 1 token, got {n_windows} x {window}")
+    edges = [t + taken_window for t in taken]
+    ends = taken[1:] + [stream_tokens]
+    slots = [a + j * window for a, b in zip(edges, ends) for j in range(max(b - a, 0) // window)]
+    if len(slots) < n_windows:
+        raise KvtuneError(
+            f"the text has {stream_tokens} tokens: beside the {len(taken)} evaluation windows of {taken_window} "
+            f"tokens there is room for {len(slots)} calibration windows of {window} tokens, not {n_windows}; "
+            "use fewer --contexts or a shorter --context-tokens / --continuation-tokens, or more text")
+    return [slots[j * len(slots) // n_windows] for j in range(n_windows)]
+
+
+def build_calibration_contexts(
+    tokenizer, documents: list[tuple[str, str]], *, n_contexts: int, context_tokens: int,
+    continuation_tokens: int, calibration_contexts: int, calibration_tokens: int,
+) -> torch.Tensor:
+    """Calibration windows that share no token of the text with :func:`build_contexts`' windows.
+
+    ``calibration_contexts`` windows of ``calibration_tokens`` tokens (start tokens included,
+    as in :func:`build_contexts`) placed in the text between and after the evaluation windows
+    of ``build_contexts(tokenizer, documents, n_contexts=..., context_tokens=...,
+    continuation_tokens=...)`` (:func:`gap_window_starts`). For calibrations that must not see
+    the evaluated text, e.g. the PCA basis of KVTC ("KV Cache Transform Coding for Compact
+    Storage in LLM Inference", arXiv 2511.01815, sec. 3), fitted once on data apart from the
+    evaluation.
+
+    Returns:
+        ``(calibration_contexts, calibration_tokens)`` int64 tensor.
+
+    Raises:
+        KvtuneError: the text cannot hold the evaluation windows, or not these calibration
+            windows beside them (the message names ``--contexts`` and ``--context-tokens``), or
+            ``calibration_tokens`` not longer than the tokenizer's start tokens.
+    """
+    stream = token_stream(tokenizer, documents)
+    head = start_tokens(tokenizer)
+    window = context_tokens + continuation_tokens - len(head)
+    calib = calibration_tokens - len(head)
+    if calib < 1:
+        raise KvtuneError(f"calibration windows of {calibration_tokens} tokens are too short for the tokenizer's "
+                          f"{len(head)} start tokens")
+    if n_contexts < 1 or window < 1 or len(stream) < n_contexts * window:
+        raise KvtuneError(f"the text has {len(stream)} tokens, fewer than {n_contexts} contexts x {window} tokens; "
+                          "use fewer --contexts or a shorter --context-tokens, or more text")
+    taken = window_starts(len(stream), n_contexts, window)
+    starts = gap_window_starts(len(stream), taken, window, calibration_contexts, calib)
+    return torch.tensor([head + stream[s : s + calib] for s in starts], dtype=torch.long).reshape(len(starts), -1)
 
 
 #: Storage dtype of captured KV per ``--kv-dtype`` (None: the model's own dtype).

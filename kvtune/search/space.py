@@ -194,6 +194,44 @@ class SearchSpace:
         return SearchSpace(name=self.name, path=self.path, description=self.description,
                            parameters=self.parameters, fixed=self.fixed, candidates=cands)
 
+    @property
+    def pca_ropes_missing(self) -> frozenset[str]:
+        """The ``rope`` modes of the ``pca`` transforms still without a basis, over all
+        candidates (empty: no candidate needs a PCA calibration)."""
+        return frozenset().union(*(c.config.pca_ropes_missing for c in self.candidates))
+
+    @property
+    def needs_pca_basis(self) -> bool:
+        """Whether some candidate has a ``pca`` transform without a basis."""
+        return bool(self.pca_ropes_missing)
+
+    def with_pca_basis(self, bases) -> "SearchSpace":
+        """A copy whose candidates carry PCA basis digests (:meth:`PolicyConfig.with_pca_basis`).
+
+        Args:
+            bases: a digest, or a mapping ``rope mode -> digest`` (see :mod:`kvtune.codecs.pca`).
+        """
+        cands = [Candidate(index=c.index, params=c.params, config=c.config.with_pca_basis(bases))
+                 for c in self.candidates]
+        return SearchSpace(name=self.name, path=self.path, description=self.description,
+                           parameters=self.parameters, fixed=self.fixed, candidates=cands)
+
+    def subset(self, policy_ids) -> "SearchSpace":
+        """A copy with the candidates whose ``policy_id`` is in ``policy_ids`` only, in this
+        space's order, renumbered from 0 (e.g. the candidates a replay table holds, when the
+        space file gained candidates after the table was evaluated).
+
+        Raises:
+            SpaceError: no candidate is kept.
+        """
+        keep = set(policy_ids)
+        cands = [Candidate(index=i, params=c.params, config=c.config)
+                 for i, c in enumerate(c for c in self.candidates if c.policy_id in keep)]
+        if not cands:
+            raise SpaceError(f"{self.path}: none of the {len(self)} candidates of space {self.name!r} is kept")
+        return SearchSpace(name=self.name, path=self.path, description=self.description,
+                           parameters=self.parameters, fixed=self.fixed, candidates=cands)
+
     def family(self, candidate: Candidate) -> tuple:
         """Hashable family key: the candidate's categorical values and which parameters are
         active. Candidates of one family differ only in numeric parameters."""

@@ -14,7 +14,9 @@ Sources, in order of precedence:
 * the run's ``run.json`` (``model_info``: ``num_layers``, ``kv_heads``, ``head_dim``, ``dtype``;
   ``settings.kv_dtype``): the run folder itself, or the folder of a table file whose ``run.json``
   names the same run as the table's metadata (``extra.run``);
-* the run's ``calibration.json`` (MixHQ head scores, written by the profiler), same folder;
+* the run's ``calibration.json`` (MixHQ head scores, written by the profiler), same folder, and
+  the PCA basis files it names (``pca_basis*.safetensors``, loaded and registered for ``pca`` /
+  ``dp-alloc`` policies, :mod:`kvtune.codecs.pca`);
 * explicit arguments override both (``model_info=``, ``head_scores=``).
 """
 
@@ -133,12 +135,15 @@ class ServingArtifacts:
         geometry: the profiled model's geometry, or None when no source records it.
         head_scores: MixHQ head scores (``[layer][kv_head]``) or None.
         run_dir: the run folder the run files were read from, or None.
+        pca_bases: digests of the PCA bases loaded from the run folder and registered in this
+            process (:mod:`kvtune.codecs.pca`), for ``pca`` / ``dp-alloc`` policies.
     """
 
     table: PolicyTable
     geometry: ModelGeometry | None
     head_scores: tuple[tuple[float, ...], ...] | None
     run_dir: Path | None
+    pca_bases: tuple[str, ...] = ()
 
 
 def _read_small_json(path: Path, error: type[KvtuneError]) -> Any:
@@ -212,6 +217,39 @@ def _head_scores(run_dir: Path | None, head_scores: Any) -> tuple[tuple[float, .
         raise CalibrationError(f"{source}: {exc}") from None
 
 
+def load_pca_bases(run_dir: Path | None) -> tuple[str, ...]:
+    """Load and register the PCA bases ``calibration.json`` records (``pca_bases.<rope>``:
+    ``digest``, ``file`` in the run folder); their digests."""
+    from kvtune.codecs.pca import BasisError, load_basis, register_basis
+
+    path = None if run_dir is None else run_dir / "calibration.json"
+    if path is None or not path.is_file():
+        return ()
+    doc = _read_small_json(path, CalibrationError)
+    entries = doc.get("pca_bases") if isinstance(doc, dict) else None
+    if entries is None:
+        return ()
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) and isinstance(e.get("digest"), str)
+                                                and isinstance(e.get("file"), str) for e in entries.values()):
+        raise CalibrationError(f"{path}: pca_bases must map rope modes to {{digest, file}} objects")
+    digests = []
+    for entry in entries.values():
+        try:
+            basis = load_basis(run_dir / Path(entry["file"]).name, expect=entry["digest"])
+        except BasisError as exc:
+            raise CalibrationError(f"{path}: {exc}") from None
+        digests.append(register_basis(basis))
+    return tuple(digests)
+
+
+def pca_problems(config: PolicyConfig) -> list[str]:
+    """Digests of the PCA bases ``config`` names that are not registered in this process."""
+    from kvtune.codecs.pca import registered_digests
+
+    named = {getattr(c, "basis", "") for c in (*config.transforms, config.key, config.value)} - {""}
+    return sorted(named - set(registered_digests()))
+
+
 def load_artifacts(
     table: str | os.PathLike[str] | PolicyTable,
     *,
@@ -231,10 +269,12 @@ def load_artifacts(
         TableError: the table is missing or malformed, or ``table`` is not a path or table.
         ModelMismatchError: ``run.json`` belongs to another model or its geometry is malformed;
             ``model_info`` or the table's ``extra.model_info`` is malformed.
-        CalibrationError: the calibration file or ``head_scores`` is malformed.
+        CalibrationError: the calibration file or ``head_scores`` is malformed, or a PCA basis
+            file it names is missing, malformed or not the recorded digest.
     """
     tbl, run_dir = _table_and_run_dir(table)
-    return ServingArtifacts(tbl, _geometry(tbl, run_dir, model_info), _head_scores(run_dir, head_scores), run_dir)
+    return ServingArtifacts(tbl, _geometry(tbl, run_dir, model_info), _head_scores(run_dir, head_scores), run_dir,
+                            load_pca_bases(run_dir))
 
 
 def policy_configs(
@@ -253,7 +293,8 @@ def policy_configs(
             that does not parse or is not the configuration of its ``policy_id`` (an edited
             table: the id is the hash of the configuration), a policy listed with two different
             configurations (as a row and as a runner-up), or no bucket for ``q_min`` / ``key``.
-        CalibrationError: a ``mixhq`` policy without head scores and none given.
+        CalibrationError: a ``mixhq`` policy without head scores and none given, or a ``pca``
+            policy whose basis is not loaded (:func:`pca_problems`).
     """
     floor = table.floor_for(q_min, key=key)
     rows = table.intervals(floor, key=key)
@@ -289,6 +330,12 @@ def policy_configs(
                     "pass head_scores="
                 )
             config = config.with_head_scores(head_scores)
+        missing = pca_problems(config)
+        if missing:
+            raise CalibrationError(
+                f"policy {pid} ({label}) uses PCA basis {missing[0]}, which is not loaded: keep the run's "
+                "calibration.json and pca_basis*.safetensors beside the table (or load the run folder), or "
+                "register it with kvtune.codecs.pca.register_basis(load_basis(path))")
         out[pid] = config
     return out
 

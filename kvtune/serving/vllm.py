@@ -254,15 +254,17 @@ class StaticPolicy:
         """Build from a preset name or a policy dict.
 
         Raises:
-            ConfigError: an unknown preset, a malformed policy dict, or neither.
+            ConfigError: an unknown preset, a preset that needs a calibration pass (MixHQ head
+                scores, a PCA basis: :func:`kvtune.codecs.presets.check_calibrated`), a malformed
+                policy dict, or neither.
         """
         if isinstance(policy, str):
-            from kvtune.codecs.presets import load_presets
+            from kvtune.codecs.presets import check_calibrated, load_presets
 
             presets = load_presets(skip_unavailable=True)
             if policy not in presets:
                 raise ConfigError(f"kvtune connector: unknown preset {policy!r}; known: {sorted(presets)}")
-            return cls(presets[policy], key)
+            return cls(check_calibrated(policy, presets[policy]), key)
         if isinstance(policy, Mapping):
             return cls(PolicyConfig.from_dict(dict(policy)), key)
         raise ConfigError(f"kvtune connector: policy must be a preset name or a policy dict, got {type(policy).__name__}")

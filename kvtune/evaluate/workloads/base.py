@@ -512,10 +512,25 @@ class Workload(ABC):
         """``(N, T)`` int64 real context ids for calibration passes (MixHQ head scores).
 
         The first ``contexts`` samples' contexts, cut to a common length ``T <= max_tokens``.
+        These contexts are also evaluated; the MixHQ head calibration keeps using them (other
+        ids would change existing runs' head scores and so their policy ids).
         """
         ctx = [s.context_ids for s in self.samples[:contexts]]
         t = min(max_tokens, *(len(c) for c in ctx))
         return torch.tensor([c[:t] for c in ctx], dtype=torch.long)
+
+    def pca_calibration_ids(self, *, contexts: int = 4, max_tokens: int = 1024) -> torch.Tensor:
+        """``(N, T)`` int64 context ids to fit a PCA basis on (``pca`` / ``dp-alloc`` policies).
+
+        KVTC ("KV Cache Transform Coding for Compact Storage in LLM Inference", arXiv
+        2511.01815, sec. 3) fits the basis once per model on data apart from the evaluation. A
+        workload that can cut such contexts from its text overrides this (``continuation``:
+        ``contexts`` windows of ``min(max_tokens, --context-tokens)`` tokens sharing no token
+        with the evaluated windows); this default returns :meth:`calibration_ids` (the first
+        2 evaluated contexts, whatever ``contexts`` and ``max_tokens`` say): a basis fitted
+        on contexts that are also evaluated, which flatters the accuracy of ``pca`` policies.
+        """
+        return self.calibration_ids()
 
     def kv_sample(self) -> KVLayers:
         """The first sample's context KV, all layers, for cheap compression-ratio estimates."""

@@ -26,7 +26,7 @@ import torch
 from kvtune.evaluate.assets import read_texts
 from kvtune.codecs import PolicyConfig, original_nbytes
 from kvtune.core.errors import KvtuneError
-from kvtune.evaluate.capture import Capture, build_contexts, capture, logits_on_cache
+from kvtune.evaluate.capture import Capture, build_calibration_contexts, build_contexts, capture, logits_on_cache
 from kvtune.evaluate.metrics import (
     ContinuationBaseline,
     bootstrap_relative_accuracy,
@@ -321,6 +321,26 @@ class ContinuationWorkload(Workload):
             **scores,
         }
         return self._row(fidelity, n, metrics, rt.encode_gbps, rt.decode_gbps, rt.stream_bytes, rt.original_bytes, t0)
+
+    def pca_calibration_ids(self, *, contexts: int = 4, max_tokens: int = 1024) -> torch.Tensor:
+        """``(contexts, min(max_tokens, T))`` int64 windows of ``--text`` that share no token with
+        the evaluated windows (:func:`~kvtune.evaluate.capture.build_calibration_contexts`): the
+        PCA basis is fitted apart from the evaluation (KVTC, arXiv 2511.01815, sec. 3). A
+        capture given to the constructor that is not :func:`~kvtune.evaluate.capture.build_contexts`'
+        windows of these settings falls back to :meth:`Workload.pca_calibration_ids` (its
+        windows' places in the text are unknown).
+
+        Raises:
+            KvtuneError: the text cannot hold these windows beside the evaluated ones (the
+                message names ``--contexts`` and ``--context-tokens``).
+        """
+        t, docs = self.cap.context_tokens, read_texts(self.settings.text)
+        shape = dict(n_contexts=self.n_full, context_tokens=t,
+                     continuation_tokens=int(self.cap.input_ids.shape[1]) - t)
+        if not torch.equal(build_contexts(self.lm.tokenizer, docs, **shape), self.cap.input_ids):
+            return super().pca_calibration_ids(contexts=contexts, max_tokens=max_tokens)
+        return build_calibration_contexts(self.lm.tokenizer, docs, **shape, calibration_contexts=contexts,
+                                          calibration_tokens=min(max_tokens, t))
 
     def kv_sample(self) -> KVLayers:
         """The first context's KV (model dtype), for cheap compression-ratio estimates."""

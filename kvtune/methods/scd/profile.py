@@ -403,7 +403,7 @@ def check_scd_settings(st: SCDProfileSettings) -> None:
             rows (``calib_windows x calib_tokens``) than the largest rank needs.
     """
     from kvtune.codecs import PolicyConfig
-    from kvtune.codecs.presets import load_presets
+    from kvtune.codecs.presets import calibration_needs, load_presets
     from kvtune.methods.scd.methods import CODE_BITS
     from kvtune.run.settings import check_floors
     from kvtune.search.optimizers import OPTIMIZERS
@@ -451,6 +451,10 @@ def check_scd_settings(st: SCDProfileSettings) -> None:
         unknown = [n for n in st.tqc_presets if n not in presets]
         if unknown:
             refuse("tqc_presets", f"unknown T/Q/C preset {unknown[0]!r}; known: {', '.join(presets)}")
+        uncalibrated = [n for n in st.tqc_presets if calibration_needs(presets[n])]
+        if uncalibrated:
+            refuse("tqc_presets", f"preset {uncalibrated[0]!r} needs {' and '.join(calibration_needs(presets[uncalibrated[0]]))} "
+                                  "from a calibration pass, which the scd method does not run")
     for i, d in enumerate(st.tqc_policies):
         try:
             PolicyConfig.from_dict(d)

@@ -142,7 +142,8 @@ class TQCMethod(Method):
                            parts=parts)
         if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine
             settings = dataclasses.replace(settings, search_fidelity="full")
-        space = calibrated_space(space, lm, wl.calibration_ids(), run_dir, hooks.on_stage, hooks.on_progress)
+        space = calibrated_space(space, lm, wl.calibration_ids(), run_dir, hooks.on_stage, hooks.on_progress,
+                                 pca_ids=wl.pca_calibration_ids)  # windows apart from the evaluated ones
         ratios = None
         if getattr(OPTIMIZERS[settings.optimizer], "needs_ratios", True):  # model-based optimizers use them
             hooks.on_stage("estimate ratios", len(space))

@@ -15,6 +15,7 @@ and the report is ``<reports>/<run>.html``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -302,23 +303,108 @@ def progress_line(record: dict[str, Any]) -> str:
             f"acc {100 * record['relative_accuracy']:.1f}% (lo {100 * record['relative_accuracy_lo']:.1f})")
 
 
-def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook):
-    """Fill MixHQ head scores into the space from ``calibration.json`` or a new calibration pass.
+#: Run-folder files of the PCA bases, by the ``rope`` mode of their keys.
+PCA_BASIS_FILES = {"pre": "pca_basis.safetensors", "post": "pca_basis_post.safetensors"}
 
-    The scores are stored with the run, so a resumed run (and a serving system reading the
-    tables) uses the same heads; they also travel inside every MixHQ policy's configuration.
+
+def read_calibration(path: Path) -> dict[str, Any]:
+    """The run's ``calibration.json`` as a dict (``{}`` when absent).
+
+    Raises:
+        KvtuneError: unreadable, not JSON, or not an object; the message names the file.
     """
-    if not space.needs_head_scores:
-        return space
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise KvtuneError(f"{path}: cannot read the run's calibration ({exc})") from None
+    if not isinstance(doc, dict):
+        raise KvtuneError(f"{path}: not a JSON object")
+    return doc
+
+
+def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook,
+                     *, pca_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None):
+    """Fill the space's calibration data from ``calibration.json`` or new calibration passes:
+    MixHQ head scores, and PCA bases for ``pca`` / ``dp-alloc`` policies
+    (:func:`calibrated_pca_bases`).
+
+    The data is stored with the run, so a resumed run (and a serving system reading the
+    tables) uses the same; scores travel inside every MixHQ policy's configuration, a basis by
+    its digest. Entries already in ``calibration.json`` are read back, never recomputed or
+    replaced; new ones are added to it (atomic writes).
+
+    Args:
+        calibration_ids: ``(N, T)`` int64 contexts of the MixHQ head calibration (the
+            workload's :meth:`~kvtune.evaluate.workloads.base.Workload.calibration_ids`: the
+            first evaluated contexts, kept so that existing runs keep their head scores).
+        pca_ids: the contexts the PCA bases are fitted on, or a function returning them
+            (called only when a basis is fitted): the workload's
+            :meth:`~kvtune.evaluate.workloads.base.Workload.pca_calibration_ids`, contexts
+            apart from the evaluated ones (KVTC, arXiv 2511.01815, sec. 3); None:
+            ``calibration_ids``.
+    """
+    if space.needs_head_scores:
+        path = run_dir / "calibration.json"
+        doc = read_calibration(path)
+        if "head_scores" in doc:
+            scores = HeadScores.from_dict(doc["head_scores"])
+        else:
+            on_stage("calibrate MixHQ heads", 1)
+            scores = calibrate_head_scores(lm, calibration_ids)
+            atomic_write_text(path, json.dumps({**doc, "head_scores": scores.to_dict()}, indent=1))
+            on_progress(1)
+        space = space.with_head_scores(scores.scores)
+    if space.needs_pca_basis:
+        space = space.with_pca_basis(calibrated_pca_bases(sorted(space.pca_ropes_missing), lm,
+                                                          calibration_ids if pca_ids is None else pca_ids,
+                                                          run_dir, on_stage, on_progress))
+    return space
+
+
+def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor | Callable[[], torch.Tensor], run_dir: Path,
+                         on_stage: Hook = _noop, on_progress: Hook = _noop) -> dict[str, str]:
+    """The run's PCA basis for each ``rope`` mode in ``ropes``, registered in this process
+    (:func:`kvtune.codecs.pca.register_basis`); returns ``{rope: digest}``.
+
+    A basis recorded in ``calibration.json`` (``pca_bases.<rope>``: ``digest``, ``file``) is
+    read back from its file and checked against the digest. Otherwise it is fitted on
+    ``calibration_ids`` (``(N, T)`` int64, or a function returning them, called once and only
+    when a basis is fitted; :func:`kvtune.evaluate.calibrate_pca.calibrate_pca_basis`, across KV
+    heads, keys pre- or post-RoPE), written to :data:`PCA_BASIS_FILES` ``[rope]`` (atomic; an
+    existing file of that name is read instead, never replaced) and recorded in
+    ``calibration.json``.
+
+    Raises:
+        KvtuneError: an unreadable ``calibration.json``; BasisError: a basis file that is
+            malformed or not the recorded digest.
+    """
+    from kvtune.codecs.pca import load_basis, register_basis, save_basis
+    from kvtune.evaluate.calibrate_pca import calibrate_pca_basis
+
     path = run_dir / "calibration.json"
-    if path.is_file():
-        scores = HeadScores.from_dict(json.loads(path.read_text())["head_scores"])
-    else:
-        on_stage("calibrate MixHQ heads", 1)
-        scores = calibrate_head_scores(lm, calibration_ids)
-        atomic_write_text(path, json.dumps({"head_scores": scores.to_dict()}, indent=1))
-        on_progress(1)
-    return space.with_head_scores(scores.scores)
+    out = {}
+    ids = functools.cache(calibration_ids if callable(calibration_ids) else lambda: calibration_ids)
+    for rope in ropes:
+        doc = read_calibration(path)
+        entry = (doc.get("pca_bases") or {}).get(rope)
+        if isinstance(entry, dict) and {"digest", "file"} <= set(entry):
+            basis = load_basis(run_dir / Path(str(entry["file"])).name, expect=str(entry["digest"]))
+        else:
+            file = run_dir / PCA_BASIS_FILES[rope]
+            if file.is_file():
+                basis = load_basis(file)
+            else:
+                on_stage(f"fit PCA basis ({rope}-RoPE keys)", 1)
+                basis = calibrate_pca_basis(lm, ids(), key_rope=rope)
+                save_basis(basis, file)
+                on_progress(1)
+            bases = {**(doc.get("pca_bases") or {}), rope: {"digest": basis.digest, "file": file.name,
+                                                          "mode": basis.mode}}
+            atomic_write_text(path, json.dumps({**doc, "pca_bases": bases}, indent=1))
+        out[rope] = register_basis(basis)
+    return out
 
 
 def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:

@@ -1,0 +1,342 @@
+"""The ``dp-alloc`` quantizer: bits allocated over PCA components under a per-layer budget.
+
+KVTC ("KV Cache Transform Coding for Compact Storage in LLM Inference", arXiv 2511.01815,
+sec. 3) codes the PCA coefficients of the KV cache (:mod:`kvtune.codecs.pca`) with a bit
+allocation across components under a fixed per-layer budget: components of large variance get
+many bits, trailing ones zero (they are dropped and decode as the calibration mean). Here:
+
+* :func:`allocate_bits`: the greedy allocation on the rate-distortion gain ``lambda_i *
+  4**-b_i`` (adding one bit to a component of variance ``lambda_i`` coded with ``b_i`` bits
+  removes ``3/4`` of its distortion ``lambda_i * 4**-b_i``; reverse water-filling in integer
+  bits). It equals taking the ``B`` largest gains ``lambda_i * 4**-b`` over all components and
+  ``b < max_bits``, ties to the lower component then the lower bit: a small pure function.
+* :class:`DPAlloc` (``dp-alloc``): per layer and kind, ``B = max(1, round(bits * D))`` bits per
+  token for the ``D`` components, allocated from the eigenvalues of the policy's basis. The
+  components of one width form one segment (:class:`ComponentSegment`); each is quantized
+  over the tokens with its own float16 mean and step (:class:`ComponentQuantizer`).
+
+Why the quantizer names the basis itself (``basis``, the digest) instead of receiving the
+allocation from the ``pca`` transform's state: the decoder plans a tensor's segments
+(:meth:`~kvtune.codecs.base.Quantizer.plan`) from the policy, the shape, the layer and the kind
+alone, before any transform runs; a digest parameter keeps the plan a function of those. The
+policy checks that a ``dp-alloc`` quantizer follows a ``pca`` transform with the same basis
+(:func:`check_pca_pairing`) and fills both from one calibration
+(:meth:`~kvtune.codecs.PolicyConfig.with_pca_basis`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, Segment, Transform, param, register_quantizer
+from kvtune.codecs.pca import PCA, check_digest, lookup
+from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, asymmetric_params, dequantize_affine, quantize_affine
+from kvtune.core.errors import ConfigError
+
+__all__ = [
+    "DPAlloc",
+    "ComponentQuantizer",
+    "ComponentSegment",
+    "allocate_bits",
+    "component_segments",
+    "check_pca_pairing",
+    "fill_dp_alloc",
+    "GAUSSIAN_STEPS",
+]
+
+GAUSSIAN_STEPS = (1.5956, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
+"""Step (in standard deviations) of the mean-squared-error optimal uniform quantizer of a
+Gaussian with ``2**b`` levels, ``b = 1..8`` (J. Max, "Quantizing for Minimum Distortion", IRE
+Trans. Inf. Theory 1960, Table II; also Jayant & Noll, "Digital Coding of Waveforms", Table 4.1)."""
+
+
+def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, max_bits: int) -> tuple[int, ...]:
+    """Greedy integer bit allocation across components (see the module docstring).
+
+    Args:
+        eigenvalues: per component variance ``lambda_i`` (negative values count as 0).
+        total_bits: the budget ``B`` (bits per token over all components); capped at
+            ``len(eigenvalues) * max_bits``.
+        max_bits: most bits of one component (1..8).
+
+    Returns:
+        Bits per component, summing to ``min(B, D * max_bits)``.
+    """
+    lam = torch.as_tensor(eigenvalues, dtype=torch.float64).clamp_min(0).reshape(-1)
+    d = lam.numel()
+    take = max(0, min(int(total_bits), d * max_bits))
+    gains = lam[:, None] * torch.pow(4.0, -torch.arange(max_bits, dtype=torch.float64))  # exact power-of-two scaling
+    order = torch.argsort(-gains.reshape(-1), stable=True)[:take]  # ties: lower (component, bit) first
+    return tuple(int(b) for b in torch.bincount(order // max_bits, minlength=d))
+
+
+@dataclass(frozen=True)
+class ComponentQuantizer(Quantizer):
+    """Block kernel of ``dp-alloc``: each component (last axis) of a ``(batch, 1, tokens, n)``
+    block quantized over its tokens with ``bits`` bits.
+
+    ``grid = "gauss"``: per (batch row, component) ``zero`` = the mean over the tokens,
+    ``scale`` = ``GAUSSIAN_STEPS[bits - 1]`` times the standard deviation about that mean, both
+    float16; a mid-rise grid ``x ~ zero + (q - (2**bits - 1) / 2) * scale``, ``q = 0 ..
+    2**bits - 1``; values beyond the grid clamp to its end levels (the MSE-optimal trade for
+    Gaussian coefficients). ``grid = "minmax"``: the asymmetric min/max grid of ``uniform``
+    (:func:`~kvtune.codecs.quantizers.asymmetric_params`: ``x ~ zero + q * scale``, ``zero`` the
+    minimum), which never clips outlier tokens. A constant component decodes to its value
+    (rounded to float16). Not registered: it is only reached through :meth:`DPAlloc.coder`.
+
+    Range: magnitudes up to 32752 (:attr:`value_limit`), so the float16 mean and step never
+    saturate.
+    """
+
+    bits: int = param(4, low=1, high=8, doc="bits per symbol")
+    grid: str = param("gauss", choices=("gauss", "minmax"), doc="per-component grid")
+
+    @property
+    def symbol_bits(self) -> int:
+        return self.bits
+
+    @property
+    def value_limit(self) -> float:
+        """32752: the float16 mean stays finite and the step (at most 1.6 standard deviations) too."""
+        return FP16_MAX / 2
+
+    def block_meta_layout(self, shape: tuple[int, ...]) -> tuple[MetaField, ...]:
+        """float16 ``scale`` and ``zero`` of shape ``(batch, 1, 1, n)``."""
+        meta = (int(shape[0]), int(shape[1]), 1, int(shape[3]))
+        return (MetaField("scale", meta, torch.float16), MetaField("zero", meta, torch.float16))
+
+    def _grid(self, scale16: torch.Tensor, zero16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = scale16.to(torch.float32)
+        if self.grid == "minmax":
+            return scale, zero16.to(torch.float32)
+        return scale, zero16.to(torch.float32) - scale * ((2**self.bits - 1) / 2.0)
+
+    def quantize_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """uint8 symbols of ``x.shape`` and the float16 ``scale`` / ``zero`` per component."""
+        x = x.to(torch.float32)
+        if self.grid == "minmax":
+            if x.shape[2] == 0:
+                lo = hi = torch.zeros((*x.shape[:2], 1, x.shape[3]))
+            else:
+                lo, hi = torch.aminmax(x, dim=2, keepdim=True)
+            scale16, zero16 = asymmetric_params(lo, hi, self.bits)
+            return quantize_affine(x, *self._grid(scale16, zero16), self.bits).contiguous(), {"scale": scale16, "zero": zero16}
+        tokens = max(int(x.shape[2]), 1)
+        zero16 = (x.double().sum(dim=2, keepdim=True) / tokens).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        std = ((x.double() - zero16.double()).square().sum(dim=2, keepdim=True) / tokens).sqrt()
+        scale16 = (std * GAUSSIAN_STEPS[self.bits - 1]).clamp(max=FP16_MAX).to(torch.float16)
+        scale, zero = self._grid(scale16, zero16)
+        return quantize_affine(x, scale, zero, self.bits).contiguous(), {"scale": scale16, "zero": zero16}
+
+    def dequantize_block(self, symbols: torch.Tensor, meta, shape: tuple[int, ...]) -> torch.Tensor:
+        """Float32 ``zero + (q - (2**bits - 1) / 2) * scale``, shape ``shape``."""
+        scale, zero = self._grid(meta["scale"], meta["zero"])
+        return dequantize_affine(symbols.reshape(shape), scale, zero).contiguous()
+
+    def short_label(self) -> str:
+        return f"pc{self.bits}" + ("m" if self.grid == "minmax" else "")
+
+
+@dataclass(frozen=True, eq=False)
+class ComponentSegment(Segment):
+    """A segment of chosen components (the tokens of :attr:`tokens`, a slice or ``None`` for
+    all) of a ``(batch, kv_heads, tokens, head_dim)`` tensor of PCA coefficients: component
+    ``j`` sits at head ``j // head_dim``, channel ``j % head_dim`` (:mod:`kvtune.codecs.pca`).
+    Its data is ``(batch, 1, tokens, n)``, the components on the last axis in increasing order.
+
+    Attributes:
+        head_idx, chan_idx: int64 ``(n,)`` head and channel of each component.
+    """
+
+    head_idx: torch.Tensor = None  # type: ignore[assignment]
+    chan_idx: torch.Tensor = None  # type: ignore[assignment]
+
+    @property
+    def is_whole(self) -> bool:
+        return False
+
+    def head_indices(self, heads: int) -> torch.Tensor:
+        """The distinct heads holding the segment's components."""
+        return torch.unique(self.head_idx)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, 1, tokens, n)``: the segment's components of ``x``."""
+        t = slice(None) if self.tokens is None else self.tokens
+        return x[:, self.head_idx, t, self.chan_idx].permute(1, 2, 0).unsqueeze(1)
+
+    def put(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        """Write ``(batch, 1, tokens, n)`` ``y`` at the segment's components of ``out`` (in place)."""
+        t = slice(None) if self.tokens is None else self.tokens
+        out[:, self.head_idx, t, self.chan_idx] = y[:, 0].permute(2, 0, 1)
+
+
+def component_segments(shape: tuple[int, ...], widths: Sequence[int], coder, *, first_token: int = 0
+                       ) -> tuple[ComponentSegment, ...]:
+    """One :class:`ComponentSegment` per distinct non-zero width (ascending), holding the
+    components of that width over tokens ``first_token ..``; zero-width components are in no
+    segment (none at all when no token is left).
+
+    Args:
+        shape: ``(batch, kv_heads, tokens, head_dim)`` with ``kv_heads * head_dim == len(widths)``.
+        widths: bits per component.
+        coder: width -> block quantizer.
+        first_token: tokens before it are left to other segments (bfloat16 sinks).
+    """
+    b, h, t, d = shape
+    if first_token >= t:
+        return ()
+    tokens = slice(first_token, t) if first_token else None
+    w = torch.as_tensor(widths, dtype=torch.int64)
+    out = []
+    for bits in sorted({int(v) for v in widths if v > 0}):
+        idx = torch.nonzero(w == bits).flatten()
+        out.append(ComponentSegment(None, tokens, (b, 1, t - first_token, idx.numel()), coder(bits), idx // d, idx % d))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_widths(digest: str, layer: int, kind: str, heads: int, head_dim: int, total: int, max_bits: int
+                  ) -> tuple[int, ...]:
+    entry = lookup(digest).layer(layer, kind, heads, head_dim)
+    return allocate_bits(entry.eigenvalues, total, max_bits)
+
+
+@register_quantizer("dp-alloc")
+@dataclass(frozen=True)
+class DPAlloc(Quantizer):
+    """Per-layer bit allocation over PCA components (KVTC, arXiv 2511.01815, sec. 3; see the
+    module docstring). Use after a ``pca`` transform with the same ``basis``.
+
+    Cost per element: ``bits`` (the budget, to rounding: ``round(bits * D)`` bits per token of a
+    layer) plus 4 metadata bytes per coded component and batch row (float16 mean and step),
+    i.e. ``32 * coded / (tokens * D)`` bits; dropped components cost nothing.
+
+    Args:
+        bits: average bits per element (per coefficient), > 0 and ``<= max_bits``.
+        max_bits: most bits of one component, 1..8.
+        basis: the :attr:`~kvtune.codecs.pca.PCABasis.digest` whose eigenvalues drive the
+            allocation; ``""`` until calibration fills it in.
+        grid: ``"gauss"`` (MSE-optimal step for Gaussian coefficients, clamps outliers) or
+            ``"minmax"`` (min/max grid, never clamps): :class:`ComponentQuantizer`.
+        sink_tokens: the first tokens (attention sinks, whose KV are outliers that would set
+            every component's range or be clamped) kept as bfloat16 coefficients, outside the
+            per-component statistics; 16 bits per element on those tokens.
+
+    Raises:
+        ConfigError: on construction, a bad parameter; on use, a missing basis
+            (:class:`~kvtune.codecs.pca.BasisNotLoadedError`), a tensor the basis does not cover,
+            or per-token floors from a transform (``dp-alloc`` plans per component, not per token).
+    """
+
+    bits: float = param(2.0, low=0.0, high=8.0, doc="average bits per element (per-layer budget)")
+    max_bits: int = param(8, low=1, high=8, doc="most bits of one component")
+    basis: str = param("", doc="sha256 digest of the PCA basis ('' = filled in by calibration)")
+    grid: str = param("gauss", choices=("gauss", "minmax"), doc="per-component grid (ComponentQuantizer)")
+    sink_tokens: int = param(0, low=0, high=2**31 - 1, doc="first tokens kept in bfloat16 (all coefficients)")
+
+    def validate(self) -> None:
+        if not 0 < self.bits <= self.max_bits:
+            raise ConfigError(f"quantizer 'dp-alloc': parameter 'bits' = {self.bits} must be > 0 and <= max_bits "
+                              f"= {self.max_bits}")
+        check_digest(self.basis, "quantizer 'dp-alloc': parameter 'basis'")
+
+    @property
+    def symbol_bits(self) -> int:
+        """The widest width (``max_bits``); segments are coded by :meth:`coder`."""
+        return self.max_bits
+
+    def head_widths(self) -> tuple[int, ...]:
+        return tuple(range(1, self.max_bits + 1))
+
+    def coder(self, bits: int) -> Quantizer:
+        """The :class:`ComponentQuantizer` of ``bits`` (1..``max_bits``).
+
+        Raises:
+            ValueError: another width.
+        """
+        if bits == BF16_BITS and self.sink_tokens:
+            return NoQuantizer()
+        if not 1 <= bits <= self.max_bits:
+            raise ValueError(f"dp-alloc has no {bits}-bit block kernel")
+        return ComponentQuantizer(bits=bits, grid=self.grid)
+
+    def window_widths(self) -> tuple[int, ...]:
+        return (BF16_BITS,) if self.sink_tokens else ()
+
+    def widths(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[int, ...]:
+        """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:func:`allocate_bits`)."""
+        d = int(shape[1]) * int(shape[3])
+        total = max(1, round(self.bits * d))
+        return _layer_widths(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), total, self.max_bits)
+
+    def plan(self, shape, *, layer: int, kind: str, min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
+        """The first ``sink_tokens`` tokens as one bfloat16 segment (every coefficient), then one
+        segment per width in use over the other tokens (:func:`component_segments`); none for an
+        empty tensor.
+
+        Raises:
+            ConfigError: per-token floors (``min_bits`` with a non-zero value), or a basis that
+                is missing or does not cover the tensor.
+        """
+        shape = tuple(int(s) for s in shape)
+        if min_bits is not None and bool((min_bits > 0).any()):
+            raise ConfigError("dp-alloc codes whole components and takes no per-token precision floors "
+                              "(use it after 'pca' without 'delta' anchors)")
+        widths = self.widths(shape, layer=layer, kind=kind)
+        if shape[2] == 0:
+            return ()
+        sink = min(self.sink_tokens, shape[2])
+        head = (Segment(None, slice(0, sink), (shape[0], shape[1], sink, shape[3]), NoQuantizer()),) if sink else ()
+        return head + component_segments(shape, widths, self.coder, first_token=sink)
+
+    def dequantize(self, q, *, layer: int, kind: str) -> torch.Tensor:
+        """Float32 reconstruction; dropped (0-bit) components decode as 0, the calibration mean
+        once the ``pca`` transform is inverted."""
+        out = torch.zeros(q.shape, dtype=torch.float32)
+        for p in q.parts:
+            p.segment.put(out, p.segment.coder.dequantize_block(p.symbols, p.meta, p.shape))
+        return out
+
+    def short_label(self) -> str:
+        """``dp{bits}[/m{max_bits}][/minmax][/s{sink_tokens}]``, e.g. ``dp1.5`` or ``dp2/m4/s4``."""
+        return (f"dp{self.bits:g}" + (f"/m{self.max_bits}" if self.max_bits != 8 else "")
+                + ("/minmax" if self.grid == "minmax" else "") + (f"/s{self.sink_tokens}" if self.sink_tokens else ""))
+
+
+# ----------------------------------------------------------------------------- policy rules
+
+
+def check_pca_pairing(transforms: Sequence[Transform], quantizers: Mapping[str, Quantizer]) -> None:
+    """A ``dp-alloc`` quantizer must code the coefficients of a ``pca`` transform of the same
+    basis: the last transform is ``pca`` and its ``basis`` equals the quantizer's.
+
+    Args:
+        transforms: the policy's transforms, in order.
+        quantizers: slot name -> quantizer.
+
+    Raises:
+        ConfigError: naming the slot.
+    """
+    last = transforms[-1] if transforms else None
+    for slot, quant in quantizers.items():
+        if not isinstance(quant, DPAlloc):
+            continue
+        if not isinstance(last, PCA):
+            raise ConfigError(f"policy {slot!r}: dp-alloc allocates bits over PCA components; the last transform "
+                              f"must be 'pca', got {None if last is None else last.name!r}")
+        if last.basis != quant.basis:
+            raise ConfigError(f"policy {slot!r}: dp-alloc basis {quant.basis[:12] or '(none)'} differs from the pca "
+                              f"transform's {last.basis[:12] or '(none)'}")
+
+
+def fill_dp_alloc(quant: Quantizer, transforms: Sequence[Transform]) -> Quantizer:
+    """``quant`` with the basis of the last transform when it is a basis-less ``dp-alloc`` and
+    that transform is ``pca``; otherwise ``quant`` unchanged."""
+    if isinstance(quant, DPAlloc) and not quant.basis and transforms and isinstance(transforms[-1], PCA):
+        return dataclasses.replace(quant, basis=transforms[-1].basis)
+    return quant

@@ -1,0 +1,672 @@
+"""The calibrated PCA (Karhunen-Loeve) basis of a model's KV cache and the ``pca`` transform.
+
+KVTC ("KV Cache Transform Coding for Compact Storage in LLM Inference", arXiv 2511.01815,
+sec. 3) decorrelates the KV cache with a PCA basis fitted once, offline, on calibration
+contexts: per layer and per K/V, one basis ACROSS the KV heads (``D = kv_heads * head_dim``
+dimensions, 192 for SmolLM2-135M), keys fitted *before* RoPE (the rotation by position mixes
+channel pairs differently at every position, which smears the key covariance); then a bit
+allocation over the components under a per-layer budget (:mod:`kvtune.codecs.bitalloc`) and
+entropy coding. The basis is a run artifact, not stream data: a stream names it by its digest.
+
+Pieces:
+
+* :class:`PCABasis`: per layer and kind (``"key"``/``"value"``) a :class:`BasisLayer` (mean
+  ``(D,)``, orthonormal components ``(D, D)`` as rows sorted by eigenvalue, eigenvalues
+  ``(D,)``, all float32), the fitting ``mode`` (``"joint"``: one basis across heads;
+  ``"per_head"``: one per head, block diagonal, each head's components sorted), ``key_rope``
+  (``"pre"``: keys were un-rotated before fitting, the basis then holds the rotary inverse
+  frequencies and attention scaling of every layer; ``"post"``: fitted on the cached keys as
+  they are). :attr:`PCABasis.digest` is the SHA-256 of a canonical serialization.
+* :func:`fit_pca_basis`: the basis from calibration KV (float64 covariance, ``torch.linalg.eigh``).
+* :func:`save_basis` / :func:`load_basis`: one safetensors file (atomic write; the load checks
+  every size against bounds and the file before reading tensors, then the digest).
+* :func:`register_basis` / :func:`lookup`: the process registry the transform and the
+  ``dp-alloc`` quantizer read bases from.
+* the ``pca`` transform (:class:`PCA`).
+
+Coefficient layout: a K or V tensor ``(batch, kv_heads, tokens, head_dim)`` is read per token
+as the ``D`` vector ``x[b, :, t, :].flatten()`` (index ``j = head * head_dim + channel``);
+coefficient ``j`` (the projection on component ``j``) is written back at the same place, so
+the transform keeps the tensor's shape and the quantizer finds component ``j`` at head
+``j // head_dim``, channel ``j % head_dim``.
+
+RoPE: pre-RoPE keys are obtained by rotating the cached keys back by their position (the
+inverse of HF's ``x * cos + rotate_half(x) * sin`` with ``cos, sin`` of ``position *
+inv_freq`` times the attention scaling); positions are the cache rows ``0 .. tokens - 1``
+(the stream format has no position offset: it carries a prefix's KV from position 0). Wrong
+positions (e.g. a sliding-window layer holding the last positions only) cost compression,
+never correctness: the decoder re-rotates by the same positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from kvtune.codecs.base import Transform, param, register_transform
+from kvtune.core.atomic import atomic_write_bytes
+from kvtune.core.errors import ConfigError
+
+__all__ = [
+    "BasisError",
+    "BasisNotLoadedError",
+    "BasisLayer",
+    "RopeSpec",
+    "PCABasis",
+    "PCA",
+    "fit_pca_basis",
+    "save_basis",
+    "load_basis",
+    "register_basis",
+    "lookup",
+    "registered_digests",
+    "forget_basis",
+    "unrotate_keys",
+    "rotate_keys",
+    "project",
+    "unproject",
+    "missing_pca_ropes",
+    "fill_pca_bases",
+    "check_digest",
+    "KINDS",
+    "FIT_MODES",
+    "ROPE_MODES",
+    "MAX_BASIS_LAYERS",
+    "MAX_BASIS_DIM",
+    "MAX_BASIS_FILE_BYTES",
+]
+
+KINDS = ("key", "value")
+FIT_MODES = ("joint", "per_head")
+ROPE_MODES = ("pre", "post")
+BASIS_FORMAT = 1
+MAX_BASIS_LAYERS = 1024
+"""Most layers a basis file may declare."""
+MAX_BASIS_DIM = 8192
+"""Most dimensions ``D = kv_heads * head_dim`` of one layer (a ``(D, D)`` float32 matrix of 256 MiB)."""
+MAX_BASIS_FILE_BYTES = 4 << 30
+"""Largest basis file :func:`load_basis` reads (4 GiB)."""
+_MAX_HEADER_BYTES = 16 << 20
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class BasisError(ConfigError):
+    """A PCA basis is malformed (shapes, values, file), does not fit the tensor it is applied
+    to, or is not the basis a policy names."""
+
+
+class BasisNotLoadedError(BasisError):
+    """A policy names a PCA basis (by digest) that is not registered in this process."""
+
+
+def check_digest(digest: Any, what: str) -> str:
+    """``digest`` if it is ``""`` or 64 lowercase hex characters (a SHA-256).
+
+    Raises:
+        ConfigError: anything else; the message names ``what``.
+    """
+    if not isinstance(digest, str) or not (digest == "" or _DIGEST_RE.fullmatch(digest)):
+        raise ConfigError(f"{what} = {digest!r} must be '' (filled by calibration) or a 64-hex-digit sha256 digest")
+    return digest
+
+
+# ----------------------------------------------------------------------------- the artifact
+
+
+@dataclass(frozen=True, eq=False)
+class BasisLayer:
+    """The basis of one layer and kind.
+
+    Attributes:
+        heads, head_dim: the geometry it applies to (``D = heads * head_dim``).
+        mean: float32 ``(D,)`` calibration mean.
+        components: float32 ``(D, D)``, row ``j`` is component ``j`` (orthonormal rows).
+        eigenvalues: float32 ``(D,)``, the variance of coefficient ``j`` on the calibration
+            data (``>= 0``), in the order of ``components``.
+    """
+
+    heads: int
+    head_dim: int
+    mean: torch.Tensor
+    components: torch.Tensor
+    eigenvalues: torch.Tensor
+
+    @property
+    def dim(self) -> int:
+        """``D = heads * head_dim``."""
+        return self.heads * self.head_dim
+
+    def problem(self) -> str | None:
+        """Why the tensors are not a basis of this geometry, or ``None``: shapes and dtypes,
+        finite values, eigenvalues ``>= 0``, and orthonormal rows (checked on four fixed probe
+        vectors, ``O(D^2)``: ``C^T (C v) == v`` within 1e-3 relative)."""
+        d = self.dim
+        for name, t, shape in (("mean", self.mean, (d,)), ("components", self.components, (d, d)),
+                               ("eigenvalues", self.eigenvalues, (d,))):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
+                return f"{name} must be a float32 tensor of shape {shape}"
+            if not bool(torch.isfinite(t).all()):
+                return f"{name} has NaN or inf values"
+        if bool((self.eigenvalues < 0).any()):
+            return "eigenvalues must be >= 0"
+        c = self.components.double()
+        probe = torch.cos(torch.arange(4 * d, dtype=torch.float64).reshape(4, d) * 0.7 + 0.3)
+        back = (probe @ c.T) @ c
+        if not torch.allclose(back, probe, rtol=0, atol=1e-3 * float(probe.norm(dim=1).max())):
+            return "components are not orthonormal rows"
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class RopeSpec:
+    """The rotary embedding of one layer, as the model applies it to keys.
+
+    Attributes:
+        inv_freq: float32 ``(rotary_dim / 2,)`` inverse frequencies (``rotary_dim <= head_dim``;
+            the first ``rotary_dim`` channels rotate, as in HF's ``rotate_half`` convention).
+        scaling: the attention scaling multiplied into ``cos`` and ``sin`` (1.0 for plain RoPE).
+    """
+
+    inv_freq: torch.Tensor
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class PCABasis:
+    """A calibrated PCA basis of a model's KV cache (see the module docstring).
+
+    Attributes:
+        layers: per absolute layer index, ``(key, value)`` :class:`BasisLayer` s.
+        mode: ``"joint"`` (across heads) or ``"per_head"``.
+        key_rope: ``"pre"`` or ``"post"``: how the key bases were fitted.
+        rope: per layer a :class:`RopeSpec` (required, one per layer, when ``key_rope == "pre"``;
+            empty otherwise).
+        info: free JSON-able provenance (model, contexts, tokens); part of the digest.
+
+    Raises:
+        BasisError: on construction, a malformed basis (the message names the layer and kind).
+    """
+
+    layers: tuple[tuple[BasisLayer, BasisLayer], ...]
+    mode: str = "joint"
+    key_rope: str = "post"
+    rope: tuple[RopeSpec, ...] = ()
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in FIT_MODES:
+            raise BasisError(f"PCA basis mode {self.mode!r} is not one of {FIT_MODES}")
+        if self.key_rope not in ROPE_MODES:
+            raise BasisError(f"PCA basis key_rope {self.key_rope!r} is not one of {ROPE_MODES}")
+        if not 0 < len(self.layers) <= MAX_BASIS_LAYERS:
+            raise BasisError(f"PCA basis has {len(self.layers)} layers; allowed 1..{MAX_BASIS_LAYERS}")
+        for i, pair in enumerate(self.layers):
+            for kind, entry in zip(KINDS, pair):
+                problem = entry.problem()
+                if problem:
+                    raise BasisError(f"PCA basis layer {i} {kind}: {problem}")
+        if self.key_rope == "pre":
+            if len(self.rope) != len(self.layers):
+                raise BasisError(f"a pre-RoPE PCA basis needs one RoPE spec per layer: {len(self.rope)} for "
+                                 f"{len(self.layers)} layers")
+            for i, (spec, (key, _)) in enumerate(zip(self.rope, self.layers)):
+                n = spec.inv_freq.numel()
+                if spec.inv_freq.dtype != torch.float32 or spec.inv_freq.dim() != 1 or not 0 < 2 * n <= key.head_dim:
+                    raise BasisError(f"PCA basis layer {i}: RoPE inv_freq must be float32 (rotary_dim / 2,) with "
+                                     f"0 < rotary_dim <= head_dim {key.head_dim}")
+                if not (bool(torch.isfinite(spec.inv_freq).all()) and math.isfinite(spec.scaling) and spec.scaling > 0):
+                    raise BasisError(f"PCA basis layer {i}: RoPE inv_freq must be finite and scaling > 0")
+        elif self.rope:
+            raise BasisError("a post-RoPE PCA basis carries no RoPE specs")
+        json.dumps(dict(self.info))  # JSON-able (TypeError otherwise)
+
+    def layer(self, layer: int, kind: str, heads: int, head_dim: int) -> BasisLayer:
+        """The basis of ``layer`` / ``kind``, checked against the tensor's geometry.
+
+        Raises:
+            BasisError: no such layer, or another ``heads x head_dim``.
+        """
+        if not 0 <= layer < len(self.layers):
+            raise BasisError(f"PCA basis covers layers 0..{len(self.layers) - 1}; got layer {layer}")
+        entry = self.layers[layer][KINDS.index(kind)]
+        if (entry.heads, entry.head_dim) != (heads, head_dim):
+            raise BasisError(f"PCA basis layer {layer} {kind} is for {entry.heads} heads x {entry.head_dim} channels; "
+                             f"the tensor has {heads} x {head_dim}")
+        return entry
+
+    # ------------------------------------------------------------------ serialization
+
+    def header(self) -> dict[str, Any]:
+        """The canonical JSON-able description (everything but the tensors' values)."""
+        return {
+            "format": BASIS_FORMAT,
+            "mode": self.mode,
+            "key_rope": self.key_rope,
+            "layers": [[k.heads, k.head_dim, v.heads, v.head_dim] for k, v in self.layers],
+            "rope": [[int(s.inv_freq.numel()), float(s.scaling)] for s in self.rope],
+            "info": dict(self.info),
+        }
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by its file name, in canonical order."""
+        out: dict[str, torch.Tensor] = {}
+        for i, pair in enumerate(self.layers):
+            for kind, entry in zip(KINDS, pair):
+                out[f"layer{i}.{kind}.mean"] = entry.mean
+                out[f"layer{i}.{kind}.components"] = entry.components
+                out[f"layer{i}.{kind}.eigenvalues"] = entry.eigenvalues
+        for i, spec in enumerate(self.rope):
+            out[f"layer{i}.rope_inv_freq"] = spec.inv_freq
+        return out
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 (hex) of the canonical header JSON, a NUL byte, then every tensor's
+        little-endian float32 bytes in :meth:`tensors` order."""
+        h = hashlib.sha256(json.dumps(self.header(), sort_keys=True, separators=(",", ":")).encode() + b"\0")
+        for t in self.tensors().values():
+            h.update(t.contiguous().numpy().astype("<f4", copy=False).tobytes())
+        return h.hexdigest()
+
+
+def _expected_shapes(header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape a (bounded, checked) header declares."""
+    out: dict[str, tuple[int, ...]] = {}
+    for i, (kh, kd, vh, vd) in enumerate(header["layers"]):
+        for kind, d in (("key", kh * kd), ("value", vh * vd)):
+            out[f"layer{i}.{kind}.mean"] = (d,)
+            out[f"layer{i}.{kind}.components"] = (d, d)
+            out[f"layer{i}.{kind}.eigenvalues"] = (d,)
+    for i, (n, _) in enumerate(header["rope"]):
+        out[f"layer{i}.rope_inv_freq"] = (n,)
+    return out
+
+
+def _check_header(header: Any, where: str) -> dict[str, Any]:
+    """The basis header of a file, its sizes bounded; raises :class:`BasisError`."""
+    def bad(msg: str) -> BasisError:
+        return BasisError(f"{where}: {msg}")
+
+    if not isinstance(header, dict) or header.get("format") != BASIS_FORMAT:
+        raise bad(f"not a kvtune PCA basis of format {BASIS_FORMAT}")
+    layers, rope = header.get("layers"), header.get("rope")
+    if not isinstance(layers, list) or not 0 < len(layers) <= MAX_BASIS_LAYERS:
+        raise bad(f"'layers' must be a list of 1..{MAX_BASIS_LAYERS} entries")
+    for row in layers:
+        if not (isinstance(row, list) and len(row) == 4 and all(type(v) is int and v > 0 for v in row)):
+            raise bad("every layer entry must be [key_heads, key_head_dim, value_heads, value_head_dim], positive ints")
+        if row[0] * row[1] > MAX_BASIS_DIM or row[2] * row[3] > MAX_BASIS_DIM:
+            raise bad(f"a layer of more than MAX_BASIS_DIM = {MAX_BASIS_DIM} dimensions")
+    if not isinstance(rope, list) or len(rope) not in (0, len(layers)):
+        raise bad("'rope' must be a list with one [rotary_dim / 2, scaling] per layer, or empty")
+    for row in rope:
+        if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and 0 < row[0] <= MAX_BASIS_DIM
+                and isinstance(row[1], (int, float)) and not isinstance(row[1], bool)):
+            raise bad("every rope entry must be [rotary_dim / 2, scaling]")
+    if header.get("mode") not in FIT_MODES or header.get("key_rope") not in ROPE_MODES:
+        raise bad(f"'mode' must be one of {FIT_MODES} and 'key_rope' one of {ROPE_MODES}")
+    if not isinstance(header.get("info"), dict):
+        raise bad("'info' must be an object")
+    return header
+
+
+def save_basis(basis: PCABasis, path: str | os.PathLike[str]) -> Path:
+    """Write ``basis`` to one safetensors file, atomically (the header JSON goes in the file's
+    metadata under ``kvtune_pca_basis``). Returns the path."""
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous().clone() for k, v in basis.tensors().items()},  # clone: no shared storage
+                metadata={"kvtune_pca_basis": json.dumps(basis.header(), sort_keys=True)})
+    return atomic_write_bytes(path, data)
+
+
+def load_basis(path: str | os.PathLike[str], *, expect: str | None = None) -> PCABasis:
+    """Read a basis written by :func:`save_basis`, bounding every size before allocating.
+
+    The file must be at most :data:`MAX_BASIS_FILE_BYTES`; its safetensors header at most 16 MiB
+    and declare exactly the float32 tensors the basis header names, with the declared shapes
+    (layers and dimensions within :data:`MAX_BASIS_LAYERS` / :data:`MAX_BASIS_DIM`), packed
+    back to back up to the end of the file; only then are the tensors read.
+
+    Args:
+        path: the file.
+        expect: the digest the caller expects (e.g. from ``calibration.json``), or None.
+
+    Raises:
+        BasisError: unreadable, malformed or oversized file, an invalid basis, or a digest
+            other than ``expect``; the message names the file.
+    """
+    from safetensors.torch import load
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_BASIS_FILE_BYTES:
+            raise BasisError(f"{path}: {size} bytes; a PCA basis file is at most {MAX_BASIS_FILE_BYTES}")
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                raise BasisError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER_BYTES, size - 8):
+                raise BasisError(f"{path}: safetensors header of {n} bytes in a file of {size}")
+            meta = json.loads(fh.read(n))
+            declared = _check_header(json.loads(meta["__metadata__"]["kvtune_pca_basis"]), str(path))
+            shapes = _expected_shapes(declared)
+            entries = {k: v for k, v in meta.items() if k != "__metadata__"}
+            if set(entries) != set(shapes):
+                raise BasisError(f"{path}: tensors {sorted(set(entries) ^ set(shapes))[:5]} differ from the basis header")
+            total = 0
+            for name, shape in shapes.items():
+                e = entries[name]
+                if e.get("dtype") != "F32" or tuple(e.get("shape", ())) != shape:
+                    raise BasisError(f"{path}: tensor {name} is {e.get('dtype')} {e.get('shape')}, expected F32 {list(shape)}")
+                total += 4 * math.prod(shape)
+            if total != size - 8 - n:
+                raise BasisError(f"{path}: tensors of {total} bytes declared, the file holds {size - 8 - n}")
+            fh.seek(0)
+            tensors = load(fh.read())
+    except OSError as exc:
+        raise BasisError(f"{path}: cannot read ({exc})") from None
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise BasisError(f"{path}: not a kvtune PCA basis file ({exc})") from None
+    basis = _basis_from(declared, tensors, str(path))
+    if expect is not None and basis.digest != expect:
+        raise BasisError(f"{path}: holds PCA basis {basis.digest}, expected {expect}")
+    return basis
+
+
+def _basis_from(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], where: str) -> PCABasis:
+    layers = []
+    for i, (kh, kd, vh, vd) in enumerate(header["layers"]):
+        pair = tuple(BasisLayer(h, d, tensors[f"layer{i}.{kind}.mean"], tensors[f"layer{i}.{kind}.components"],
+                                tensors[f"layer{i}.{kind}.eigenvalues"])
+                     for kind, h, d in (("key", kh, kd), ("value", vh, vd)))
+        layers.append(pair)
+    rope = tuple(RopeSpec(tensors[f"layer{i}.rope_inv_freq"], float(s)) for i, (_, s) in enumerate(header["rope"]))
+    try:
+        return PCABasis(layers=tuple(layers), mode=header["mode"], key_rope=header["key_rope"], rope=rope,
+                        info=header["info"])
+    except BasisError as exc:
+        raise BasisError(f"{where}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, PCABasis] = {}
+
+
+def register_basis(basis: PCABasis) -> str:
+    """Make ``basis`` available to the ``pca`` transform and ``dp-alloc`` in this process;
+    returns its digest (registering the same basis twice is a no-op)."""
+    _REGISTRY.setdefault(basis.digest, basis)
+    return basis.digest
+
+
+def forget_basis(digest: str) -> PCABasis | None:
+    """Remove a basis from this process' registry; returns it (None when it was not registered)."""
+    return _REGISTRY.pop(digest, None)
+
+
+def registered_digests() -> tuple[str, ...]:
+    """Digests of the bases registered in this process."""
+    return tuple(_REGISTRY)
+
+
+def lookup(digest: str) -> PCABasis:
+    """The registered basis of ``digest``.
+
+    Raises:
+        BasisNotLoadedError: ``digest`` is empty (the policy was never calibrated) or not
+            registered in this process; the message says how to load it.
+    """
+    if not digest:
+        raise BasisNotLoadedError(
+            "this policy has a pca transform / dp-alloc quantizer without a basis: fit one on calibration KV "
+            "(kvtune.codecs.pca.fit_pca_basis, or a profile run's calibration) and fill it in with "
+            "PolicyConfig.with_pca_basis(digest)")
+    basis = _REGISTRY.get(digest)
+    if basis is None:
+        raise BasisNotLoadedError(
+            f"PCA basis {digest} is not loaded in this process: load its file with "
+            f"kvtune.codecs.pca.register_basis(kvtune.codecs.pca.load_basis(path, expect='{digest}')) (a profile run "
+            "keeps it in its run folder as pca_basis*.safetensors, named in calibration.json; kvtune.serving "
+            "loads it from there)")
+    return basis
+
+
+# ----------------------------------------------------------------------------- pure math
+
+
+def _rope_cos_sin(tokens: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(tokens, rotary_dim / 2)`` cos and sin of ``position * inv_freq`` (the
+    product rounded in float32, as HF computes the angles), times the attention scaling."""
+    angles = (torch.arange(tokens, dtype=torch.float32)[:, None] * spec.inv_freq[None, :]).double()
+    return angles.cos() * spec.scaling, angles.sin() * spec.scaling
+
+
+def unrotate_keys(x: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Pre-RoPE keys from cached (post-RoPE) keys ``x`` ``(batch, heads, tokens, head_dim)``.
+
+    Inverts ``y1 = s (x1 cos - x2 sin)``, ``y2 = s (x2 cos + x1 sin)`` on the channel pairs
+    ``(i, i + r/2)`` of the first ``r = rotary_dim`` channels, positions ``0 .. tokens - 1``.
+    Computed and returned in float64.
+    """
+    x = x.double()
+    half = spec.inv_freq.numel()
+    cos, sin = _rope_cos_sin(x.shape[2], spec)
+    norm = cos.square() + sin.square()  # s^2
+    y1, y2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat(((y1 * cos + y2 * sin) / norm, (y2 * cos - y1 * sin) / norm, rest), dim=-1)
+
+
+def rotate_keys(x: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """Inverse of :func:`unrotate_keys` (the model's rotation), float64 in and out."""
+    x = x.double()
+    half = spec.inv_freq.numel()
+    cos, sin = _rope_cos_sin(x.shape[2], spec)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``(batch, heads, tokens, head_dim)`` -> ``(batch, tokens, heads * head_dim)``."""
+    b, h, t, d = x.shape
+    return x.permute(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def _unrows(y: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    b, t, _ = y.shape
+    return y.reshape(b, t, heads, head_dim).permute(0, 2, 1, 3)
+
+
+def project(x: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
+    """float64 coefficients ``(batch, heads, tokens, head_dim)`` of ``x`` (same shape): coefficient
+    ``j = head * head_dim + channel`` of a token is ``(x_t - mean) . components[j]``."""
+    y = (_rows(x.double()) - entry.mean.double()) @ entry.components.double().T
+    return _unrows(y, x.shape[1], x.shape[3])
+
+
+def unproject(y: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
+    """Inverse of :func:`project` (the components are orthonormal), float64."""
+    x = _rows(y.double()) @ entry.components.double() + entry.mean.double()
+    return _unrows(x, y.shape[1], y.shape[3])
+
+
+def _eig_sorted(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending, clamped at 0) and eigenvectors as rows of a float64 symmetric
+    matrix; each row's sign makes its largest-magnitude entry positive (deterministic)."""
+    vals, vecs = torch.linalg.eigh(cov)
+    vals, rows = vals.flip(0).clamp_min(0), vecs.flip(1).T
+    lead = rows.gather(1, rows.abs().argmax(dim=1, keepdim=True))
+    return vals, rows * torch.where(lead < 0, -1.0, 1.0).to(rows.dtype)
+
+
+def _basis_layer(total: torch.Tensor, outer: torch.Tensor, n: int, heads: int, head_dim: int, mode: str) -> BasisLayer:
+    mean = total / max(n, 1)
+    cov = outer / max(n, 1) - torch.outer(mean, mean)
+    cov = (cov + cov.T) / 2
+    d = heads * head_dim
+    if mode == "joint":
+        vals, rows = _eig_sorted(cov)
+    else:
+        vals, rows = torch.zeros(d, dtype=torch.float64), torch.zeros(d, d, dtype=torch.float64)
+        for h in range(heads):
+            s = slice(h * head_dim, (h + 1) * head_dim)
+            vals[s], rows[s, s] = _eig_sorted(cov[s, s])
+    return BasisLayer(heads, head_dim, mean.float(), rows.float(), vals.float())
+
+
+def fit_pca_basis(kv_list: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *, mode: str = "joint",
+                  key_rope: str = "post", rope: Sequence[RopeSpec] = (), info: Mapping[str, Any] | None = None
+                  ) -> PCABasis:
+    """Fit a :class:`PCABasis` on calibration KV (KVTC, arXiv 2511.01815, sec. 3).
+
+    Per layer and kind, the float64 mean and covariance of the ``D``-vectors of every token of
+    every context and batch row, then ``torch.linalg.eigh`` (``mode="joint"``: one ``D x D``
+    problem; ``"per_head"``: one ``head_dim x head_dim`` problem per head, block diagonal).
+
+    Args:
+        kv_list: calibration contexts; each one ``(K, V)`` pair per layer, each
+            ``(batch, kv_heads, tokens, head_dim)`` (any float dtype, any device). Every context
+            has the same number of layers and geometry.
+        mode: ``"joint"`` or ``"per_head"``.
+        key_rope: ``"pre"``: un-rotate keys (:func:`unrotate_keys`, positions ``0..tokens-1``)
+            before fitting, ``rope`` then gives one :class:`RopeSpec` per layer; ``"post"``:
+            fit the keys as cached.
+        rope: per layer RoPE specs (for ``key_rope="pre"``).
+        info: provenance stored in the basis (JSON-able).
+
+    Raises:
+        BasisError: no contexts, inconsistent geometry, a bad mode, missing RoPE specs, or
+            contexts without tokens.
+    """
+    if mode not in FIT_MODES or key_rope not in ROPE_MODES:
+        raise BasisError(f"fit_pca_basis: mode must be one of {FIT_MODES}, key_rope one of {ROPE_MODES}")
+    if not kv_list or not kv_list[0]:
+        raise BasisError("fit_pca_basis needs at least one calibration context with at least one layer")
+    num_layers = len(kv_list[0])
+    rope = tuple(rope) if key_rope == "pre" else ()
+    if key_rope == "pre" and len(rope) != num_layers:
+        raise BasisError(f"key_rope='pre' needs one RoPE spec per layer: got {len(rope)} for {num_layers} layers")
+    layers = []
+    for i in range(num_layers):
+        pair = []
+        for j, kind in enumerate(KINDS):
+            geometry = {(int(ctx[i][j].shape[1]), int(ctx[i][j].shape[3])) for ctx in kv_list}
+            if len(geometry) != 1 or any(len(ctx) != num_layers for ctx in kv_list):
+                raise BasisError(f"fit_pca_basis: layer {i} {kind} has geometries {sorted(geometry)} across contexts")
+            heads, head_dim = geometry.pop()
+            d = heads * head_dim
+            total, outer, n = torch.zeros(d, dtype=torch.float64), torch.zeros(d, d, dtype=torch.float64), 0
+            for ctx in kv_list:
+                x = ctx[i][j].detach().to("cpu", torch.float64)
+                if kind == "key" and key_rope == "pre":
+                    x = unrotate_keys(x, rope[i])
+                rows = _rows(x).reshape(-1, d)
+                total += rows.sum(0)
+                outer += rows.T @ rows
+                n += rows.shape[0]
+            if n == 0:
+                raise BasisError(f"fit_pca_basis: layer {i} {kind} has no calibration tokens")
+            pair.append(_basis_layer(total, outer, n, heads, head_dim, mode))
+        layers.append(tuple(pair))
+    return PCABasis(layers=tuple(layers), mode=mode, key_rope=key_rope, rope=rope, info=dict(info or {}))
+
+
+# ----------------------------------------------------------------------------- transform
+
+
+@register_transform("pca")
+@dataclass(frozen=True)
+class PCA(Transform):
+    """Project every token of a K or V tensor on a calibrated PCA basis (KVTC, arXiv 2511.01815,
+    sec. 3): ``y_t = C (x_t - mean)`` per layer and kind, ``x_t`` the token's ``kv_heads *
+    head_dim`` vector; keys first un-rotated by their position when ``rope == "pre"``. The
+    output keeps the input's shape (coefficient ``j`` at head ``j // head_dim``, channel
+    ``j % head_dim``: the module docstring), so any quantizer codes it; ``dp-alloc``
+    (:mod:`kvtune.codecs.bitalloc`) allocates bits per coefficient from the basis' eigenvalues.
+
+    The basis is not in the stream (no transform state): the policy names it by ``basis``, its
+    digest, which is part of the policy id; encoder and decoder look it up in the process
+    registry (:func:`lookup`). Arithmetic is float64 (rounded to float32 once at the end), so
+    ``inverse(forward(x)) == x`` to float32 rounding.
+
+    Args:
+        basis: the :attr:`PCABasis.digest`; ``""`` until a calibration fills it in
+            (:meth:`~kvtune.codecs.PolicyConfig.with_pca_basis`).
+        rope: ``"pre"`` (keys un-rotated before projecting, re-rotated after decoding; needs a
+            basis fitted with ``key_rope="pre"``) or ``"post"`` (keys as cached, a basis with
+            ``key_rope="post"``). Values are never rotated.
+
+    Raises:
+        BasisError (a ConfigError): on use, an empty or unregistered basis, a basis fitted with
+            the other ``rope``, or a tensor whose layer / geometry the basis does not cover.
+    """
+
+    basis: str = param("", doc="sha256 digest of the PCA basis ('' = filled in by calibration)")
+    rope: str = param("pre", choices=ROPE_MODES, doc="keys projected before ('pre') or after ('post') RoPE")
+
+    def validate(self) -> None:
+        check_digest(self.basis, "transform 'pca': parameter 'basis'")
+
+    def _entry(self, shape: tuple[int, ...], layer: int, kind: str) -> tuple[BasisLayer, RopeSpec | None]:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be 'key' or 'value', got {kind!r}")
+        basis = lookup(self.basis)
+        if basis.key_rope != self.rope:
+            raise BasisError(f"pca(rope={self.rope!r}) cannot use PCA basis {self.basis[:12]}, fitted on "
+                             f"{basis.key_rope}-RoPE keys")
+        entry = basis.layer(layer, kind, int(shape[1]), int(shape[3]))
+        spec = basis.rope[layer] if kind == "key" and self.rope == "pre" else None
+        return entry, spec
+
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
+        """Coefficients of float32 ``(batch, kv_heads, tokens, head_dim)`` ``x``, same shape, float32."""
+        entry, spec = self._entry(tuple(x.shape), layer, kind)
+        return project(x if spec is None else unrotate_keys(x, spec), entry).to(torch.float32)
+
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
+        """Undo :meth:`forward`: unproject, then re-rotate pre-RoPE keys; float32."""
+        entry, spec = self._entry(tuple(y.shape), layer, kind)
+        x = unproject(y, entry)
+        return (x if spec is None else rotate_keys(x, spec)).to(torch.float32)
+
+    def short_label(self) -> str:
+        """``pca:{pre|post}[@<first 8 digest digits>]``."""
+        return f"pca:{self.rope}" + (f"@{self.basis[:8]}" if self.basis else "")
+
+
+# ----------------------------------------------------------------------------- calibration fill
+
+
+def missing_pca_ropes(transforms: Sequence[Transform]) -> frozenset[str]:
+    """The ``rope`` modes of the ``pca`` transforms that still lack a basis."""
+    return frozenset(t.rope for t in transforms if isinstance(t, PCA) and not t.basis)
+
+
+def fill_pca_bases(transforms: Sequence[Transform], bases: str | Mapping[str, str]) -> tuple[Transform, ...]:
+    """``transforms`` with every basis-less ``pca`` transform given a digest: ``bases`` itself
+    (a digest) or ``bases[t.rope]`` (a mapping rope mode -> digest; modes it lacks stay empty).
+
+    Raises:
+        ConfigError: a digest that is not 64 hex digits.
+    """
+    out = []
+    for t in transforms:
+        if isinstance(t, PCA) and not t.basis:
+            digest = bases if isinstance(bases, str) else bases.get(t.rope, "")
+            t = dataclasses.replace(t, basis=check_digest(digest, "pca basis"))
+        out.append(t)
+    return tuple(out)

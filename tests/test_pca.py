@@ -1,0 +1,415 @@
+"""Tests of the calibrated PCA basis, the ``pca`` transform and the ``dp-alloc`` quantizer
+(KVTC, arXiv 2511.01815, sec. 3), their stream round trips, typed errors, the basis file and
+the run-folder calibration / serving load."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import pytest
+import torch
+
+from kvtune.codecs import PolicyConfig, decode_kv, encode_kv
+from kvtune.codecs.bitalloc import ComponentQuantizer, DPAlloc, allocate_bits
+from kvtune.codecs.pca import (
+    PCA,
+    BasisError,
+    BasisNotLoadedError,
+    RopeSpec,
+    fit_pca_basis,
+    forget_basis,
+    load_basis,
+    lookup,
+    register_basis,
+    rotate_keys,
+    save_basis,
+    unrotate_keys,
+)
+from kvtune.codecs.policy import apply_transforms, invert_transforms
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, TruncatedStreamError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HEADS, DIM = 3, 16
+INV_FREQ = (1.0 / 10000 ** (torch.arange(0, DIM, 2, dtype=torch.float64) / DIM)).float()
+
+
+def hf_rotate(x: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+    """Transformers' Llama RoPE on keys: ``x * cos + rotate_half(x) * sin`` at positions 0..T-1."""
+    freqs = torch.arange(x.shape[2], dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).double()
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return x.double() * cos + torch.cat((-x2, x1), dim=-1).double() * sin
+
+
+def correlated_kv(layers: int, tokens: int, *, seed: int, heads: int = HEADS, dim: int = DIM):
+    """KV whose pre-RoPE keys and values are low-rank-ish (strongly correlated channels), keys rotated."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(layers):
+        mix = torch.randn(heads * dim, heads * dim, generator=torch.Generator().manual_seed(100 + i))
+        mix = mix * torch.logspace(0, -2, heads * dim)[:, None]  # decaying spectrum
+        k = (torch.randn(1, tokens, heads * dim, generator=g) @ mix).reshape(1, tokens, heads, dim).permute(0, 2, 1, 3)
+        v = (torch.randn(1, tokens, heads * dim, generator=g) @ mix.T).reshape(1, tokens, heads, dim).permute(0, 2, 1, 3)
+        out.append((hf_rotate(k, INV_FREQ).float(), v.contiguous()))
+    return out
+
+
+ROPE = tuple(RopeSpec(INV_FREQ) for _ in range(2))
+
+
+@pytest.fixture(scope="module")
+def basis():
+    b = fit_pca_basis([correlated_kv(2, 200, seed=s) for s in range(3)], key_rope="pre", rope=ROPE)
+    register_basis(b)
+    return b
+
+
+def pca_policy(digest: str, quant: dict, codec: str = "bitpack", rope: str = "pre") -> PolicyConfig:
+    return PolicyConfig.from_dict({"transforms": [{"name": "pca", "rope": rope}], "key": quant, "value": quant,
+                                   "codec": codec}).with_pca_basis(digest)
+
+
+# ----------------------------------------------------------------------------- allocation
+
+
+def test_allocation_matches_a_hand_computed_greedy():
+    # gains lambda * 4**-b: 16 | 4, 4 | 1, 1, 1 (ties: lower component first) | 0.25 ...
+    assert allocate_bits([16, 4, 1, 0.25], 4, 8) == (3, 1, 0, 0)
+    assert allocate_bits([16, 4, 1, 0.25], 6, 8) == (3, 2, 1, 0)
+    assert allocate_bits([16, 4, 1, 0.25], 7, 8) == (4, 2, 1, 0)  # 0.25 gains: c0b3 comes first
+    assert allocate_bits([1e6, 1.0], 5, 2) == (2, 2)  # capped at D * max_bits
+    assert allocate_bits([0.0, 0.0, 0.0], 2, 8) == (2, 0, 0)  # zero variance: ties by (component, bit)
+    assert sum(allocate_bits(torch.rand(50).tolist(), 75, 8)) == 75
+
+
+# ----------------------------------------------------------------------------- basis
+
+
+def test_fitted_basis_is_sorted_orthonormal_and_per_head_is_block_diagonal(basis):
+    entry = basis.layers[0][0]
+    c = entry.components.double()
+    assert torch.allclose(c @ c.T, torch.eye(HEADS * DIM, dtype=torch.float64), atol=1e-5)
+    assert bool((entry.eigenvalues[:-1] >= entry.eigenvalues[1:]).all())
+    per_head = fit_pca_basis([correlated_kv(1, 100, seed=1)], mode="per_head")
+    ph = per_head.layers[0][1].components
+    mask = torch.block_diag(*[torch.ones(DIM, DIM)] * HEADS).bool()
+    assert bool((ph[~mask] == 0).all()) and torch.allclose(ph.double() @ ph.double().T, torch.eye(HEADS * DIM, dtype=torch.float64), atol=1e-5)
+
+
+def test_pre_rope_unrotate_inverts_the_model_rotation_and_rotate_inverts_it():
+    x = torch.randn(2, HEADS, 50, DIM, dtype=torch.float64)
+    spec = RopeSpec(INV_FREQ, 1.3)
+    assert torch.allclose(unrotate_keys(hf_rotate(x, INV_FREQ, 1.3), spec), x, atol=1e-9)
+    assert torch.allclose(rotate_keys(unrotate_keys(x, spec), spec), x, atol=1e-9)
+    partial = RopeSpec(INV_FREQ[:4])  # rotary_dim 8 of 16: the last channels pass unchanged
+    assert torch.equal(unrotate_keys(x, partial)[..., 8:], x[..., 8:])
+
+
+def test_pre_rope_basis_concentrates_key_energy_better_than_post(basis):
+    post = fit_pca_basis([correlated_kv(2, 200, seed=s) for s in range(3)], key_rope="post")
+    top = lambda b: float(b.layers[1][0].eigenvalues[:8].sum() / b.layers[1][0].eigenvalues.sum())  # noqa: E731
+    assert top(basis) > top(post) + 0.05
+
+
+def test_basis_file_round_trip_and_digest(basis, tmp_path):
+    path = save_basis(basis, tmp_path / "b.safetensors")
+    back = load_basis(path, expect=basis.digest)
+    assert back.digest == basis.digest and back.key_rope == "pre" and back.rope[1].scaling == 1.0
+    assert torch.equal(back.layers[1][1].components, basis.layers[1][1].components)
+    with pytest.raises(BasisError, match="expected"):
+        load_basis(path, expect="0" * 64)
+
+
+def _rewrite_header(path, edit):
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    meta = json.loads(data[8 : 8 + n])
+    edit(meta)
+    head = json.dumps(meta).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n :])
+
+
+def test_basis_load_is_bounded_and_typed(basis, tmp_path):
+    path = save_basis(basis, tmp_path / "b.safetensors")
+
+    def huge(meta):  # a forged header declaring a 1000-layer, D = 8000 basis: refused before reading tensors
+        h = json.loads(meta["__metadata__"]["kvtune_pca_basis"])
+        h["layers"], h["rope"] = [[100, 80, 100, 80]] * 1000, []
+        meta["__metadata__"]["kvtune_pca_basis"] = json.dumps(h)
+
+    _rewrite_header(path, huge)
+    with pytest.raises(BasisError, match="differ from the basis header|bytes declared"):
+        load_basis(path)
+    path = save_basis(basis, tmp_path / "c.safetensors")
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(BasisError):
+        load_basis(path)
+    path.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(BasisError, match="header"):
+        load_basis(path)
+    with pytest.raises(BasisError, match="cannot read"):
+        load_basis(tmp_path / "missing.safetensors")
+
+
+def test_lookup_of_an_unknown_digest_says_how_to_load_it():
+    with pytest.raises(BasisNotLoadedError, match="load_basis"):
+        lookup("ab" * 32)
+    with pytest.raises(BasisNotLoadedError, match="with_pca_basis"):
+        lookup("")
+
+
+# ----------------------------------------------------------------------------- transform / quantizer
+
+
+def test_pca_transform_inverts_and_checks_rope_and_geometry(basis):
+    x = correlated_kv(2, 40, seed=9)
+    t = PCA(basis=basis.digest)
+    for layer, (k, v) in enumerate(x):
+        for kind, tensor in (("key", k), ("value", v)):
+            y = t.forward(tensor, layer=layer, kind=kind)
+            assert y.shape == tensor.shape and y.dtype == torch.float32
+            torch.testing.assert_close(t.inverse(y, layer=layer, kind=kind), tensor, rtol=1e-5, atol=1e-5)
+    with pytest.raises(BasisError, match="fitted on pre-RoPE"):
+        PCA(basis=basis.digest, rope="post").forward(x[0][0], layer=0, kind="key")
+    with pytest.raises(BasisError, match="covers layers 0..1"):
+        t.forward(x[0][0], layer=2, kind="key")
+    with pytest.raises(BasisError, match="3 heads x 16 channels"):
+        t.forward(torch.zeros(1, 2, 4, 16), layer=0, kind="key")
+
+
+@pytest.mark.parametrize("codec", ["bitpack", "range"])
+def test_pca_with_bfloat16_decodes_within_float_tolerance(basis, codec):
+    kv = correlated_kv(2, 64, seed=5)
+    cfg = pca_policy(basis.digest, {"name": "none"}, codec)
+    for (k, v), (k2, v2) in zip(kv, decode_kv(encode_kv(kv, cfg), expect=cfg)):
+        for a, b in ((k, k2), (v, v2)):
+            assert float((a - b).norm() / a.norm()) < 5e-3  # bfloat16 coefficients
+
+
+@pytest.mark.parametrize("codec", ["bitpack", "range"])
+@pytest.mark.parametrize("quant", [{"name": "dp-alloc", "bits": 8}, {"name": "dp-alloc", "bits": 1.5},
+                                   {"name": "dp-alloc", "bits": 3, "max_bits": 4, "grid": "minmax"}])
+def test_dp_alloc_round_trip_equals_the_in_memory_pipeline(basis, codec, quant):
+    kv = correlated_kv(2, 77, seed=6)
+    cfg = pca_policy(basis.digest, quant, codec)
+    stream = encode_kv(kv, cfg)
+    assert stream == encode_kv(kv, cfg, impl="reference")  # "auto" has no kernel path here: the reference
+    out = decode_kv(stream, expect=cfg)
+    for layer, ((k, v), (k2, v2)) in enumerate(zip(kv, out)):
+        for orig, dec, q, kind in ((k, k2, cfg.key, "key"), (v, v2, cfg.value, "value")):
+            y, states = apply_transforms(orig, cfg.transforms, layer=layer, kind=kind)
+            ref = invert_transforms(q.dequantize(q.quantize(y, layer=layer, kind=kind), layer=layer, kind=kind),
+                                    cfg.transforms, states, layer=layer, kind=kind)
+            assert torch.equal(dec, ref)
+
+
+def test_dp_alloc_error_falls_with_bits_and_is_small_at_8(basis):
+    kv = correlated_kv(2, 256, seed=7)
+    errs = []
+    for bits in (1, 2, 4, 8):
+        cfg = pca_policy(basis.digest, {"name": "dp-alloc", "bits": bits})
+        out = decode_kv(encode_kv(kv, cfg))
+        errs.append(max(float((a - b).norm() / a.norm()) for p, q in zip(kv, out) for a, b in zip(p, q)))
+    assert errs == sorted(errs, reverse=True) and errs[-1] < 0.02
+
+
+def test_dp_alloc_segments_follow_the_allocation_and_drop_zero_bit_components(basis):
+    q = DPAlloc(bits=1.0, basis=basis.digest)
+    widths = q.widths((1, HEADS, 10, DIM), layer=0, kind="value")
+    assert sum(widths) == HEADS * DIM and 0 in widths  # the budget, some components dropped
+    assert widths == allocate_bits(basis.layers[0][1].eigenvalues, HEADS * DIM, 8)
+    plan = q.plan((1, HEADS, 10, DIM), layer=0, kind="value")
+    assert sorted(s.bits for s in plan) == sorted({w for w in widths if w})
+    assert sum(s.shape[3] for s in plan) == sum(1 for w in widths if w)
+    y = torch.randn(1, HEADS, 10, DIM)
+    dec = q.dequantize(q.quantize(y, layer=0, kind="value"), layer=0, kind="value")
+    dropped = torch.tensor([w == 0 for w in widths]).reshape(HEADS, DIM)
+    assert bool((dec[0].permute(1, 0, 2)[:, dropped] == 0).all())  # decoded as the mean (coefficient 0)
+
+
+def test_component_quantizer_at_8_bits_minmax_is_within_half_a_step():
+    x = torch.randn(2, 1, 300, 5) * torch.tensor([1.0, 10.0, 0.1, 3.0, 0.0])
+    q = ComponentQuantizer(bits=8, grid="minmax")
+    sym, meta = q.quantize_block(x)
+    err = (q.dequantize_block(sym, meta, x.shape) - x).abs()
+    assert bool((err <= meta["scale"].float() / 2 + 1e-3 * x.abs().amax(dim=2, keepdim=True) + 1e-6).all())
+
+
+@pytest.mark.parametrize("shape", [(1, HEADS, 1, DIM), (1, HEADS, 0, DIM), (2, HEADS, 3, DIM)])
+def test_degenerate_token_counts_round_trip(basis, shape):
+    kv = [(torch.randn(shape), torch.randn(shape))]
+    cfg = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 2}, "range")
+    (k, v), = decode_kv(encode_kv(kv, cfg), expect=cfg)
+    assert k.shape == shape and v.shape == shape and bool(torch.isfinite(k).all())
+
+
+# ----------------------------------------------------------------------------- policies / streams
+
+
+def test_policy_rules_fill_and_ids(basis):
+    blank = PolicyConfig.from_dict({"transforms": ["pca"], "key": {"name": "dp-alloc"}, "value": {"name": "dp-alloc"},
+                                    "codec": "range"})
+    assert blank.needs_pca_basis and blank.pca_ropes_missing == {"pre"}
+    filled = blank.with_pca_basis({"pre": basis.digest})
+    assert not filled.needs_pca_basis and filled.key.basis == filled.transforms[0].basis == basis.digest
+    assert filled.policy_id != blank.policy_id and PolicyConfig.from_json(filled.to_json()) == filled
+    assert filled.label == f"pca:pre@{basis.digest[:8]}|K:dp2|V:dp2|range"
+    with pytest.raises(ConfigError, match="last transform must be 'pca'"):
+        PolicyConfig.from_dict({"key": {"name": "dp-alloc"}, "value": {"name": "none"}})
+    with pytest.raises(ConfigError, match="differs"):
+        PolicyConfig.from_dict({"transforms": [{"name": "pca", "basis": basis.digest}], "key": {"name": "dp-alloc"},
+                                "value": {"name": "none"}})
+    with pytest.raises(ConfigError, match="64-hex-digit"):
+        PCA(basis="xyz")
+    with pytest.raises(ConfigError, match="max_bits"):
+        DPAlloc(bits=5, max_bits=4)
+
+
+def test_unknown_basis_and_damaged_streams_are_typed_errors(basis):
+    kv = correlated_kv(2, 30, seed=3)
+    cfg = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 2}, "range")
+    stream = encode_kv(kv, cfg)
+    with pytest.raises(TruncatedStreamError):
+        decode_kv(stream[:-7])
+    damaged = bytearray(stream)
+    damaged[len(stream) // 2] ^= 0x10
+    with pytest.raises(CorruptStreamError):
+        decode_kv(bytes(damaged))
+    other = fit_pca_basis([correlated_kv(2, 50, seed=99)], key_rope="pre", rope=ROPE)  # never registered
+    cfg2 = pca_policy(other.digest, {"name": "dp-alloc", "bits": 2})
+    with pytest.raises(BasisNotLoadedError, match="not loaded"):
+        encode_kv(kv, cfg2)
+    register_basis(other)
+    stream2 = encode_kv(kv, cfg2)
+    forget_basis(other.digest)  # a decoder that never loaded it
+    with pytest.raises(KVStreamError, match="not loaded"):
+        decode_kv(stream2)
+
+
+# ----------------------------------------------------------------------------- run folder / serving
+
+
+def test_run_calibration_writes_reads_back_and_serving_loads_the_basis(tiny_model_dir, tmp_path, monkeypatch):
+    from kvtune.evaluate.model import load_model
+    from kvtune.methods.tqc.profile import PCA_BASIS_FILES, calibrated_pca_bases
+    from kvtune.serving.artifacts import load_pca_bases, pca_problems
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    ids = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    digests = calibrated_pca_bases(["pre"], lm, ids, tmp_path)
+    doc = json.loads((tmp_path / "calibration.json").read_text())
+    assert doc["pca_bases"]["pre"] == {"digest": digests["pre"], "file": PCA_BASIS_FILES["pre"], "mode": "joint"}
+    basis = lookup(digests["pre"])
+    assert len(basis.layers) == lm.num_layers and basis.layers[0][0].heads == lm.kv_heads
+    before = (tmp_path / PCA_BASIS_FILES["pre"]).read_bytes()
+    assert calibrated_pca_bases(["pre"], None, ids, tmp_path) == digests  # resume: read back, no model needed
+    assert (tmp_path / PCA_BASIS_FILES["pre"]).read_bytes() == before
+    (tmp_path / "calibration.json").write_text(json.dumps({**doc, "head_scores": {"x": 1}}))
+    assert load_pca_bases(tmp_path) == (digests["pre"],)
+    cfg = pca_policy(digests["pre"], {"name": "dp-alloc", "bits": 2})
+    assert pca_problems(cfg) == []
+    kv = [(torch.randn(1, lm.kv_heads, 5, lm.head_dim), torch.randn(1, lm.kv_heads, 5, lm.head_dim))] * lm.num_layers
+    assert len(decode_kv(encode_kv(kv, cfg), expect=cfg)) == lm.num_layers
+    assert math.isfinite(float(basis.layers[0][0].eigenvalues.sum()))
+
+
+def test_sink_tokens_are_bfloat16_coefficients_outside_the_component_statistics(basis):
+    kv = correlated_kv(2, 60, seed=8)
+    kv = [(k.clone(), v.clone()) for k, v in kv]
+    for k, v in kv:
+        k[:, :, 0] *= 200.0  # an attention-sink-like outlier token
+        v[:, :, 0] *= 200.0
+    plain = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 4}, "range")
+    sink = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 4, "sink_tokens": 1}, "range")
+    assert sink.label.endswith("K:dp4/s1|V:dp4/s1|range")
+    plan = sink.key.plan((1, HEADS, 60, DIM), layer=0, kind="key")
+    assert plan[0].bits == 16 and plan[0].shape == (1, HEADS, 1, DIM) and all(s.shape[2] == 59 for s in plan[1:])
+    errs = {}
+    for name, cfg in (("plain", plain), ("sink", sink)):
+        out = decode_kv(encode_kv(kv, cfg), expect=cfg)
+        errs[name] = max(float((a[:, :, 1:] - b[:, :, 1:]).norm() / a[:, :, 1:].norm())
+                         for p, q in zip(kv, out) for a, b in zip(p, q))
+    assert errs["sink"] < errs["plain"] / 2  # the outlier no longer sets the other tokens' steps
+    assert decode_kv(encode_kv([(torch.randn(1, HEADS, 1, DIM),) * 2], sink))[0][0].shape == (1, HEADS, 1, DIM)
+
+
+# ----------------------------------------------------------------------------- calibration contexts
+
+
+def _overlaps(starts: list[int], width: int, others: list[int], other_width: int) -> bool:
+    return any(a < b + other_width and b < a + width for a in starts for b in others)
+
+
+@pytest.mark.parametrize("stream, n_eval, window, n_calib, calib", [
+    (1000, 4, 100, 4, 60), (1000, 1, 100, 8, 100), (1000, 10, 95, 2, 5), (620, 3, 150, 2, 80), (600, 1, 600, 0, 10)])
+def test_gap_windows_share_no_position_with_the_taken_windows(stream, n_eval, window, n_calib, calib):
+    from kvtune.evaluate.capture import gap_window_starts, window_starts
+
+    taken = window_starts(stream, n_eval, window)
+    starts = gap_window_starts(stream, taken, window, n_calib, calib)
+    assert len(starts) == n_calib and starts == sorted(set(starts))
+    assert all(0 <= s and s + calib <= stream for s in starts)
+    assert all(b - a >= calib for a, b in zip(starts, starts[1:]))  # calibration windows apart from each other
+    assert not _overlaps(starts, calib, taken, window)
+
+
+def test_gap_windows_spread_over_the_gaps_and_too_many_is_a_named_error():
+    from kvtune.core.errors import KvtuneError
+    from kvtune.evaluate.capture import gap_window_starts
+
+    # taken [0,100) [300,400) [600,700); free [100,300) [400,600) [700,1000): slots of 100
+    assert gap_window_starts(1000, [0, 300, 600], 100, 3, 100) == [100, 400, 700]
+    assert gap_window_starts(1000, [0, 300, 600], 100, 7, 100) == [100, 200, 400, 500, 700, 800, 900]
+    with pytest.raises(KvtuneError, match=r"room for 7 calibration windows of 100 tokens, not 8.*--contexts.*--context-tokens"):
+        gap_window_starts(1000, [0, 300, 600], 100, 8, 100)
+
+
+def test_continuation_pca_calibration_windows_are_text_apart_from_the_evaluated_ones(tiny_model_dir, tiny_text):
+    from kvtune.core.errors import KvtuneError
+    from kvtune.evaluate.assets import read_texts
+    from kvtune.evaluate.capture import token_stream
+    from kvtune.evaluate.model import load_model
+    from kvtune.evaluate.workloads import make_workload
+    from kvtune.methods.tqc.settings import ProfileSettings
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    st = ProfileSettings(model=str(tiny_model_dir), text=str(tiny_text), samples=3, cheap_samples=2, context_tokens=48,
+                         continuation_tokens=8, kv_dtype="bfloat16")
+    wl = make_workload("continuation", lm, settings=st)
+    stream = token_stream(lm.tokenizer, read_texts(str(tiny_text)))
+
+    def place(row: list[int]) -> int:  # where a window lies in the text (unique for these pseudo-word windows)
+        found = [i for i in range(len(stream) - len(row) + 1) if stream[i : i + len(row)] == row]
+        assert len(found) == 1
+        return found[0]
+
+    evaluated = [place(s.context_ids + s.prompt_ids) for s in wl.samples]
+    ids = wl.pca_calibration_ids(contexts=4, max_tokens=32)
+    assert ids.shape == (4, 32) and ids.dtype == torch.long
+    calib = [place(row) for row in ids.tolist()]
+    assert len(set(calib)) == 4 and not _overlaps(calib, 32, evaluated, 56)
+    assert wl.pca_calibration_ids(contexts=2, max_tokens=4096).shape == (2, 48)  # at most --context-tokens
+    with pytest.raises(KvtuneError, match="--contexts"):
+        wl.pca_calibration_ids(contexts=10_000)
+    assert torch.equal(wl.calibration_ids(), torch.tensor([s.context_ids for s in wl.samples[:2]]))  # MixHQ: unchanged
+
+
+def test_calibrated_space_fits_the_pca_basis_on_pca_ids_only_when_fitting(tiny_model_dir, tmp_path):
+    from kvtune.evaluate.calibrate_pca import calibrate_pca_basis
+    from kvtune.evaluate.model import load_model
+    from kvtune.methods.tqc.profile import calibrated_pca_bases
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    gen = torch.Generator().manual_seed(1)
+    heads_ids, pca_ids = torch.randint(0, 100, (2, 24), generator=gen), torch.randint(0, 100, (3, 20), generator=gen)
+    calls = []
+    digests = calibrated_pca_bases(["pre", "post"], lm, lambda: calls.append(1) or pca_ids, tmp_path)
+    assert calls == [1]  # one call for both bases
+    assert digests["pre"] == calibrate_pca_basis(lm, pca_ids, key_rope="pre").digest
+    assert digests["pre"] != calibrate_pca_basis(lm, heads_ids, key_rope="pre").digest
+    assert calibrated_pca_bases(["pre", "post"], lm, lambda: calls.append(1) or pca_ids, tmp_path) == digests
+    assert calls == [1]  # read back from the run folder: not called
