@@ -6,6 +6,7 @@ errors before any model loads. One local Ray (2 CPUs) for the module."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -112,11 +113,10 @@ class SlowTQC(TQCMethod):
 
 
 class PidCalibratedTQC(TQCMethod):
-    """T/Q/C whose prepare writes a calibration file that differs between processes."""
+    """T/Q/C whose contexts differ between processes (as if each worker calibrated its own way)."""
 
-    def prepare(self, settings, run_dir, hooks, **given):
-        (Path(run_dir) / "extra.json").write_text(json.dumps({"pid": os.getpid()}))
-        return super().prepare(settings, run_dir, hooks, **given)
+    def context_fingerprint(self, context):
+        return f"{os.getpid():064d}"
 
 
 class LastInFirstOut(TrialPool):
@@ -186,6 +186,10 @@ def test_tqc_inprocess_and_ray_record_the_same_trials(local_ray, tiny_model_dir,
     assert calibration["ray"] == calibration["inprocess"]
     view = runs["ray"].context
     assert view.lm is None and view.workload is None
+    fingerprint = TQCMethod().context_fingerprint
+    assert fingerprint(view) == fingerprint(runs["inprocess"].context) != fingerprint(
+        dataclasses.replace(view, space=view.space.with_head_scores(
+            [[round(1.0 - v, 4) for v in layer] for layer in calibration["ray"]["head_scores"]["scores"]])))
     assert [c.policy_id for c in view.space.candidates] == [c.policy_id for c in runs["inprocess"].context.space.candidates]
 
 
@@ -431,6 +435,6 @@ def test_workers_of_a_ray_on_this_machine_that_do_not_fit_are_refused_before_any
 def test_workers_whose_prepare_wrote_other_calibration_files_stop_the_run(local_ray, tiny_model_dir, tiny_text,
                                                                          tmp_path):
     st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "differs")
-    with pytest.raises(ExecutorError, match="workers calibrated differently .*extra.json"):
+    with pytest.raises(ExecutorError, match="workers calibrated differently \\(context fingerprints 0000"):
         run_method(PidCalibratedTQC(), st, st.run_dir, executor=RayExecutor(2))
     assert not (st.run_dir / "trials.jsonl").exists() or not (st.run_dir / "trials.jsonl").read_text().strip()

@@ -255,6 +255,13 @@ class Method:
         """
         return context
 
+    def context_fingerprint(self, context: Any) -> str:
+        """A digest of what a candidate means in this context (e.g. T/Q/C: the policy ids of
+        the calibrated space): remote workers whose fingerprints differ would evaluate the
+        driver's candidates with other calibrations, and the run stops. Default: "" (nothing
+        calibrated per worker)."""
+        return ""
+
     def run_info(self, context: Any) -> dict[str, Any]:
         """Keys of ``run.json`` known once the context is built (written before the first
         trial); ``context`` may be a :meth:`driver_view`."""

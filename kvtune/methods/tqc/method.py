@@ -172,6 +172,13 @@ class TQCMethod(Method):
         calibrated MixHQ head scores, the ratio estimates, ``run.json``'s keys and the times."""
         return dataclasses.replace(context, lm=None, workload=None, times=dict(context.times))
 
+    def context_fingerprint(self, context: TQCContext) -> str:
+        """SHA-256 of the calibrated space's policy ids in order (they hold the MixHQ head
+        scores and the PCA bases' digests)."""
+        import hashlib
+
+        return hashlib.sha256("\n".join(c.policy_id for c in context.space.candidates).encode()).hexdigest()
+
     def run_info(self, context: TQCContext) -> dict[str, Any]:
         return context.info
 

@@ -276,16 +276,10 @@ class TrialWorker:
         """
         return Handoff(self.method.driver_view(self.context), written_files(self.folder, self.files))
 
-    def written_digests(self) -> dict[str, str]:
-        """SHA-256 of each file ``prepare`` wrote (:func:`written_files`), by name: workers
-        whose calibrations differ would evaluate the driver's candidates with other artifacts.
-
-        Raises:
-            ExecutorError: see :func:`written_files`.
-        """
-        import hashlib
-
-        return {name: hashlib.sha256(data).hexdigest() for name, data in written_files(self.folder, self.files).items()}
+    def fingerprint(self) -> str:
+        """The method's :meth:`~kvtune.run.method.Method.context_fingerprint` of this context:
+        workers whose fingerprints differ would read the driver's candidates differently."""
+        return self.method.context_fingerprint(self.context)
 
     def evaluate(self, stage_name: str, title: str, candidate: Any) -> dict[str, Any]:
         """One trial row: ``method.evaluate`` with the actor's context."""
@@ -405,20 +399,20 @@ class RayWorkers(Workers):
             built = [a.prepare_part.remote(i, parts) for i, a in enumerate(self.live[:parts])]
             pending = {a.build.remote(*built): a for a in self.live}
             del built  # the parts leave the object store once every actor has its context
-        first: dict[str, str] = {}
+        first = ""
         try:
             while pending:
                 (ref,), _ = ray.wait(list(pending), num_returns=1)
                 actor = pending.pop(ref)
                 ray.get(ref)
-                digests = ray.get(actor.written_digests.remote())
+                fingerprint = ray.get(actor.fingerprint.remote())
                 if not self.idle:  # the first one ready: the driver's context
                     self.take_handoff(ray.get(actor.handoff.remote()), job.run_dir, hooks)
-                    first = digests
-                elif digests != first:
-                    raise ExecutorError(f"workers calibrated differently (files written by their prepare: {first} "
-                                        f"vs {digests}); give every worker the same hardware and threads, or run "
-                                        "the calibration once in-process and resume the run with Ray")
+                    first = fingerprint
+                elif fingerprint != first:
+                    raise ExecutorError(f"workers calibrated differently (context fingerprints {first[:12]} and "
+                                        f"{fingerprint[:12]}); give every worker the same hardware and threads, or "
+                                        "run the calibration once in-process and resume the run with Ray")
                 self.idle.append(actor)
                 hooks.on_progress(1)
         except (ray.exceptions.RayError, ExecutorError) as exc:
