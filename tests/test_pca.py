@@ -413,3 +413,52 @@ def test_calibrated_space_fits_the_pca_basis_on_pca_ids_only_when_fitting(tiny_m
     assert digests["pre"] != calibrate_pca_basis(lm, heads_ids, key_rope="pre").digest
     assert calibrated_pca_bases(["pre", "post"], lm, lambda: calls.append(1) or pca_ids, tmp_path) == digests
     assert calls == [1]  # read back from the run folder: not called
+
+
+# ----------------------------------------------------------------------------- forged basis files
+
+
+def _forge_header(basis, tmp_path, name, edit):
+    path = save_basis(basis, tmp_path / name)
+    _rewrite_header(path, edit)
+    return path
+
+
+def _edit_basis_header(key, index, value):
+    def edit(meta):
+        h = json.loads(meta["__metadata__"]["kvtune_pca_basis"])
+        h[key][index][1] = value
+        meta["__metadata__"]["kvtune_pca_basis"] = json.dumps(h)
+    return edit
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("entry_not_object", lambda m: m.__setitem__("layer0.key.mean", "x")),
+    ("offsets_past_the_end", lambda m: m["layer0.key.mean"].__setitem__("data_offsets", [0, 10**12])),
+    ("shape_of_floats", lambda m: m["layer0.key.mean"].__setitem__("shape", [float(m["layer0.key.mean"]["shape"][0])])),
+    ("scaling_beyond_float", _edit_basis_header("rope", 0, 10**400)),
+])
+def test_forged_basis_headers_are_basis_errors(basis, tmp_path, name, edit):
+    path = _forge_header(basis, tmp_path, name, edit)
+    with pytest.raises(BasisError, match=path.name):
+        load_basis(path)
+
+
+def test_a_deeply_nested_basis_header_is_a_basis_error(basis, tmp_path):
+    path = save_basis(basis, tmp_path / "deep.safetensors")
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    head = b"[" * 100_000 + b"]" * 100_000
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n :])
+    with pytest.raises(BasisError, match="deep.safetensors"):
+        load_basis(path)
+
+
+def test_a_basis_path_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo.safetensors")  # opening a FIFO for reading blocks until a writer comes
+    with pytest.raises(BasisError, match="not a regular file"):
+        load_basis(tmp_path / "fifo.safetensors")
+    with pytest.raises(BasisError, match="not a regular file"):
+        load_basis(tmp_path)

@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,6 +294,30 @@ def _expected_shapes(header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _is_finite_number(v: Any) -> bool:
+    """``v`` is an int or float (not a bool) that converts to a finite float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _tensor_entry_problem(entry: Any, shape: tuple[int, ...]) -> str | None:
+    """Why a safetensors header entry is not a float32 tensor of ``shape`` with integer
+    ``data_offsets``, or ``None``."""
+    if not isinstance(entry, dict):
+        return f"is {type(entry).__name__}, not a tensor entry"
+    dims, offsets = entry.get("shape"), entry.get("data_offsets")
+    if entry.get("dtype") != "F32" or not isinstance(dims, list) or any(type(v) is not int for v in dims) \
+            or tuple(dims) != shape:
+        return f"is {entry.get('dtype')} {dims}, expected F32 {list(shape)}"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(v) is int for v in offsets)):
+        return f"has data_offsets {offsets!r}, expected [begin, end] integers"
+    return None
+
+
 def _check_header(header: Any, where: str) -> dict[str, Any]:
     """The basis header of a file, its sizes bounded; raises :class:`BasisError`."""
     def bad(msg: str) -> BasisError:
@@ -312,8 +337,8 @@ def _check_header(header: Any, where: str) -> dict[str, Any]:
         raise bad("'rope' must be a list with one [rotary_dim / 2, scaling] per layer, or empty")
     for row in rope:
         if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and 0 < row[0] <= MAX_BASIS_DIM
-                and isinstance(row[1], (int, float)) and not isinstance(row[1], bool)):
-            raise bad("every rope entry must be [rotary_dim / 2, scaling]")
+                and _is_finite_number(row[1])):
+            raise bad("every rope entry must be [rotary_dim / 2, scaling], scaling a finite number")
     if header.get("mode") not in FIT_MODES or header.get("key_rope") not in ROPE_MODES:
         raise bad(f"'mode' must be one of {FIT_MODES} and 'key_rope' one of {ROPE_MODES}")
     if not isinstance(header.get("info"), dict):
@@ -334,9 +359,10 @@ def save_basis(basis: PCABasis, path: str | os.PathLike[str]) -> Path:
 def load_basis(path: str | os.PathLike[str], *, expect: str | None = None) -> PCABasis:
     """Read a basis written by :func:`save_basis`, bounding every size before allocating.
 
-    The file must be at most :data:`MAX_BASIS_FILE_BYTES`; its safetensors header at most 16 MiB
+    The file must be a regular file (a symlink is followed; a FIFO, device or directory is
+    refused before opening) of at most :data:`MAX_BASIS_FILE_BYTES`; its safetensors header at most 16 MiB
     and declare exactly the float32 tensors the basis header names, with the declared shapes
-    (layers and dimensions within :data:`MAX_BASIS_LAYERS` / :data:`MAX_BASIS_DIM`), packed
+    (integers; layers and dimensions within :data:`MAX_BASIS_LAYERS` / :data:`MAX_BASIS_DIM`), packed
     back to back up to the end of the file; only then are the tensors read.
 
     Args:
@@ -349,9 +375,14 @@ def load_basis(path: str | os.PathLike[str], *, expect: str | None = None) -> PC
     """
     from safetensors.torch import load
 
+    from safetensors import SafetensorError
+
     path = Path(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open, a directory fail it, a device never end
+            raise BasisError(f"{path}: not a regular file")
+        size = st.st_size
         if size > MAX_BASIS_FILE_BYTES:
             raise BasisError(f"{path}: {size} bytes; a PCA basis file is at most {MAX_BASIS_FILE_BYTES}")
         with path.open("rb") as fh:
@@ -369,17 +400,17 @@ def load_basis(path: str | os.PathLike[str], *, expect: str | None = None) -> PC
                 raise BasisError(f"{path}: tensors {sorted(set(entries) ^ set(shapes))[:5]} differ from the basis header")
             total = 0
             for name, shape in shapes.items():
-                e = entries[name]
-                if e.get("dtype") != "F32" or tuple(e.get("shape", ())) != shape:
-                    raise BasisError(f"{path}: tensor {name} is {e.get('dtype')} {e.get('shape')}, expected F32 {list(shape)}")
+                problem = _tensor_entry_problem(entries[name], shape)
+                if problem:
+                    raise BasisError(f"{path}: tensor {name} {problem}")
                 total += 4 * math.prod(shape)
             if total != size - 8 - n:
                 raise BasisError(f"{path}: tensors of {total} bytes declared, the file holds {size - 8 - n}")
             fh.seek(0)
-            tensors = load(fh.read())
+            tensors = load(fh.read(size))  # the bounded size, even if the file grew since the stat
     except OSError as exc:
         raise BasisError(f"{path}: cannot read ({exc})") from None
-    except (ValueError, KeyError, TypeError, struct.error) as exc:
+    except (ValueError, KeyError, TypeError, struct.error, RecursionError, SafetensorError) as exc:
         raise BasisError(f"{path}: not a kvtune PCA basis file ({exc})") from None
     basis = _basis_from(declared, tensors, str(path))
     if expect is not None and basis.digest != expect:
