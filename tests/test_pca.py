@@ -462,3 +462,59 @@ def test_a_basis_path_that_is_not_a_regular_file_is_refused_without_blocking(tmp
         load_basis(tmp_path / "fifo.safetensors")
     with pytest.raises(BasisError, match="not a regular file"):
         load_basis(tmp_path)
+
+
+# ----------------------------------------------------------------------------- damaged calibration.json
+
+
+def _run_with_basis(basis, run_dir, pca_bases):
+    save_basis(basis, run_dir / "pca_basis.safetensors")
+    (run_dir / "calibration.json").write_text(json.dumps({"pca_bases": pca_bases}))
+    return (run_dir / "calibration.json").read_bytes()
+
+
+@pytest.mark.parametrize("record", [
+    [1, 2],
+    {"pre": "pca_basis.safetensors"},
+    {"pre": {"digest": "ab" * 32}},
+    {"pre": {"digest": [1], "file": "pca_basis.safetensors"}},
+    {"pre": {"digest": "ab" * 32, "file": ["pca_basis.safetensors"]}},
+], ids=["list", "entry_string", "no_file", "digest_list", "file_list"])
+def test_a_malformed_pca_bases_record_is_a_typed_error_and_is_not_rewritten(basis, tmp_path, record):
+    from kvtune.core.errors import KvtuneError
+    from kvtune.methods.tqc.profile import calibrated_pca_bases
+
+    before = _run_with_basis(basis, tmp_path, record)
+    with pytest.raises(KvtuneError, match="calibration.json.*pca_bases"):
+        calibrated_pca_bases(["pre"], None, torch.zeros(1, 1, dtype=torch.int64), tmp_path)
+    assert (tmp_path / "calibration.json").read_bytes() == before  # never replaced by a refit
+
+
+@pytest.mark.parametrize("file", ["../../etc/passwd", "/etc/passwd", "..", ""])
+def test_a_pca_bases_file_outside_the_run_folder_is_never_read(basis, tmp_path, file):
+    from kvtune.methods.tqc.profile import calibrated_pca_bases
+    from kvtune.serving.artifacts import load_pca_bases
+
+    _run_with_basis(basis, tmp_path, {"pre": {"digest": basis.digest, "file": file}})
+    with pytest.raises(BasisError, match=str(tmp_path)):
+        calibrated_pca_bases(["pre"], None, torch.zeros(1, 1, dtype=torch.int64), tmp_path)
+    with pytest.raises(ConfigError, match=str(tmp_path)):
+        load_pca_bases(tmp_path)
+
+
+def test_a_deeply_nested_or_oversized_calibration_json_is_a_typed_error(tmp_path):
+    from kvtune.core.errors import KvtuneError
+    from kvtune.methods.tqc.profile import read_calibration
+    from kvtune.serving.artifacts import load_pca_bases
+
+    path = tmp_path / "calibration.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(KvtuneError, match="calibration.json"):
+        read_calibration(path)
+    with pytest.raises(KvtuneError, match="calibration.json"):
+        load_pca_bases(tmp_path)
+    path.unlink()
+    with path.open("wb") as fh:  # sparse: 32 MiB of nothing, refused by its size before reading
+        fh.truncate(32 << 20)
+    with pytest.raises(KvtuneError, match="at most"):
+        read_calibration(path)

@@ -153,7 +153,7 @@ def _read_small_json(path: Path, error: type[KvtuneError]) -> Any:
         if size > MAX_RUN_FILE_BYTES:
             raise error(f"{path}: {size} bytes; a run file is at most {MAX_RUN_FILE_BYTES}")
         return json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
         raise error(f"{path}: cannot read JSON ({exc})") from None
 
 

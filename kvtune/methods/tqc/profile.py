@@ -307,17 +307,27 @@ def progress_line(record: dict[str, Any]) -> str:
 PCA_BASIS_FILES = {"pre": "pca_basis.safetensors", "post": "pca_basis_post.safetensors"}
 
 
+#: Largest ``calibration.json`` :func:`read_calibration` reads (16 MiB).
+MAX_CALIBRATION_BYTES = 16 << 20
+
+
 def read_calibration(path: Path) -> dict[str, Any]:
     """The run's ``calibration.json`` as a dict (``{}`` when absent).
 
     Raises:
-        KvtuneError: unreadable, not JSON, or not an object; the message names the file.
+        KvtuneError: larger than :data:`MAX_CALIBRATION_BYTES` (checked before reading),
+            unreadable, not JSON (or nested too deeply to parse), or not an object; the message
+            names the file.
     """
     if not path.is_file():
         return {}
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        size = path.stat().st_size
+        if size > MAX_CALIBRATION_BYTES:
+            raise KvtuneError(f"{path}: {size} bytes; the run's calibration is at most {MAX_CALIBRATION_BYTES}")
+        with path.open("rb") as fh:
+            doc = json.loads(fh.read(MAX_CALIBRATION_BYTES + 1))
+    except (OSError, ValueError, RecursionError) as exc:
         raise KvtuneError(f"{path}: cannot read the run's calibration ({exc})") from None
     if not isinstance(doc, dict):
         raise KvtuneError(f"{path}: not a JSON object")
@@ -388,9 +398,9 @@ def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor | Callable[[],
     ids = functools.cache(calibration_ids if callable(calibration_ids) else lambda: calibration_ids)
     for rope in ropes:
         doc = read_calibration(path)
-        entry = (doc.get("pca_bases") or {}).get(rope)
-        if isinstance(entry, dict) and {"digest", "file"} <= set(entry):
-            basis = load_basis(run_dir / Path(str(entry["file"])).name, expect=str(entry["digest"]))
+        entry = pca_basis_record(doc, rope, path)
+        if entry is not None:
+            basis = load_basis(run_dir / Path(entry["file"]).name, expect=entry["digest"])
         else:
             file = run_dir / PCA_BASIS_FILES[rope]
             if file.is_file():
@@ -405,6 +415,29 @@ def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor | Callable[[],
             atomic_write_text(path, json.dumps({**doc, "pca_bases": bases}, indent=1))
         out[rope] = register_basis(basis)
     return out
+
+
+def pca_basis_record(doc: dict[str, Any], rope: str, path: Path) -> dict[str, str] | None:
+    """The ``pca_bases.<rope>`` record of a run's calibration ``doc`` (read from ``path``), or
+    None when there is none; a record is an object with string ``digest`` and ``file`` (the
+    file's name is taken in the run folder).
+
+    Raises:
+        KvtuneError: ``pca_bases`` is not an object, or the record is malformed (it is never
+            silently replaced by a new fit); the message names the file and the record.
+    """
+    bases = doc.get("pca_bases")
+    if bases is None:
+        return None
+    if not isinstance(bases, dict):
+        raise KvtuneError(f"{path}: pca_bases must be an object mapping rope modes to {{digest, file}}, "
+                          f"got {type(bases).__name__}")
+    entry = bases.get(rope)
+    if entry is None:
+        return None
+    if not (isinstance(entry, dict) and isinstance(entry.get("digest"), str) and isinstance(entry.get("file"), str)):
+        raise KvtuneError(f"{path}: pca_bases.{rope} must be an object with string 'digest' and 'file', got {entry!r}"[:300])
+    return entry
 
 
 def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
