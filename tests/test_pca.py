@@ -518,3 +518,16 @@ def test_a_deeply_nested_or_oversized_calibration_json_is_a_typed_error(tmp_path
         fh.truncate(32 << 20)
     with pytest.raises(KvtuneError, match="at most"):
         read_calibration(path)
+
+
+@pytest.mark.parametrize("eigenvalues, total, max_bits, what", [
+    ([4.0, 1.0, 1.0], 3, -1, "max_bits"),
+    ([4.0, 1.0, 1.0], 3, 0, "max_bits"),
+    ([4.0, 1.0, 1.0], 3, 9, "max_bits"),
+    ([4.0, 1.0, 1.0], float("nan"), 8, "total_bits"),
+    ([float("nan"), 1.0, 1.0], 3, 8, "eigenvalues"),
+])
+def test_allocate_bits_refuses_what_it_cannot_allocate(eigenvalues, total, max_bits, what):
+    with pytest.raises(ConfigError, match=what):
+        allocate_bits(eigenvalues, total, max_bits)
+    assert allocate_bits([4.0, 1.0, 1.0], 3, 8) == (2, 1, 0)

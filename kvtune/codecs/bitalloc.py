@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -66,8 +67,19 @@ def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, 
 
     Returns:
         Bits per component, summing to ``min(B, D * max_bits)``.
+
+    Raises:
+        ConfigError: ``max_bits`` outside 1..8, a ``total_bits`` that is not a finite number,
+            or a NaN eigenvalue.
     """
-    lam = torch.as_tensor(eigenvalues, dtype=torch.float64).clamp_min(0).reshape(-1)
+    if isinstance(max_bits, bool) or not isinstance(max_bits, int) or not 1 <= max_bits <= 8:
+        raise ConfigError(f"allocate_bits: max_bits = {max_bits!r} must be an integer in 1..8")
+    if not (isinstance(total_bits, int) or math.isfinite(total_bits)):  # an int may exceed the float range
+        raise ConfigError(f"allocate_bits: total_bits = {total_bits!r} must be a finite number")
+    lam = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1)
+    if bool(lam.isnan().any()):
+        raise ConfigError("allocate_bits: eigenvalues must not be NaN")
+    lam = lam.clamp_min(0)
     d = lam.numel()
     take = max(0, min(int(total_bits), d * max_bits))
     gains = lam[:, None] * torch.pow(4.0, -torch.arange(max_bits, dtype=torch.float64))  # exact power-of-two scaling
