@@ -103,3 +103,17 @@ def test_tqc_prepare_from_parts_keeps_the_worker_s_model_and_gives_the_same_cont
     assert ctx.lm is lm
     assert [c.policy_id for c in ctx.space.candidates] == [c.policy_id for c in whole.space.candidates]
     assert ctx.ratios.tolist() == whole.ratios.tolist() and len(ctx.ratios) == len(whole.space)
+
+
+def test_a_part_whose_arrays_hold_another_number_of_contexts_is_refused(lm, tiny_text):
+    import dataclasses
+
+    st = settings(tiny_text)
+    first, second = parts_of(lm, st, 2)
+    b = first[0]  # contexts 0:4
+    kv = ((b.kv[0][0][:1], b.kv[0][1]), *b.kv[1:])  # one context's K: would broadcast over the four
+    with pytest.raises(PartError, match="contexts 0:4.*layer 0 K"):
+        make_workload("continuation", lm, settings=st, parts=[[dataclasses.replace(b, kv=kv), first[1]], second])
+    baseline = {**b.baseline, "nll": b.baseline["nll"][:3]}
+    with pytest.raises(PartError, match="contexts 0:4.*baseline nll"):
+        make_workload("continuation", lm, settings=st, parts=[[dataclasses.replace(b, baseline=baseline), first[1]], second])

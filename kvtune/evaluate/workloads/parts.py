@@ -26,7 +26,7 @@ from kvtune.evaluate.capture import Capture
 from kvtune.evaluate.metrics import ContinuationBaseline
 
 __all__ = ["CapturedBatch", "PartError", "array_to_tensor", "assemble_baseline", "assemble_capture",
-           "batches_of_part", "layout", "ordered_batches", "tensor_to_array"]
+           "batches_of_part", "layout", "ordered_batches", "rows_problem", "tensor_to_array"]
 
 
 class PartError(KvtuneError):
@@ -114,6 +114,18 @@ def layout(b: CapturedBatch) -> tuple:
     return (b.context_tokens, b.storage_dtype, b.model_dtype, tuple((k.shape[1:], v.shape[1:]) for k, v in b.kv))
 
 
+def rows_problem(b: CapturedBatch) -> str | None:
+    """Which of ``b``'s arrays does not hold one row per context ``start:stop`` (KV along its
+    context axis, the baseline arrays along their first), or ``None``."""
+    n = b.stop - b.start
+    arrays = [(f"layer {i} {kind}", a) for i, pair in enumerate(b.kv) for kind, a in zip("KV", pair)]
+    arrays += [(f"baseline {f}", b.baseline.get(f)) for f in ("logp", "argmax", "targets", "nll")]
+    for name, a in arrays:
+        if not isinstance(a, np.ndarray) or a.ndim == 0 or a.shape[0] != n:
+            return f"{name} holds {getattr(a, 'shape', None)}, not {n} rows"
+    return None
+
+
 def ordered_batches(parts: Iterable[Sequence[CapturedBatch]], input_ids: torch.Tensor,
                     context_tokens: int) -> list[CapturedBatch]:
     """The batches of all ``parts`` in context order, checked to hold exactly the contexts
@@ -121,7 +133,8 @@ def ordered_batches(parts: Iterable[Sequence[CapturedBatch]], input_ids: torch.T
 
     Raises:
         PartError: a context missing or held twice, token ids other than ``input_ids``, another
-            T, or batches whose KV dtypes or shapes differ.
+            T, arrays without one row per context (:func:`rows_problem`), or batches whose KV
+            dtypes or shapes differ.
     """
     batches = sorted((b for part in parts for b in part), key=lambda b: b.start)
     n, at = int(input_ids.shape[0]), 0
@@ -131,6 +144,9 @@ def ordered_batches(parts: Iterable[Sequence[CapturedBatch]], input_ids: torch.T
         if b.context_tokens != context_tokens or not np.array_equal(b.input_ids, input_ids[b.start : b.stop].numpy()):
             raise PartError(f"setup part with contexts {b.start}:{b.stop} was built from other token ids or "
                             f"context tokens ({b.context_tokens}, not {context_tokens}: other settings or data)")
+        problem = rows_problem(b)
+        if problem:
+            raise PartError(f"setup part with contexts {b.start}:{b.stop}: {problem}")
         if layout(b) != layout(batches[0]):
             raise PartError(f"setup part with contexts {b.start}:{b.stop} holds KV of another dtype or shape "
                             f"than contexts 0:{batches[0].stop}")
