@@ -2,8 +2,9 @@
 
 Each worker is a Ray actor (:class:`TrialWorker`) that builds the method's context once, with
 the method's own :meth:`~kvtune.run.method.Method.prepare` (load the model, capture the KV and
-the baseline), in a scratch folder of its own holding copies of the run folder's JSON files
-(``run.json``, ``calibration.json``: what a ``prepare`` reads back on a resume), and then
+the baseline), in a scratch folder of its own holding copies of the run folder's JSON and
+safetensors files (``run.json``, ``calibration.json``, PCA bases: what a ``prepare`` reads back
+on a resume), and then
 evaluates the candidates it is sent. The actors build their contexts at the same time; when
 the method's setup splits (:meth:`~kvtune.run.method.Method.setup_parts`: T/Q/C on the
 ``continuation`` workload splits its prefill and baseline by forward batch,
@@ -16,7 +17,9 @@ estimates) and the files its ``prepare`` wrote into its scratch folder (e.g.
 ``calibration.json``, SCD's maps), written into the run folder (:func:`keep_files`). A
 worker's :meth:`~kvtune.run.method.Method.evaluate` sees the stage's ``name`` and ``title``
 only (no candidates, no optimizer); everything a trial needs beyond its context travels with
-the candidate (e.g. MixHQ head scores in its policy).
+the candidate (e.g. MixHQ head scores in its policy). Every worker's context must read the
+candidates alike: their :meth:`~kvtune.run.method.Method.context_fingerprint` (T/Q/C: the
+calibrated space's policy ids) must equal the first one's, or the run stops.
 
 Placement: when the cluster has GPUs and the settings' ``device`` is ``cuda`` or ``auto``, one
 actor per GPU (``num_gpus=1``; more workers than GPUs is an error); otherwise the cluster's CPUs
