@@ -13,7 +13,9 @@ unchanged on the shorter ``(batch, kv_heads, kept, head_dim)`` tensors. Scores (
   Before Generation", Li et al. 2024, arXiv 2404.14469, sec. 4): the attention mass each token
   receives from the last ``window`` tokens of the context, with those tokens' own *keys* standing
   in for their queries (the cache has no queries), softmax over the tokens each window row can
-  see (causal), summed over the window rows, then a 1-D max pooling of width
+  see (causal), averaged over the window rows that see the token (a token inside the window is
+  seen by fewer rows; the average keeps that from favouring the window's first tokens), then a
+  1-D max pooling of width
   :data:`POOL_KERNEL` along the tokens (SnapKV's clustering step).
 
 Selection is per layer, per batch row and per KV head, the same count for every head
@@ -123,7 +125,8 @@ class Keep(Transform):
         logits = obs @ k.transpose(-1, -2) / math.sqrt(k.shape[-1])  # (b, h, w, tokens)
         rows = torch.arange(tokens - w, tokens, device=k.device)[:, None]
         logits = logits.masked_fill(torch.arange(tokens, device=k.device)[None, :] > rows, -math.inf)
-        mass = torch.softmax(logits, dim=-1).sum(dim=2)  # (b, h, tokens)
+        seen_by = (rows >= torch.arange(tokens, device=k.device)[None, :]).sum(dim=0).clamp(min=1)
+        mass = torch.softmax(logits, dim=-1).sum(dim=2) / seen_by  # (b, h, tokens): mean over the rows that see a token
         pad = POOL_KERNEL // 2
         return torch.nn.functional.max_pool1d(mass.flatten(0, 1)[:, None], POOL_KERNEL, 1, pad)[:, 0].view_as(mass)
 
