@@ -371,3 +371,15 @@ def test_keep_is_refused_on_sliding_window_models_and_other_workloads(tiny_gemma
     llama = load_model(str(tiny_model_dir), "cpu")
     with pytest.raises(ConfigError, match="does not evaluate token selection"):
         check_selection_fits(llama, cfg, workload="qa", supported=False)
+
+
+def test_snapkv_like_preset_is_kivi4_behind_keep():
+    from kvtune.codecs.presets import load_presets
+
+    presets = load_presets(skip_unavailable=True)
+    snap, kivi = presets["snapkv-like"], presets["kivi-4"]
+    assert snap.transforms == (Keep(fraction=0.7, score="window-attention", sink_tokens=4, recent_tokens=32, window=32),)
+    assert (snap.key, snap.value, snap.codec) == (kivi.key, kivi.value, kivi.codec)
+    kv = make_kv([((1, 3, 1024, 64),) * 2])
+    h = read_header(encode_kv(kv, snap))
+    assert h.shapes[0][0] == (1, 3, 717, 64) and h.source_tokens == (1024,) and h.selection_nbytes == 3 * 128
