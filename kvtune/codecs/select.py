@@ -312,13 +312,13 @@ def kept_positions(stream: bytes | bytearray | memoryview) -> KeptPositions | No
         KVStreamError: the stream is truncated or corrupt (as :func:`kvtune.codecs.decode_kv`),
             or names a policy this kvtune cannot build.
     """
-    from kvtune.codecs.policy import PolicyConfig  # policy imports this module
-
     header, _ = read_stream(stream)
+    transforms = header.policy.get("transforms") or []
     try:
-        keep = selecting_transform(PolicyConfig.from_dict(header.policy))
+        first = Transform.from_dict(transforms[0]) if isinstance(transforms, list) and transforms else None
     except (ConfigError, TypeError, ValueError) as exc:
         raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {str(exc)[:500]}") from None
+    keep = first if is_selecting(first) else None
     bits = check_selection(header, selection_views(stream, header), keep)
     if keep is None:
         return None
