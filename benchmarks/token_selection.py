@@ -25,6 +25,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from kvtune.codecs import PolicyConfig
 from kvtune.codecs.pca import register_basis
 from kvtune.codecs.presets import load_presets
 from kvtune.codecs.select import SCORES, Keep
+from kvtune.core.atomic import atomic_write_bytes
 from kvtune.evaluate.calibrate_pca import calibrate_pca_basis
 from kvtune.evaluate.model import load_model
 from kvtune.evaluate.workloads import make_workload
@@ -41,6 +43,17 @@ from kvtune.methods.tqc.settings import ProfileSettings
 def with_keep(cfg: PolicyConfig, keep: Keep) -> PolicyConfig:
     """``cfg`` with ``keep`` in front of its transforms."""
     return dataclasses.replace(cfg, transforms=(keep, *cfg.transforms))
+
+
+def workload_and_basis(args: argparse.Namespace) -> tuple[Any, str]:
+    """The continuation workload over the evaluation then calibration windows on the default
+    model, and the digest of kvtc-3's PCA basis (pre-RoPE, across heads) fitted on the latter."""
+    lm = load_model(ProfileSettings().model, "cpu")
+    wl = make_workload("continuation", lm, settings=ProfileSettings(
+        contexts=args.contexts + args.calib, cheap_samples=args.contexts, context_tokens=args.tokens,
+        continuation_tokens=args.continuation))
+    calibration = wl.cap.input_ids[args.contexts:, : args.tokens]
+    return wl, register_basis(calibrate_pca_basis(lm, calibration, key_rope="pre"))
 
 
 def main() -> None:
@@ -53,11 +66,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/token_selection.md")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    lm = load_model(ProfileSettings().model, "cpu")
-    settings = ProfileSettings(contexts=args.contexts + args.calib, cheap_samples=args.contexts,
-                               context_tokens=args.tokens, continuation_tokens=args.continuation)
-    wl = make_workload("continuation", lm, settings=settings)
-    digest = register_basis(calibrate_pca_basis(lm, wl.cap.input_ids[args.contexts:, : args.tokens], key_rope="pre"))
+    wl, digest = workload_and_basis(args)
     setup = time.perf_counter() - t0
     presets = load_presets(skip_unavailable=True)
     bases = {"kivi-4": presets["kivi-4"], "kvtc-3": presets["kvtc-3"].with_pca_basis(digest)}
@@ -91,11 +100,13 @@ def main() -> None:
         lines.append(f"| {preset} | {score} | `{cfg.label}` | {r['compression_ratio']:.2f} | "
                      f"{100 * r['relative_accuracy_raw']:.2f} | {100 * r['relative_accuracy_lo']:.2f} |")
     lines += ["", f"Basis: pre/joint `{digest[:12]}`", ""]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    text = "\n".join(lines)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, text.encode())  # a killed run leaves the previous table whole
+    print(text)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    main()
+    with torch.inference_mode():
+        main()
