@@ -97,7 +97,8 @@ def main() -> None:
         "|---|---|---|---:|---:|---:|",
     ]
     for preset, score, cfg, r in rows:
-        lines.append(f"| {preset} | {score} | `{cfg.label}` | {r['compression_ratio']:.2f} | "
+        label = cfg.label.replace("|", "\\|")  # a Markdown table cell
+        lines.append(f"| {preset} | {score} | `{label}` | {r['compression_ratio']:.2f} | "
                      f"{100 * r['relative_accuracy_raw']:.2f} | {100 * r['relative_accuracy_lo']:.2f} |")
     lines += ["", f"Basis: pre/joint `{digest[:12]}`", ""]
     text = "\n".join(lines)
