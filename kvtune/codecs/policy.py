@@ -49,6 +49,7 @@ import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
 from kvtune.codecs import fastpath, torchpath
 from kvtune.codecs.bitalloc import check_pca_pairing, fill_dp_alloc  # registers "dp-alloc"
 from kvtune.codecs.pca import fill_pca_bases, missing_pca_ropes  # registers "pca"
+from kvtune.codecs.select import check_selection, check_selection_chain, select_kv, selecting_transform, without_selection
 from kvtune.codecs.base import (
     Codec,
     MetaField,
@@ -64,7 +65,7 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, shape_problem, write_stream
+from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, selection_views, shape_problem, write_stream
 from kvtune.core.ids import config_policy_id
 from kvtune.core.jsonio import canonical_json
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVInputTypeError, KVStreamError
@@ -109,9 +110,9 @@ class PolicyConfig:
         version: policy-config schema version (1).
 
     Raises:
-        ConfigError: wrong component types, unsupported version, or a codec that cannot
-            pack one of the symbol widths the quantizers can emit (with the transforms'
-            precision floors).
+        ConfigError: wrong component types, unsupported version, a token-selecting transform
+            (``keep``) anywhere but first or more than once, or a codec that cannot pack one of
+            the symbol widths the quantizers can emit (with the transforms' precision floors).
     """
 
     transforms: tuple[Transform, ...] = ()
@@ -132,6 +133,7 @@ class PolicyConfig:
                 raise ConfigError(f"policy {slot!r} must be a {base.__name__}, got {getattr(self, slot)!r}")
         if type(self.version) is not int or self.version not in POLICY_VERSIONS:  # 1.0 == 1 but is not the schema version
             raise ConfigError(f"policy 'version' = {self.version!r} is not supported; allowed: {POLICY_VERSIONS}")
+        check_selection_chain(self.transforms)
         check_pca_pairing(self.transforms, {"key": self.key, "value": self.value})
         floors = tuple(sorted({b for t in self.transforms for b in t.min_bits_values()}))
         for slot in ("key", "value"):
@@ -480,6 +482,11 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
             (the torch implementation of each component, on the CPU) or ``"torch"`` (the device
             path, on each tensor's device, the CPU included). All give the same bytes.
 
+    Token selection: a policy whose first transform is ``keep`` (:mod:`kvtune.codecs.select`)
+    first selects the tokens of every layer (K and V together), and the rest of the policy runs
+    on the kept ``(batch, kv_heads, kept, head_dim)`` tensors on the same paths; the stream
+    then records the kept shapes, the original token counts and the kept-token bitmasks.
+
     Returns:
         The stream bytes (format: :mod:`kvtune.codecs.stream`); deterministic.
 
@@ -504,22 +511,27 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         raise TypeError(f"config must be a PolicyConfig (PolicyConfig.from_dict for a dict), got {type(config).__name__}")
     fast = _use_fast(impl, config)
     on_device = _use_torch(impl, config, _off_cpu(kv))
-    dtype = check_kv(kv, check_finite=not (fast or on_device))  # those paths check inside their kernels
+    keep, inner = selecting_transform(config), without_selection(config)
+    # the fast and device paths check finiteness inside their kernels, on the kept tokens only
+    dtype = check_kv(kv, check_finite=not (fast or on_device) or keep is not None)
     if not isinstance(layer_offset, int) or isinstance(layer_offset, bool):
         raise TypeError(f"layer_offset must be an int, got {type(layer_offset).__name__}")
     if layer_offset < 0:
         raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
+    selection = None
+    if keep is not None:  # the rest of the policy runs on the kept tokens
+        kv, selection = select_kv(kv, keep)
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
     crcs = None
     if on_device:
-        sections = torchpath.encode_tensors(kv, config, layer_offset)
+        sections = torchpath.encode_tensors(kv, inner, layer_offset)
     elif fast:
-        sections, crcs = fastpath.encode_tensors(kv, config, layer_offset)
+        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset)
     else:
         sections = []
         for i, (k, v) in enumerate(kv):
             layer = layer_offset + i
-            sections.append((_encode_tensor(k, config, config.key, layer, "key"), _encode_tensor(v, config, config.value, layer, "value")))
+            sections.append((_encode_tensor(k, inner, inner.key, layer, "key"), _encode_tensor(v, inner, inner.value, layer, "value")))
     for i, (shape_pair, pair) in enumerate(zip(shapes, sections)):
         for name, shape, flat in zip("KV", shape_pair, pair):
             problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec)
@@ -533,6 +545,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         shapes=shapes,
         sections=sections,
         crcs=crcs,
+        source_tokens=None if selection is None else selection.source_tokens,
+        masks=None if selection is None else selection.masks,
     )
 
 
@@ -563,13 +577,16 @@ def decode_kv(
 
     Returns:
         One ``(K, V)`` pair per layer on ``device``, with the shapes and dtype of the encoded
-        input; float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
+        input (with ``keep``, the kept tokens in their original order: ``(batch, kv_heads,
+        kept, head_dim)``, which is also the shape ``out`` must have; their positions:
+        :func:`kvtune.codecs.select.kept_positions`); float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
         so a stream of finite float16 input never decodes to inf.
 
     Raises:
         TruncatedStreamError: the stream is cut short.
-        CorruptStreamError: bad magic, checksum mismatch, inconsistent header/sections, or a
-            header claiming shapes its sections cannot hold (:func:`check_claimed_sizes`).
+        CorruptStreamError: bad magic, checksum mismatch, inconsistent header/sections, a
+            header claiming shapes its sections cannot hold (:func:`check_claimed_sizes`), or a
+            selection block that disagrees with the policy (:func:`kvtune.codecs.select.check_selection`).
         StreamVersionError: unknown wire-format version.
         PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
@@ -590,6 +607,8 @@ def decode_kv(
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
+    check_selection(header, selection_views(stream, header), selecting_transform(config))
+    config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
     check_claimed_sizes(header, sections, config)
     device = decode_device(device)
     if out is not None:

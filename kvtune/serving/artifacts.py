@@ -33,6 +33,7 @@ import torch
 
 from kvtune.codecs.kvtensors import DTYPE_NAMES
 from kvtune.codecs.policy import PolicyConfig
+from kvtune.codecs.select import selecting_transform
 from kvtune.core.errors import ConfigError, KvtuneError, TableError
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
 
@@ -46,6 +47,7 @@ __all__ = [
     "load_artifacts",
     "mixhq_problems",
     "policy_configs",
+    "selection_problem",
 ]
 
 #: Largest ``run.json`` / ``calibration.json`` read (bytes); a larger file is refused unread.
@@ -277,6 +279,17 @@ def load_artifacts(
                             load_pca_bases(run_dir))
 
 
+def selection_problem(config: PolicyConfig) -> str | None:
+    """Why ``config`` cannot be served, as token selection (``keep``, :mod:`kvtune.codecs.select`),
+    or ``None``: the connector writes decoded KV into vLLM's paged cache, one slot per context
+    position, which cannot hold a shortened cache."""
+    if selecting_transform(config) is None:
+        return None
+    return (f"policy {config.label} selects tokens (keep): its decoded cache holds fewer positions than the "
+            "context, and vLLM's paged KV cache (which the connector fills) holds every position; serve a policy "
+            "without keep")
+
+
 def policy_configs(
     table: PolicyTable, q_min: float, *, key: str = "", head_scores: tuple[tuple[float, ...], ...] | None = None
 ) -> dict[str, PolicyConfig]:
@@ -295,6 +308,7 @@ def policy_configs(
             configurations (as a row and as a runner-up), or no bucket for ``q_min`` / ``key``.
         CalibrationError: a ``mixhq`` policy without head scores and none given, or a ``pca``
             policy whose basis is not loaded (:func:`pca_problems`).
+        TableError: also a token-selecting (``keep``) policy (:func:`selection_problem`).
     """
     floor = table.floor_for(q_min, key=key)
     rows = table.intervals(floor, key=key)
@@ -322,6 +336,9 @@ def policy_configs(
         if config.policy_id != pid:
             raise TableError(f"policy {pid} ({label}): its config_json is the configuration of policy {config.policy_id} "
                              "(an edited table: a policy id is the hash of its configuration)")
+        problem = selection_problem(config)
+        if problem is not None:
+            raise TableError(f"policy {pid}: {problem} (profile a table without keep, or pick another floor/key)")
         if config.needs_head_scores:
             if head_scores is None:
                 raise CalibrationError(
