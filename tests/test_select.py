@@ -130,10 +130,11 @@ def test_round_trip_shapes_positions_and_equal_bytes_on_every_path(keep, rest):
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(into, decoded["reference"]))
 
 
-def test_fraction_one_keeps_everything_and_decodes_like_the_policy_without_keep():
+def test_keeping_every_token_decodes_like_the_policy_without_keep():
     kv = make_kv(SHAPES[:2])
     inner = policy("hadamard")
-    cfg = policy({"name": "keep", "fraction": 1.0}, "hadamard")
+    assert policy({"name": "keep", "fraction": 1.0}, "hadamard").policy_id == inner.policy_id  # the identity
+    cfg = policy({"name": "keep", "fraction": 0.5, "recent_tokens": 100}, "hadamard")  # every token forced
     for (a, b), (c, d) in zip(decode_kv(encode_kv(kv, cfg)), decode_kv(encode_kv(kv, inner))):
         assert torch.equal(a, c) and torch.equal(b, d)
     assert [p[0, 0].tolist() for p in kept_positions(encode_kv(kv, cfg)).positions] == [list(range(100)), list(range(37))]
@@ -212,6 +213,24 @@ def test_mask_bits_beyond_the_tokens_are_corrupt():
     bits[first], bits[13] = 0, 1  # same popcount, one bit in the padding
     data[off : off + 2] = np.packbits(bits, bitorder="little").tobytes()
     with pytest.raises(CorruptStreamError, match="beyond its 12 tokens"):
+        decode_kv(reseal(bytes(data)))
+
+
+def test_shared_head_selection_keeps_one_choice_and_a_forged_per_head_mask_is_corrupt():
+    kv = make_kv([((1, 2, 16, 8),) * 2])
+    stream = encode_kv(kv, policy({"name": "keep", "fraction": 0.5, "score": "key-norm", "sink_tokens": 0,
+                                   "recent_tokens": 0, "per_head": False}, key={"name": "none"}, value={"name": "none"}))
+    pos = kept_positions(stream).positions[0]
+    assert torch.equal(pos[:, 0], pos[:, 1])
+    norms = kv[0][0].double().square().sum(-1).sum(1)[0]  # heads' scores summed: lowest summed norms kept
+    assert pos[0, 0].tolist() == sorted(torch.argsort(norms)[:8].tolist())
+    data = bytearray(stream)
+    off = mask_offset(stream)
+    bits = np.unpackbits(np.frombuffer(bytes(data[off + 2 : off + 4]), np.uint8), bitorder="little")  # head 1
+    on, off_bit = int(np.nonzero(bits)[0][0]), int(np.nonzero(bits == 0)[0][0])
+    bits[on], bits[off_bit] = 0, 1  # same popcount, another token than head 0
+    data[off + 2 : off + 4] = np.packbits(bits, bitorder="little").tobytes()
+    with pytest.raises(CorruptStreamError, match="other tokens in other heads"):
         decode_kv(reseal(bytes(data)))
 
 
@@ -335,7 +354,7 @@ def test_pruned_cache_continuation_equals_masking_the_dropped_tokens(one_head_lm
 
 
 def test_continuation_with_everything_kept_scores_like_no_selection(tiny_model_dir, tiny_text):
-    """The evaluation of keep(fraction=1.0) + P equals that of P (same logits, same accuracy);
+    """The evaluation of a keep that keeps every token + P equals that of P (same logits, same accuracy);
     the ratio pays only the masks; keep 0.5 changes the logits and shortens the stream."""
     from kvtune.evaluate.model import load_model
     from kvtune.evaluate.workloads import make_workload
@@ -345,7 +364,7 @@ def test_continuation_with_everything_kept_scores_like_no_selection(tiny_model_d
     wl = make_workload("continuation", lm, settings=ProfileSettings(
         text=str(tiny_text), contexts=4, cheap_samples=4, context_tokens=48, continuation_tokens=8))
     base = policy("hadamard")
-    every = policy({"name": "keep", "fraction": 1.0}, "hadamard")
+    every = policy({"name": "keep", "fraction": 0.5, "recent_tokens": 48}, "hadamard")  # all 48 tokens forced
     half = policy({"name": "keep", "fraction": 0.5, "recent_tokens": 8}, "hadamard")
     r0, r1, r2 = (wl.evaluate(c, fidelity="cheap") for c in (base, every, half))
     for key in ("relative_accuracy_raw", "kl_mean", "top1_agreement", "nll"):

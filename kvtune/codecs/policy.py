@@ -49,7 +49,14 @@ import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
 from kvtune.codecs import fastpath, torchpath
 from kvtune.codecs.bitalloc import check_pca_pairing, fill_dp_alloc  # registers "dp-alloc"
 from kvtune.codecs.pca import fill_pca_bases, missing_pca_ropes  # registers "pca"
-from kvtune.codecs.select import check_selection, check_selection_chain, select_kv, selecting_transform, without_selection
+from kvtune.codecs.select import (
+    check_selection,
+    check_selection_chain,
+    mask_positions,
+    select_kv,
+    selecting_transform,
+    without_selection,
+)
 from kvtune.codecs.base import (
     Codec,
     MetaField,
@@ -360,24 +367,34 @@ def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
     return dtypes.pop() if dtypes else torch.bfloat16
 
 
+def _at(t: Transform, positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The ``positions`` keyword for a transform that uses them (:attr:`Transform.uses_positions`)."""
+    return {"positions": positions} if t.uses_positions and positions is not None else {}
+
+
 def apply_transforms(
-    x: torch.Tensor, transforms: tuple[Transform, ...], *, layer: int, kind: str
+    x: torch.Tensor, transforms: tuple[Transform, ...], *, layer: int, kind: str, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Fit and apply ``transforms`` in order to float32 ``x``; returns ``(y, states)``."""
+    """Fit and apply ``transforms`` in order to float32 ``x``; returns ``(y, states)``.
+
+    ``positions``: int64 ``(batch, kv_heads, tokens)`` positions of ``x``'s rows (the kept
+    tokens of a ``keep`` policy), given to the transforms that use them; ``None``: ``0 ..
+    tokens - 1``."""
     states = []
     for t in transforms:
         state = t.fit(x, layer=layer, kind=kind)
-        x = t.forward(x, layer=layer, kind=kind, state=state)
+        x = t.forward(x, layer=layer, kind=kind, state=state, **_at(t, positions))
         states.append(state)
     return x, states
 
 
 def invert_transforms(
-    y: torch.Tensor, transforms: tuple[Transform, ...], states: list[dict[str, torch.Tensor]], *, layer: int, kind: str
+    y: torch.Tensor, transforms: tuple[Transform, ...], states: list[dict[str, torch.Tensor]], *, layer: int, kind: str,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Undo :func:`apply_transforms` (in reverse order, with the same states)."""
+    """Undo :func:`apply_transforms` (in reverse order, with the same states and positions)."""
     for t, state in zip(reversed(transforms), reversed(states)):
-        y = t.inverse(y, layer=layer, kind=kind, state=state)
+        y = t.inverse(y, layer=layer, kind=kind, state=state, **_at(t, positions))
     return y
 
 
@@ -385,11 +402,13 @@ def _state_layouts(transforms: tuple[Transform, ...], shape: tuple[int, ...], la
     return [t.state_layout(shape, layer=layer, kind=kind) for t in transforms]
 
 
-def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> list[bytes]:
-    """One K or V tensor -> its sections ``[state, meta_0, payload_0, ...]``."""
+def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str,
+                   positions: torch.Tensor | None = None) -> list[bytes]:
+    """One K or V tensor (rows at ``positions``, see :func:`apply_transforms`) -> its sections
+    ``[state, meta_0, payload_0, ...]``."""
     x = t.detach().to("cpu", torch.float32)
     shape = tuple(x.shape)
-    y, states = apply_transforms(x, config.transforms, layer=layer, kind=kind)
+    y, states = apply_transforms(x, config.transforms, layer=layer, kind=kind, positions=positions)
     layouts = _state_layouts(config.transforms, shape, layer, kind)
     out = [b"".join(meta_to_bytes(s, lay) for s, lay in zip(states, layouts))]
     q = quant.quantize(y, layer=layer, kind=kind, min_bits=transform_min_bits(config.transforms, shape[2]))
@@ -400,7 +419,8 @@ def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, laye
 
 
 def _decode_tensor(
-    sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
+    sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sections of one K or V tensor -> float32 tensor of ``shape``.
 
@@ -429,7 +449,7 @@ def _decode_tensor(
             symbols = symbols.copy()
         parts.append(QuantizedSegment(seg, torch.from_numpy(symbols).reshape(seg.shape), meta_from_bytes(meta, seg.meta_layout)))
     y = quant.dequantize(QuantizedTensor(shape, tuple(parts)), layer=layer, kind=kind)
-    return invert_transforms(y, config.transforms, states, layer=layer, kind=kind)
+    return invert_transforms(y, config.transforms, states, layer=layer, kind=kind, positions=positions)
 
 
 IMPLS = ("auto", "fast", "reference", "torch")
@@ -531,7 +551,9 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         sections = []
         for i, (k, v) in enumerate(kv):
             layer = layer_offset + i
-            sections.append((_encode_tensor(k, inner, inner.key, layer, "key"), _encode_tensor(v, inner, inner.value, layer, "value")))
+            pos = None if selection is None else selection.positions[i]
+            sections.append((_encode_tensor(k, inner, inner.key, layer, "key", pos),
+                             _encode_tensor(v, inner, inner.value, layer, "value", pos)))
     for i, (shape_pair, pair) in enumerate(zip(shapes, sections)):
         for name, shape, flat in zip("KV", shape_pair, pair):
             problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec)
@@ -607,7 +629,8 @@ def decode_kv(
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
-    check_selection(header, selection_views(stream, header), selecting_transform(config))
+    bits = check_selection(header, selection_views(stream, header), selecting_transform(config))
+    positions = mask_positions(header, bits) if bits else None
     config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
     check_claimed_sizes(header, sections, config)
     device = decode_device(device)
@@ -635,8 +658,9 @@ def decode_kv(
     for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):
         layer = header.layer_offset + i
         try:
-            k = _decode_tensor(ks, kshape, config, config.key, layer, "key")
-            v = _decode_tensor(vs, vshape, config, config.value, layer, "value")
+            pos = None if positions is None else positions[i]
+            k = _decode_tensor(ks, kshape, config, config.key, layer, "key", pos)
+            v = _decode_tensor(vs, vshape, config, config.value, layer, "value", pos)
         except Exception as exc:
             _raise_decode_error(header.policy_id, layer, exc)
         k, v = to_output_dtype(k, dtype), to_output_dtype(v, dtype)

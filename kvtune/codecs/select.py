@@ -19,8 +19,11 @@ unchanged on the shorter ``(batch, kv_heads, kept, head_dim)`` tensors. Scores (
   :data:`POOL_KERNEL` along the tokens (SnapKV's clustering step).
 
 Selection is per layer, per batch row and per KV head, the same count for every head
-(SnapKV-style); K and V of a layer share one selection (ranked from K). Kept tokens stay in
-their original order.
+(SnapKV-style), or with ``per_head: false`` one choice for all the heads of a layer (the heads'
+scores summed), which a transform that mixes the heads of a token (``pca`` across heads) needs;
+K and V of a layer share one selection (ranked from K). Kept tokens stay in their original
+order, and transforms that depend on positions (``pca`` un-rotating RoPE'd keys) get the kept
+tokens' original positions (:attr:`kvtune.codecs.base.Transform.uses_positions`).
 
 On the wire (:mod:`kvtune.codecs.stream`) a selected stream records the *kept* shapes, the
 original token count of every layer (header field ``source_tokens``) and, after the last
@@ -66,6 +69,7 @@ __all__ = [
     "unpack_mask",
     "check_selection",
     "kept_positions",
+    "mask_positions",
 ]
 
 SCORES = ("key-norm", "window-attention")
@@ -99,6 +103,8 @@ class Keep(Transform):
     sink_tokens: int = param(4, low=0, high=MAX_DIM, doc="first tokens always kept (attention sinks)")
     recent_tokens: int = param(32, low=0, high=MAX_DIM, doc="last tokens always kept")
     window: int = param(32, low=1, high=4096, doc="observation window (last tokens) of window-attention")
+    per_head: bool = param(True, doc="each KV head keeps its own tokens (false: one choice for all heads)",
+                           elide_default=True)
 
     def kept_count(self, tokens: int) -> int:
         """Tokens kept out of ``tokens``: ``round(fraction * tokens)`` (halves up), at least
@@ -138,9 +144,17 @@ class Keep(Transform):
         kept = self.kept_count(tokens)
         if kept == tokens:
             return torch.arange(tokens, device=k.device).expand(b, h, tokens)
-        s = self.scores(k).masked_fill(self.forced(tokens).to(k.device), math.inf)
+        s = self.scores(k)
+        if not self.per_head:  # one choice for every head: the heads' scores summed
+            s = s.sum(dim=1, keepdim=True)
+        s = s.masked_fill(self.forced(tokens).to(k.device), math.inf)
         order = torch.argsort(s, dim=-1, descending=True, stable=True)
-        return order[..., :kept].sort(dim=-1).values
+        return order[..., :kept].sort(dim=-1).values.expand(b, h, kept)
+
+    @property
+    def is_identity(self) -> bool:
+        """``fraction`` 1 keeps every token: no selection (dropped from canonical policies)."""
+        return self.fraction >= 1.0
 
     def state_layout(self, shape, *, layer: int, kind: str):
         """No per-tensor state: the bitmasks travel in the stream's selection block."""
@@ -162,10 +176,13 @@ class Selection(NamedTuple):
     Attributes:
         source_tokens: per layer, the original token count.
         masks: per layer, the packed bitmask (:func:`pack_positions`).
+        positions: per layer, int64 ``(batch, kv_heads, kept)`` increasing kept positions
+            (for the transforms that use positions, e.g. ``pca`` un-rotating keys).
     """
 
     source_tokens: list[int]
     masks: list[bytes]
+    positions: list[torch.Tensor]
 
 
 class KeptPositions(NamedTuple):
@@ -200,15 +217,22 @@ def without_selection(config: Any) -> Any:
 
 
 def check_selection_chain(transforms: Sequence[Transform]) -> None:
-    """A token-selecting transform may only be the first of a chain, once.
+    """A token-selecting transform may only be the first of a chain, once; with ``per_head:
+    true`` no later transform may mix the heads of a token (:attr:`Transform.mixes_heads`, e.g.
+    ``pca`` across heads: its rows would join different tokens' heads).
 
     Raises:
-        ConfigError: naming the transform and its place.
+        ConfigError: naming the transform and its place, or the head-mixing transform.
     """
     for i, t in enumerate(transforms):
         if is_selecting(t) and i:
             raise ConfigError(f"policy 'transforms': {t.name!r} selects tokens and must be the first transform "
                               f"(at most one), found at place {i + 1}")
+    first = transforms[0] if transforms else None
+    mixing = [t.name for t in transforms[1:] if getattr(t, "mixes_heads", False)]
+    if is_selecting(first) and first.per_head and mixing:
+        raise ConfigError(f"policy 'transforms': {first.name!r} with per_head: true keeps other tokens in every KV head, "
+                          f"but {mixing[0]!r} mixes the heads of one token; use per_head: false before it")
 
 
 def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Selection]:
@@ -226,7 +250,7 @@ def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tu
     Raises:
         KVInputError: K and V of a layer differ in batch, heads or tokens.
     """
-    out, tokens, masks = [], [], []
+    out, tokens, masks, kept = [], [], [], []
     for i, (k, v) in enumerate(kv):
         if k.shape[:3] != v.shape[:3]:
             raise KVInputError(f"kv[{i}]: keep selects K and V together; K {tuple(k.shape)} and V {tuple(v.shape)} "
@@ -235,7 +259,8 @@ def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tu
         out.append((_gather(k, pos), _gather(v, pos)))
         tokens.append(int(k.shape[2]))
         masks.append(pack_positions(pos, int(k.shape[2])))
-    return out, Selection(tokens, masks)
+        kept.append(pos.cpu())
+    return out, Selection(tokens, masks, kept)
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -299,6 +324,9 @@ def check_selection(header: StreamHeader, masks: Sequence[memoryview], keep: Kee
             raise CorruptStreamError(f"{where} keeps {int(counts[counts != kept][0])} tokens in a row, the policy {kept}")
         if not bits[:, :tokens][:, keep.forced(tokens).numpy()].all():
             raise CorruptStreamError(f"{where} drops a sink or recent token")
+        rows = bits.reshape(kshape[0], kshape[1], -1)
+        if not keep.per_head and (rows != rows[:, :1]).any():
+            raise CorruptStreamError(f"{where} keeps other tokens in other heads, the policy one choice for all heads")
         out.append(bits[:, :tokens])
     return out
 
@@ -322,8 +350,14 @@ def kept_positions(stream: bytes | bytearray | memoryview) -> KeptPositions | No
     bits = check_selection(header, selection_views(stream, header), keep)
     if keep is None:
         return None
-    positions = []
+    return KeptPositions(list(header.source_tokens), mask_positions(header, bits))
+
+
+def mask_positions(header: StreamHeader, bits: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """Per layer, int64 ``(batch, kv_heads, kept)`` kept positions from the mask bits that
+    :func:`check_selection` returned for ``header`` (so every row holds ``kept`` bits)."""
+    out = []
     for (kshape, _), b in zip(header.shapes, bits):
         idx = np.nonzero(b)[1].reshape(kshape[0], kshape[1], kshape[2])
-        positions.append(torch.from_numpy(idx.astype(np.int64)))
-    return KeptPositions(list(header.source_tokens), positions)
+        out.append(torch.from_numpy(idx.astype(np.int64)))
+    return out
