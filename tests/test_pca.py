@@ -569,3 +569,14 @@ def test_keep_per_head_before_pca_across_heads_is_refused(basis):
     with pytest.raises(ConfigError, match="per_head: false"):
         PolicyConfig.from_dict({"transforms": [{"name": "keep", "fraction": 0.5}, {"name": "pca"}],
                                 "key": quant, "value": quant})
+
+
+def test_serving_finds_a_missing_or_unloaded_basis_when_the_policy_is_set_up(basis):
+    from kvtune.serving.artifacts import basis_problem
+
+    quant = {"name": "dp-alloc", "bits": 2}
+    assert basis_problem(pca_policy(basis.digest, quant)) is None
+    assert "without a basis" in basis_problem(PolicyConfig.from_dict({"transforms": ["pca"], "key": quant, "value": quant}))
+    unloaded = pca_policy(basis.digest, quant).to_dict()
+    unloaded["transforms"][0]["basis"] = unloaded["key"]["basis"] = unloaded["value"]["basis"] = "ab" * 32
+    assert "abababababab" in basis_problem(PolicyConfig.from_dict(unloaded))

@@ -33,6 +33,7 @@ import torch
 
 from kvtune.codecs.kvtensors import DTYPE_NAMES
 from kvtune.codecs.policy import PolicyConfig
+from kvtune.codecs.pca import PCA, BasisNotLoadedError, lookup
 from kvtune.codecs.select import selecting_transform
 from kvtune.core.errors import ConfigError, KvtuneError, TableError
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
@@ -48,6 +49,7 @@ __all__ = [
     "mixhq_problems",
     "policy_configs",
     "selection_problem",
+    "basis_problem",
 ]
 
 #: Largest ``run.json`` / ``calibration.json`` read (bytes); a larger file is refused unread.
@@ -288,6 +290,23 @@ def selection_problem(config: PolicyConfig) -> str | None:
     return (f"policy {config.label} selects tokens (keep): its decoded cache holds fewer positions than the "
             "context, and vLLM's paged KV cache (which the connector fills) holds every position; serve a policy "
             "without keep")
+
+
+def basis_problem(config: PolicyConfig) -> str | None:
+    """Why ``config`` cannot encode in this process for want of a PCA basis, or ``None``: a
+    ``pca`` transform without a basis (never calibrated) or naming one that is not loaded
+    (:func:`kvtune.serving.load_pca_bases` loads a run's). Found when a policy is set up, not
+    at its first transfer."""
+    for t in config.transforms:
+        if not isinstance(t, PCA):
+            continue
+        if not t.basis:
+            return f"policy {config.label} has a pca transform without a basis: calibrate it in a profile run"
+        try:
+            lookup(t.basis)
+        except BasisNotLoadedError as exc:
+            return f"policy {config.label}: {exc}"
+    return None
 
 
 def policy_configs(

@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.core.errors import ConfigError, KvtuneError
-from kvtune.serving.artifacts import ModelMismatchError, selection_problem
+from kvtune.serving.artifacts import ModelMismatchError, basis_problem, selection_problem
 from kvtune.serving.auth import MAX_KEY_BYTES, load_key, seal, unseal
 from kvtune.serving.transport import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -246,11 +246,12 @@ class StaticPolicy:
 
     Raises:
         ConfigError: a token-selecting (``keep``) policy, which vLLM's paged cache cannot hold
-            (:func:`kvtune.serving.artifacts.selection_problem`).
+            (:func:`kvtune.serving.artifacts.selection_problem`), or a ``pca`` policy whose basis
+            is not loaded (:func:`kvtune.serving.artifacts.basis_problem`).
     """
 
     def __init__(self, config: PolicyConfig, key: bytes | None = None) -> None:
-        problem = selection_problem(config)
+        problem = selection_problem(config) or basis_problem(config)
         if problem is not None:
             raise ConfigError(f"kvtune connector: {problem}")
         self.config = config
