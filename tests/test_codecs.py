@@ -65,7 +65,7 @@ from kvtune.core.errors import (
 
 # Codec modules written alongside this library: tested here as soon as they exist, so that the
 # registry (and the completeness check below) does not depend on test collection order.
-for _module in ("kvtune.codecs.range_coder", "kvtune.codecs.zstd_codec"):
+for _module in ("kvtune.codecs.range_coder", "kvtune.codecs.zstd_codec", "kvtune.codecs.rans"):
     try:
         importlib.import_module(_module)
     except ImportError:
@@ -177,6 +177,7 @@ QUANTIZER_EXAMPLES = {
 _OPTIONAL_CODECS = {  # codecs written alongside this library, with examples once registered
     "range": lambda cls: [cls(), cls(model="per_head")],
     "zstd": lambda cls: [cls()],
+    "rans": lambda cls: [cls(), cls(model="per_head"), cls(model="global")],
 }
 CODEC_EXAMPLES = {"bitpack": [BitPack()]} | {
     name: examples(CODECS[name]) for name, examples in _OPTIONAL_CODECS.items() if name in CODECS

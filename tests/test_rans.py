@@ -12,7 +12,6 @@ import torch
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv
 from kvtune.codecs.base import CODECS, Codec
 from kvtune.codecs.bitpack import packed_nbytes
-from kvtune.codecs.kernels import rans as KR
 from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.codecs.rans import (
     KIND_RANS,
@@ -35,116 +34,6 @@ def laplace(shape, bits, seed=0, scale=None):
     s = scale if scale is not None else (0.5 + np.arange(d) / max(d - 1, 1)) * k / 8
     x = np.rint(k / 2 + rng.laplace(size=shape) * s)
     return np.clip(x, 0, k - 1).astype(np.uint8)
-
-
-# ----------------------------------------------------------------------------- reference coder
-
-
-def ref_normalize(w: list[int], prec: int) -> list[int]:
-    total = sum(w)
-    f = [max(1, (v << prec) // total) if v else 0 for v in w]
-    fix_sum(f, (1 << prec) - sum(f))
-    return f
-
-
-def fix_sum(f: list[int], diff: int) -> None:
-    if diff > 0:
-        f[f.index(max(f))] += diff
-    while diff < 0:
-        j = f.index(max(f))
-        take = min(-diff, f[j] - 1)
-        if take <= 0:
-            break
-        f[j] -= take
-        diff += take
-
-
-def ref_tables(weights: np.ndarray, comp: np.ndarray, bits: int, prec: int):
-    """Pure-python fused_tables."""
-    m = comp.shape[1]
-    pc = min(prec, 62 // m)
-    cf = [ref_normalize([int(v) for v in row], pc) for row in weights]
-    sh = m * pc - prec
-    freqs = []
-    for q in range(comp.shape[0]):
-        row = []
-        for x in range(1 << (bits * m)):
-            p = 1
-            for j in range(m):
-                p *= cf[comp[q, j]][(x >> (bits * j)) & ((1 << bits) - 1)]
-            row.append(max(1, (p + ((1 << sh) >> 1)) >> sh) if p else 0)
-        fix_sum(row, (1 << prec) - sum(row))
-        freqs.append(row)
-    return freqs
-
-
-def ref_encode(sym, bits, m, div, mod, freqs, prec) -> list[int]:
-    """Pure-python interleaved rANS (exact integer division): the coded u16 words."""
-    cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
-    n = len(sym) // m
-    states = [KR.RANS_L] * KR.LANES
-    stack = []
-    for i in range(n - 1, -1, -1):
-        s = sum(int(sym[i * m + j]) << (bits * j) for j in range(m))
-        q = (i // div) % mod
-        f, c = freqs[q][s], cums[q][s]
-        x = states[i % KR.LANES]
-        if x >= f << (32 - prec):
-            stack.append(x & 0xFFFF)
-            x >>= 16
-        states[i % KR.LANES] = ((x // f) << prec) + x % f + c
-    for x in reversed(states):
-        stack += [x & 0xFFFF, x >> 16]
-    return stack[::-1]
-
-
-def ref_decode(words, n, bits, m, div, mod, freqs, prec) -> list[int]:
-    cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
-    states = [(words[2 * j] << 16) | words[2 * j + 1] for j in range(KR.LANES)]
-    pos, out = 2 * KR.LANES, []
-    for i in range(n):
-        q = (i // div) % mod
-        x = states[i % KR.LANES]
-        slot = x & ((1 << prec) - 1)
-        s = max(t for t in range(len(freqs[q])) if freqs[q][t] and cums[q][t] <= slot)
-        x = freqs[q][s] * (x >> prec) + slot - cums[q][s]
-        if x < KR.RANS_L:
-            x = (x << 16) | words[pos]
-            pos += 1
-        states[i % KR.LANES] = x
-        out += [(s >> (bits * j)) & ((1 << bits) - 1) for j in range(m)]
-    assert states == [KR.RANS_L] * KR.LANES and pos == len(words)
-    return out
-
-
-@pytest.mark.parametrize("bits, m, mod, div, n", [(4, 2, 3, 1, 37), (2, 4, 2, 5, 40), (1, 8, 1, 1, 64), (8, 1, 2, 1, 9), (3, 1, 1, 1, 1)])
-def test_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
-    rng = np.random.default_rng(bits)
-    k = 1 << bits
-    groups = mod * m
-    weights = rng.integers(0, 1 << 20, size=(groups, k)) * (rng.random((groups, k)) < 0.7)
-    weights[:, 0] += 1  # every group has a symbol
-    comp = np.arange(groups, dtype=np.int64).reshape(mod, m)
-    freq, cum = KR.fused_tables(weights.astype(np.int64), comp, bits, KR.PRECISION)
-    ref = ref_tables(weights, comp, bits, KR.PRECISION)
-    assert freq.tolist() == ref
-    assert (freq.sum(axis=1) == 1 << KR.PRECISION).all() and (cum[:, -1] == 1 << KR.PRECISION).all()
-    # symbols drawn from each position's model support
-    sym = np.zeros(n * m, np.uint8)
-    for i in range(n):
-        q = (i // div) % mod
-        s = int(rng.choice(np.flatnonzero(freq[q])))
-        for j in range(m):
-            sym[i * m + j] = (s >> (bits * j)) & (k - 1)
-    out = np.empty(n + 2 * KR.LANES, np.uint16)
-    start = KR.encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out)
-    words = out[start:]
-    assert words.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION)  # byte-identical
-    assert ref_decode(words.tolist(), n, bits, m, div, mod, ref, KR.PRECISION) == sym.tolist()
-    tab, bk = KR.decoder_tables(freq, cum, KR.PRECISION)
-    dec = np.empty(n * m, np.uint8)
-    assert KR.decode(words, bits, m, div, mod, tab, bk, KR.PRECISION, dec) == words.size
-    assert np.array_equal(dec, sym)
 
 
 # ----------------------------------------------------------------------------- round trips

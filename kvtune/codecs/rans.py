@@ -11,7 +11,7 @@ coder, so that coding runs in compiled loops without per-call overhead.
 **Models.** A group's distribution travels as level codes (:func:`~kvtune.codecs.range_coder.count_levels`,
 ``steps`` levels per octave; 0 = absent). The decoder turns them into integer weights
 ``floor(2**20 * 2**(-(q - 1)/steps))`` (at least 1) and normalizes them with integer arithmetic
-(:func:`kvtune.codecs.kernels.rans.normalize`): every present symbol gets frequency >= 1, the
+(:func:`kvtune.codecs.kernels.rans.rans_normalize`): every present symbol gets frequency >= 1, the
 frequencies sum to exactly ``2**15``, and encoder and decoder build the same tables on every
 machine. The encoder picks the table form with the fewest estimated bits: per-group codes with
 2 or 4 levels per octave, or one pooled row with 4 or 8.
@@ -133,7 +133,7 @@ class RansLayout:
         return self.count
 
     def count_args(self) -> tuple[int, int]:
-        """``(div, mod)`` of the symbols' groups for :func:`kvtune.codecs.kernels.rans.count_groups`."""
+        """``(div, mod)`` of the symbols' groups for :func:`kvtune.codecs.kernels.rans.rans_count_groups`."""
         if self.model == "per_channel":
             return 1, self.dims[0]
         if self.model == "per_head":
@@ -247,21 +247,21 @@ def _hist_model(hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     bits = max(1, int(hist.size - 1).bit_length())
     w = np.zeros((1, 1 << bits), np.int64)
     w[0, : hist.size] = hist
-    freq, cum = KR.fused_tables(w, np.zeros((1, 1), np.int64), bits, KR.PRECISION)
+    freq, cum = KR.rans_fused_tables(w, np.zeros((1, 1), np.int64), bits, KR.PRECISION)
     return bits, freq, cum
 
 
 def _rans_words(sym: np.ndarray, bits: int, m: int, div: int, mod: int, freq: np.ndarray, cum: np.ndarray) -> np.ndarray:
     out = np.empty(sym.size // m + 2 * KR.LANES, np.uint16)
-    start = KR.encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out)
+    start = KR.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out)
     return out[start:]
 
 
 def _unrans(words: np.ndarray, n: int, bits: int, m: int, div: int, mod: int, freq, cum, dtype, what: str, padded: bool) -> np.ndarray:
     """Decode ``n`` symbols from ``words``; trailing words must be zero (``padded``) or absent."""
     out = np.empty(n, dtype)
-    tab, bk = KR.decoder_tables(freq, cum, KR.PRECISION)
-    used = KR.decode(words, bits, m, div, mod, tab, bk, KR.PRECISION, out)
+    tab, bk = KR.rans_decoder_tables(freq, cum, KR.PRECISION)
+    used = KR.rans_decode(words, bits, m, div, mod, tab, bk, KR.PRECISION, out)
     if used < 0:
         raise _err(f"{what} do not decode (the words run out, or a state is off at the end)")
     if used != words.size and (not padded or words[used:].any()):
@@ -284,14 +284,14 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str) -> bytes:
         raise ValueError("rans codec: nothing to encode")
     flat = np.ascontiguousarray(symbols).reshape(-1)
     k = 1 << bits
-    counts = KR.count_groups(flat, *lay.count_args(), lay.groups, k)
+    counts = KR.rans_count_groups(flat, *lay.count_args(), lay.groups, k)
     table = _choose_table(counts)
     steps = TABLE_STEPS[table.steps]
     hist = np.bincount(table.residuals)
     tbits, tfreq, tcum = _hist_model(hist)
     twords = _rans_words(table.residuals.astype(np.uint16), tbits, 1, 1, 1, tfreq, tcum)
     div, mod, comp = lay.coder_args(table.pooled)
-    freq, cum = KR.fused_tables(level_to_weights(table.levels, steps), comp, bits, KR.PRECISION)
+    freq, cum = KR.rans_fused_tables(level_to_weights(table.levels, steps), comp, bits, KR.PRECISION)
     words = _rans_words(flat, bits, lay.m, div, mod, freq, cum)
     head = b"".join([
         bytes([KIND_RANS, MODELS.index(model) | table.steps << 2 | int(table.pooled) << 4, lay.m]),
@@ -405,7 +405,7 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     if rd.pos != len(buf):
         raise _err(f"{len(buf) - rd.pos} bytes follow the coder words")
     div, mod, comp = lay.coder_args(pooled)
-    freq, cum = KR.fused_tables(level_to_weights(levels, TABLE_STEPS[si]), comp, bits, KR.PRECISION)
+    freq, cum = KR.rans_fused_tables(level_to_weights(levels, TABLE_STEPS[si]), comp, bits, KR.PRECISION)
     out = _unrans(words, count, bits, lay.m, div, mod, freq, cum, np.uint8, "the coder words", True)
     return out
 
@@ -414,7 +414,7 @@ def empirical_entropy_bits(symbols: np.ndarray, bits: int, model: str) -> float:
     """Order-0 empirical entropy (bits) of ``symbols`` under ``model``'s groups: ``sum_g n_g H(p_g)``
     with ``p_g`` the group's symbol frequencies (the size an ideal coder with free tables reaches)."""
     lay = layout_for_shape(model, bits, symbols.shape)
-    counts = KR.count_groups(np.ascontiguousarray(symbols).reshape(-1), *lay.count_args(), lay.groups, 1 << bits)
+    counts = KR.rans_count_groups(np.ascontiguousarray(symbols).reshape(-1), *lay.count_args(), lay.groups, 1 << bits)
     n = counts.sum(axis=1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
         return float(np.where(counts > 0, counts * np.log2(n / np.maximum(counts, 1)), 0.0).sum())

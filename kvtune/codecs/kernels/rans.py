@@ -19,10 +19,9 @@ adjacent input symbols of ``bits`` bits are fused into one coded super-symbol
 Division: ``x // f`` for ``x < 2**32`` is computed with a float64 reciprocal and corrected by
 one integer step (the float estimate is off by at most one), so results are exact integers on
 every machine. The kernels are serial, release the GIL and are cached as the other kernels
-(:func:`.cachedir.kernel_cache_dir`); :func:`normalize` and :func:`fused_tables` are the integer
-table arithmetic encoder and decoder share. They are not re-exported by the package (its
-``__all__`` lists the fast path's kernels); ``tests/test_rans.py`` compares them with a pure
-Python coder.
+(:func:`.cachedir.kernel_cache_dir`); :func:`rans_normalize` and :func:`rans_fused_tables` are the integer
+table arithmetic encoder and decoder share. The package re-exports them (its ``__all__``);
+``tests/test_kernels.py`` compares them with a pure Python coder.
 """
 
 from __future__ import annotations
@@ -33,18 +32,6 @@ from numba import njit
 from .cachedir import kernel_cache_dir
 from .lowlevel import JIT
 
-__all__ = [
-    "PRECISION",
-    "LANES",
-    "RANS_L",
-    "BUCKET_BITS",
-    "normalize",
-    "fused_tables",
-    "decoder_tables",
-    "count_groups",
-    "encode",
-    "decode",
-]
 
 PRECISION = 15
 """Probability bits ``P``: every model's frequencies sum to ``2**P`` (``L = 2**16`` needs ``P <= 16``)."""
@@ -72,7 +59,7 @@ with kernel_cache_dir():
             diff += take
 
     @njit(**JIT)
-    def normalize(w, prec, out):
+    def rans_normalize(w, prec, out):
         """Integer weights ``w`` (int64 ``(K,)``, >= 0, some > 0) -> frequencies ``out`` (int64
         ``(K,)``) summing to exactly ``2**prec``: ``max(1, floor(w 2**prec / sum w))`` for
         ``w > 0``, 0 for ``w == 0``, the rounding difference given to (taken from) the largest.
@@ -90,7 +77,7 @@ with kernel_cache_dir():
         _fix_sum(out, (np.int64(1) << prec) - got)
 
     @njit(**JIT)
-    def fused_tables(weights, comp, bits, prec):
+    def rans_fused_tables(weights, comp, bits, prec):
         """Frequency and cumulative tables of fused models.
 
         Args:
@@ -102,16 +89,16 @@ with kernel_cache_dir():
         Returns:
             ``(freq, cum)``: int64 ``(M, K**m)`` summing to ``2**prec`` per row, and int64
             ``(M, K**m + 1)`` prefix sums. Each group is first normalized to
-            ``2**pc`` (``pc = min(prec, 62 // m)``, :func:`normalize`), the exact integer products
+            ``2**pc`` (``pc = min(prec, 62 // m)``, :func:`rans_normalize`), the exact integer products
             (summing to ``2**(m pc)``) are rounded to ``prec`` bits (nonzero ones to at least 1)
-            and the sum is fixed as in :func:`normalize`.
+            and the sum is fixed as in :func:`rans_normalize`.
         """
         g, k = weights.shape
         nm, m = comp.shape
         pc = min(prec, 62 // m)
         comp_f = np.zeros((g, k), np.int64)
         for i in range(g):
-            normalize(weights[i], pc, comp_f[i])
+            rans_normalize(weights[i], pc, comp_f[i])
         ks = 1 << (bits * m)
         freq = np.zeros((nm, ks), np.int64)
         cum = np.zeros((nm, ks + 1), np.int64)
@@ -138,8 +125,8 @@ with kernel_cache_dir():
         return freq, cum
 
     @njit(**JIT)
-    def decoder_tables(freq, cum, prec):
-        """Flat decoder tables of :func:`fused_tables`' output ``(M, ks)``: int64 ``freq << 16 |
+    def rans_decoder_tables(freq, cum, prec):
+        """Flat decoder tables of :func:`rans_fused_tables`' output ``(M, ks)``: int64 ``freq << 16 |
         cum`` ``(M * ks,)`` and uint16 buckets ``(M * 2**BUCKET_BITS,)``: per model and bucket, the
         symbol holding the bucket's first slot (``b << (prec - BUCKET_BITS)``)."""
         nm, ks = freq.shape
@@ -159,7 +146,7 @@ with kernel_cache_dir():
         return tab, bk
 
     @njit(**JIT)
-    def count_groups(sym, div, mod, groups, k):
+    def rans_count_groups(sym, div, mod, groups, k):
         """Histogram int64 ``(groups, k)`` of flat ``sym``: symbol ``i`` belongs to group
         ``(i // div) % mod`` (``groups == mod``)."""
         out = np.zeros((groups, k), np.int64)
@@ -235,13 +222,13 @@ with kernel_cache_dir():
         return (d << prec) + r + c, pos
 
     @njit(**JIT)
-    def encode(sym, bits, m, div, mod, freq, cum, prec, out):
+    def rans_encode(sym, bits, m, div, mod, freq, cum, prec, out):
         """rANS-encode flat ``sym`` (``n * m`` symbols, fused ``m`` at a time) into ``out``.
 
         Args:
             sym: uint8 or uint16 symbols; ``bits``/``m``: fusion (``m = 1``: none).
             div, mod: model of super-symbol ``i`` is ``(i // div) % mod`` (see the module doc).
-            freq, cum: tables of :func:`fused_tables`; every coded super-symbol must have
+            freq, cum: tables of :func:`rans_fused_tables`; every coded super-symbol must have
                 ``freq > 0`` (the caller builds the tables from the symbols' own counts).
             prec: probability bits of the tables.
             out: uint16 scratch of at least ``n + 2 * LANES`` words.
@@ -310,9 +297,9 @@ with kernel_cache_dir():
         return x, s, pos
 
     @njit(**JIT)
-    def decode(words, bits, m, div, mod, tab, bk, prec, out):
-        """Inverse of :func:`encode`: fill ``out`` (``n * m`` symbols) from uint16 ``words``;
-        ``tab``/``bk``: :func:`decoder_tables`.
+    def rans_decode(words, bits, m, div, mod, tab, bk, prec, out):
+        """Inverse of :func:`rans_encode`: fill ``out`` (``n * m`` symbols) from uint16 ``words``;
+        ``tab``/``bk``: :func:`rans_decoder_tables`.
 
         Returns:
             Words consumed (``>= 0``), or ``-1`` when the words run out, a state read is not
