@@ -813,6 +813,53 @@ def test_rans_count_groups_matches_bincount(div, mod, n):
     assert np.array_equal(K.rans_count_groups(sym, div, mod, mod, k), expected)
 
 
+def component_case(shape, first, seed):
+    """PCA-like coefficients (variance falling over the components; a constant component, a
+    huge-mean one) and a component table of three segments (widths 1, 3, 8) with dropped ones."""
+    b, h, t, d = shape
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal(shape).astype(np.float32) * np.linspace(30, 0.01, h * d, dtype=np.float32).reshape(1, h, 1, d)
+    y[:, 0, :, 1] = 0.75  # constant: scale 0
+    y[:, -1, :, -1] += 30000.0  # mean beyond float16 precision
+    perm = rng.permutation(h * d)
+    n1, n3 = (h * d) // 3, (h * d) // 4
+    segs = [np.sort(perm[:n1]), np.sort(perm[n1 : n1 + n3]), np.sort(perm[n1 + n3 : -2])]
+    return y, segs, (1, 3, 8), first
+
+
+@covers("quantize_components", "dequantize_components")
+@pytest.mark.parametrize("shape, first", [((1, 3, 33, 16), 4), ((2, 2, 7, 8), 0), ((1, 2, 5, 4), 5), ((1, 1, 1, 8), 0)])
+def test_quantize_components_matches_component_quantizer(shape, first):
+    from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, ComponentQuantizer
+
+    y, segs, widths, first = component_case(shape, first, seed=sum(shape))
+    b, h, t, d = shape
+    nt = t - first
+    comp = np.concatenate(segs).astype(np.int64)
+    start = np.cumsum([0] + [len(s) for s in segs]).astype(np.int64)
+    bits = np.array(widths, np.int64)
+    sink = np.empty((b, h, first, d), np.uint16)
+    meta = np.empty(2 * b * comp.size, np.uint16)
+    sym = np.empty(b * nt * comp.size, np.uint8)
+    K.quantize_components(y, comp, start, bits, first, np.array(GAUSSIAN_STEPS), sink, meta, sym)
+    x = torch.from_numpy(y)
+    assert np.array_equal(sink, bf16_bits(x[:, :, :first]))
+    expected = np.zeros(shape, np.float32)
+    expected[:, :, :first] = x[:, :, :first].to(torch.bfloat16).float().numpy()
+    got = np.empty(shape, np.float32)
+    for s, (idx, w) in enumerate(zip(segs, widths)):
+        block = x[:, idx // d, first:, idx % d].permute(1, 2, 0).unsqueeze(1)  # ComponentSegment.take
+        q, m = ComponentQuantizer(bits=w).quantize_block(block)
+        lo, hi = int(start[s]), int(start[s + 1])
+        assert np.array_equal(sym[b * nt * lo : b * nt * hi], q.numpy().reshape(-1))
+        ref_meta = np.concatenate([m["scale"].numpy().view(np.uint16).reshape(-1), m["zero"].numpy().view(np.uint16).reshape(-1)])
+        assert np.array_equal(meta[2 * b * lo : 2 * b * hi], ref_meta)
+        deq = ComponentQuantizer(bits=w).dequantize_block(q, m, tuple(block.shape))
+        expected[:, idx // d, first:, idx % d] = deq[:, 0].permute(2, 0, 1).numpy()
+    K.dequantize_components(sym, meta, comp, start, bits, first, sink, got)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))  # dropped components: 0
+
+
 @covers("crc32_update", "crc32_combine")
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 63, 64, 65, 79, 80, 127, 128, 129, 191, 192, 1000, 4099, 1 << 17])
 def test_crc32_matches_zlib(n):
