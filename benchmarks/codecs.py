@@ -192,9 +192,10 @@ def preset_cases(basis: str | None = None) -> list[Case]:
             rans = CODECS["rans"].from_dict({"name": "rans", "model": getattr(cfg.codec, "model", "per_channel")})
             out.append(Case("preset", f"{name} | rans", dataclasses.replace(cfg, codec=rans), TARGET_RANS))
     kivi4, kivi2 = PolicyConfig.kivi(4), PolicyConfig.kivi(2)
-    if "rans" in CODECS:  # KIVI-4 / KIVI-2 with their symbols rANS-coded per channel
-        for label, base in (("KIVI-4", kivi4), ("KIVI-2", kivi2)):
-            out.append(Case("preset", f"{label} | rans", dataclasses.replace(base, codec=CODECS["rans"]()), TARGET_RANS))
+    for label, base in (("KIVI-4", kivi4), ("KIVI-2", kivi2)):  # their symbols range- and rANS-coded per channel
+        for codec, target in (("range", TARGET_RANGE), ("rans", TARGET_RANS)):
+            if codec in CODECS:
+                out.append(Case("preset", f"{label} | {codec}", dataclasses.replace(base, codec=CODECS[codec]()), target))
     return out
 
 

@@ -115,6 +115,10 @@ class ComponentQuantizer(Quantizer):
 
     Range: magnitudes up to 32752 (:attr:`value_limit`), so the float16 mean and step never
     saturate.
+
+    The fast path codes every ``gauss`` segment of a tensor in one call of
+    :func:`kvtune.codecs.kernels.quantize_components` (same bytes; statistics summed in token
+    order by :func:`token_sum`).
     """
 
     bits: int = param(4, low=1, high=8, doc="bits per symbol")
