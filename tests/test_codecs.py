@@ -377,14 +377,14 @@ def test_every_component_round_trips_degenerate_shapes_and_refuses_empty_axes(cf
             encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
 
 
+@pytest.mark.parametrize("cfg, offset", [(PolicyConfig.kivi(2), 0), (KVTC_POLICIES[0], MATRIX_OFFSET)], ids=["kivi-2", "kvtc"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_fast_path_output_does_not_depend_on_threads(threads):
+def test_fast_path_output_does_not_depend_on_threads(threads, cfg, offset):
     kv = make_kv(MATRIX_SHAPES, seed=3)
-    cfg = PolicyConfig.kivi(2)
     before = fastpath.num_threads()
     try:
         fastpath.set_num_threads(threads)
-        assert encode_kv(kv, cfg, impl="fast") == encode_kv(kv, cfg, impl="reference")
+        assert encode_kv(kv, cfg, impl="fast", layer_offset=offset) == encode_kv(kv, cfg, impl="reference", layer_offset=offset)
     finally:
         fastpath.set_num_threads(before)
 

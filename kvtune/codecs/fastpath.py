@@ -282,7 +282,7 @@ def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, k
     reference), the range check, one quantization kernel call, then the codec per segment."""
     y = comp.config.transforms[0].forward(t.detach().to("cpu", torch.float32), layer=layer, kind=kind).contiguous()
     yn = y.numpy()
-    if _magnitude(yn)[1] > plan.value_limit:
+    if not _magnitude(yn)[1] <= plan.value_limit:  # NaN too
         check_value_range(plan.segments, y, layer=layer, kind=kind)
     b, h, tokens, d = plan.shape
     nt = tokens - plan.first
