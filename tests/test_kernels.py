@@ -802,6 +802,42 @@ def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
     assert np.array_equal(dec, sym)
 
 
+def numpy_form_bits(counts, steps, pooled):
+    """``rans_form_bits`` in numpy: levels of the pooled row (and of every group unless pooled),
+    payload ``sum c (q - 1) / steps + n log2(sum w)``, residual entropy + 32 bits per entry."""
+    from kvtune.codecs.range_coder import count_levels, level_weights
+
+    zig = lambda r: np.where(r >= 0, 2 * r, -2 * r - 1)  # noqa: E731
+    pool = count_levels(counts.sum(axis=0, keepdims=True), steps)[0]
+    z = zig(np.diff(pool, prepend=0))
+    if pooled:
+        rows, levels = counts.sum(axis=0, keepdims=True), pool[None, :]
+    else:
+        rows, levels = counts, count_levels(counts, steps)
+        z = np.concatenate([z, zig(levels[:, pool > 0] - pool[pool > 0]).reshape(-1)])
+    payload = float((rows * (levels - 1)).sum()) / steps + float((rows.sum(axis=1) * np.log2(level_weights(levels, steps).sum(axis=1))).sum())
+    hist = np.bincount(z)
+    nz = hist[hist > 0]
+    return payload + float((nz * np.log2(z.size / nz)).sum()) + 32 * hist.size
+
+
+@covers("rans_form_bits")
+@pytest.mark.parametrize("groups, k", [(1, 2), (5, 16), (64, 4), (3, 256)])
+def test_rans_form_bits_matches_numpy(groups, k):
+    from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS, level_weights
+
+    neg_grid = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
+    grid16 = level_weights(np.arange(1, 17), 16)
+    rng = np.random.default_rng(groups * k)
+    counts = (rng.geometric(0.3, size=(groups, k)) - 1) * (rng.random((groups, k)) < 0.8)
+    counts[:, 0] += 1
+    counts[-1, -1] = 10**6  # a dominant symbol: long level codes elsewhere
+    for steps in TABLE_STEPS[:3]:
+        for pooled in (False, True):
+            got = K.rans_form_bits(counts.astype(np.int64), neg_grid, grid16, steps, pooled, MAX_LEVEL)
+            assert got == pytest.approx(numpy_form_bits(counts, steps, pooled), rel=1e-12)
+
+
 @covers("rans_count_groups")
 @pytest.mark.parametrize("div, mod, n", [(1, 1, 0), (1, 1, 37), (1, 5, 40), (7, 3, 42), (4, 2, 64)])
 def test_rans_count_groups_matches_bincount(div, mod, n):

@@ -202,20 +202,6 @@ def _residuals(levels: np.ndarray, pool: np.ndarray, pooled: bool) -> np.ndarray
     return np.concatenate([z, _zigzag(levels[:, present] - pool[present]).reshape(-1)])
 
 
-def _estimate_bits(counts: np.ndarray, levels: np.ndarray, z: np.ndarray, steps: int) -> float:
-    """Estimated payload bits of ``counts`` ``(G, K)`` under ``levels`` (same shape, or ``(1, K)``
-    for a pooled row) plus table bits (residual entropy and 4 bytes per histogram entry).
-
-    A symbol of code ``q`` costs ``(q - 1) / steps + log2(sum of its row's weights)`` bits."""
-    if levels.shape[0] != counts.shape[0]:
-        counts = counts.sum(axis=0, keepdims=True)
-    n = counts.sum(axis=1)
-    payload = float((counts * (levels - 1)).sum()) / steps + float((n * np.log2(level_weights(levels, steps).sum(axis=1))).sum())
-    hist = np.bincount(z)
-    nz = hist[hist > 0]
-    return payload + float((nz * np.log2(z.size / nz)).sum()) + 32 * hist.size
-
-
 @dataclass(frozen=True)
 class _Table:
     steps: int  # index into TABLE_STEPS
@@ -224,22 +210,27 @@ class _Table:
     residuals: np.ndarray
 
 
+_NEG_GRID = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
+"""``-2**(-u/16)``, ``u = 1 ..`` the last level boundary (the grid of ``count_levels``)."""
+_GRID16 = level_weights(np.arange(1, 17), 16)
+
+
 def _choose_table(counts: np.ndarray) -> _Table:
-    """The cheapest of :data:`_GROUP_FORMS` for ``counts`` int64 ``(G, K)`` (estimated bits)."""
-    pooled_counts = counts.sum(axis=0, keepdims=True)
+    """The cheapest of :data:`_GROUP_FORMS` for ``counts`` int64 ``(G, K)``: estimated bits
+    (:func:`kvtune.codecs.kernels.rans_form_bits`), first of equals; then that form's levels
+    and residuals."""
     best, best_bits = None, math.inf
     for si, pooled in _GROUP_FORMS:
         if not pooled and counts.shape[0] == 1:
             continue
-        steps = TABLE_STEPS[si]
-        pool = count_levels(pooled_counts, steps)[0]
-        levels = pool[None, :] if pooled else count_levels(counts, steps)
-        z = _residuals(levels, pool, pooled)
-        bits = _estimate_bits(counts, levels, z, steps)
+        bits = KR.rans_form_bits(counts, _NEG_GRID, _GRID16, TABLE_STEPS[si], pooled, MAX_LEVEL)
         if bits < best_bits:
-            best, best_bits = _Table(si, pooled, levels, z), bits
+            best, best_bits = (si, pooled), bits
     assert best is not None
-    return best
+    si, pooled = best
+    pool = count_levels(counts.sum(axis=0, keepdims=True), TABLE_STEPS[si])[0]
+    levels = pool[None, :] if pooled else count_levels(counts, TABLE_STEPS[si])
+    return _Table(si, pooled, levels, _residuals(levels, pool, pooled))
 
 
 def _hist_model(hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:

@@ -86,6 +86,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         rans_decode,
         rans_decoder_tables,
         rans_encode,
+        rans_form_bits,
         rans_fused_tables,
         rans_normalize,
     )
@@ -148,6 +149,7 @@ __all__ = [
     "rans_fused_tables",
     "rans_decoder_tables",
     "rans_count_groups",
+    "rans_form_bits",
     "rans_encode",
     "rans_decode",
     "encode_segments",

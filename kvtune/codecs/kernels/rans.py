@@ -145,6 +145,76 @@ with kernel_cache_dir():
                 bk[q * nb + b] = s
         return tab, bk
 
+    @njit(inline="always")
+    def _zig(r):
+        return 2 * r if r >= 0 else -2 * r - 1
+
+    @njit(**JIT)
+    def _level_row(row, neg_grid, h, max_level, out):
+        """Level codes of one count row (``count_levels`` of :mod:`kvtune.codecs.range_coder`)."""
+        n = np.float64(row.sum())
+        for s in range(row.shape[0]):
+            out[s] = 0
+            if row[s] > 0:
+                pos = np.searchsorted(neg_grid, -(row[s] / n))
+                out[s] = min((pos + h) // (2 * h), max_level - 1) + 1
+
+    @njit(**JIT)
+    def _row_cost(row, lev, grid16, steps):
+        """Bits of the symbols of ``row`` under level codes ``lev``: ``sum c (q - 1) / steps +
+        n log2(sum of the weights 2**(-(q - 1) / steps))``."""
+        shift = 16 // steps
+        num = np.int64(0)
+        n = np.int64(0)
+        w = 0.0
+        for s in range(row.shape[0]):
+            if lev[s] > 0:
+                u = (lev[s] - 1) * shift
+                w += grid16[u & 15] * 2.0 ** -(u >> 4)
+                num += row[s] * (lev[s] - 1)
+                n += row[s]
+        return num / steps + (n * np.log2(w) if n else 0.0)
+
+    @njit(**JIT)
+    def rans_form_bits(counts, neg_grid, grid16, steps, pooled, max_level):
+        """Estimated bits of ``counts`` (int64 ``(G, K)``, every row with a symbol) coded with
+        one table form of the ``rans`` codec: level codes with ``steps`` levels per octave,
+        per group or pooled (one row), the payload at its ideal cost plus the table (order-0
+        entropy of the zigzagged residuals and 32 bits per histogram entry).
+
+        Args:
+            neg_grid: float64 ``-2**(-u/16)``, ``u = 1, 2, ...`` (increasing); ``grid16``:
+                float64 ``2**(-j/16)``, ``j = 0..15``; ``max_level``: the largest level code.
+        """
+        g, k = counts.shape
+        h = 8 // steps
+        pc = counts.sum(axis=0)
+        pool = np.empty(k, np.int64)
+        _level_row(pc, neg_grid, h, max_level, pool)
+        hist = np.zeros(2 * max_level + 2, np.int64)
+        prev = np.int64(0)
+        for s in range(k):
+            hist[_zig(pool[s] - prev)] += 1
+            prev = pool[s]
+        if pooled:
+            bits = _row_cost(pc, pool, grid16, steps)
+        else:
+            bits = 0.0
+            lev = np.empty(k, np.int64)
+            for i in range(g):
+                _level_row(counts[i], neg_grid, h, max_level, lev)
+                bits += _row_cost(counts[i], lev, grid16, steps)
+                for s in range(k):
+                    if pool[s] > 0:
+                        hist[_zig(lev[s] - pool[s])] += 1
+        total = hist.sum()
+        size = 0
+        for j in range(hist.shape[0]):
+            if hist[j] > 0:
+                bits += hist[j] * np.log2(total / hist[j])
+                size = j + 1
+        return bits + 32 * size
+
     @njit(**JIT)
     def rans_count_groups(sym, div, mod, groups, k):
         """Histogram int64 ``(groups, k)`` of flat ``sym``: symbol ``i`` belongs to group
