@@ -66,7 +66,7 @@ from kvtune.core.errors import (
 
 # Codec modules written alongside this library: tested here as soon as they exist, so that the
 # registry (and the completeness check below) does not depend on test collection order.
-for _module in ("kvtune.codecs.range_coder", "kvtune.codecs.zstd_codec"):
+for _module in ("kvtune.codecs.range_coder", "kvtune.codecs.zstd_codec", "kvtune.codecs.rans"):
     try:
         importlib.import_module(_module)
     except ImportError:
@@ -135,8 +135,8 @@ def _matrix_basis(key_rope: str) -> str:
 MATRIX_BASIS, MATRIX_BASIS_POST = _matrix_basis("pre"), _matrix_basis("post")
 BASIS_BOUND = ("pca", "dp-alloc")
 """Components bound to a calibrated basis of fixed geometry: in the round-trip matrix (on the
-matrix's shapes), not in the shape-generic tests (their own are in test_pca.py), and without
-compiled kernels (pure torch: the fast path refuses them)."""
+matrix's shapes), not in the shape-generic tests (their own are in test_pca.py); compiled only
+as KVTC-like policies (:data:`KVTC_POLICIES`), the fast path refuses other uses."""
 
 TRANSFORM_EXAMPLES = {
     "identity": [Identity()],
@@ -182,6 +182,7 @@ QUANTIZER_EXAMPLES = {
 _OPTIONAL_CODECS = {  # codecs written alongside this library, with examples once registered
     "range": lambda cls: [cls(), cls(model="per_head")],
     "zstd": lambda cls: [cls()],
+    "rans": lambda cls: [cls(), cls(model="per_head"), cls(model="global")],
 }
 CODEC_EXAMPLES = {"bitpack": [BitPack()]} | {
     name: examples(CODECS[name]) for name, examples in _OPTIONAL_CODECS.items() if name in CODECS
@@ -225,6 +226,19 @@ def _basis_bound_samples() -> list[PolicyConfig]:
     return out
 
 
+def _kvtc_samples() -> list[PolicyConfig]:
+    """KVTC-like policies (pca, then dp-alloc with the gauss grid on K and V), which have their
+    own fast path: pre-RoPE with sink tokens and every codec; post-RoPE with other widths."""
+    pre, post = TRANSFORM_EXAMPLES["pca"]
+    out = [PolicyConfig(transforms=(pre,), key=DPAlloc(basis=MATRIX_BASIS, sink_tokens=4),
+                        value=DPAlloc(bits=3, basis=MATRIX_BASIS), codec=c) for c in ALL_CODECS]
+    out.append(PolicyConfig(transforms=(post,), key=DPAlloc(bits=8, basis=MATRIX_BASIS_POST),
+                            value=DPAlloc(bits=1.5, max_bits=4, basis=MATRIX_BASIS_POST, sink_tokens=200)))
+    return out
+
+
+KVTC_POLICIES = _kvtc_samples()
+
 # every quantizer and every transform in a covering sample of combinations (bit-packed); every
 # codec x a sample of quantizers and transforms; compositions of transforms
 POLICIES = (
@@ -257,6 +271,7 @@ POLICIES = (
                      value=QUANTIZER_EXAMPLES["mixhq"][1], codec=ALL_CODECS[-1]),
     ]
     + _basis_bound_samples()
+    + KVTC_POLICIES
 )
 # policies of components with compiled kernels (every one but BASIS_BOUND)
 KERNEL_POLICIES = [p for p in POLICIES if not _uses_basis(p)]
@@ -318,7 +333,8 @@ def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtyp
 
 @pytest.mark.parametrize(
     "cfg, dtype",
-    [(p, torch.float32) for p in KERNEL_POLICIES] + [(p, torch.bfloat16) for p in BF16_POLICIES if not _uses_basis(p)],
+    [(p, torch.float32) for p in KERNEL_POLICIES + KVTC_POLICIES]
+    + [(p, torch.bfloat16) for p in BF16_POLICIES if not _uses_basis(p)] + [(p, torch.bfloat16) for p in KVTC_POLICIES],
     ids=lambda x: x.label if isinstance(x, PolicyConfig) else str(x).removeprefix("torch."),
 )
 def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
@@ -337,10 +353,10 @@ def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
 
 
-@pytest.mark.parametrize("cfg", [p for p in POLICIES if _uses_basis(p)], ids=_id)
+@pytest.mark.parametrize("cfg", [p for p in POLICIES if _uses_basis(p) and p not in KVTC_POLICIES], ids=_id)
 def test_basis_bound_policies_have_no_kernel_path_and_auto_is_the_reference(cfg):
-    """pca / dp-alloc are pure torch: the fast path says so (impl="fast" is a typed error) and
-    "auto" writes and reads the reference bytes."""
+    """pca / dp-alloc other than KVTC-like (:data:`KVTC_POLICIES`) are pure torch: the fast path
+    says so (impl="fast" is a typed error) and "auto" writes and reads the reference bytes."""
     assert not fastpath.supports(cfg)
     kv = make_kv(MATRIX_SHAPES, seed=7)
     with pytest.raises(ConfigError, match="no fast path"):
@@ -380,14 +396,14 @@ def test_every_component_round_trips_degenerate_shapes_and_refuses_empty_axes(cf
             encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
 
 
+@pytest.mark.parametrize("cfg, offset", [(PolicyConfig.kivi(2), 0), (KVTC_POLICIES[0], MATRIX_OFFSET)], ids=["kivi-2", "kvtc"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_fast_path_output_does_not_depend_on_threads(threads):
+def test_fast_path_output_does_not_depend_on_threads(threads, cfg, offset):
     kv = make_kv(MATRIX_SHAPES, seed=3)
-    cfg = PolicyConfig.kivi(2)
     before = fastpath.num_threads()
     try:
         fastpath.set_num_threads(threads)
-        assert encode_kv(kv, cfg, impl="fast") == encode_kv(kv, cfg, impl="reference")
+        assert encode_kv(kv, cfg, impl="fast", layer_offset=offset) == encode_kv(kv, cfg, impl="reference", layer_offset=offset)
     finally:
         fastpath.set_num_threads(before)
 

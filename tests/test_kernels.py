@@ -23,6 +23,7 @@ import torch
 from numba import njit
 
 from kvtune.codecs import kernels as K
+from kvtune.codecs.kernels import rans as KR
 from kvtune.codecs.base import meta_to_bytes
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
@@ -690,6 +691,211 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
 # ----------------------------------------------------------------------------- CRC32
 
 
+# ----------------------------------------------------------------------------- rANS (the ``rans`` codec)
+
+
+def ref_normalize(w: list[int], prec: int) -> list[int]:
+    total = sum(w)
+    f = [max(1, (v << prec) // total) if v else 0 for v in w]
+    fix_sum(f, (1 << prec) - sum(f))
+    return f
+
+
+def fix_sum(f: list[int], diff: int) -> None:
+    if diff > 0:
+        f[f.index(max(f))] += diff
+    while diff < 0:
+        j = f.index(max(f))
+        take = min(-diff, f[j] - 1)
+        if take <= 0:
+            break
+        f[j] -= take
+        diff += take
+
+
+def ref_tables(weights: np.ndarray, comp: np.ndarray, bits: int, prec: int):
+    """Pure-python fused_tables."""
+    m = comp.shape[1]
+    pc = min(prec, 62 // m)
+    cf = [ref_normalize([int(v) for v in row], pc) for row in weights]
+    sh = m * pc - prec
+    freqs = []
+    for q in range(comp.shape[0]):
+        row = []
+        for x in range(1 << (bits * m)):
+            p = 1
+            for j in range(m):
+                p *= cf[comp[q, j]][(x >> (bits * j)) & ((1 << bits) - 1)]
+            row.append(max(1, (p + ((1 << sh) >> 1)) >> sh) if p else 0)
+        fix_sum(row, (1 << prec) - sum(row))
+        freqs.append(row)
+    return freqs
+
+
+def ref_encode(sym, bits, m, div, mod, freqs, prec) -> list[int]:
+    """Pure-python interleaved rANS (exact integer division): the coded u16 words."""
+    cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
+    n = len(sym) // m
+    states = [KR.RANS_L] * KR.LANES
+    stack = []
+    for i in range(n - 1, -1, -1):
+        s = sum(int(sym[i * m + j]) << (bits * j) for j in range(m))
+        q = (i // div) % mod
+        f, c = freqs[q][s], cums[q][s]
+        x = states[i % KR.LANES]
+        if x >= f << (32 - prec):
+            stack.append(x & 0xFFFF)
+            x >>= 16
+        states[i % KR.LANES] = ((x // f) << prec) + x % f + c
+    for x in reversed(states):
+        stack += [x & 0xFFFF, x >> 16]
+    return stack[::-1]
+
+
+def ref_decode(words, n, bits, m, div, mod, freqs, prec) -> list[int]:
+    cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
+    states = [(words[2 * j] << 16) | words[2 * j + 1] for j in range(KR.LANES)]
+    pos, out = 2 * KR.LANES, []
+    for i in range(n):
+        q = (i // div) % mod
+        x = states[i % KR.LANES]
+        slot = x & ((1 << prec) - 1)
+        s = max(t for t in range(len(freqs[q])) if freqs[q][t] and cums[q][t] <= slot)
+        x = freqs[q][s] * (x >> prec) + slot - cums[q][s]
+        if x < KR.RANS_L:
+            x = (x << 16) | words[pos]
+            pos += 1
+        states[i % KR.LANES] = x
+        out += [(s >> (bits * j)) & ((1 << bits) - 1) for j in range(m)]
+    assert states == [KR.RANS_L] * KR.LANES and pos == len(words)
+    return out
+
+
+@covers("rans_normalize", "rans_fused_tables", "rans_decoder_tables", "rans_encode", "rans_decode")
+@pytest.mark.parametrize("bits, m, mod, div, n", [(4, 2, 3, 1, 37), (2, 4, 2, 5, 40), (1, 8, 1, 1, 64), (8, 1, 2, 1, 9), (3, 1, 1, 1, 1)])
+def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
+    rng = np.random.default_rng(bits)
+    k = 1 << bits
+    groups = mod * m
+    weights = rng.integers(0, 1 << 20, size=(groups, k)) * (rng.random((groups, k)) < 0.7)
+    weights[:, 0] += 1  # every group has a symbol
+    comp = np.arange(groups, dtype=np.int64).reshape(mod, m)
+    freq, cum = K.rans_fused_tables(weights.astype(np.int64), comp, bits, KR.PRECISION)
+    ref = ref_tables(weights, comp, bits, KR.PRECISION)
+    assert freq.tolist() == ref
+    assert (freq.sum(axis=1) == 1 << KR.PRECISION).all() and (cum[:, -1] == 1 << KR.PRECISION).all()
+    # symbols drawn from each position's model support
+    sym = np.zeros(n * m, np.uint8)
+    for i in range(n):
+        q = (i // div) % mod
+        s = int(rng.choice(np.flatnonzero(freq[q])))
+        for j in range(m):
+            sym[i * m + j] = (s >> (bits * j)) & (k - 1)
+    out = np.empty(n + 2 * KR.LANES, np.uint16)
+    start = K.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out)
+    words = out[start:]
+    assert words.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION)  # byte-identical
+    assert ref_decode(words.tolist(), n, bits, m, div, mod, ref, KR.PRECISION) == sym.tolist()
+    tab, bk = K.rans_decoder_tables(freq, cum, KR.PRECISION)
+    dec = np.empty(n * m, np.uint8)
+    assert K.rans_decode(words, bits, m, div, mod, tab, bk, KR.PRECISION, dec) == words.size
+    assert np.array_equal(dec, sym)
+
+
+def numpy_form_bits(counts, steps, pooled):
+    """``rans_form_bits`` in numpy: levels of the pooled row (and of every group unless pooled),
+    payload ``sum c (q - 1) / steps + n log2(sum w)``, residual entropy + 32 bits per entry."""
+    from kvtune.codecs.range_coder import count_levels, level_weights
+
+    zig = lambda r: np.where(r >= 0, 2 * r, -2 * r - 1)  # noqa: E731
+    pool = count_levels(counts.sum(axis=0, keepdims=True), steps)[0]
+    z = zig(np.diff(pool, prepend=0))
+    if pooled:
+        rows, levels = counts.sum(axis=0, keepdims=True), pool[None, :]
+    else:
+        rows, levels = counts, count_levels(counts, steps)
+        z = np.concatenate([z, zig(levels[:, pool > 0] - pool[pool > 0]).reshape(-1)])
+    payload = float((rows * (levels - 1)).sum()) / steps + float((rows.sum(axis=1) * np.log2(level_weights(levels, steps).sum(axis=1))).sum())
+    hist = np.bincount(z)
+    nz = hist[hist > 0]
+    return payload + float((nz * np.log2(z.size / nz)).sum()) + 32 * hist.size
+
+
+@covers("rans_form_bits")
+@pytest.mark.parametrize("groups, k", [(1, 2), (5, 16), (64, 4), (3, 256)])
+def test_rans_form_bits_matches_numpy(groups, k):
+    from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS, level_weights
+
+    neg_grid = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
+    grid16 = level_weights(np.arange(1, 17), 16)
+    rng = np.random.default_rng(groups * k)
+    counts = (rng.geometric(0.3, size=(groups, k)) - 1) * (rng.random((groups, k)) < 0.8)
+    counts[:, 0] += 1
+    counts[-1, -1] = 10**6  # a dominant symbol: long level codes elsewhere
+    for steps in TABLE_STEPS[:3]:
+        for pooled in (False, True):
+            got = K.rans_form_bits(counts.astype(np.int64), neg_grid, grid16, steps, pooled, MAX_LEVEL)
+            assert got == pytest.approx(numpy_form_bits(counts, steps, pooled), rel=1e-12)
+
+
+@covers("rans_count_groups")
+@pytest.mark.parametrize("div, mod, n", [(1, 1, 0), (1, 1, 37), (1, 5, 40), (7, 3, 42), (4, 2, 64)])
+def test_rans_count_groups_matches_bincount(div, mod, n):
+    k = 16
+    sym = np.random.default_rng(n).integers(0, k, n).astype(np.uint8)
+    group = (np.arange(n) // div) % mod
+    expected = np.zeros((mod, k), np.int64)
+    np.add.at(expected, (group, sym), 1)
+    assert np.array_equal(K.rans_count_groups(sym, div, mod, mod, k), expected)
+
+
+def component_case(shape, first, seed):
+    """PCA-like coefficients (variance falling over the components; a constant component, a
+    huge-mean one) and a component table of three segments (widths 1, 3, 8) with dropped ones."""
+    b, h, t, d = shape
+    rng = np.random.default_rng(seed)
+    y = rng.standard_normal(shape).astype(np.float32) * np.linspace(30, 0.01, h * d, dtype=np.float32).reshape(1, h, 1, d)
+    y[:, 0, :, 1] = 0.75  # constant: scale 0
+    y[:, -1, :, -1] += 30000.0  # mean beyond float16 precision
+    perm = rng.permutation(h * d)
+    n1, n3 = (h * d) // 3, (h * d) // 4
+    segs = [np.sort(perm[:n1]), np.sort(perm[n1 : n1 + n3]), np.sort(perm[n1 + n3 : -2])]
+    return y, segs, (1, 3, 8), first
+
+
+@covers("quantize_components", "dequantize_components")
+@pytest.mark.parametrize("shape, first", [((1, 3, 33, 16), 4), ((2, 2, 7, 8), 0), ((1, 2, 5, 4), 5), ((1, 1, 1, 8), 0)])
+def test_quantize_components_matches_component_quantizer(shape, first):
+    from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, ComponentQuantizer
+
+    y, segs, widths, first = component_case(shape, first, seed=sum(shape))
+    b, h, t, d = shape
+    nt = t - first
+    comp = np.concatenate(segs).astype(np.int64)
+    start = np.cumsum([0] + [len(s) for s in segs]).astype(np.int64)
+    bits = np.array(widths, np.int64)
+    sink = np.empty((b, h, first, d), np.uint16)
+    meta = np.empty(2 * b * comp.size, np.uint16)
+    sym = np.empty(b * nt * comp.size, np.uint8)
+    K.quantize_components(y, comp, start, bits, first, np.array(GAUSSIAN_STEPS), sink, meta, sym)
+    x = torch.from_numpy(y)
+    assert np.array_equal(sink, bf16_bits(x[:, :, :first]))
+    expected = np.zeros(shape, np.float32)
+    expected[:, :, :first] = x[:, :, :first].to(torch.bfloat16).float().numpy()
+    got = np.empty(shape, np.float32)
+    for s, (idx, w) in enumerate(zip(segs, widths)):
+        block = x[:, idx // d, first:, idx % d].permute(1, 2, 0).unsqueeze(1)  # ComponentSegment.take
+        q, m = ComponentQuantizer(bits=w).quantize_block(block)
+        lo, hi = int(start[s]), int(start[s + 1])
+        assert np.array_equal(sym[b * nt * lo : b * nt * hi], q.numpy().reshape(-1))
+        ref_meta = np.concatenate([m["scale"].numpy().view(np.uint16).reshape(-1), m["zero"].numpy().view(np.uint16).reshape(-1)])
+        assert np.array_equal(meta[2 * b * lo : 2 * b * hi], ref_meta)
+        deq = ComponentQuantizer(bits=w).dequantize_block(q, m, tuple(block.shape))
+        expected[:, idx // d, first:, idx % d] = deq[:, 0].permute(2, 0, 1).numpy()
+    K.dequantize_components(sym, meta, comp, start, bits, first, sink, got)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))  # dropped components: 0
+
+
 @covers("crc32_update", "crc32_combine")
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 63, 64, 65, 79, 80, 127, 128, 129, 191, 192, 1000, 4099, 1 << 17])
 def test_crc32_matches_zlib(n):
@@ -715,7 +921,7 @@ def test_warm_up_compiles_the_fast_path_kernels():
     seconds = K.warm_up()
     assert 0.0 <= seconds < 3600.0
     for fn in (K.encode_segments, K.decode_segments, K.to_float32, K.store_output, K.hadamard_rows, K.delta_rows,
-               K.affine_fit, K.affine_rows, K.crc32_combine):
+               K.affine_fit, K.affine_rows, K.crc32_combine, K.quantize_components, K.dequantize_components):
         assert fn.signatures, fn.__name__
     assert len(K.crc32_update.signatures) >= 2  # writable sections and read-only streams
     assert len(K.encode_segments.signatures) >= 2  # float32 and bfloat16-bits inputs

@@ -68,3 +68,4 @@ __all__ = [
 # codecs in their own modules register themselves on import
 from kvtune.codecs import range_coder as _range_coder  # noqa: E402,F401
 from kvtune.codecs import zstd_codec as _zstd_codec  # noqa: E402,F401
+from kvtune.codecs import rans as _rans  # noqa: E402,F401

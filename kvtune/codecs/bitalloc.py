@@ -48,6 +48,7 @@ __all__ = [
     "check_pca_pairing",
     "fill_dp_alloc",
     "GAUSSIAN_STEPS",
+    "token_sum",
 ]
 
 GAUSSIAN_STEPS = (1.5956, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
@@ -87,6 +88,17 @@ def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, 
     return tuple(int(b) for b in torch.bincount(order // max_bits, minlength=d))
 
 
+def token_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of float64 ``x`` ``(batch, 1, tokens, n)`` over the tokens (axis 2, kept), added in
+    token order (``torch.cumsum`` is sequential; ``torch.sum`` may pair terms differently by
+    shape and machine), so that the compiled kernel
+    (:func:`kvtune.codecs.kernels.quantize_components`) reproduces it bit for bit. Zero when
+    there are no tokens."""
+    if x.shape[2] == 0:
+        return x.new_zeros((*x.shape[:2], 1, *x.shape[3:]))
+    return x.cumsum(dim=2)[:, :, -1:]
+
+
 @dataclass(frozen=True)
 class ComponentQuantizer(Quantizer):
     """Block kernel of ``dp-alloc``: each component (last axis) of a ``(batch, 1, tokens, n)``
@@ -103,6 +115,10 @@ class ComponentQuantizer(Quantizer):
 
     Range: magnitudes up to 32752 (:attr:`value_limit`), so the float16 mean and step never
     saturate.
+
+    The fast path codes every ``gauss`` segment of a tensor in one call of
+    :func:`kvtune.codecs.kernels.quantize_components` (same bytes; statistics summed in token
+    order by :func:`token_sum`).
     """
 
     bits: int = param(4, low=1, high=8, doc="bits per symbol")
@@ -139,8 +155,8 @@ class ComponentQuantizer(Quantizer):
             scale16, zero16 = asymmetric_params(lo, hi, self.bits)
             return quantize_affine(x, *self._grid(scale16, zero16), self.bits).contiguous(), {"scale": scale16, "zero": zero16}
         tokens = max(int(x.shape[2]), 1)
-        zero16 = (x.double().sum(dim=2, keepdim=True) / tokens).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-        std = ((x.double() - zero16.double()).square().sum(dim=2, keepdim=True) / tokens).sqrt()
+        zero16 = (token_sum(x.double()) / tokens).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        std = (token_sum((x.double() - zero16.double()).square()) / tokens).sqrt()
         scale16 = (std * GAUSSIAN_STEPS[self.bits - 1]).clamp(max=FP16_MAX).to(torch.float16)
         scale, zero = self._grid(scale16, zero16)
         return quantize_affine(x, scale, zero, self.bits).contiguous(), {"scale": scale16, "zero": zero16}

@@ -17,7 +17,11 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
 Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block quantizers
 ``uniform``, ``none`` and ``fp8`` (hence the ``uniform``, ``none``, ``mixhq`` and ``fp8``
 quantizers, and any quantizer whose plan only uses those block kernels); any codec (``bitpack``
-has its own kernel; other codecs receive the symbols as numpy arrays). Anything else -- a
+has its own kernel; other codecs receive the symbols as numpy arrays). KVTC-like policies
+(one ``pca`` transform, then ``dp-alloc`` with the ``gauss`` grid on K and V) have their own
+path: the projection runs the ``pca`` transform's own torch code (float64 matrix products,
+identical by construction), then every segment of the tensor is quantized by one kernel call
+(:func:`kvtune.codecs.kernels.quantize_components`) and handed to the codec. Anything else -- a
 newly registered component, a big-endian host, numba missing -- uses the reference path
 (:func:`supports` says which). Select the implementation with ``impl=`` on
 :func:`~kvtune.codecs.encode_kv` / :func:`~kvtune.codecs.decode_kv`.
@@ -51,10 +55,12 @@ from kvtune.codecs.base import (
     transform_min_bits,
     transform_state_nbytes,
 )
+from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, DPAlloc
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.checksum import crc32
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
-from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE
+from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
+from kvtune.codecs.pca import PCA
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.select import is_selecting
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
@@ -96,16 +102,26 @@ def _block_kind(coder: Quantizer) -> str | None:
     return {UniformQuantizer: "uniform", NoQuantizer: "bf16", FP8Quantizer: "fp8"}.get(type(coder))
 
 
+def _is_kvtc(config) -> bool:
+    """One ``pca`` transform, then ``dp-alloc`` (``gauss`` grid) on K and V (exact types)."""
+    return (len(config.transforms) == 1 and type(config.transforms[0]) is PCA
+            and all(type(q) is DPAlloc and q.grid == "gauss" for q in (config.key, config.value)))
+
+
 @functools.lru_cache(maxsize=256)
 def supports(config) -> bool:
     """Whether :func:`encode_tensors` / :func:`decode_tensors` can run ``config``.
 
-    True when the kernels are :func:`available`, every transform is a supported one, and every
-    block quantizer the K and V plans can use is ``uniform``, ``none`` or ``fp8``. A leading
-    ``keep`` (:mod:`kvtune.codecs.select`) does not count: it runs before the kernels.
+    True when the kernels are :func:`available`, and the policy is KVTC-like (:func:`_is_kvtc`)
+    or every transform is a supported one and every block quantizer the K and V plans can use
+    is ``uniform``, ``none`` or ``fp8``. A leading ``keep`` (:mod:`kvtune.codecs.select`) does
+    not count: it runs before the kernels (but ``keep`` + ``pca``, whose keys are un-rotated at
+    the kept positions, runs on the reference path).
     """
     if not available():
         return False
+    if _is_kvtc(config):
+        return True
     if any(type(t) not in (Hadamard, Delta, Affine) for t in config.transforms if not is_selecting(t)):
         return False
     floors = tuple(sorted({b for t in config.transforms for b in t.min_bits_values()}))
@@ -225,6 +241,103 @@ def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nb
     return segs, idx_arr.astype(np.int64), pos, sym_pos
 
 
+@dataclass(frozen=True, eq=False)
+class _ComponentPlan:
+    """A KVTC-like tensor's plan for :func:`kvtune.codecs.kernels.quantize_components`.
+
+    Attributes:
+        shape: the tensor shape.
+        segments: the reference plan (``dp-alloc``: the bfloat16 sink segment, if any, then one
+            :class:`~kvtune.codecs.bitalloc.ComponentSegment` per width).
+        first: sink tokens; comp, start, bits: the kernels' component table (int64).
+        checks: per segment ``(bits, count, metadata bytes)``.
+        value_limit: the smallest block range of the segments.
+    """
+
+    shape: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    first: int
+    comp: np.ndarray
+    start: np.ndarray
+    bits: np.ndarray
+    checks: tuple[tuple[int, int, int], ...]
+    value_limit: float
+    state_nbytes: int = 0  # the pca transform has no state
+
+
+def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...]) -> _ComponentPlan:
+    d = shape[3]
+    first = segments[0].shape[2] if segments and segments[0].bits == BF16_BITS else 0
+    comps = [s for s in segments if s.bits != BF16_BITS]
+    idx = [(s.head_idx * d + s.chan_idx).numpy().astype(np.int64) for s in comps]
+    start = np.cumsum([0] + [len(i) for i in idx]).astype(np.int64)
+    checks = tuple((s.bits, s.numel, sum(f.nbytes for f in s.meta_layout)) for s in segments)
+    return _ComponentPlan(shape, tuple(segments), first, np.concatenate(idx) if idx else np.zeros(0, np.int64), start,
+                          np.array([s.bits for s in comps], np.int64), checks,
+                          min((s.coder.value_limit for s in segments), default=math.inf))
+
+
+_GAUSS = np.array(GAUSSIAN_STEPS, np.float64)
+
+
+def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int) -> tuple[list, int, int]:
+    """A KVTC-like tensor -> ``(sections, crc32, bytes)``: the ``pca`` transform (torch, as the
+    reference), the range check, one quantization kernel call, then the codec per segment."""
+    y = comp.config.transforms[0].forward(t.detach().to("cpu", torch.float32), layer=layer, kind=kind).contiguous()
+    yn = y.numpy()
+    if not _magnitude(yn)[1] <= plan.value_limit:  # NaN too
+        check_value_range(plan.segments, y, layer=layer, kind=kind)
+    b, h, tokens, d = plan.shape
+    nt = tokens - plan.first
+    sink = np.empty((b, h, plan.first, d), np.uint16)
+    meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
+    sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
+    K.quantize_components(yn, plan.comp, plan.start, plan.bits, plan.first, _GAUSS, sink, meta, sym)
+    codec = comp.config.codec
+    sections = [b""]
+    if plan.first:
+        sections += [b"", codec.pack(sink, BF16_BITS)]
+    segs = plan.segments[1:] if plan.first else plan.segments
+    for s, seg in enumerate(segs):
+        lo, hi = int(plan.start[s]), int(plan.start[s + 1])
+        sections.append(memoryview(meta[2 * b * lo : 2 * b * hi].view(np.uint8)))
+        sections.append(codec.pack(sym[b * nt * lo : b * nt * hi].reshape(seg.shape), seg.bits))
+    crc, n = 0, 0
+    for sec in sections:
+        crc = crc32(sec, crc)
+        n += len(sec)
+    return sections, crc, n
+
+
+def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int, dtype, dest):
+    """Inverse of :func:`_encode_components` (the reference's checks, in its order)."""
+    codec = comp.config.codec
+    b, h, tokens, d = plan.shape
+    nt = tokens - plan.first
+    sink = np.zeros((b, h, plan.first, d), np.uint16)
+    meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
+    sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
+    s = 0
+    for seg, (bits, count, mlen), mbytes, payload in zip(plan.segments, plan.checks, sections.meta, sections.payload):
+        symbols = codec.unpack(payload, bits, count, shape=seg.shape)
+        if len(mbytes) != mlen:
+            raise CorruptStreamError(f"metadata section has {len(mbytes)} bytes, the policy needs {mlen}")
+        if bits == BF16_BITS:
+            sink[...] = symbols.reshape(sink.shape)
+            continue
+        lo, hi = int(plan.start[s]), int(plan.start[s + 1])
+        meta[2 * b * lo : 2 * b * hi] = np.frombuffer(mbytes, "<u2")
+        sym[b * nt * lo : b * nt * hi] = symbols.reshape(-1)
+        s += 1
+    y = np.empty(plan.shape, np.float32)
+    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, sink, y)
+    x = to_output_dtype(comp.config.transforms[0].inverse(torch.from_numpy(y), layer=layer, kind=kind), dtype)
+    if dest is None:
+        return x
+    dest.copy_(x)
+    return dest
+
+
 _MAX_PLANS = 1024
 """Plans cached per policy (each is linear in the tensor's heads and tokens)."""
 
@@ -246,9 +359,11 @@ class _Compiled:
             p = self.plans[key] = self._build(kind, shape, layer)  # a race only builds it twice
         return p
 
-    def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan:
+    def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan | _ComponentPlan:
         cfg = self.config
         quant = cfg.key if kind == "key" else cfg.value
+        if _is_kvtc(cfg):
+            return _component_plan(quant.plan(shape, layer=layer, kind=kind), shape)
         ops = []
         state_nbytes = 0
         for t in cfg.transforms:
@@ -383,6 +498,8 @@ def _encode_one(task) -> tuple[list, int, int]:
     if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     plan = comp.plan(kind, x.shape, layer)
+    if isinstance(plan, _ComponentPlan):
+        return _encode_components(t, plan, comp, kind, layer)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
         payload = x.reshape(-1).view(np.uint8)  # a bfloat16 tensor is its own payload
         return [b"", b"", payload], crc32(payload), payload.size
@@ -463,6 +580,8 @@ def _decode_one(task) -> torch.Tensor:
         raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {plan.state_nbytes}")
     if len(plan.segments) != len(sections.meta):
         raise CorruptStreamError(f"{len(sections.meta)} segments recorded, the policy needs {len(plan.segments)}")
+    if isinstance(plan, _ComponentPlan):
+        return _decode_components(sections, plan, comp, kind, layer, dtype, dest)
     segs = plan.segs
     if comp.bitpack:
         symbuf = _scratch(plan.max_numel)

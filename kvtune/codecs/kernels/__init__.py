@@ -8,6 +8,8 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
 * :mod:`.transforms`: Hadamard rotation, delta coding, affine normalization
   (:mod:`kvtune.codecs.transforms`);
 * :mod:`.bitpack`: bit packing of symbols (the ``bitpack`` codec);
+* :mod:`.components`: per-component quantization of ``dp-alloc`` (KVTC-like presets);
+* :mod:`.rans`: interleaved rANS coding and its integer tables (the ``rans`` codec);
 * :mod:`.segments`: every segment of one K or V tensor in one call (the fast path's entry);
 * :mod:`.finite`: finiteness and largest-magnitude checks of the inputs; :mod:`.crc`: CRC-32 of stream sections;
 * :mod:`.convert`: float16 / bfloat16 conversions and row access in the tensor dtypes;
@@ -75,9 +77,19 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         store_output,
         to_float32,
     )
+    from .components import dequantize_components, quantize_components
     from .crc import CRC32_CLMUL, crc32_combine, crc32_update
     from .finite import all_finite_bf16, all_finite_f32, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
+    from .rans import (
+        rans_count_groups,
+        rans_decode,
+        rans_decoder_tables,
+        rans_encode,
+        rans_form_bits,
+        rans_fused_tables,
+        rans_normalize,
+    )
     from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
     from .segments import (
         KIND_BF16,
@@ -129,8 +141,17 @@ __all__ = [
     "delta_rows",
     "affine_fit",
     "affine_rows",
+    "quantize_components",
+    "dequantize_components",
     "pack_bits",
     "unpack_bits",
+    "rans_normalize",
+    "rans_fused_tables",
+    "rans_decoder_tables",
+    "rans_count_groups",
+    "rans_form_bits",
+    "rans_encode",
+    "rans_decode",
     "encode_segments",
     "decode_segments",
     "crc32_update",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .components import dequantize_components, quantize_components
 from .convert import store_output, to_float32
 from .crc import crc32_combine, crc32_update
 from .finite import max_magnitude_bf16, max_magnitude_f32
@@ -54,4 +55,8 @@ def warm_up() -> float:
         crc32_update(0, data)
     max_magnitude_bf16(np.zeros(shape, np.uint16))
     max_magnitude_f32(y)
+    comp, bounds, bits = np.arange(16, dtype=np.int64), np.array([0, 16], np.int64), np.array([2], np.int64)
+    sink, meta, sym = np.zeros((1, 2, 2, 8), np.uint16), np.zeros(32, np.uint16), np.zeros(96, np.uint8)
+    quantize_components(y, comp, bounds, bits, 2, np.ones(8), sink, meta, sym)  # dp-alloc (KVTC-like policies)
+    dequantize_components(sym, meta, comp, bounds, bits, 2, sink, y)
     return time.perf_counter() - start
