@@ -561,6 +561,8 @@ def test_keep_then_pca_unrotates_the_kept_keys_at_their_own_positions(basis):
     for (k, _), (kd, _), (full, _), pos in zip(kv, decode_kv(stream), decode_kv(encode_kv(kv, every)), kept):
         original = torch.gather(k, 2, pos[..., None].expand(*pos.shape, DIM))
         assert rel(kd, original) < 1.3 * rel(full, k)
+    with pytest.raises(ConfigError, match="no fast path"):  # the kernels take rows at 0 .. tokens - 1
+        decode_kv(stream, impl="fast")
 
 
 def test_keep_per_head_before_pca_across_heads_is_refused(basis):

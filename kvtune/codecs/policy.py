@@ -614,6 +614,8 @@ def decode_kv(
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
             component that is not registered) or cannot apply to the recorded shapes.
         TypeError: ``expect`` is not a :class:`PolicyConfig`.
+        ConfigError: ``impl`` ``"fast"`` or ``"torch"`` for a ``keep`` stream whose transforms
+            depend on positions (``pca`` with pre-RoPE keys: reference path only).
         KVInputError (a ``ValueError``): ``out`` does not match the stream (shapes, dtype,
             device, contiguity), requires grad or has tensors that overlap in memory; or
             ``device`` is not a usable device (:func:`decode_device`).
@@ -636,6 +638,11 @@ def decode_kv(
     device = decode_device(device)
     if out is not None:
         _check_out(out, header.shapes, dtype, device)
+    if positions is not None and any(t.uses_positions for t in config.transforms):
+        if impl in ("fast", "torch"):  # their transforms take rows at 0 .. tokens - 1, not kept positions
+            raise ConfigError(f"policy {header.policy_id}: keep before a position-dependent transform has no "
+                              f"{impl} path; use impl='auto' or 'reference'")
+        impl = "reference"
     if _use_torch(impl, config, device.type != "cpu"):
         try:
             return torchpath.decode_tensors(stream, header, sections, config, device, out)
