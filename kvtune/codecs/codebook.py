@@ -103,8 +103,9 @@ def nf_levels(bits: int) -> torch.Tensor:
     """NormalFloat levels of ``bits`` bits (QLoRA, arXiv 2305.14314, sec. 3.1).
 
     ``2**(bits-1)`` positive and ``2**(bits-1) - 1`` negative quantiles of N(0, 1) at evenly
-    spaced probabilities, plus an exact zero, divided by the largest (so ``-1 < l_0``,
-    ``l_last = 1``); for 4 bits the NF4 datatype of bitsandbytes.
+    spaced probabilities, plus an exact zero, divided by the largest (so ``l_0 = -1`` and
+    ``l_last = 1``: the extreme negative quantile mirrors the extreme positive one); for 4 bits
+    the NF4 datatype of bitsandbytes.
 
     Args:
         bits: 2..8.
