@@ -65,21 +65,28 @@ def test_nf_levels_are_sorted_normal_quantiles_with_an_exact_zero(bits):
 
 
 def test_lloyd_recovers_the_centres_of_a_mixture():
+    """Normalised groups hold their extremes at -1 and 1 (the pinned end levels) and the rest in
+    two clusters: the inner levels land on the clusters' centres."""
     g = torch.Generator().manual_seed(1)
-    centres = torch.tensor([-0.7, -0.2, 0.3, 0.8])
-    u = centres[torch.randint(0, 4, (20000,), generator=g)] + 0.02 * torch.randn(20000, generator=g)
-    lv = fit_lloyd(u.clamp(-1, 1), bits=2)
+    centres = torch.tensor([-0.35, 0.3])
+    inner = centres[torch.randint(0, 2, (20000,), generator=g)] + 0.02 * torch.randn(20000, generator=g)
+    u = torch.cat((inner, torch.tensor([-1.0, 1.0]).repeat(500)))
+    lv = fit_lloyd(u, bits=2)
     assert lv.dtype == torch.float16 and lv.shape == (4,)
-    assert lv.float().tolist() == pytest.approx(centres.tolist(), abs=3e-3)
+    assert lv.float().tolist() == pytest.approx([-1.0, -0.35, 0.3, 1.0], abs=3e-3)
+    # NF's inner levels for 2 bits are 0 and 0.44: the fit moved them
+    assert nf_levels(2).tolist() == pytest.approx([-1.0, 0.0, 0.4358, 1.0], abs=1e-4)
 
 
 def test_lloyd_on_a_histogram_is_one_dimensional_k_means():
-    """Three equal point masses and a 3-level codebook started elsewhere: each level lands on
-    one mass (their bin centres); a level without data stays where it is."""
+    """Point masses and a 4-level codebook started elsewhere: each inner level lands on the
+    weighted mean of the masses nearest to it (their bin centres), the end levels stay where
+    they started; a level without data stays where it is."""
     counts = torch.zeros(HIST_BINS, dtype=torch.int64)
-    counts[[100, 2048, 4000]] = 5  # bin centres (2b + 1 - 4096) / 4096
-    lv = lloyd_from_histogram(counts, torch.tensor([-0.5, 0.1, 0.5], dtype=torch.float64))
-    assert lv.tolist() == [(2 * b + 1 - HIST_BINS) / HIST_BINS for b in (100, 2048, 4000)]
+    counts[[100, 1000, 1100, 3000]] = torch.tensor([5, 1, 3, 7])  # bin centres (2b + 1 - 4096) / 4096
+    lv = lloyd_from_histogram(counts, torch.tensor([-0.9, -0.3, 0.2, 0.95], dtype=torch.float64))
+    centre = [(2 * b + 1 - HIST_BINS) / HIST_BINS for b in (100, 1000, 1100, 3000)]
+    assert lv.tolist() == [-0.9, (centre[1] + 3 * centre[2]) / 4, centre[3], 0.95]
     empty = lloyd_from_histogram(torch.zeros(HIST_BINS, dtype=torch.int64), nf_levels(3))
     assert torch.equal(empty, nf_levels(3))
     assert torch.equal(lloyd_histogram(torch.tensor([-1.0, -0.9999, 0.0, 1.0, 2.0]))[[0, 2048, 4095]],
@@ -114,16 +121,16 @@ def test_nf_error_on_gaussian_data_is_below_symmetric_uniform(bits):
     """Data-free NF levels beat the symmetric uniform grid of the same cost at 3 and 4 bits (at
     2 bits NF's levels -1, 0, 0.44, 1 are worse: the Lloyd fit is the 2-bit choice)."""
     x = gaussian(seed=2)
-    nf = mse(CodebookQuantizer(bits=bits), x)
+    nf = mse(CodebookQuantizer(bits=bits, levels="nf", normalize="absmax"), x)
     assert nf < 0.95 * mse(UniformQuantizer(bits=bits, symmetric=True), x)
-    assert mse(CodebookQuantizer(bits=bits, levels="lloyd"), x) < nf
+    assert mse(CodebookQuantizer(bits=bits, normalize="absmax"), x) < nf
 
 
 def test_zero_and_constant_groups_decode_exactly_with_nf():
     x = gaussian((1, 1, 64, 32), seed=3)
     x[0, 0, 5] = 0.0
     x[0, 0, 6] = -2.5  # float16-exact: its absmax scale, times the level -1
-    q = CodebookQuantizer(bits=3, group_size=0)
+    q = CodebookQuantizer(bits=3, levels="nf", normalize="absmax", group_size=0)
     y = q.dequantize_block(*q.quantize_block(x), x.shape)
     assert torch.equal(y[0, 0, 5], x[0, 0, 5]) and torch.equal(y[0, 0, 6], x[0, 0, 6])
     assert (y - x).abs().max() <= x.abs().amax(-1, keepdim=True).max() * 0.5  # within a group's scale
@@ -157,8 +164,8 @@ def test_parameters_are_validated():
         CodebookQuantizer(levels="kmeans")
     with pytest.raises(ConfigError, match="normalize"):
         CodebookQuantizer(normalize="rms")
-    assert CodebookQuantizer(bits=2, levels="lloyd", granularity="per_channel", recent_tokens=128).short_label() == (
-        "cb2ll/ch/g32/r128")
+    assert CodebookQuantizer(bits=2, granularity="per_channel", recent_tokens=128).short_label() == "cb2llm/ch/g32/r128"
+    assert CodebookQuantizer(levels="nf", normalize="absmax", group_size=0).short_label() == "cb3nf/tok"
 
 
 # ----------------------------------------------------------------------------- forged codebooks

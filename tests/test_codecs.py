@@ -173,10 +173,10 @@ QUANTIZER_EXAMPLES = {
     ],
     "fp8": [FP8Quantizer(), FP8Quantizer(format="e5m2", scaled=True)],
     "codebook": [
-        CodebookQuantizer(),
-        CodebookQuantizer(bits=2, levels="lloyd", granularity="per_channel", group_size=32, recent_tokens=16),
-        CodebookQuantizer(bits=4, levels="lloyd", normalize="minmax", group_size=0, sink_tokens=2),
-        CodebookQuantizer(bits=8, normalize="minmax", granularity="per_channel", group_size=7),
+        CodebookQuantizer(),  # Lloyd, min/max, 3 bits per token in groups of 32
+        CodebookQuantizer(bits=2, normalize="absmax", granularity="per_channel", group_size=32, recent_tokens=16),
+        CodebookQuantizer(bits=4, levels="nf", group_size=0, sink_tokens=2),
+        CodebookQuantizer(bits=8, levels="nf", normalize="absmax", granularity="per_channel", group_size=7),
     ],
     "dp-alloc": [DPAlloc(basis=MATRIX_BASIS), DPAlloc(bits=1.5, max_bits=4, grid="minmax", basis=MATRIX_BASIS),
                  DPAlloc(bits=8, basis=MATRIX_BASIS_POST)],

@@ -683,7 +683,7 @@ def segment_plan(shape):
     e5 = FP8Quantizer(format="e5m2", scaled=True)
     e4 = FP8Quantizer(format="e4m3")
     lloyd = CodebookQuantizer(bits=3, levels="lloyd", normalize="minmax", granularity="per_channel", group_size=2)
-    nf = CodebookQuantizer(bits=4, granularity="per_token", group_size=8)
+    nf = CodebookQuantizer(bits=4, levels="nf", normalize="absmax", granularity="per_token", group_size=8)
     d = shape[3]
     return [
         (per_tok, 4, [0, 2], list(range(0, 10)), [K.KIND_UNIFORM, 4, 1, 8, 0]),

@@ -24,40 +24,76 @@ _ITERS = 16  # Lloyd iterations (kvtune.codecs.codebook.LLOYD_ITERS)
 
 
 @njit(**INLINE)
-def _normalise(u, start, stop, step, minmax, sf, zf, m):
-    """Normalise the group ``u[start:stop:step]`` in place and write its float16 ``scale``
-    (``sf[m]``) and, when ``minmax``, ``zero`` (``zf[m]``) bits. References: the absmax /
-    minmax branches of ``CodebookQuantizer.quantize_block``."""
+def _params(lo, hi, minmax, sf, zf, m):
+    """float16 ``scale`` (``sf[m]``) and, when ``minmax``, ``zero`` (``zf[m]``) bits of a group
+    with minimum ``lo`` and maximum ``hi`` (absmax: ``hi`` is the largest magnitude); returns
+    them as float32 ``(scale, zero)``. References: the absmax / minmax branches of
+    ``CodebookQuantizer.quantize_block``."""
     z = ZERO
     if minmax:
-        lo = u[start]
-        hi = u[start]
-        for i in range(start, stop, step):
-            v = u[i]
-            lo = min(lo, v)
-            hi = max(hi, v)
         z16 = f32_to_f16_bits((lo + hi) * HALF)
         z16 = np.int64(0) if z16 == 0x8000 else z16
         zf[m] = z16
         z = f16_bits_to_f32(z16)
         s16 = fp16_round_up_bits(max(hi - z, z - lo))
     else:
-        a = ZERO
-        for i in range(start, stop, step):
-            a = max(a, abs(u[i]))
-        s16 = fp16_round_up_bits(a)
+        s16 = fp16_round_up_bits(hi)
     sf[m] = s16
-    s = f16_bits_to_f32(s16)
+    return f16_bits_to_f32(s16), z
+
+
+@njit(**INLINE)
+def _norm(v, s, z, minmax):
+    """``(v - z) / s`` (``v / s`` unless ``minmax``), 0 where ``s == 0``."""
     if s > ZERO:
-        if minmax:
-            for i in range(start, stop, step):
-                u[i] = (u[i] - z) / s
-        else:
-            for i in range(start, stop, step):
-                u[i] = u[i] / s
+        return (v - z) / s if minmax else v / s
+    return ZERO
+
+
+@njit(**INLINE)
+def _normalise_run(u, a, b, minmax, sf, zf, m):
+    """Normalise the contiguous group ``u[a:b]`` in place (per-token groups)."""
+    if minmax:
+        lo = u[a]
+        hi = u[a]
+        for i in range(a, b):
+            lo = min(lo, u[i])
+            hi = max(hi, u[i])
     else:
-        for i in range(start, stop, step):
-            u[i] = ZERO
+        lo = ZERO
+        hi = ZERO
+        for i in range(a, b):
+            hi = max(hi, abs(u[i]))
+    s, z = _params(lo, hi, minmax, sf, zf, m)
+    for i in range(a, b):
+        u[i] = _norm(u[i], s, z, minmax)
+
+
+@njit(**INLINE)
+def _normalise_columns(u, base, n, d_n, minmax, sf, zf, m, lo, hi, ss, zz):
+    """Normalise ``n`` rows of ``d_n`` channels from ``u[base]`` in place, one group per
+    channel (per-channel groups); the channel loops are contiguous."""
+    dn = _u(d_n)
+    b0 = _u(base)
+    for d in range(dn):
+        v = u[b0 + d]
+        lo[d] = v
+        hi[d] = abs(v) if not minmax else v
+    for j in range(1, n):
+        o = b0 + _u(j * d_n)
+        if minmax:
+            for d in range(dn):
+                lo[d] = min(lo[d], u[o + d])
+                hi[d] = max(hi[d], u[o + d])
+        else:
+            for d in range(dn):
+                hi[d] = max(hi[d], abs(u[o + d]))
+    for d in range(dn):
+        ss[d], zz[d] = _params(lo[d], hi[d], minmax, sf, zf, m + d)
+    for j in range(n):
+        o = b0 + _u(j * d_n)
+        for d in range(dn):
+            u[o + d] = _norm(u[o + d], ss[d], zz[d], minmax)
 
 
 @njit(**INLINE)
@@ -91,7 +127,8 @@ def _lloyd(u, n, init, out16):
             else:
                 hi = _NB
             w = cw[hi] - cw[lo]
-            new[i] = np.float64(cs[hi] - cs[lo]) / np.float64(w) / _NB if w > 0 else lev[i]
+            inner = 0 < i < nl - 1  # the end levels stay (pinned)
+            new[i] = np.float64(cs[hi] - cs[lo]) / np.float64(w) / _NB if inner and w > 0 else lev[i]
             lo = hi
         for i in range(nl):
             lev[i] = new[i]
@@ -99,21 +136,29 @@ def _lloyd(u, n, init, out16):
         out16[i] = f32_to_f16_bits(np.float32(lev[i]))
 
 
+_BLOCK = 1024  # elements per block of the symbol pass
+
+
 @njit(**INLINE)
 def _symbols(u, n, lev, sym):
     """``sym[i]`` = number of midpoints ``(lev[k] + lev[k+1]) * 0.5`` below ``u[i]``
-    (reference: :func:`kvtune.codecs.codebook.nearest_level`)."""
+    (reference: :func:`kvtune.codecs.codebook.nearest_level`). Up to 16 levels: one compare
+    per midpoint, midpoint-major over blocks of :data:`_BLOCK` elements (vectorizable);
+    more: a binary search per element."""
     nl = lev.shape[0]
     mids = np.empty(nl - 1, np.float32)
     for k in range(nl - 1):
         mids[k] = (lev[k] + lev[k + 1]) * HALF
     if nl <= 16:
-        for i in range(_u(n)):
-            v = u[i]
-            c = 0
+        for a in range(0, n, _BLOCK):
+            m = _u(min(_BLOCK, n - a))
+            ua = _u(a)
+            for i in range(m):
+                sym[ua + i] = np.uint8(0)
             for k in range(nl - 1):
-                c += mids[k] < v
-            sym[i] = np.uint8(c)
+                mk = mids[k]
+                for i in range(m):
+                    sym[ua + i] += np.uint8(u[ua + i] > mk)
     else:
         for i in range(_u(n)):
             v = u[i]
@@ -162,17 +207,20 @@ def codebook_quantize(x, heads, tokens, per_token, g, minmax, lloyd, init, sym, 
     if per_token:
         ng = (d_n + g - 1) // g
         for r in range(nb * hs * ts):
+            o = r * d_n
             for gi in range(ng):
-                o = r * d_n
-                _normalise(u, o + gi * g, o + min(gi * g + g, d_n), 1, minmax, sf, zf, r * ng + gi)
+                _normalise_run(u, o + gi * g, o + min(gi * g + g, d_n), minmax, sf, zf, r * ng + gi)
     else:
         ng = (ts + g - 1) // g
+        lo = np.empty(d_n, np.float32)
+        hi = np.empty(d_n, np.float32)
+        ss = np.empty(d_n, np.float32)
+        zz = np.empty(d_n, np.float32)
         for bh in range(nb * hs):
             for gi in range(ng):
                 t0, t1 = gi * g, min(gi * g + g, ts)
-                for d in range(d_n):
-                    _normalise(u, (bh * ts + t0) * d_n + d, (bh * ts + t1) * d_n + d, d_n, minmax, sf, zf,
-                               (bh * ng + gi) * d_n + d)
+                _normalise_columns(u, (bh * ts + t0) * d_n, t1 - t0, d_n, minmax, sf, zf, (bh * ng + gi) * d_n,
+                                   lo, hi, ss, zz)
     nl = init.shape[0]
     lev = np.empty(nl, np.float32)
     if lloyd:
