@@ -108,12 +108,13 @@ def main() -> None:
     for name, cfg, r, cr_bitpack in rows:
         lines.append(f"| {name} | `{cfg.key.short_label()}` | {r['compression_ratio']:.2f} | {cr_bitpack:.2f} | "
                      f"{100 * r['relative_accuracy_raw']:.2f} | {100 * r['relative_accuracy_lo']:.2f} |")
-    lines.append("")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    text = "\n".join([*lines, ""])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
-    torch.set_grad_enabled(False)
-    main()
+    with torch.no_grad():
+        main()

@@ -10,8 +10,9 @@ non-uniform codebook of ``2**bits`` levels in ``[-1, 1]``:
   exact zero (QLoRA, "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv 2305.14314,
   sec. 3.1; :func:`nf_levels`). Data-free: nothing but the group scales travels.
 * ``levels = "lloyd"``: a Lloyd-Max codebook (1-D k-means) fitted on the block's own normalised
-  values (:func:`fit_lloyd`) and sent with it as ``2**bits`` float16 levels (``2 ** (bits + 1)``
-  bytes per block, counted in the stream size). Non-uniform datatypes fitted to the KV
+  values (:func:`fit_lloyd`; the end levels stay at -1 and 1, the group extremes) and sent with
+  it as ``2**bits`` float16 levels (``2 ** (bits + 1)`` bytes per block, counted in the stream
+  size). Non-uniform datatypes fitted to the KV
   distribution are the point of KVQuant ("KVQuant: Towards 10 Million Context Length LLM
   Inference with KV Cache Quantization", arXiv 2401.18079, sec. 3.3).
 
@@ -190,7 +191,8 @@ def fit_lloyd(u: torch.Tensor, bits: int) -> torch.Tensor:
     sec. 3.3: non-uniform datatypes fitted to the data).
 
     :func:`lloyd_histogram` of ``u``, then :data:`LLOYD_ITERS` iterations of
-    :func:`lloyd_from_histogram` from the NF levels, rounded float64 -> float32 -> float16.
+    :func:`lloyd_from_histogram` from the NF levels (whose end levels -1 and 1 stay), rounded
+    float64 -> float32 -> float16.
     One pass over ``u``; the iterations run on 4096 bins whatever the size of ``u``.
 
     Args:
