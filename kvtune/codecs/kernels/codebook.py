@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, uintp
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
-from .lowlevel import HALF, INLINE, JIT, ONE, ZERO
+from .lowlevel import HALF, INLINE, JIT, ONE, ZERO, absmax, vminmax
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
@@ -52,20 +52,14 @@ def _norm(v, s, z, minmax):
 
 @njit(**INLINE)
 def _normalise_run(u, a, b, minmax, sf, zf, m):
-    """Normalise the contiguous group ``u[a:b]`` in place (per-token groups)."""
+    """Normalise the contiguous, non-empty group ``u[a:b]`` in place (per-token groups)."""
+    ua, ub = _u(a), _u(b)
     if minmax:
-        lo = u[a]
-        hi = u[a]
-        for i in range(a, b):
-            lo = min(lo, u[i])
-            hi = max(hi, u[i])
+        lo, hi = vminmax(u, ua, ub)
     else:
-        lo = ZERO
-        hi = ZERO
-        for i in range(a, b):
-            hi = max(hi, abs(u[i]))
+        lo, hi = ZERO, absmax(u, ua, ub)
     s, z = _params(lo, hi, minmax, sf, zf, m)
-    for i in range(a, b):
+    for i in range(ua, ub):
         u[i] = _norm(u[i], s, z, minmax)
 
 
@@ -104,10 +98,9 @@ def _lloyd(u, n, init, out16):
     float64 division per level, float64 -> float32 -> float16)."""
     hist = np.zeros(_NB, np.int64)
     half_bins = np.float32(_NB // 2)
-    for i in range(n):
-        t = np.floor((u[i] + ONE) * half_bins)
-        b = np.int64(min(max(t, ZERO), np.float32(_NB - 1)))
-        hist[b] += 1
+    top = np.float32(_NB - 1)
+    for i in range(_u(n)):  # truncation of the clamped value: floor, then clamp (as the reference)
+        hist[np.int64(min(max((u[i] + ONE) * half_bins, ZERO), top))] += 1
     cw = np.zeros(_NB + 1, np.int64)
     cs = np.zeros(_NB + 1, np.int64)
     for b in range(_NB):
@@ -260,22 +253,31 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
     for b in range(nb):
         for hi in range(hs):
             for ti in range(ts):
+                dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                src = _u(r * d_n)
+                r += 1
                 if per_token:
                     for gi in range(ng):
-                        m = r * ng + gi
+                        m = r * ng - ng + gi
                         s = f16_bits_to_f32(scf[m])
-                        z = f16_bits_to_f32(zf[m]) if minmax else ZERO
-                        for d in range(gi * g, min(gi * g + g, d_n)):
-                            ss[d] = s
-                            zz[d] = z
-                elif ti % g == 0:
+                        d0, d1 = _u(gi * g), _u(min(gi * g + g, d_n))
+                        if minmax:
+                            z = f16_bits_to_f32(zf[m])
+                            for d in range(d0, d1):
+                                v = levels[sf[src + d]] * s
+                                row[d] = z + v
+                        else:
+                            for d in range(d0, d1):
+                                row[d] = levels[sf[src + d]] * s
+                    store_row(of, dst, row, dn, kind)
+                    continue
+                if ti % g == 0:
                     m = _u(((b * hs + hi) * ng + ti // g) * d_n)
                     for d in range(dn):
                         ss[d] = f16_bits_to_f32(scf[m + d])
                     if minmax:
                         for d in range(dn):
                             zz[d] = f16_bits_to_f32(zf[m + d])
-                src = _u(r * d_n)
                 if minmax:
                     for d in range(dn):
                         v = levels[sf[src + d]] * ss[d]
@@ -283,5 +285,4 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                 else:
                     for d in range(dn):
                         row[d] = levels[sf[src + d]] * ss[d]
-                store_row(of, _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n), row, dn, kind)
-                r += 1
+                store_row(of, dst, row, dn, kind)
