@@ -44,6 +44,7 @@ from kvtune.codecs.bitalloc import DPAlloc
 from kvtune.codecs.mixhq import MixHQ, rank_heads
 from kvtune.codecs.pca import PCA, RopeSpec, fit_pca_basis, register_basis
 from kvtune.codecs.policy import apply_transforms, invert_transforms, transform_min_bits
+from kvtune.codecs.select import Keep, select_kv, selecting_transform
 from kvtune.codecs.stream import write_stream
 from kvtune.codecs.transforms import (
     Affine,
@@ -144,7 +145,11 @@ TRANSFORM_EXAMPLES = {
     "delta": [Delta(), Delta(group_size=4, anchor_bits=8), Delta(group_size=32, anchor_bits=BF16_BITS)],
     "affine": [Affine(), Affine(statistic="absmax", shift=True)],
     "pca": [PCA(basis=MATRIX_BASIS), PCA(basis=MATRIX_BASIS_POST, rope="post")],
+    "keep": [Keep(fraction=0.5, score="key-norm", sink_tokens=2, recent_tokens=4), Keep(window=8)],
 }
+TOKEN_SELECTING = ("keep",)
+"""Transforms that shorten the tensors (first in a chain, K and V together): not in the
+per-tensor transform tests; in the round-trip matrix, compared with the kept tokens (:func:`selected`)."""
 QUANTIZER_EXAMPLES = {
     "uniform": [
         UniformQuantizer(bits=1, granularity="per_token", group_size=0),
@@ -189,7 +194,7 @@ CODEC_EXAMPLES = {"bitpack": [BitPack()]} | {
     name: examples(CODECS[name]) for name, examples in _OPTIONAL_CODECS.items() if name in CODECS
 }
 
-ALL_TRANSFORMS = [t for name, ts in TRANSFORM_EXAMPLES.items() if name not in BASIS_BOUND for t in ts]
+ALL_TRANSFORMS = [t for name, ts in TRANSFORM_EXAMPLES.items() if name not in BASIS_BOUND + TOKEN_SELECTING for t in ts]
 ALL_QUANTIZERS = [q for name, qs in QUANTIZER_EXAMPLES.items() if name not in BASIS_BOUND for q in qs]
 UNIFORM = QUANTIZER_EXAMPLES["uniform"]
 PLAIN_UNIFORM = UNIFORM[:11]  # one width, no windows: the block kernel alone
@@ -252,6 +257,12 @@ POLICIES = (
         PolicyConfig(transforms=(Delta(group_size=4, anchor_bits=3), Delta(group_size=6, anchor_bits=7)),
                      key=UNIFORM[1], value=QUANTIZER_EXAMPLES["fp8"][0]),
     ]
+    + [  # token selection in front of other transforms, quantizers and codecs
+        PolicyConfig(transforms=(TRANSFORM_EXAMPLES["keep"][0], Hadamard()), key=UNIFORM[1], value=UNIFORM[11]),
+        PolicyConfig(transforms=(TRANSFORM_EXAMPLES["keep"][1],), key=QUANTIZER_EXAMPLES["fp8"][1], value=NoQuantizer()),
+        PolicyConfig(transforms=(TRANSFORM_EXAMPLES["keep"][1], Delta(group_size=4, anchor_bits=8)), key=UNIFORM[12],
+                     value=QUANTIZER_EXAMPLES["mixhq"][1], codec=ALL_CODECS[-1]),
+    ]
     + _basis_bound_samples()
 )
 # policies of components with compiled kernels (every one but BASIS_BOUND)
@@ -265,7 +276,7 @@ def _id(p: PolicyConfig) -> str:
 
 
 def test_every_registered_component_is_in_the_matrix():
-    assert set(TRANSFORMS) == set(TRANSFORM_EXAMPLES) == {"identity", "hadamard", "delta", "affine", "pca"}
+    assert set(TRANSFORMS) == set(TRANSFORM_EXAMPLES) == {"identity", "hadamard", "delta", "affine", "pca", "keep"}
     assert set(QUANTIZERS) == set(QUANTIZER_EXAMPLES) == {"uniform", "none", "mixhq", "fp8", "codebook", "dp-alloc"}
     assert set(CODECS) == set(CODEC_EXAMPLES) and "bitpack" in CODECS
     used = {(kind, c.name) for p in POLICIES for kind, c in
@@ -273,6 +284,12 @@ def test_every_registered_component_is_in_the_matrix():
     registered = {("transform", n) for n in TRANSFORMS if n != "identity"} | {("quantizer", n) for n in QUANTIZERS} | {
         ("codec", n) for n in CODECS}
     assert registered <= used  # every component is exercised by the round-trip matrix
+
+
+def selected(kv, cfg: PolicyConfig):
+    """``kv`` as the rest of ``cfg`` codes it: its kept tokens when ``cfg`` starts with ``keep``."""
+    keep = selecting_transform(cfg)
+    return kv if keep is None else select_kv(kv, keep)[0]
 
 
 def reference_pipeline(x: torch.Tensor, cfg: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> torch.Tensor:
@@ -298,7 +315,7 @@ def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtyp
     assert len(out) == len(kv)
     h = read_header(stream)
     assert len(stream) == h.total_nbytes  # the reported size is everything that crosses the wire
-    for i, ((k, v), (k2, v2)) in enumerate(zip(kv, out)):
+    for i, ((k, v), (k2, v2)) in enumerate(zip(selected(kv, cfg), out)):
         for orig, dec, quant, kind in ((k, k2, cfg.key, "key"), (v, v2, cfg.value, "value")):
             assert dec.shape == orig.shape and dec.dtype == orig.dtype and dec.device.type == "cpu"
             assert torch.isfinite(dec).all()
@@ -321,7 +338,7 @@ def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
     ref = decode_kv(stream, expect=cfg, impl="reference")
     for (k1, v1), (k2, v2) in zip(fast, ref):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in kv]
+    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in selected(kv, cfg)]
     into = decode_kv(stream, impl="fast", out=out)
     assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(into, out))  # decoded in place
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
@@ -359,8 +376,10 @@ def test_every_component_round_trips_degenerate_shapes_and_refuses_empty_axes(cf
         stream = encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl=impl)
         assert stream == encode_kv(kv, cfg, layer_offset=MATRIX_OFFSET, impl="reference" if impl == "fast" else "fast")
         (k2, v2), = decode_kv(stream, expect=cfg, impl=impl)
-        for orig, dec, quant, kind in ((kv[0][0], k2, cfg.key, "key"), (kv[0][1], v2, cfg.value, "value")):
-            assert dec.shape == shape and torch.equal(dec, reference_pipeline(orig, cfg, quant, MATRIX_OFFSET, kind))
+        (k, v), = selected(kv, cfg)
+        assert k.shape[:2] + k.shape[3:] == shape[:2] + shape[3:]
+        for orig, dec, quant, kind in ((k, k2, cfg.key, "key"), (v, v2, cfg.value, "value")):
+            assert dec.shape == orig.shape and torch.equal(dec, reference_pipeline(orig, cfg, quant, MATRIX_OFFSET, kind))
     assert decode_kv(encode_kv([], cfg, impl=impl), impl=impl) == []  # no layers
     for shape, what in REFUSED_SHAPES.items():
         kv = [(torch.zeros(shape), torch.zeros(shape))]

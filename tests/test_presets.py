@@ -27,7 +27,8 @@ try:  # the range codec is written alongside this library; the cachegen preset n
 except ImportError:
     pass
 
-NAMES = ["kivi-2", "kivi-4", "cachegen", "quarot-4", "duo-like", "kvtc-2", "kvtc-3", "kvquant-3", "fp8", "none"]
+NAMES = ["kivi-2", "kivi-4", "cachegen", "quarot-4", "duo-like", "kvtc-2", "kvtc-3", "kvquant-3", "fp8", "none",
+         "snapkv-like"]
 SHAPE = (1, 3, 1024, 64)  # SmolLM2-135M: 3 KV heads, head_dim 64; 1,024 tokens
 SCORES = [[0.1, 0.9, 0.3]]  # one layer: head 1 is the retrieval head (1 of 3 at fraction 0.25)
 

@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvtune.core.errors import SpaceError
+from kvtune.core.errors import ConfigError, SpaceError
 from kvtune.search.space import assignment_to_policy_dict, load_space
 
 
@@ -49,6 +49,14 @@ def test_assignment_paths():
     d = assignment_to_policy_dict({"transforms": "identity+hadamard", "kv.bits": 4, "codec": "bitpack", "key.group_size": 32})
     assert d == {"transforms": ["identity", "hadamard"], "key": {"bits": 4, "group_size": 32}, "value": {"bits": 4},
                  "codec": {"name": "bitpack"}}
+
+
+def test_keep_path_puts_token_selection_first():
+    d = assignment_to_policy_dict({"transforms": "pca", "keep.fraction": 0.7, "keep.score": "key-norm", "kv.bits": 2})
+    assert d["transforms"] == [{"name": "keep", "fraction": 0.7, "score": "key-norm"}, "pca"]
+    assert assignment_to_policy_dict({"keep.fraction": 0.5})["transforms"] == [{"name": "keep", "fraction": 0.5}]
+    with pytest.raises(ConfigError, match="keep.fraction"):
+        assignment_to_policy_dict({"keep": 0.5})
 
 
 def test_kv_shortcut_sets_both_quantizers(tmp_path):

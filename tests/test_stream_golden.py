@@ -110,6 +110,10 @@ GOLDEN: dict[tuple[str, str], str] = {  # (policy, input dtype): sha256 of the s
     ("none", "float32"): "31d99addad6c3a547303fcc1546528c8aa00f1b1c4746d0f290c25e1701c2127",
     ("none", "bfloat16"): "598e6163f712506750939462cfed242b242767b77fe2e10550f28134d41ef4e3",
     ("none", "float16"): "5b599b97cf670208ed7fd2f52001848e32124cd87d7f363b31cfa2ed609ef0af",
+    # added with the snapkv-like preset (token selection, issue 16): pinned when it was written
+    ("snapkv-like", "float32"): "3f1ef3159c4c2db27e06ddc128d82f5d783843826b0298ca368e79cb1d4205cb",
+    ("snapkv-like", "bfloat16"): "3fcd4974d3fb211a2609e3c25afd3c9584c79656f364bd35d276ff35833fb126",
+    ("snapkv-like", "float16"): "68c3d8559f4f4383988ef29458593fc39bcdffae14cf9e1da9b508389a995bf9",
     ("affine-hadamard", "float32"): "bf102ab462b5f3735260d75c36e165280dfc59f95eb360ef082a450327567ac6",
     ("affine-hadamard", "bfloat16"): "1eadd1d0c09926060c2bd40ab1fa75c81b45c331444405734512806dbea0bfcc",
     ("affine-hadamard", "float16"): "4bc09c597ba552659c6b57694d851fdece90b20462839f58fb40379ead013029",

@@ -356,9 +356,19 @@ class Transform(Component):
 
     Precision floors: :meth:`token_min_bits` may ask the quantizer to code some tokens with at
     least a given number of bits (delta coding's anchors); see :meth:`Quantizer.plan`.
+
+    Positions: a transform whose :attr:`uses_positions` is true depends on the token positions
+    of the rows (e.g. ``pca`` un-rotating RoPE'd keys); its :meth:`forward` and :meth:`inverse`
+    also take ``positions``, int64 ``(batch, kv_heads, tokens)``, or ``None`` for rows at
+    positions ``0 .. tokens - 1``. After token selection (``keep``) the rows are the kept
+    tokens, at their original positions (:func:`kvtune.codecs.policy.apply_transforms`).
     """
 
     kind: ClassVar[str] = "transform"
+    uses_positions: ClassVar[bool] = False
+    mixes_heads: ClassVar[bool] = False
+    """True when an output channel depends on several KV heads of the same token (``pca``
+    across heads): token selection must then keep the same tokens in every head."""
 
     def state_layout(self, shape: Shape, *, layer: int, kind: str) -> tuple[MetaField, ...]:
         """Wire layout of the state for an input of ``shape`` (default: no state).

@@ -57,6 +57,7 @@ from kvtune.codecs.codebook import CodebookQuantizer, check_levels, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
+from kvtune.codecs.select import is_selecting
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
 from kvtune.core.errors import CorruptStreamError, KVInputError
@@ -102,10 +103,11 @@ def supports(config) -> bool:
 
     True when the kernels are :func:`available`, every transform is a supported one, and every
     block quantizer the K and V plans can use is ``uniform``, ``none``, ``fp8`` or ``codebook``.
+    A leading ``keep`` (:mod:`kvtune.codecs.select`) does not count: it runs before the kernels.
     """
     if not available():
         return False
-    if any(type(t) not in (Hadamard, Delta, Affine) for t in config.transforms):
+    if any(type(t) not in (Hadamard, Delta, Affine) for t in config.transforms if not is_selecting(t)):
         return False
     floors = tuple(sorted({b for t in config.transforms for b in t.min_bits_values()}))
     for quant in (config.key, config.value):

@@ -51,7 +51,7 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -480,33 +480,38 @@ def lookup(digest: str) -> PCABasis:
 # ----------------------------------------------------------------------------- pure math
 
 
-def _rope_cos_sin(tokens: int, spec: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``(tokens, rotary_dim / 2)`` cos and sin of ``position * inv_freq`` (the
-    product rounded in float32, as HF computes the angles), times the attention scaling."""
-    angles = (torch.arange(tokens, dtype=torch.float32)[:, None] * spec.inv_freq[None, :]).double()
+def _rope_cos_sin(tokens: int, spec: RopeSpec, positions: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 cos and sin of ``position * inv_freq`` (the product rounded in float32, as HF
+    computes the angles), times the attention scaling: ``(tokens, rotary_dim / 2)`` for
+    positions ``0 .. tokens - 1``, or ``(*positions.shape, rotary_dim / 2)`` for int64
+    ``positions``."""
+    pos = torch.arange(tokens) if positions is None else positions
+    angles = (pos.to(torch.float32)[..., None] * spec.inv_freq).double()
     return angles.cos() * spec.scaling, angles.sin() * spec.scaling
 
 
-def unrotate_keys(x: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+def unrotate_keys(x: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Pre-RoPE keys from cached (post-RoPE) keys ``x`` ``(batch, heads, tokens, head_dim)``.
 
     Inverts ``y1 = s (x1 cos - x2 sin)``, ``y2 = s (x2 cos + x1 sin)`` on the channel pairs
-    ``(i, i + r/2)`` of the first ``r = rotary_dim`` channels, positions ``0 .. tokens - 1``.
-    Computed and returned in float64.
+    ``(i, i + r/2)`` of the first ``r = rotary_dim`` channels, at ``positions`` (int64
+    ``(batch, heads, tokens)``, e.g. the kept tokens of a ``keep`` policy; default ``0 ..
+    tokens - 1``). Computed and returned in float64.
     """
     x = x.double()
     half = spec.inv_freq.numel()
-    cos, sin = _rope_cos_sin(x.shape[2], spec)
+    cos, sin = _rope_cos_sin(x.shape[2], spec, positions)
     norm = cos.square() + sin.square()  # s^2
     y1, y2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat(((y1 * cos + y2 * sin) / norm, (y2 * cos - y1 * sin) / norm, rest), dim=-1)
 
 
-def rotate_keys(x: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
-    """Inverse of :func:`unrotate_keys` (the model's rotation), float64 in and out."""
+def rotate_keys(x: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`unrotate_keys` (the model's rotation at ``positions``), float64 in and out."""
     x = x.double()
     half = spec.inv_freq.numel()
-    cos, sin = _rope_cos_sin(x.shape[2], spec)
+    cos, sin = _rope_cos_sin(x.shape[2], spec, positions)
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
@@ -663,16 +668,24 @@ class PCA(Transform):
         spec = basis.rope[layer] if kind == "key" and self.rope == "pre" else None
         return entry, spec
 
-    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
-        """Coefficients of float32 ``(batch, kv_heads, tokens, head_dim)`` ``x``, same shape, float32."""
-        entry, spec = self._entry(tuple(x.shape), layer, kind)
-        return project(x if spec is None else unrotate_keys(x, spec), entry).to(torch.float32)
+    uses_positions: ClassVar[bool] = True
+    mixes_heads: ClassVar[bool] = True
 
-    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None) -> torch.Tensor:
-        """Undo :meth:`forward`: unproject, then re-rotate pre-RoPE keys; float32."""
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Coefficients of float32 ``(batch, kv_heads, tokens, head_dim)`` ``x``, same shape, float32.
+
+        ``positions``: int64 ``(batch, kv_heads, tokens)`` positions of the rows, where pre-RoPE
+        keys are un-rotated (the kept tokens after ``keep``); default ``0 .. tokens - 1``."""
+        entry, spec = self._entry(tuple(x.shape), layer, kind)
+        return project(x if spec is None else unrotate_keys(x, spec, positions), entry).to(torch.float32)
+
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Undo :meth:`forward`: unproject, then re-rotate pre-RoPE keys at ``positions``; float32."""
         entry, spec = self._entry(tuple(y.shape), layer, kind)
         x = unproject(y, entry)
-        return (x if spec is None else rotate_keys(x, spec)).to(torch.float32)
+        return (x if spec is None else rotate_keys(x, spec, positions)).to(torch.float32)
 
     def short_label(self) -> str:
         """``pca:{pre|post}[@<first 8 digest digits>]``."""

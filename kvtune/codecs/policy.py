@@ -49,6 +49,14 @@ import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
 from kvtune.codecs import fastpath, torchpath
 from kvtune.codecs.bitalloc import check_pca_pairing, fill_dp_alloc  # registers "dp-alloc"
 from kvtune.codecs.pca import fill_pca_bases, missing_pca_ropes  # registers "pca"
+from kvtune.codecs.select import (
+    check_selection,
+    check_selection_chain,
+    mask_positions,
+    select_kv,
+    selecting_transform,
+    without_selection,
+)
 from kvtune.codecs.base import (
     Codec,
     MetaField,
@@ -64,7 +72,7 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, shape_problem, write_stream
+from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, selection_views, shape_problem, write_stream
 from kvtune.core.ids import config_policy_id
 from kvtune.core.jsonio import canonical_json
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVInputTypeError, KVStreamError
@@ -109,9 +117,9 @@ class PolicyConfig:
         version: policy-config schema version (1).
 
     Raises:
-        ConfigError: wrong component types, unsupported version, or a codec that cannot
-            pack one of the symbol widths the quantizers can emit (with the transforms'
-            precision floors).
+        ConfigError: wrong component types, unsupported version, a token-selecting transform
+            (``keep``) anywhere but first or more than once, or a codec that cannot pack one of
+            the symbol widths the quantizers can emit (with the transforms' precision floors).
     """
 
     transforms: tuple[Transform, ...] = ()
@@ -132,6 +140,7 @@ class PolicyConfig:
                 raise ConfigError(f"policy {slot!r} must be a {base.__name__}, got {getattr(self, slot)!r}")
         if type(self.version) is not int or self.version not in POLICY_VERSIONS:  # 1.0 == 1 but is not the schema version
             raise ConfigError(f"policy 'version' = {self.version!r} is not supported; allowed: {POLICY_VERSIONS}")
+        check_selection_chain(self.transforms)
         check_pca_pairing(self.transforms, {"key": self.key, "value": self.value})
         floors = tuple(sorted({b for t in self.transforms for b in t.min_bits_values()}))
         for slot in ("key", "value"):
@@ -358,24 +367,34 @@ def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
     return dtypes.pop() if dtypes else torch.bfloat16
 
 
+def _at(t: Transform, positions: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The ``positions`` keyword for a transform that uses them (:attr:`Transform.uses_positions`)."""
+    return {"positions": positions} if t.uses_positions and positions is not None else {}
+
+
 def apply_transforms(
-    x: torch.Tensor, transforms: tuple[Transform, ...], *, layer: int, kind: str
+    x: torch.Tensor, transforms: tuple[Transform, ...], *, layer: int, kind: str, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """Fit and apply ``transforms`` in order to float32 ``x``; returns ``(y, states)``."""
+    """Fit and apply ``transforms`` in order to float32 ``x``; returns ``(y, states)``.
+
+    ``positions``: int64 ``(batch, kv_heads, tokens)`` positions of ``x``'s rows (the kept
+    tokens of a ``keep`` policy), given to the transforms that use them; ``None``: ``0 ..
+    tokens - 1``."""
     states = []
     for t in transforms:
         state = t.fit(x, layer=layer, kind=kind)
-        x = t.forward(x, layer=layer, kind=kind, state=state)
+        x = t.forward(x, layer=layer, kind=kind, state=state, **_at(t, positions))
         states.append(state)
     return x, states
 
 
 def invert_transforms(
-    y: torch.Tensor, transforms: tuple[Transform, ...], states: list[dict[str, torch.Tensor]], *, layer: int, kind: str
+    y: torch.Tensor, transforms: tuple[Transform, ...], states: list[dict[str, torch.Tensor]], *, layer: int, kind: str,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Undo :func:`apply_transforms` (in reverse order, with the same states)."""
+    """Undo :func:`apply_transforms` (in reverse order, with the same states and positions)."""
     for t, state in zip(reversed(transforms), reversed(states)):
-        y = t.inverse(y, layer=layer, kind=kind, state=state)
+        y = t.inverse(y, layer=layer, kind=kind, state=state, **_at(t, positions))
     return y
 
 
@@ -383,11 +402,13 @@ def _state_layouts(transforms: tuple[Transform, ...], shape: tuple[int, ...], la
     return [t.state_layout(shape, layer=layer, kind=kind) for t in transforms]
 
 
-def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str) -> list[bytes]:
-    """One K or V tensor -> its sections ``[state, meta_0, payload_0, ...]``."""
+def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, layer: int, kind: str,
+                   positions: torch.Tensor | None = None) -> list[bytes]:
+    """One K or V tensor (rows at ``positions``, see :func:`apply_transforms`) -> its sections
+    ``[state, meta_0, payload_0, ...]``."""
     x = t.detach().to("cpu", torch.float32)
     shape = tuple(x.shape)
-    y, states = apply_transforms(x, config.transforms, layer=layer, kind=kind)
+    y, states = apply_transforms(x, config.transforms, layer=layer, kind=kind, positions=positions)
     layouts = _state_layouts(config.transforms, shape, layer, kind)
     out = [b"".join(meta_to_bytes(s, lay) for s, lay in zip(states, layouts))]
     q = quant.quantize(y, layer=layer, kind=kind, min_bits=transform_min_bits(config.transforms, shape[2]))
@@ -398,7 +419,8 @@ def _encode_tensor(t: torch.Tensor, config: PolicyConfig, quant: Quantizer, laye
 
 
 def _decode_tensor(
-    sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str
+    sections: TensorSections, shape: tuple[int, ...], config: PolicyConfig, quant: Quantizer, layer: int, kind: str,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sections of one K or V tensor -> float32 tensor of ``shape``.
 
@@ -427,7 +449,7 @@ def _decode_tensor(
             symbols = symbols.copy()
         parts.append(QuantizedSegment(seg, torch.from_numpy(symbols).reshape(seg.shape), meta_from_bytes(meta, seg.meta_layout)))
     y = quant.dequantize(QuantizedTensor(shape, tuple(parts)), layer=layer, kind=kind)
-    return invert_transforms(y, config.transforms, states, layer=layer, kind=kind)
+    return invert_transforms(y, config.transforms, states, layer=layer, kind=kind, positions=positions)
 
 
 IMPLS = ("auto", "fast", "reference", "torch")
@@ -480,6 +502,11 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
             (the torch implementation of each component, on the CPU) or ``"torch"`` (the device
             path, on each tensor's device, the CPU included). All give the same bytes.
 
+    Token selection: a policy whose first transform is ``keep`` (:mod:`kvtune.codecs.select`)
+    first selects the tokens of every layer (K and V together), and the rest of the policy runs
+    on the kept ``(batch, kv_heads, kept, head_dim)`` tensors on the same paths; the stream
+    then records the kept shapes, the original token counts and the kept-token bitmasks.
+
     Returns:
         The stream bytes (format: :mod:`kvtune.codecs.stream`); deterministic.
 
@@ -504,22 +531,29 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         raise TypeError(f"config must be a PolicyConfig (PolicyConfig.from_dict for a dict), got {type(config).__name__}")
     fast = _use_fast(impl, config)
     on_device = _use_torch(impl, config, _off_cpu(kv))
-    dtype = check_kv(kv, check_finite=not (fast or on_device))  # those paths check inside their kernels
+    keep, inner = selecting_transform(config), without_selection(config)
+    # the fast and device paths check finiteness inside their kernels, on the kept tokens only
+    dtype = check_kv(kv, check_finite=not (fast or on_device) or keep is not None)
     if not isinstance(layer_offset, int) or isinstance(layer_offset, bool):
         raise TypeError(f"layer_offset must be an int, got {type(layer_offset).__name__}")
     if layer_offset < 0:
         raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
+    selection = None
+    if keep is not None:  # the rest of the policy runs on the kept tokens
+        kv, selection = select_kv(kv, keep)
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
     crcs = None
     if on_device:
-        sections = torchpath.encode_tensors(kv, config, layer_offset)
+        sections = torchpath.encode_tensors(kv, inner, layer_offset)
     elif fast:
-        sections, crcs = fastpath.encode_tensors(kv, config, layer_offset)
+        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset)
     else:
         sections = []
         for i, (k, v) in enumerate(kv):
             layer = layer_offset + i
-            sections.append((_encode_tensor(k, config, config.key, layer, "key"), _encode_tensor(v, config, config.value, layer, "value")))
+            pos = None if selection is None else selection.positions[i]
+            sections.append((_encode_tensor(k, inner, inner.key, layer, "key", pos),
+                             _encode_tensor(v, inner, inner.value, layer, "value", pos)))
     for i, (shape_pair, pair) in enumerate(zip(shapes, sections)):
         for name, shape, flat in zip("KV", shape_pair, pair):
             problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec)
@@ -533,6 +567,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         shapes=shapes,
         sections=sections,
         crcs=crcs,
+        source_tokens=None if selection is None else selection.source_tokens,
+        masks=None if selection is None else selection.masks,
     )
 
 
@@ -563,13 +599,16 @@ def decode_kv(
 
     Returns:
         One ``(K, V)`` pair per layer on ``device``, with the shapes and dtype of the encoded
-        input; float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
+        input (with ``keep``, the kept tokens in their original order: ``(batch, kv_heads,
+        kept, head_dim)``, which is also the shape ``out`` must have; their positions:
+        :func:`kvtune.codecs.select.kept_positions`); float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
         so a stream of finite float16 input never decodes to inf.
 
     Raises:
         TruncatedStreamError: the stream is cut short.
-        CorruptStreamError: bad magic, checksum mismatch, inconsistent header/sections, or a
-            header claiming shapes its sections cannot hold (:func:`check_claimed_sizes`).
+        CorruptStreamError: bad magic, checksum mismatch, inconsistent header/sections, a
+            header claiming shapes its sections cannot hold (:func:`check_claimed_sizes`), or a
+            selection block that disagrees with the policy (:func:`kvtune.codecs.select.check_selection`).
         StreamVersionError: unknown wire-format version.
         PolicyMismatchError: ``expect`` is given and the stream's policy id differs.
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
@@ -590,6 +629,9 @@ def decode_kv(
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
     dtype = NAME_DTYPES[header.dtype]
+    bits = check_selection(header, selection_views(stream, header), selecting_transform(config))
+    positions = mask_positions(header, bits) if bits else None
+    config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
     check_claimed_sizes(header, sections, config)
     device = decode_device(device)
     if out is not None:
@@ -616,8 +658,9 @@ def decode_kv(
     for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):
         layer = header.layer_offset + i
         try:
-            k = _decode_tensor(ks, kshape, config, config.key, layer, "key")
-            v = _decode_tensor(vs, vshape, config, config.value, layer, "value")
+            pos = None if positions is None else positions[i]
+            k = _decode_tensor(ks, kshape, config, config.key, layer, "key", pos)
+            v = _decode_tensor(vs, vshape, config, config.value, layer, "value", pos)
         except Exception as exc:
             _raise_decode_error(header.policy_id, layer, exc)
         k, v = to_output_dtype(k, dtype), to_output_dtype(v, dtype)

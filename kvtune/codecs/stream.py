@@ -17,9 +17,15 @@ little-endian::
                     "sections"     per layer [K lengths, V lengths]; each lengths list is
                                    [state, meta_0, payload_0, meta_1, payload_1, ...]
                                    (byte lengths; 1 + 2 * segments entries)
+                    "source_tokens" only in streams of a token-selecting policy (``keep``,
+                                   :mod:`kvtune.codecs.select`): per layer the original token
+                                   count; "shapes" then hold the kept token counts
     10+H    4     header checksum: BLAKE2b-32 (4-byte digest) of bytes [0, 10+H)
     14+H    ...   sections, per layer in order: the K tensor's sections, then the V tensor's,
                   each: transform state, then per segment its metadata and its payload
+    ...     ...   selection block, only with "source_tokens": per layer one bitmask of
+                  batch x kv_heads rows of ceil(source_tokens / 8) bytes (least significant
+                  bit first; bit t set when token t was kept), layer after layer
     end-4   4     CRC32 (zlib.crc32) of every byte before it
 
 Sections of one K or V tensor::
@@ -104,6 +110,8 @@ __all__ = [
     "write_stream",
     "read_stream",
     "read_header",
+    "selection_views",
+    "mask_nbytes",
 ]
 
 MAGIC = b"KVTN"
@@ -174,6 +182,8 @@ class StreamHeader:
         shapes: per layer ``(K shape, V shape)``, each ``(batch, kv_heads, tokens, head_dim)``.
         sections: per layer ``(K, V)`` :class:`TensorSections` of byte lengths.
         header_nbytes: bytes before the first section (prefix + JSON + header checksum).
+        source_tokens: per layer the original token count of a token-selecting policy's stream
+            (the ``shapes`` then hold the kept counts), else ``None``.
     """
 
     version: int
@@ -186,6 +196,7 @@ class StreamHeader:
     header_nbytes: int
 
     checksum_nbytes: int = _CRC.size
+    source_tokens: tuple[int, ...] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -211,14 +222,29 @@ class StreamHeader:
         return sum(sum(t.payload) for t in self._tensors())
 
     @property
+    def selection_nbytes(self) -> int:
+        """Bytes of the kept-token bitmasks (0 without token selection)."""
+        if self.source_tokens is None:
+            return 0
+        return sum(mask_nbytes(k, t) for (k, _), t in zip(self.shapes, self.source_tokens))
+
+    @property
     def total_nbytes(self) -> int:
-        """Total stream length in bytes: header + state + metadata + payload + final checksum."""
-        return self.header_nbytes + self.state_nbytes + self.meta_nbytes + self.payload_nbytes + self.checksum_nbytes
+        """Total stream length in bytes: header + state + metadata + payload + selection masks +
+        final checksum."""
+        return (self.header_nbytes + self.state_nbytes + self.meta_nbytes + self.payload_nbytes
+                + self.selection_nbytes + self.checksum_nbytes)
 
     @property
     def num_elements(self) -> int:
         """Number of K and V elements carried."""
         return sum(math.prod(k) + math.prod(v) for k, v in self.shapes)
+
+
+def mask_nbytes(shape: Sequence[int], source_tokens: int) -> int:
+    """Bytes of one layer's kept-token bitmask: ``batch * kv_heads`` rows of
+    ``ceil(source_tokens / 8)`` bytes (``shape`` is the layer's K shape)."""
+    return int(shape[0]) * int(shape[1]) * (-(-int(source_tokens) // 8))
 
 
 def write_stream(
@@ -230,6 +256,8 @@ def write_stream(
     shapes: Sequence[tuple[Sequence[int], Sequence[int]]],
     sections: Sequence[tuple[Sequence[bytes], Sequence[bytes]]],
     crcs: Sequence[tuple[tuple[int, int], tuple[int, int]]] | None = None,
+    source_tokens: Sequence[int] | None = None,
+    masks: Sequence[bytes] | None = None,
 ) -> bytes:
     """Assemble a version-1 stream (see the module docstring for the layout).
 
@@ -244,6 +272,10 @@ def write_stream(
         crcs: optional per layer ``((K crc, K bytes), (V crc, V bytes))``: the CRC32 and the
             length of the concatenation of each tensor's parts, when the caller computed them
             already (the fast path does, while the data is in cache); combined, not recomputed.
+        source_tokens: per layer the original token count, for a token-selecting policy
+            (``shapes`` then hold the kept counts); ``None`` otherwise (no selection block).
+        masks: per layer the kept-token bitmask (:func:`mask_nbytes` bytes each), with
+            ``source_tokens``.
 
     Returns:
         The stream bytes.
@@ -254,6 +286,10 @@ def write_stream(
         len(pair) != 2 or any(len(parts) % 2 != 1 for parts in pair) for pair in sections
     ):
         raise ValueError("need per layer (K parts, V parts), each [state, meta_0, payload_0, ...]")
+    if (source_tokens is None) != (masks is None) or (masks is not None and not (
+            len(masks) == len(source_tokens) == len(shapes)
+            and all(len(m) == mask_nbytes(k, t) for m, (k, _), t in zip(masks, shapes, source_tokens)))):
+        raise ValueError("need source_tokens and one bitmask of batch x kv_heads x ceil(tokens / 8) bytes per layer, or neither")
     header = {
         "policy": policy,
         "policy_id": policy_id,
@@ -262,20 +298,25 @@ def write_stream(
         "shapes": [[list(map(int, k)), list(map(int, v))] for k, v in shapes],
         "sections": [[[len(b) for b in parts] for parts in pair] for pair in sections],
     }
+    if source_tokens is not None:
+        header["source_tokens"] = [int(t) for t in source_tokens]
     hjson = canonical_json(header).encode("ascii")
     head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hjson)) + hjson
     head += _header_digest(head)
     parts = [head, *(b for pair in sections for tensor in pair for b in tensor)]
+    tail = list(masks or ())
     if crcs is None:
         crc = 0
-        for p in parts:
+        for p in parts + tail:
             crc = crc32_threaded(p, crc)
     else:
         crc = crc32_threaded(head)
         for pair in crcs:
             for tensor_crc, nbytes in pair:
                 crc = crc32_combine(crc, tensor_crc, nbytes)
-    return b"".join(parts + [_CRC.pack(crc)])
+        for m in tail:
+            crc = crc32_threaded(m, crc)
+    return b"".join(parts + tail + [_CRC.pack(crc)])
 
 
 def _bad(msg: str) -> CorruptStreamError:
@@ -362,8 +403,8 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
     if not canonical:  # also rules out duplicate keys, whitespace, non-canonical numbers
         raise _bad("header is not canonical JSON (sorted keys, no whitespace), as every encoder writes it")
     keys = {"policy", "policy_id", "layer_offset", "dtype", "shapes", "sections"}
-    if not isinstance(h, dict) or set(h) != keys:
-        raise _bad(f"header keys must be {sorted(keys)}")
+    if not isinstance(h, dict) or set(h) - {"source_tokens"} != keys:
+        raise _bad(f"header keys must be {sorted(keys)} (and 'source_tokens' with token selection)")
     if not isinstance(h["policy"], dict):
         raise _bad("bad policy in header")
     if not (isinstance(h["policy_id"], str) and _POLICY_ID.fullmatch(h["policy_id"])):
@@ -392,6 +433,7 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
         ):
             raise _bad(f"bad section lengths {_clip(pair)}")
         out_sections.append((TensorSections.from_flat(pair[0]), TensorSections.from_flat(pair[1])))
+    source_tokens = _source_tokens(h.get("source_tokens"), out_shapes) if "source_tokens" in h else None
     return StreamHeader(
         version=version,
         policy=h["policy"],
@@ -401,7 +443,20 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
         shapes=tuple(out_shapes),
         sections=tuple(out_sections),  # type: ignore[arg-type]
         header_nbytes=header_nbytes,
+        source_tokens=source_tokens,
     )
+
+
+def _source_tokens(x: Any, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...]:
+    """The header's ``source_tokens``: one int per layer in ``0..MAX_DIM``, not fewer than the
+    layer's kept tokens, whose K and V agree in batch, heads and tokens (they share a selection)."""
+    if not (isinstance(x, list) and len(x) == len(shapes) and all(_is_int(t, 0, MAX_DIM) for t in x)):
+        raise _bad(f"bad source_tokens {_clip(x)} (one token count per layer)")
+    for i, ((k, v), t) in enumerate(zip(shapes, x)):
+        if k[:3] != v[:3] or k[2] > t:
+            raise _bad(f"layer {i} of a token-selected stream: K {list(k)} and V {list(v)} must agree in batch, "
+                       f"heads and tokens, at most the {t} source tokens")
+    return tuple(x)
 
 
 def byte_view(data: bytes | bytearray | memoryview) -> memoryview:
@@ -488,6 +543,21 @@ def read_stream(
             tensors.append(TensorSections.from_flat(views))
         sections.append((tensors[0], tensors[1]))
     return header, sections
+
+
+def selection_views(data: bytes | bytearray | memoryview, header: StreamHeader) -> list[memoryview]:
+    """Per layer the kept-token bitmask of a stream that :func:`read_stream` accepted with
+    ``header`` (zero-copy views; an empty list without token selection)."""
+    if header.source_tokens is None:
+        return []
+    mv = byte_view(data)
+    pos = header.total_nbytes - header.checksum_nbytes - header.selection_nbytes
+    out = []
+    for (kshape, _), tokens in zip(header.shapes, header.source_tokens):
+        n = mask_nbytes(kshape, tokens)
+        out.append(mv[pos : pos + n])
+        pos += n
+    return out
 
 
 def read_header(data: bytes | bytearray | memoryview) -> StreamHeader:

@@ -72,6 +72,7 @@ from kvtune.codecs.fastpath import LayerDecodeError
 from kvtune.codecs.fp8 import FP8Quantizer
 from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
+from kvtune.codecs.select import is_selecting
 from kvtune.codecs.threads import parallel_map
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, random_signs, rotate, unrotate
 from kvtune.core.errors import CorruptStreamError, KVInputError
@@ -87,9 +88,10 @@ _OK, _NON_FINITE, _OUT_OF_RANGE = 0, 1, 2
 def supports(config) -> bool:
     """Whether :func:`encode_tensors` / :func:`decode_tensors` can run ``config``: every
     transform is ``hadamard``, ``delta`` or ``affine`` and every block quantizer its K and V
-    plans can use is ``uniform``, ``none``, ``fp8`` or ``codebook`` (exact types: a subclass may change the
-    math). Any codec."""
-    if any(type(t) not in _TRANSFORMS for t in config.transforms):
+    plans can use is ``uniform``, ``none``, ``fp8`` or ``codebook`` (exact types: a subclass may
+    change the math). Any codec. A leading ``keep`` (:mod:`kvtune.codecs.select`) does not count:
+    it runs before this path, on the tensors' device."""
+    if any(type(t) not in _TRANSFORMS for t in config.transforms if not is_selecting(t)):
         return False
     floors = tuple(sorted({b for t in config.transforms for b in t.min_bits_values()}))
     for quant in (config.key, config.value):

@@ -270,21 +270,33 @@ def continuation_logits(lm: LoadedModel, cap: Capture, kv: KVLayers, *, batch_si
 
 @torch.inference_mode()
 def logits_on_cache(lm: LoadedModel, kv: KVLayers, continuation_ids: torch.Tensor, context_tokens: int, *,
-                    batch_size: int = 8) -> torch.Tensor:
+                    batch_size: int = 8, selected: bool = False) -> torch.Tensor:
     """Logits of ``continuation_ids`` ``(N, C)`` int64 run on top of the cache ``kv`` (per layer
     ``(N, kv_heads, tokens, head_dim)``, built from ``context_tokens`` tokens), ``batch_size``
     contexts per forward pass.
 
+    With ``selected``, ``kv`` holds a token selection (``keep``, :mod:`kvtune.codecs.select`):
+    ``tokens`` may be fewer than ``context_tokens``. The continuation then gets its true
+    positions explicitly (``position_ids = context_tokens + i``, for RoPE), as kvpress does for
+    pruned caches, while the causal mask covers the kept entries and the new tokens (the cache
+    length gives the query offset).
+
     Returns:
         ``(N, C, vocab)`` float32 logits on the CPU.
+
+    Raises:
+        ConfigError: ``selected`` on a model with sliding-window layers (:func:`kv_to_cache`).
     """
     outs = []
     dtype = next(lm.model.parameters()).dtype
+    extra = {}
+    if selected:
+        extra["position_ids"] = context_tokens + torch.arange(continuation_ids.shape[1], device=lm.device)[None]
     for start in range(0, continuation_ids.shape[0], batch_size):
         part = [(k[start : start + batch_size].to(dtype), v[start : start + batch_size].to(dtype)) for k, v in kv]
-        cache = kv_to_cache(part, lm.model.config, context_tokens=context_tokens)
+        cache = kv_to_cache(part, lm.model.config, context_tokens=context_tokens, selected=selected)
         ids = continuation_ids[start : start + batch_size].to(lm.device)
-        logits = lm.model(input_ids=ids, cache=cache, use_cache=True).logits
+        logits = lm.model(input_ids=ids, cache=cache, use_cache=True, **extra).logits
         outs.append(logits.float().cpu())
         del cache, logits
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvtune.evaluate.assets import ASSETS, resolve_asset, seal_folder, verify_sealed_folder
-from kvtune.core.errors import AssetError, KvtuneError, ModelLayoutError
+from kvtune.core.errors import AssetError, ConfigError, KvtuneError, ModelLayoutError
 
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -278,7 +278,7 @@ def cache_to_kv(cache: Any) -> KVLayers:
     return [(l.keys, l.values) for l in layers]
 
 
-def kv_to_cache(kv: KVLayers, config: Any, *, context_tokens: int | None = None) -> Any:
+def kv_to_cache(kv: KVLayers, config: Any, *, context_tokens: int | None = None, selected: bool = False) -> Any:
     """Build a ``DynamicCache`` holding ``kv``, laid out as the model's own prefill would.
 
     Args:
@@ -289,9 +289,16 @@ def kv_to_cache(kv: KVLayers, config: Any, *, context_tokens: int | None = None)
             sliding layer holds fewer positions than the context (its cache then records
             the context length, which sets the positions and masks of the next tokens);
             defaults to the longest layer's ``tokens``.
+        selected: ``kv`` holds a token selection (``keep``, :mod:`kvtune.codecs.select`):
+            full-attention layers may hold fewer positions than the context (the kept ones;
+            the caller passes the next tokens' ``position_ids``, context length + i, since the
+            cache length no longer gives them); sliding-window layers are refused.
 
     Raises:
-        ModelLayoutError: ``kv`` has another number of layers than the config.
+        ModelLayoutError: ``kv`` has another number of layers than the config, or a
+            full-attention layer holds another number of positions than the context (more
+            than it, with ``selected``).
+        ConfigError: ``selected`` on a model with sliding-window layers.
     """
     from transformers import DynamicCache
 
@@ -301,8 +308,10 @@ def kv_to_cache(kv: KVLayers, config: Any, *, context_tokens: int | None = None)
     total = context_tokens if context_tokens is not None else max(k.shape[-2] for k, _ in kv)
     for layer, (k, _) in zip(cache.layers, kv):
         if getattr(layer, "is_sliding", False):
+            if selected:
+                raise ConfigError("token selection (keep) is not supported on models with sliding-window layers")
             layer.cumulative_length = int(total)
-        elif k.shape[-2] != total:
+        elif k.shape[-2] > total or (k.shape[-2] != total and not selected):
             raise ModelLayoutError(f"a full-attention layer holds {k.shape[-2]} positions, not the context's {total}")
     return cache
 

@@ -15,6 +15,10 @@ layer of its group. The stream is then assembled with :func:`~kvtune.codecs.stre
 from placeholder sections of those lengths, so its header (which lists every section length)
 is the real one.
 
+Token selection (``keep``, :mod:`kvtune.codecs.select`): the kept count is a function of the
+token count, so the groups use the kept shapes' plans, and the stream gets every layer's
+bitmask (a fixed length per layer), which keeps the estimate exact for bit-packed codecs.
+
 * **Bit-packed codecs** (:data:`SIZE_EXACT_CODECS`): a section's length depends only on the
   group key, so one encoded layer per group gives the **exact** stream length: the estimate
   equals ``len(encode_kv(kv, config))``.
@@ -36,7 +40,8 @@ import numpy as np
 
 from kvtune.codecs import PolicyConfig, encode_kv, original_nbytes, read_header
 from kvtune.codecs.policy import transform_min_bits
-from kvtune.codecs.stream import write_stream
+from kvtune.codecs.select import selecting_transform, without_selection
+from kvtune.codecs.stream import mask_nbytes, write_stream
 from kvtune.evaluate.model import KVLayers
 
 __all__ = ["SIZE_EXACT_CODECS", "sample_layer_indices", "layer_groups", "estimate_stream_bytes", "estimate_ratios"]
@@ -55,13 +60,17 @@ def sample_layer_indices(num_layers: int, n: int) -> list[int]:
 
 
 def _size_key(config: PolicyConfig, kv: KVLayers, layer: int) -> tuple[Any, ...]:
-    """What fixes the section lengths of ``layer`` under a bit-packed codec (see the module docstring)."""
+    """What fixes the section lengths of ``layer`` under a bit-packed codec (see the module
+    docstring); with token selection (``keep``), the plans of the kept shapes."""
+    keep, inner = selecting_transform(config), without_selection(config)
     key = []
-    for t, quant, kind in ((kv[layer][0], config.key, "key"), (kv[layer][1], config.value, "value")):
+    for t, quant, kind in ((kv[layer][0], inner.key, "key"), (kv[layer][1], inner.value, "value")):
         shape = tuple(int(s) for s in t.shape)
-        plan = quant.plan(shape, layer=layer, kind=kind, min_bits=transform_min_bits(config.transforms, shape[2]))
-        states = tuple(tr.state_layout(shape, layer=layer, kind=kind) for tr in config.transforms)
-        key.append((shape, tuple((s.shape, s.bits, s.meta_layout) for s in plan), states))
+        if keep is not None:
+            shape = (*shape[:2], keep.kept_count(shape[2]), shape[3])
+        plan = quant.plan(shape, layer=layer, kind=kind, min_bits=transform_min_bits(inner.transforms, shape[2]))
+        states = tuple(tr.state_layout(shape, layer=layer, kind=kind) for tr in inner.transforms)
+        key.append((tuple(int(s) for s in t.shape), shape, tuple((s.shape, s.bits, s.meta_layout) for s in plan), states))
     return tuple(key)
 
 
@@ -107,16 +116,23 @@ def estimate_stream_bytes(config: PolicyConfig, kv: KVLayers, *, sample_layers: 
         proxy = _proxies(groups, lambda size: 1)
     else:
         proxy = _proxies(groups, lambda size: max(1, round(sample_layers * size / len(kv))))
-    lengths, header = {}, None
+    lengths, shapes, header = {}, {}, None
     for i in sorted(set(proxy.values())):
         header = read_header(encode_kv([kv[i]], config, layer_offset=i))
         lengths[i] = tuple(t.flat() for t in header.sections[0])
+        shapes[i] = header.shapes[0]  # the kept shapes with token selection (equal within a group)
     zeros = np.zeros(max(n for k, v in lengths.values() for n in (*k, *v)), dtype=np.uint8)
     sections = [tuple([zeros[:n] for n in t] for t in lengths[proxy[i]]) for i in range(len(kv))]
+    selection = {}
+    if header.source_tokens is not None:  # one bitmask per layer over its original tokens
+        tokens = [int(k.shape[2]) for k, _ in kv]
+        masks = [bytes(mask_nbytes(shapes[proxy[i]][0], tokens[i])) for i in range(len(kv))]
+        selection = {"source_tokens": tokens, "masks": masks}
     stream = write_stream(
         policy=header.policy, policy_id=header.policy_id, layer_offset=0, dtype=header.dtype,
-        shapes=[(tuple(k.shape), tuple(v.shape)) for k, v in kv], sections=sections,
+        shapes=[shapes[proxy[i]] for i in range(len(kv))], sections=sections,
         crcs=[tuple((0, sum(t)) for t in lengths[proxy[i]]) for i in range(len(kv))],  # the CRC is not needed
+        **selection,
     )
     return len(stream)
 

@@ -32,7 +32,9 @@ categorical, numbers ordinal without a precision direction.
 
 Keys are dotted paths into a policy configuration (see :class:`kvtune.codecs.PolicyConfig`):
 ``transforms``, ``codec``, ``codec.<param>``, ``key.<param>``, ``value.<param>``, and
-``kv.<param>`` which sets the key and the value quantizer alike. A ``when`` condition compares
+``kv.<param>`` which sets the key and the value quantizer alike, and ``keep.<param>`` which puts
+a ``keep`` token-selection transform (:class:`kvtune.codecs.select.Keep`) before the others
+(``keep.fraction: 1.0`` keeps every token: the identity, so no selection). A ``when`` condition compares
 other keys (fixed or parameter) with a value or a list of accepted values; a parameter whose
 condition fails is left unset, and candidates that become identical are kept once.
 
@@ -289,11 +291,18 @@ def assignment_to_policy_dict(params: dict[str, Any]) -> dict[str, Any]:
     "codec": {"name": "bitpack"}}``.
 
     Raises:
-        ConfigError: a key outside ``transforms``, ``codec``, ``key``, ``value``, ``kv``.
+        ConfigError: a key outside ``transforms``, ``codec``, ``key``, ``value``, ``kv``,
+            ``keep``.
     """
     out: dict[str, Any] = {}
+    keep: dict[str, Any] = {}
     for key, value in params.items():
         head, _, rest = key.partition(".")
+        if head == "keep":
+            if not rest:
+                raise ConfigError(f"'keep' takes a parameter of the keep transform, e.g. keep.fraction (got {key!r})")
+            keep[rest] = value
+            continue
         if head == "transforms":
             if rest:
                 raise ConfigError(f"'transforms' takes no sub-key (got {key!r})")
@@ -304,10 +313,13 @@ def assignment_to_policy_dict(params: dict[str, Any]) -> dict[str, Any]:
         for t in targets:
             if t not in ("key", "value", "codec"):
                 raise ConfigError(
-                    f"unknown key {key!r}: expected transforms, codec[.param], key.<param>, value.<param> or kv.<param>"
+                    f"unknown key {key!r}: expected transforms, codec[.param], key.<param>, value.<param>, kv.<param> "
+                    "or keep.<param>"
                 )
             slot = out.setdefault(t, {})
             slot["name" if not rest else rest] = value
+    if keep:
+        out["transforms"] = [{"name": "keep", **keep}, *out.get("transforms", [])]
     return out
 
 

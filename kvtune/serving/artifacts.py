@@ -33,6 +33,8 @@ import torch
 
 from kvtune.codecs.kvtensors import DTYPE_NAMES
 from kvtune.codecs.policy import PolicyConfig
+from kvtune.codecs.pca import PCA, BasisNotLoadedError, lookup
+from kvtune.codecs.select import selecting_transform
 from kvtune.core.errors import ConfigError, KvtuneError, TableError
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
 
@@ -46,6 +48,8 @@ __all__ = [
     "load_artifacts",
     "mixhq_problems",
     "policy_configs",
+    "selection_problem",
+    "basis_problem",
 ]
 
 #: Largest ``run.json`` / ``calibration.json`` read (bytes); a larger file is refused unread.
@@ -277,6 +281,34 @@ def load_artifacts(
                             load_pca_bases(run_dir))
 
 
+def selection_problem(config: PolicyConfig) -> str | None:
+    """Why ``config`` cannot be served, as token selection (``keep``, :mod:`kvtune.codecs.select`),
+    or ``None``: the connector writes decoded KV into vLLM's paged cache, one slot per context
+    position, which cannot hold a shortened cache."""
+    if selecting_transform(config) is None:
+        return None
+    return (f"policy {config.label} selects tokens (keep): its decoded cache holds fewer positions than the "
+            "context, and vLLM's paged KV cache (which the connector fills) holds every position; serve a policy "
+            "without keep")
+
+
+def basis_problem(config: PolicyConfig) -> str | None:
+    """Why ``config`` cannot encode in this process for want of a PCA basis, or ``None``: a
+    ``pca`` transform without a basis (never calibrated) or naming one that is not loaded
+    (:func:`kvtune.serving.load_pca_bases` loads a run's). Found when a policy is set up, not
+    at its first transfer."""
+    for t in config.transforms:
+        if not isinstance(t, PCA):
+            continue
+        if not t.basis:
+            return f"policy {config.label} has a pca transform without a basis: calibrate it in a profile run"
+        try:
+            lookup(t.basis)
+        except BasisNotLoadedError as exc:
+            return f"policy {config.label}: {exc}"
+    return None
+
+
 def policy_configs(
     table: PolicyTable, q_min: float, *, key: str = "", head_scores: tuple[tuple[float, ...], ...] | None = None
 ) -> dict[str, PolicyConfig]:
@@ -295,6 +327,7 @@ def policy_configs(
             configurations (as a row and as a runner-up), or no bucket for ``q_min`` / ``key``.
         CalibrationError: a ``mixhq`` policy without head scores and none given, or a ``pca``
             policy whose basis is not loaded (:func:`pca_problems`).
+        TableError: also a token-selecting (``keep``) policy (:func:`selection_problem`).
     """
     floor = table.floor_for(q_min, key=key)
     rows = table.intervals(floor, key=key)
@@ -322,6 +355,9 @@ def policy_configs(
         if config.policy_id != pid:
             raise TableError(f"policy {pid} ({label}): its config_json is the configuration of policy {config.policy_id} "
                              "(an edited table: a policy id is the hash of its configuration)")
+        problem = selection_problem(config)
+        if problem is not None:
+            raise TableError(f"policy {pid}: {problem} (profile a table without keep, or pick another floor/key)")
         if config.needs_head_scores:
             if head_scores is None:
                 raise CalibrationError(

@@ -78,7 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.core.errors import ConfigError, KvtuneError
-from kvtune.serving.artifacts import ModelMismatchError
+from kvtune.serving.artifacts import ModelMismatchError, basis_problem, selection_problem
 from kvtune.serving.auth import MAX_KEY_BYTES, load_key, seal, unseal
 from kvtune.serving.transport import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -243,9 +243,17 @@ class StaticPolicy:
         config: the policy.
         key: shared stream key: streams are sealed on encode and must authenticate on decode
             (:mod:`kvtune.serving.auth`), or None.
+
+    Raises:
+        ConfigError: a token-selecting (``keep``) policy, which vLLM's paged cache cannot hold
+            (:func:`kvtune.serving.artifacts.selection_problem`), or a ``pca`` policy whose basis
+            is not loaded (:func:`kvtune.serving.artifacts.basis_problem`).
     """
 
     def __init__(self, config: PolicyConfig, key: bytes | None = None) -> None:
+        problem = selection_problem(config) or basis_problem(config)
+        if problem is not None:
+            raise ConfigError(f"kvtune connector: {problem}")
         self.config = config
         self._key = key
 

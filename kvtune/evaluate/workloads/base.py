@@ -41,7 +41,8 @@ import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.core.registry import Registry
-from kvtune.core.errors import KvtuneError
+from kvtune.codecs.select import selecting_transform
+from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.evaluate.workloads.settings import WorkloadSettings, checked_settings
 from kvtune.evaluate.metrics import (
     bootstrap_ratio_of_means,
@@ -103,6 +104,26 @@ def _encode_kwargs(lm: LoadedModel) -> dict[str, Any]:
     """Extra arguments of :func:`encode_kv` this codec library accepts (``layer_types`` once it does)."""
     params = inspect.signature(encode_kv).parameters
     return {"layer_types": lm.layer_types} if "layer_types" in params else {}
+
+
+def check_selection_fits(lm: LoadedModel, config: PolicyConfig, *, workload: str, supported: bool) -> None:
+    """Refuse a token-selecting policy (``keep``, :mod:`kvtune.codecs.select`) where its shorter
+    cache cannot be evaluated, before anything is encoded: a workload that does not run
+    shortened caches at their true positions (``supported`` False), or a model with
+    sliding-window layers (their cache keeps the last positions, which a selection cannot
+    shorten consistently; Gemma-3). Other policies pass.
+
+    Raises:
+        ConfigError: naming the policy and the reason.
+    """
+    if selecting_transform(config) is None:
+        return
+    if not supported:
+        raise ConfigError(f"policy {config.label}: workload {workload!r} does not evaluate token selection (keep); "
+                          "use the continuation workload")
+    if "sliding_attention" in lm.layer_types:
+        raise ConfigError(f"policy {config.label}: token selection (keep) is not supported on {lm.name!r}, "
+                          "which has sliding-window layers")
 
 
 def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> tuple[KVLayers, bytes, float, float]:
@@ -437,7 +458,12 @@ class Workload(ABC):
             (GB/s of original bf16 KV, 1 GB = 1e9 bytes; median over samples after the
             first, warm-up, sample), ``stream_bytes``, ``original_bytes``,
             ``bits_per_element`` and ``eval_seconds``.
+
+        Raises:
+            ConfigError: a token-selecting policy (``keep``), which only the continuation
+                workload evaluates (:func:`check_selection_fits`), before any encoding.
         """
+        check_selection_fits(self.lm, config, workload=self.name, supported=False)
         t0 = time.perf_counter()
         base = self.baseline(fidelity)
         n = self.num_samples(fidelity)

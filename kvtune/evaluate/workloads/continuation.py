@@ -34,7 +34,8 @@ from kvtune.evaluate.metrics import (
     summarize_continuation,
 )
 from kvtune.evaluate.model import KVLayers, LoadedModel
-from kvtune.evaluate.workloads.base import Sample, Workload, checked_kv_dtype, encode_decode, register
+from kvtune.codecs.select import selecting_transform
+from kvtune.evaluate.workloads.base import Sample, Workload, checked_kv_dtype, check_selection_fits, encode_decode, register
 from kvtune.evaluate.workloads.parts import (
     CapturedBatch,
     assemble_baseline,
@@ -50,7 +51,8 @@ def roundtrip_contexts(cap: Capture, config: PolicyConfig, lm: LoadedModel) -> t
 
     Returns:
         ``(decoded, stats)``: decoded per-layer ``(N, kv_heads, tokens, head_dim)`` tensors on
-        the model's device in the model dtype, and stats with ``stream_bytes``,
+        the model's device in the model dtype (``tokens``: the kept ones with ``keep``), and
+        stats with ``stream_bytes``,
         ``original_bytes`` (bf16 size of the same KV), and ``encode_gbps``/``decode_gbps``
         lists (one per context).
     """
@@ -58,7 +60,7 @@ def roundtrip_contexts(cap: Capture, config: PolicyConfig, lm: LoadedModel) -> t
     stats = RoundtripStats()
     for i in range(cap.num_contexts):
         buffers.put(i, stats.add(lm, cap.context_kv(i), config))
-    return buffers.kv, stats.as_dict()
+    return buffers.rows(cap.num_contexts), stats.as_dict()
 
 
 @dataclass
@@ -89,12 +91,17 @@ class RoundtripStats:
 class DecodeBuffers:
     """Decoded KV of up to ``rows`` contexts, allocated once and refilled for every policy.
 
+    A token-selecting policy (``keep``) decodes fewer tokens than the capture holds: its rows
+    fill the first ``kept`` tokens of each layer and :meth:`rows` gives views of that length.
+
     Attributes:
         kv: per layer ``(rows, kv_heads, tokens, head_dim)`` in the model dtype on the model's device.
+        lengths: per layer the tokens of the rows last put (the capture's at first).
     """
 
     def __init__(self, kv: KVLayers) -> None:
         self.kv = kv
+        self.lengths = [int(k.shape[2]) for k, _ in kv]
 
     @classmethod
     def like(cls, cap: Capture, rows: int, device: torch.device) -> "DecodeBuffers":
@@ -104,14 +111,18 @@ class DecodeBuffers:
                      torch.empty((rows, *v.shape[1:]), dtype=dtype, device=device)) for k, v in cap.kv])
 
     def put(self, row: int, decoded: KVLayers) -> None:
-        """Copy one context's decoded KV (per layer ``(1, kv_heads, tokens, head_dim)``) into ``row``."""
-        for (bk, bv), (k, v) in zip(self.kv, decoded):
-            bk[row].copy_(k[0])
-            bv[row].copy_(v[0])
+        """Copy one context's decoded KV (per layer ``(1, kv_heads, tokens, head_dim)``, at most
+        the buffer's tokens) into the first ``tokens`` positions of ``row``; the rows read
+        together by :meth:`rows` must have been put with the same lengths."""
+        for i, ((bk, bv), (k, v)) in enumerate(zip(self.kv, decoded)):
+            t = int(k.shape[2])
+            bk[row, :, :t].copy_(k[0])
+            bv[row, :, :t].copy_(v[0])
+            self.lengths[i] = t
 
     def rows(self, n: int) -> KVLayers:
-        """The first ``n`` rows (views)."""
-        return [(k[:n], v[:n]) for k, v in self.kv]
+        """The first ``n`` rows, each layer cut to its last put length (views)."""
+        return [(k[:n, :, :t], v[:n, :, :t]) for (k, v), t in zip(self.kv, self.lengths)]
 
 
 class LazyContexts(Sequence):
@@ -284,12 +295,13 @@ class ContinuationWorkload(Workload):
                 self._baselines[key] = ContinuationBaseline.from_batches(parts, n, spool=True)
         return self._baselines[key]
 
-    def _batch_logits(self, n: int, batch_kv: Callable[[int, int], KVLayers]):
-        """``(start, stop, logits)`` of the continuation run on ``batch_kv(start, stop)``, batch by batch."""
+    def _batch_logits(self, n: int, batch_kv: Callable[[int, int], KVLayers], *, selected: bool = False):
+        """``(start, stop, logits)`` of the continuation run on ``batch_kv(start, stop)``, batch by
+        batch (``selected``: the caches hold a token selection, see :func:`logits_on_cache`)."""
         for a in range(0, n, self.batch_size):
             b = min(a + self.batch_size, n)
             logits = logits_on_cache(self.lm, batch_kv(a, b), self.cap.continuation_ids[a:b], self.cap.context_tokens,
-                                     batch_size=self.batch_size)
+                                     batch_size=self.batch_size, selected=selected)
             yield a, b, logits
 
     def evaluate(self, config: PolicyConfig, *, fidelity: str = "cheap") -> dict[str, Any]:
@@ -298,7 +310,14 @@ class ContinuationWorkload(Workload):
 
         Contexts go :attr:`batch_size` at a time: each one's KV is encoded, decoded into a
         buffer allocated once per run, the batch's continuation runs on the buffer, and its
-        scores are kept per position (the logits of one batch at a time are held)."""
+        scores are kept per position (the logits of one batch at a time are held). A
+        token-selecting policy (``keep``) runs the continuation on the kept tokens at their
+        true positions (:func:`~kvtune.evaluate.capture.logits_on_cache`).
+
+        Raises:
+            ConfigError: ``keep`` on a model with sliding-window layers, before any encoding.
+        """
+        check_selection_fits(self.lm, config, workload=self.name, supported=True)
         t0 = time.perf_counter()
         base = self.baseline(fidelity)
         n = self.num_samples(fidelity)
@@ -309,7 +328,9 @@ class ContinuationWorkload(Workload):
                 self._buffers.put(row, rt.add(self.lm, self.cap.context_kv(i), config))
             return self._buffers.rows(b - a)
 
-        parts = [continuation_token_stats(base.rows(a, b), logits) for a, b, logits in self._batch_logits(n, decoded)]
+        selected = selecting_transform(config) is not None
+        parts = [continuation_token_stats(base.rows(a, b), logits)
+                 for a, b, logits in self._batch_logits(n, decoded, selected=selected)]
         scores = summarize_continuation({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
         lo, hi = bootstrap_relative_accuracy(scores.pop("per_context_nll_delta"))
         metrics = {

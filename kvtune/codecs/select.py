@@ -1,0 +1,363 @@
+"""Token selection: the ``keep`` transform, which sends only a share of the context's tokens.
+
+Keeping a fraction of the tokens multiplies every other stage's ratio (issue: SnapKV, KVzip,
+NVIDIA's kvpress). ``keep`` is the first transform of a chain; it ranks the tokens of every layer
+and KV head, keeps the best ``fraction`` of them plus the first ``sink_tokens`` (attention sinks)
+and the last ``recent_tokens``, and the rest of the policy (transforms, quantizers, codec) runs
+unchanged on the shorter ``(batch, kv_heads, kept, head_dim)`` tensors. Scores (``score``):
+
+* ``key-norm``: keep the keys of LOWEST L2 norm ("A Simple and Effective L2 Norm-Based Strategy
+  for KV Cache Compression", Devoto et al. 2024, arXiv 2406.11430, sec. 3: low-norm keys draw
+  high attention).
+* ``window-attention``: a query-free SnapKV proxy ("SnapKV: LLM Knows What You are Looking for
+  Before Generation", Li et al. 2024, arXiv 2404.14469, sec. 4): the attention mass each token
+  receives from the last ``window`` tokens of the context, with those tokens' own *keys* standing
+  in for their queries (the cache has no queries), softmax over the tokens each window row can
+  see (causal), averaged over the window rows that see the token (a token inside the window is
+  seen by fewer rows; the average keeps that from favouring the window's first tokens), then a
+  1-D max pooling of width
+  :data:`POOL_KERNEL` along the tokens (SnapKV's clustering step).
+
+Selection is per layer, per batch row and per KV head, the same count for every head
+(SnapKV-style), or with ``per_head: false`` one choice for all the heads of a layer (the heads'
+scores summed), which a transform that mixes the heads of a token (``pca`` across heads) needs;
+K and V of a layer share one selection (ranked from K). Kept tokens stay in their original
+order, and transforms that depend on positions (``pca`` un-rotating RoPE'd keys) get the kept
+tokens' original positions (:attr:`kvtune.codecs.base.Transform.uses_positions`).
+
+On the wire (:mod:`kvtune.codecs.stream`) a selected stream records the *kept* shapes, the
+original token count of every layer (header field ``source_tokens``) and, after the last
+tensor's sections, one bitmask per layer: ``batch x kv_heads`` rows of ``ceil(tokens / 8)``
+bytes, bit ``t % 8`` (least significant first) of byte ``t // 8`` set when token ``t`` was kept.
+The masks count in the stream bytes (so in the compression ratio) and in its CRC32;
+:func:`check_selection` refuses (``CorruptStreamError``) a mask whose popcount, padding bits or
+sink / recent bits disagree with the policy and the recorded shapes. :func:`kept_positions`
+gives consumers the kept positions and the original token counts of a stream.
+
+Determinism: the scores are computed in float64 on the tensors' device. ``key-norm`` sums
+squares of bfloat16/float16 values, exact in float64 for KV magnitudes, so every device selects
+the same tokens; ``window-attention`` goes through ``exp``, whose last bits may differ between a
+GPU and the CPU, so a near-tie can be broken differently there (the CPU paths always agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from kvtune.codecs.base import Transform, param, register_transform
+from kvtune.codecs.stream import MAX_DIM, StreamHeader, read_stream, selection_views
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
+
+__all__ = [
+    "Keep",
+    "SCORES",
+    "POOL_KERNEL",
+    "Selection",
+    "KeptPositions",
+    "selecting_transform",
+    "without_selection",
+    "check_selection_chain",
+    "is_selecting",
+    "select_kv",
+    "pack_positions",
+    "unpack_mask",
+    "check_selection",
+    "kept_positions",
+    "mask_positions",
+]
+
+SCORES = ("key-norm", "window-attention")
+"""Token scores of :class:`Keep`."""
+POOL_KERNEL = 5
+"""Width (tokens) of the max pooling that smooths ``window-attention`` scores (SnapKV sec. 4.2)."""
+
+
+@register_transform("keep")
+@dataclass(frozen=True)
+class Keep(Transform):
+    """Token selection: keep ``fraction`` of the tokens of every layer and KV head.
+
+    The selection itself is a per-layer step (:meth:`select`, run by
+    :func:`kvtune.codecs.encode_kv` before the per-tensor chain, since K and V share it); on
+    the kept tensors :meth:`forward` and :meth:`inverse` are the identity and the transform has
+    no per-tensor state (its bitmasks travel in the stream's selection block). It must be the
+    first transform of a policy, at most once (:func:`check_selection_chain`).
+
+    Papers: L2 norm (arXiv 2406.11430, sec. 3) for ``key-norm``; SnapKV (arXiv 2404.14469,
+    sec. 4) for ``window-attention``; see the module docstring.
+
+    Raises:
+        ConfigError: on construction, a parameter out of range.
+    """
+
+    selects_tokens: ClassVar[bool] = True
+
+    fraction: float = param(0.7, low=0.01, high=1.0, doc="kept share of the tokens (before sink/recent minimums)")
+    score: str = param("window-attention", choices=SCORES, doc="how tokens are ranked")
+    sink_tokens: int = param(4, low=0, high=MAX_DIM, doc="first tokens always kept (attention sinks)")
+    recent_tokens: int = param(32, low=0, high=MAX_DIM, doc="last tokens always kept")
+    window: int = param(32, low=1, high=4096, doc="observation window (last tokens) of window-attention")
+    per_head: bool = param(True, doc="each KV head keeps its own tokens (false: one choice for all heads)",
+                           elide_default=True)
+
+    def kept_count(self, tokens: int) -> int:
+        """Tokens kept out of ``tokens``: ``round(fraction * tokens)`` (halves up), at least
+        ``sink_tokens + recent_tokens``, at most ``tokens``."""
+        target = math.floor(self.fraction * tokens + 0.5)
+        return min(tokens, max(target, self.sink_tokens + self.recent_tokens))
+
+    def forced(self, tokens: int) -> torch.Tensor:
+        """bool ``(tokens,)``: the sink and recent tokens, kept whatever their score."""
+        keep = torch.zeros(tokens, dtype=torch.bool)
+        keep[: min(self.sink_tokens, tokens)] = True
+        if self.recent_tokens:
+            keep[max(tokens - self.recent_tokens, 0):] = True
+        return keep
+
+    def scores(self, k: torch.Tensor) -> torch.Tensor:
+        """float64 ``(batch, kv_heads, tokens)`` scores of the keys ``k`` ``(batch, kv_heads,
+        tokens, head_dim)`` (any float dtype, any device); higher = kept first."""
+        k = k.detach().to(torch.float64)
+        if self.score == "key-norm":
+            return -(k * k).sum(dim=-1)  # lowest norm first (arXiv 2406.11430)
+        tokens, w = k.shape[2], min(self.window, k.shape[2])
+        obs = k[:, :, tokens - w:]  # (b, h, w, d): the window's keys stand in for its queries
+        logits = obs @ k.transpose(-1, -2) / math.sqrt(k.shape[-1])  # (b, h, w, tokens)
+        rows = torch.arange(tokens - w, tokens, device=k.device)[:, None]
+        logits = logits.masked_fill(torch.arange(tokens, device=k.device)[None, :] > rows, -math.inf)
+        seen_by = (rows >= torch.arange(tokens, device=k.device)[None, :]).sum(dim=0).clamp(min=1)
+        mass = torch.softmax(logits, dim=-1).sum(dim=2) / seen_by  # (b, h, tokens): mean over the rows that see a token
+        pad = POOL_KERNEL // 2
+        return torch.nn.functional.max_pool1d(mass.flatten(0, 1)[:, None], POOL_KERNEL, 1, pad)[:, 0].view_as(mass)
+
+    def select(self, k: torch.Tensor) -> torch.Tensor:
+        """int64 ``(batch, kv_heads, kept)`` increasing positions of the kept tokens of one
+        layer, ranked from its keys ``k`` ``(batch, kv_heads, tokens, head_dim)``: the forced
+        sink and recent tokens, then the best scores (ties: the earlier token)."""
+        b, h, tokens = k.shape[:3]
+        kept = self.kept_count(tokens)
+        if kept == tokens:
+            return torch.arange(tokens, device=k.device).expand(b, h, tokens)
+        s = self.scores(k)
+        if not self.per_head:  # one choice for every head: the heads' scores summed
+            s = s.sum(dim=1, keepdim=True)
+        s = s.masked_fill(self.forced(tokens).to(k.device), math.inf)
+        order = torch.argsort(s, dim=-1, descending=True, stable=True)
+        return order[..., :kept].sort(dim=-1).values.expand(b, h, kept)
+
+    @property
+    def is_identity(self) -> bool:
+        """``fraction`` 1 keeps every token: no selection (dropped from canonical policies)."""
+        return self.fraction >= 1.0
+
+    def state_layout(self, shape, *, layer: int, kind: str):
+        """No per-tensor state: the bitmasks travel in the stream's selection block."""
+        return ()
+
+    def forward(self, x: torch.Tensor, *, layer: int, kind: str, state: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The identity on an already selected float32 ``(batch, kv_heads, kept, head_dim)`` tensor."""
+        return x
+
+    def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The identity: a decoded selected tensor keeps its ``kept`` tokens (the dropped ones
+        are not sent; :func:`kept_positions` tells where the kept ones were)."""
+        return y
+
+
+class Selection(NamedTuple):
+    """What :func:`select_kv` sends beside the kept KV.
+
+    Attributes:
+        source_tokens: per layer, the original token count.
+        masks: per layer, the packed bitmask (:func:`pack_positions`).
+        positions: per layer, int64 ``(batch, kv_heads, kept)`` increasing kept positions
+            (for the transforms that use positions, e.g. ``pca`` un-rotating keys).
+    """
+
+    source_tokens: list[int]
+    masks: list[bytes]
+    positions: list[torch.Tensor]
+
+
+class KeptPositions(NamedTuple):
+    """The kept positions of a selected stream (:func:`kept_positions`).
+
+    Attributes:
+        source_tokens: per layer, the original (context) token count.
+        positions: per layer, int64 ``(batch, kv_heads, kept)`` increasing positions in
+            ``0 .. source_tokens - 1``, in the order of the decoded tokens.
+    """
+
+    source_tokens: list[int]
+    positions: list[torch.Tensor]
+
+
+def is_selecting(t: Any) -> bool:
+    """Whether ``t`` is a token-selecting transform (it changes the token count)."""
+    return bool(getattr(t, "selects_tokens", False))
+
+
+def selecting_transform(config: Any) -> Keep | None:
+    """The token-selecting transform of a policy (its first transform), or ``None``."""
+    first = config.transforms[0] if config.transforms else None
+    return first if is_selecting(first) else None
+
+
+def without_selection(config: Any) -> Any:
+    """The policy without its token-selecting transform: what runs on the kept tensors."""
+    if selecting_transform(config) is None:
+        return config
+    return dataclasses.replace(config, transforms=config.transforms[1:])
+
+
+def check_selection_chain(transforms: Sequence[Transform]) -> None:
+    """A token-selecting transform may only be the first of a chain, once; with ``per_head:
+    true`` no later transform may mix the heads of a token (:attr:`Transform.mixes_heads`, e.g.
+    ``pca`` across heads: its rows would join different tokens' heads).
+
+    Raises:
+        ConfigError: naming the transform and its place, or the head-mixing transform.
+    """
+    for i, t in enumerate(transforms):
+        if is_selecting(t) and i:
+            raise ConfigError(f"policy 'transforms': {t.name!r} selects tokens and must be the first transform "
+                              f"(at most one), found at place {i + 1}")
+    first = transforms[0] if transforms else None
+    mixing = [t.name for t in transforms[1:] if getattr(t, "mixes_heads", False)]
+    if is_selecting(first) and first.per_head and mixing:
+        raise ConfigError(f"policy 'transforms': {first.name!r} with per_head: true keeps other tokens in every KV head, "
+                          f"but {mixing[0]!r} mixes the heads of one token; use per_head: false before it")
+
+
+def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Selection]:
+    """Select the tokens of every layer of ``kv``.
+
+    Args:
+        kv: per layer ``(K, V)``, each ``(batch, kv_heads, tokens, head_dim)`` (validated by
+            the caller), any float dtype and device.
+        keep: the selection.
+
+    Returns:
+        ``(kept, selection)``: per layer the gathered ``(K, V)`` ``(batch, kv_heads, kept,
+        head_dim)`` (dtype and device of the input), and the :class:`Selection` to send.
+
+    Raises:
+        KVInputError: K and V of a layer differ in batch, heads or tokens.
+    """
+    out, tokens, masks, kept = [], [], [], []
+    for i, (k, v) in enumerate(kv):
+        if k.shape[:3] != v.shape[:3]:
+            raise KVInputError(f"kv[{i}]: keep selects K and V together; K {tuple(k.shape)} and V {tuple(v.shape)} "
+                               "differ in batch, heads or tokens")
+        pos = keep.select(k)
+        out.append((_gather(k, pos), _gather(v, pos)))
+        tokens.append(int(k.shape[2]))
+        masks.append(pack_positions(pos, int(k.shape[2])))
+        kept.append(pos.cpu())
+    return out, Selection(tokens, masks, kept)
+
+
+def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    if pos.shape[-1] == x.shape[2]:
+        return x
+    return torch.gather(x, 2, pos[..., None].expand(*pos.shape, x.shape[-1]))
+
+
+def pack_positions(positions: torch.Tensor, tokens: int) -> bytes:
+    """The bitmask of int64 ``(batch, kv_heads, kept)`` positions in ``0 .. tokens - 1``:
+    ``batch * kv_heads`` rows of ``ceil(tokens / 8)`` bytes, least significant bit first."""
+    b, h, _ = positions.shape
+    bits = np.zeros((b * h, tokens), dtype=np.uint8)
+    np.put_along_axis(bits, positions.reshape(b * h, -1).cpu().numpy(), 1, axis=1)
+    return np.packbits(bits, axis=1, bitorder="little").tobytes()
+
+
+def unpack_mask(mask: bytes | memoryview, batch: int, heads: int, tokens: int) -> np.ndarray:
+    """bool ``(batch * kv_heads, ceil(tokens / 8) * 8)`` bits of a mask (padding included).
+
+    Raises:
+        CorruptStreamError: ``mask`` is not ``batch * heads * ceil(tokens / 8)`` bytes.
+    """
+    row = -(-tokens // 8)
+    if len(mask) != batch * heads * row:
+        raise CorruptStreamError(f"corrupt KV stream: selection mask has {len(mask)} bytes, "
+                                 f"{batch} x {heads} rows of {tokens} tokens need {batch * heads * row}")
+    raw = np.frombuffer(mask, dtype=np.uint8).reshape(batch * heads, row)
+    return np.unpackbits(raw, axis=1, bitorder="little").astype(bool)
+
+
+def check_selection(header: StreamHeader, masks: Sequence[memoryview], keep: Keep | None) -> list[np.ndarray]:
+    """Check a stream's selection block against its policy and shapes; return the masks' bits
+    (:func:`unpack_mask`, per layer).
+
+    Every mask row must hold exactly the kept token count of its layer (the recorded shape,
+    which must be ``keep.kept_count(source_tokens)``), no bit beyond ``source_tokens``, and the
+    sink and recent tokens.
+
+    Raises:
+        CorruptStreamError: a policy with ``keep`` without a selection block or the other way
+            round, or a mask that breaks a rule (the message names the layer).
+    """
+    if (keep is None) != (header.source_tokens is None):
+        have = "no" if header.source_tokens is None else "a"
+        raise CorruptStreamError(f"corrupt KV stream: policy {header.policy_id} {'selects' if keep else 'does not select'} "
+                                 f"tokens but the stream has {have} selection block")
+    if keep is None:
+        return []
+    out = []
+    for i, ((kshape, _), tokens, mask) in enumerate(zip(header.shapes, header.source_tokens, masks)):
+        where = f"corrupt KV stream: layer {header.layer_offset + i} selection mask"
+        kept = keep.kept_count(tokens)
+        if kshape[2] != kept:
+            raise CorruptStreamError(f"{where}: {kshape[2]} tokens recorded, the policy keeps {kept} of {tokens}")
+        bits = unpack_mask(mask, kshape[0], kshape[1], tokens)
+        if bits[:, tokens:].any():
+            raise CorruptStreamError(f"{where} sets bits beyond its {tokens} tokens")
+        counts = bits.sum(axis=1)
+        if (counts != kept).any():
+            raise CorruptStreamError(f"{where} keeps {int(counts[counts != kept][0])} tokens in a row, the policy {kept}")
+        if not bits[:, :tokens][:, keep.forced(tokens).numpy()].all():
+            raise CorruptStreamError(f"{where} drops a sink or recent token")
+        rows = bits.reshape(kshape[0], kshape[1], -1)
+        if not keep.per_head and (rows != rows[:, :1]).any():
+            raise CorruptStreamError(f"{where} keeps other tokens in other heads, the policy one choice for all heads")
+        out.append(bits[:, :tokens])
+    return out
+
+
+def kept_positions(stream: bytes | bytearray | memoryview) -> KeptPositions | None:
+    """The kept positions and original token counts of a selected stream, or ``None`` for a
+    stream without token selection. Validates the stream (:func:`kvtune.codecs.read_header`'s
+    checks and :func:`check_selection`) first.
+
+    Raises:
+        KVStreamError: the stream is truncated or corrupt (as :func:`kvtune.codecs.decode_kv`),
+            or names a policy this kvtune cannot build.
+    """
+    header, _ = read_stream(stream)
+    transforms = header.policy.get("transforms") or []
+    try:
+        first = Transform.from_dict(transforms[0]) if isinstance(transforms, list) and transforms else None
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {str(exc)[:500]}") from None
+    keep = first if is_selecting(first) else None
+    bits = check_selection(header, selection_views(stream, header), keep)
+    if keep is None:
+        return None
+    return KeptPositions(list(header.source_tokens), mask_positions(header, bits))
+
+
+def mask_positions(header: StreamHeader, bits: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """Per layer, int64 ``(batch, kv_heads, kept)`` kept positions from the mask bits that
+    :func:`check_selection` returned for ``header`` (so every row holds ``kept`` bits)."""
+    out = []
+    for (kshape, _), b in zip(header.shapes, bits):
+        idx = np.nonzero(b)[1].reshape(kshape[0], kshape[1], kshape[2])
+        out.append(torch.from_numpy(idx.astype(np.int64)))
+    return out
