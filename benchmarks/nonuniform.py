@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvtune.codecs import PolicyConfig, encode_kv, original_nbytes  # noqa: E402
+from kvtune.core.atomic import atomic_write_text  # noqa: E402
 from kvtune.evaluate.model import load_model  # noqa: E402
 from kvtune.evaluate.workloads import make_workload  # noqa: E402
 from kvtune.methods.tqc.settings import ProfileSettings  # noqa: E402
@@ -111,7 +112,7 @@ def main() -> None:
     text = "\n".join([*lines, ""])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    atomic_write_text(out, text)  # a killed run leaves the previous table whole
     print(text)
 
 
