@@ -67,6 +67,7 @@ import torch  # noqa: E402
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, fastpath, original_nbytes  # noqa: E402
 from kvtune.codecs.base import CODECS  # noqa: E402
+from kvtune.codecs.codebook import CodebookQuantizer  # noqa: E402
 from kvtune.codecs.fp8 import FP8Quantizer  # noqa: E402
 from kvtune.codecs.mixhq import MixHQ  # noqa: E402
 from kvtune.codecs.presets import load_presets  # noqa: E402
@@ -141,6 +142,13 @@ def component_cases() -> list[Case]:
         ("none (bf16)", NoQuantizer()),
         ("fp8 e4m3", FP8Quantizer()),
         ("fp8 e5m2 scaled", FP8Quantizer(format="e5m2", scaled=True)),
+        ("codebook 3b lloyd minmax tok g32", CodebookQuantizer(bits=3)),
+        ("codebook 3b lloyd absmax tok g32", CodebookQuantizer(bits=3, normalize="absmax")),
+        ("codebook 3b nf minmax tok g32", CodebookQuantizer(bits=3, levels="nf")),
+        ("codebook 3b lloyd minmax ch g32", CodebookQuantizer(bits=3, granularity="per_channel")),
+        ("codebook 2b lloyd minmax ch g32 r128", CodebookQuantizer(bits=2, granularity="per_channel", recent_tokens=128)),
+        ("codebook 4b nf absmax ch g32", CodebookQuantizer(bits=4, levels="nf", normalize="absmax",
+                                                           granularity="per_channel")),
     ]
     for name, q in quants:
         cases.append(Case("quantizer", name + " | bitpack", PolicyConfig(key=q, value=q)))

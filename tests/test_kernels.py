@@ -26,6 +26,7 @@ from kvtune.codecs import kernels as K
 from kvtune.codecs.kernels import rans as KR
 from kvtune.codecs.base import meta_to_bytes
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
+from kvtune.codecs.codebook import CodebookQuantizer, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer, fp16_round_up
 from kvtune.codecs.transforms import (
@@ -345,6 +346,77 @@ def test_uniform_dequantize_matches_dequantize_block(bits):
             assert np.array_equal(out, expected_out(shape, kind, dtype, heads, tokens, ref)), (shape, gran, group, kind)
 
 
+# ----------------------------------------------------------------------------- codebooks
+
+
+def codebook_cases():
+    for n, (shape, gran, group, minmax) in enumerate(uniform_cases()):
+        yield shape, gran, group, "minmax" if minmax else "absmax", ("nf", "lloyd")[n % 2]
+        yield shape, gran, group, "absmax" if minmax else "minmax", ("lloyd", "nf")[n % 2]
+
+
+def codebook_groups(shape, gran, group, hs, ts):
+    """``(g, metadata shape)`` of a codebook block of ``(B, hs, ts, D)``, as the fast path's table."""
+    b, d = shape[0], shape[3]
+    g = max(group or (d if gran == "per_token" else ts), 1)
+    return g, ((b, hs, ts, -(-d // g)) if gran == "per_token" else (b, hs, -(-ts // g), d))
+
+
+@covers("codebook_quantize")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_codebook_quantize_matches_quantize_block(bits, dtype):
+    """NF and fitted Lloyd codebooks, absmax and min/max groups, with the saturating and
+    degenerate rows of :func:`with_extremes`: symbols, levels, scales and zero points."""
+    for n, (shape, gran, group, normalize, levels) in enumerate(codebook_cases()):
+        x = with_extremes(student_t(shape, seed=n, scale=3.0))
+        xk, xref = kernel_input(x, dtype)
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        q = CodebookQuantizer(bits=bits, levels=levels, normalize=normalize, granularity=gran, group_size=group)
+        sym_ref, meta_ref = q.quantize_block(pick(xref, heads, tokens))
+        b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+        g, mshape = codebook_groups(shape, gran, group, hs, ts)
+        sym = np.full((b, hs, ts, d), 0xEE, np.uint8)
+        scale, zero = np.zeros(mshape, np.uint16), np.zeros(mshape, np.uint16)
+        lv = np.zeros(1 << bits, np.uint16)
+        K.codebook_quantize(xk, heads, tokens, gran == "per_token", g, normalize == "minmax", levels == "lloyd",
+                            nf_table()[bits, : 1 << bits], sym, lv, scale, zero)
+        case = (shape, gran, group, normalize, levels)
+        assert np.array_equal(sym, sym_ref.numpy()), case
+        assert np.array_equal(scale, bits16(meta_ref["scale"]).reshape(mshape)), case
+        if normalize == "minmax":
+            assert np.array_equal(zero, bits16(meta_ref["zero"]).reshape(mshape)), case
+        if levels == "lloyd":
+            assert np.array_equal(lv, bits16(meta_ref["levels"])), case
+        assert int(sym.max(initial=0)) < 1 << bits
+
+
+@covers("codebook_dequantize")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_codebook_dequantize_matches_dequantize_block(bits):
+    """Random symbols, scales, zero points and sorted float16 codebooks in [-1, 1], into every
+    output dtype."""
+    rng = np.random.default_rng(bits)
+    for n, (shape, gran, group, normalize, _) in enumerate(codebook_cases()):
+        heads, tokens = selection(shape, SELECTIONS[n % len(SELECTIONS)])
+        b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+        sym = rng.integers(0, 1 << bits, size=(b, hs, ts, d)).astype(np.uint8)
+        q = CodebookQuantizer(bits=bits, levels="lloyd", normalize=normalize, granularity=gran, group_size=group)
+        g, mshape = codebook_groups(shape, gran, group, hs, ts)
+        lv16 = torch.from_numpy(np.sort(rng.uniform(-1, 1, 1 << bits))).to(torch.float16)
+        scale = random_f16_bits(mshape, rng, nonneg=True)
+        zero = random_f16_bits(mshape, rng, nonneg=False)
+        meta = {"levels": lv16, "scale": torch.from_numpy(scale.view(np.int16)).view(torch.float16)}
+        if normalize == "minmax":
+            meta["zero"] = torch.from_numpy(zero.view(np.int16)).view(torch.float16)
+        ref = q.dequantize_block(torch.from_numpy(sym), meta, (b, hs, ts, d))
+        for kind, dtype in OUT_KINDS:
+            out = out_array(shape, kind)
+            K.codebook_dequantize(sym, lv16.float().numpy(), scale, zero, gran == "per_token", g, normalize == "minmax",
+                                  heads, tokens, out, kind)
+            assert np.array_equal(out, expected_out(shape, kind, dtype, heads, tokens, ref)), (shape, gran, group, kind)
+
+
 # ----------------------------------------------------------------------------- float8
 
 
@@ -606,11 +678,13 @@ def fp8_luts():
 
 
 def segment_plan(shape):
-    """Segments of one tensor (B, 3, 20, D): (coder, bits, heads, tokens, row of the kernel table)."""
+    """Segments of one tensor (B, 3, 26, D): (coder, bits, heads, tokens, row of the kernel table)."""
     per_tok = UniformQuantizer(bits=4, granularity="per_token", group_size=8)
     per_ch = UniformQuantizer(bits=3, symmetric=True, granularity="per_channel", group_size=4)
     e5 = FP8Quantizer(format="e5m2", scaled=True)
     e4 = FP8Quantizer(format="e4m3")
+    lloyd = CodebookQuantizer(bits=3, levels="lloyd", normalize="minmax", granularity="per_channel", group_size=2)
+    nf = CodebookQuantizer(bits=4, levels="nf", normalize="absmax", granularity="per_token", group_size=8)
     d = shape[3]
     return [
         (per_tok, 4, [0, 2], list(range(0, 10)), [K.KIND_UNIFORM, 4, 1, 8, 0]),
@@ -619,7 +693,10 @@ def segment_plan(shape):
         (e5, 8, [0, 1, 2], list(range(13, 17)), [K.KIND_FP8, 8, 1, 0, 1]),
         (e4, 8, [2, 0], list(range(17, 20)), [K.KIND_FP8, 8, 0, 0, 0]),
         (per_tok, 7, [1], [], [K.KIND_UNIFORM, 7, 1, 8, 0]),  # an empty segment
-    ][: 6 if d else 0]
+        (lloyd, 3, [1, 2], list(range(20, 23)), [K.KIND_CODEBOOK, 3, 0, 2, K.CB_MINMAX + K.CB_LLOYD]),
+        (nf, 4, [0, 1, 2], list(range(23, 26)), [K.KIND_CODEBOOK, 4, 1, 8, 0]),
+        (lloyd, 3, [0], list(range(20, 23)), [K.KIND_CODEBOOK, 3, 0, 2, K.CB_MINMAX + K.CB_LLOYD]),
+    ][: 9 if d else 0]
 
 
 def build_table(shape, plan):
@@ -643,10 +720,11 @@ def build_table(shape, plan):
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("d", [16, 13, 0])
 def test_encode_decode_segments_match_the_reference_segments(dtype, d):
-    """A tensor split into six segments (per-token and per-channel uniform, bfloat16, scaled
-    e5m2, unscaled e4m3, an empty one): the sections are the reference quantizers' metadata
-    and bit-packed symbols; decoding rebuilds each segment's dequantized values in place."""
-    shape = (2, 3, 20, d)
+    """A tensor split into nine segments (per-token and per-channel uniform, bfloat16, scaled
+    e5m2, unscaled e4m3, an empty one, per-channel Lloyd / min-max and per-token NF codebooks):
+    the sections are the reference quantizers' metadata and bit-packed symbols; decoding
+    rebuilds each segment's dequantized values in place."""
+    shape = (2, 3, 26, d)
     x = with_extremes(student_t(shape, seed=d, scale=50.0))
     xk, xref = kernel_input(x, dtype)
     plan = segment_plan(shape)
@@ -662,13 +740,13 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
         decoded_ref.append(coder.dequantize_block(sym, meta, tuple(sel.shape)))
     out = np.zeros(max(nbytes, 1), np.uint8)
     symbuf = np.zeros(max(sym_nbytes, 1), np.uint8)
-    seen = K.encode_segments(xk, segs, index, out, symbuf, True, lut8)
+    seen = K.encode_segments(xk, segs, index, out, symbuf, True, lut8, nf_table())
     assert out[:nbytes].tobytes() == b"".join(expected)
     assert seen < 256
     # not packed: each segment's raw symbols at its SEG_SYM offset, metadata as before
     out2 = np.zeros_like(out)
     symbuf2 = np.zeros_like(symbuf)
-    K.encode_segments(xk, segs, index, out2, symbuf2, False, lut8)
+    K.encode_segments(xk, segs, index, out2, symbuf2, False, lut8, nf_table())
     for s, (coder, bits, heads, tokens, _) in enumerate(plan):
         m0, ml = segs[s, K.SEG_META], segs[s, K.SEG_META_LEN]
         assert out2[m0 : m0 + ml].tobytes() == expected[s][:ml]
@@ -684,7 +762,7 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
                 vals.to(odtype).numpy() if kind == 0 else bits16(vals.to(odtype)))
         for packed, data, sbuf in ((True, out, np.zeros_like(symbuf)), (False, out2, symbuf2.copy())):
             got = out_array(shape, kind)
-            K.decode_segments(data, segs, index, luts, lut16, sbuf, packed, got, kind)
+            K.decode_segments(data, segs, index, luts, lut16, sbuf, packed, got, kind, nf_table())
             assert np.array_equal(got, ref_out), (kind, packed)
 
 

@@ -100,6 +100,10 @@ GOLDEN: dict[tuple[str, str], str] = {  # (policy, input dtype): sha256 of the s
     ("duo-like", "float32"): "d4dbba68a64cd6982f492ae4c70626ec340e1cae615d0ad05953ce0bb7adc250",
     ("duo-like", "bfloat16"): "732b517d16d85e100552c3add882c02c825d5a054a44d709ecb282f2555f2300",
     ("duo-like", "float16"): "f3a77279f0838c8a495a247daf06546ade9356d9656e28edaeefa0aa58bc03a9",
+    # kvquant-3: pinned when the codebook quantizer was added (issue 16)
+    ("kvquant-3", "float32"): "1c525cb0b8f2b9d525e2e2d64346e1dee70d8641fb680584958425d2c4f9a6ed",
+    ("kvquant-3", "bfloat16"): "c32a223eb5259560cfd5a15d996575c09fce07c3a853cc9a4a589943a57e5cb8",
+    ("kvquant-3", "float16"): "b35e783c7d4bed7de78218d0c1ed73f6f4cb998eae11c7fbf963190b560e2417",
     ("fp8", "float32"): "fc7ebf4677cfaed85be01b2f11071d5d579dddbbc870a60d1e59f2285181cd33",
     ("fp8", "bfloat16"): "28f28b957c418885581a29f278299192c284c15061d0a8135ab6155eae40c8bf",
     ("fp8", "float16"): "d37d0641cb615e539f9a13be234563b17cd6b673ad2fb79c872291defb5d31f7",

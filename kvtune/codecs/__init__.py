@@ -10,7 +10,8 @@ Disaggregated LLM Serving", arXiv 2605.13734).
 Registered components:
 
 * transforms: ``identity``, ``hadamard`` (QuaRot-style randomized Hadamard rotation)
-* quantizers: ``uniform`` (KIVI-style grouped integer quantization), ``none`` (bfloat16)
+* quantizers: ``uniform`` (KIVI-style grouped integer quantization), ``none`` (bfloat16),
+  ``codebook`` (non-uniform NF / Lloyd-Max levels, :mod:`kvtune.codecs.codebook`)
 * codecs: ``bitpack`` (dense bit packing)
 """
 
@@ -30,6 +31,7 @@ from kvtune.codecs.base import (
     register_transform,
 )
 from kvtune.codecs.bitpack import BitPack
+from kvtune.codecs.codebook import CodebookQuantizer
 from kvtune.codecs.policy import KVLayers, PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import FORMAT_VERSION, MAGIC, StreamHeader, read_header
@@ -62,6 +64,7 @@ __all__ = [
     "Hadamard",
     "UniformQuantizer",
     "NoQuantizer",
+    "CodebookQuantizer",
     "BitPack",
 ]
 

@@ -15,9 +15,10 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
 * metadata and payload are written straight into numpy buffers whose bytes are the sections.
 
 Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block quantizers
-``uniform``, ``none`` and ``fp8`` (hence the ``uniform``, ``none``, ``mixhq`` and ``fp8``
-quantizers, and any quantizer whose plan only uses those block kernels); any codec (``bitpack``
-has its own kernel; other codecs receive the symbols as numpy arrays). KVTC-like policies
+``uniform``, ``none``, ``fp8`` and ``codebook`` (hence the ``uniform``, ``none``, ``mixhq``,
+``fp8`` and ``codebook`` quantizers, and any quantizer whose plan only uses those block
+kernels); any codec (``bitpack`` has its own kernel; other codecs receive the symbols as numpy
+arrays). KVTC-like policies
 (one ``pca`` transform, then ``dp-alloc`` with the ``gauss`` grid on K and V) have their own
 path: the projection runs the ``pca`` transform's own torch code (float64 matrix products,
 identical by construction), then every segment of the tensor is quantized by one kernel call
@@ -58,6 +59,7 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, DPAlloc
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.checksum import crc32
+from kvtune.codecs.codebook import CodebookQuantizer, check_levels, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.pca import PCA
@@ -99,7 +101,7 @@ _SUPPORTED_TRANSFORMS = ("hadamard", "delta", "affine")
 def _block_kind(coder: Quantizer) -> str | None:
     """Which kernel family codes a segment of this block quantizer (exact types only: a
     subclass may change the math)."""
-    return {UniformQuantizer: "uniform", NoQuantizer: "bf16", FP8Quantizer: "fp8"}.get(type(coder))
+    return {UniformQuantizer: "uniform", NoQuantizer: "bf16", FP8Quantizer: "fp8", CodebookQuantizer: "codebook"}.get(type(coder))
 
 
 def _is_kvtc(config) -> bool:
@@ -114,9 +116,9 @@ def supports(config) -> bool:
 
     True when the kernels are :func:`available`, and the policy is KVTC-like (:func:`_is_kvtc`)
     or every transform is a supported one and every block quantizer the K and V plans can use
-    is ``uniform``, ``none`` or ``fp8``. A leading ``keep`` (:mod:`kvtune.codecs.select`) does
-    not count: it runs before the kernels (but ``keep`` + ``pca``, whose keys are un-rotated at
-    the kept positions, runs on the reference path).
+    is ``uniform``, ``none``, ``fp8`` or ``codebook``. A leading ``keep``
+    (:mod:`kvtune.codecs.select`) does not count: it runs before the kernels (but ``keep`` +
+    ``pca``, whose keys are un-rotated at the kept positions, runs on the reference path).
     """
     if not available():
         return False
@@ -217,6 +219,11 @@ def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nb
             row[K.SEG_A] = int(coder.granularity == "per_token")
             row[K.SEG_G] = max(coder.group_size or (d if coder.granularity == "per_token" else ts), 1)
             row[K.SEG_B] = int(coder.symmetric)
+        elif kind == "codebook":
+            row[K.SEG_KIND] = K.KIND_CODEBOOK
+            row[K.SEG_A] = int(coder.granularity == "per_token")
+            row[K.SEG_G] = max(coder.group_size or (d if coder.granularity == "per_token" else ts), 1)
+            row[K.SEG_B] = K.CB_MINMAX * (coder.normalize == "minmax") + K.CB_LLOYD * (coder.levels == "lloyd")
         elif kind == "fp8":
             row[K.SEG_KIND] = K.KIND_FP8
             row[K.SEG_A] = int(coder.format == "e5m2")
@@ -509,13 +516,13 @@ def _encode_one(task) -> tuple[list, int, int]:
         amax = _magnitude(x)[1]
     _check_value_range(x, amax, plan, layer, kind)
     if comp.bitpack:
-        seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2])
+        seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2], nf_table())
         if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
             raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
         view = memoryview(out)
         return [view[a:b] for a, b in plan.bounds], crc32(out), out.size
     symbuf = np.empty(max(plan.sym_nbytes, 1), np.uint8)
-    K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2])
+    K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2], nf_table())
     view = memoryview(out)
     sections = [view[: plan.state_nbytes]]
     codec = comp.config.codec
@@ -606,6 +613,7 @@ def _decode_one(task) -> torch.Tensor:
             symbuf[so : so + raw.size] = raw
             row[K.SEG_META] = pos
             pos += len(meta) + len(payload)
+    _check_codebooks(plan, sections.meta)
     out_kind = _OUT_KIND[dtype]
     # dequantize straight into the output, except float16, which saturates (to_output_dtype)
     direct = not plan.transforms and out_kind != _FLOAT16
@@ -620,7 +628,8 @@ def _decode_one(task) -> torch.Tensor:
     y = target if direct else _work(shape)
     if plan.segments:
         luts = _fp8_luts()
-        K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, comp.bitpack, y, out_kind if direct else 0)
+        K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, comp.bitpack, y, out_kind if direct else 0,
+                          nf_table())
     if not direct:
         if plan.transforms:
             _invert_transforms(y, plan, sections.state)
@@ -635,6 +644,15 @@ def _decode_one(task) -> torch.Tensor:
     if out_kind == 0:
         return torch.from_numpy(target)
     return torch.from_numpy(target.view(np.int16)).view(dtype)
+
+
+def _check_codebooks(plan: _Plan, metas) -> None:
+    """Refuse a forged Lloyd codebook before the kernels index with it, as the reference's
+    ``dequantize_block`` does (:func:`kvtune.codecs.codebook.check_levels`; the metadata
+    lengths are already checked: the levels are the section's first ``2**bits`` float16)."""
+    for seg, meta in zip(plan.segments, metas):
+        if type(seg.coder) is CodebookQuantizer and seg.coder.levels == "lloyd":
+            check_levels(torch.from_numpy(np.frombuffer(meta, "<f2", count=2**seg.bits).copy()))
 
 
 def _invert_transforms(y: np.ndarray, plan: _Plan, state) -> None:

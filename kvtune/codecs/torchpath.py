@@ -40,8 +40,10 @@ policies, three input dtypes) and, when CUDA is present, on the GPU by the same 
 ``benchmarks/gpu_check.py``; a GPU run is what confirms the device's arithmetic.
 
 Supported (:func:`supports`): transforms ``identity``, ``hadamard``, ``delta``, ``affine``;
-block quantizers ``uniform``, ``none`` and ``fp8`` (hence the ``uniform``, ``none``, ``mixhq``
-and ``fp8`` quantizers); any codec. The host is little-endian (metadata bytes are the tensors'
+block quantizers ``uniform``, ``none``, ``fp8`` and ``codebook`` (hence the ``uniform``, ``none``,
+``mixhq``, ``fp8`` and ``codebook`` quantizers); any codec. A fitted (Lloyd) codebook is checked
+on the host at decode (:func:`kvtune.codecs.codebook.check_levels`): one synchronisation per
+such segment. The host is little-endian (metadata bytes are the tensors'
 own bytes).
 """
 
@@ -65,6 +67,7 @@ from kvtune.codecs.base import (
     transform_state_nbytes,
 )
 from kvtune.codecs.bitpack import BitPack, packed_nbytes
+from kvtune.codecs.codebook import CodebookQuantizer
 from kvtune.codecs.fastpath import LayerDecodeError
 from kvtune.codecs.fp8 import FP8Quantizer
 from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE, to_output_dtype
@@ -77,7 +80,7 @@ from kvtune.core.errors import CorruptStreamError, KVInputError
 __all__ = ["supports", "encode_tensors", "decode_tensors", "pack_bits", "unpack_bits"]
 
 _TRANSFORMS = (Hadamard, Delta, Affine)
-_BLOCKS = (UniformQuantizer, NoQuantizer, FP8Quantizer)
+_BLOCKS = (UniformQuantizer, NoQuantizer, FP8Quantizer, CodebookQuantizer)
 _OK, _NON_FINITE, _OUT_OF_RANGE = 0, 1, 2
 
 
@@ -85,9 +88,9 @@ _OK, _NON_FINITE, _OUT_OF_RANGE = 0, 1, 2
 def supports(config) -> bool:
     """Whether :func:`encode_tensors` / :func:`decode_tensors` can run ``config``: every
     transform is ``hadamard``, ``delta`` or ``affine`` and every block quantizer its K and V
-    plans can use is ``uniform``, ``none`` or ``fp8`` (exact types: a subclass may change the
-    math). Any codec. A leading ``keep`` (:mod:`kvtune.codecs.select`) does not count: it runs
-    before this path, on the tensors' device."""
+    plans can use is ``uniform``, ``none``, ``fp8`` or ``codebook`` (exact types: a subclass may
+    change the math). Any codec. A leading ``keep`` (:mod:`kvtune.codecs.select`) does not count:
+    it runs before this path, on the tensors' device."""
     if any(type(t) not in _TRANSFORMS for t in config.transforms if not is_selecting(t)):
         return False
     floors = tuple(sorted({b for t in config.transforms for b in t.min_bits_values()}))

@@ -4,6 +4,7 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
 
 * :mod:`.quantize`: uniform per-token / per-channel quantization (``UniformQuantizer``, KIVI);
 * :mod:`.fp8`: float8 quantization (``FP8Quantizer``);
+* :mod:`.codebook`: non-uniform NF / Lloyd-Max codebook quantization (``CodebookQuantizer``);
 * :mod:`.bf16`: bfloat16 pass-through segments (``NoQuantizer``);
 * :mod:`.transforms`: Hadamard rotation, delta coding, affine normalization
   (:mod:`kvtune.codecs.transforms`);
@@ -78,6 +79,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         to_float32,
     )
     from .components import dequantize_components, quantize_components
+    from .codebook import codebook_dequantize, codebook_quantize
     from .crc import CRC32_CLMUL, crc32_combine, crc32_update
     from .finite import all_finite_bf16, all_finite_f32, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
@@ -92,6 +94,9 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     )
     from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
     from .segments import (
+        CB_LLOYD,
+        CB_MINMAX,
+        KIND_CODEBOOK,
         KIND_BF16,
         KIND_FP8,
         KIND_UNIFORM,
@@ -129,6 +134,8 @@ __all__ = [
     "dequantize_per_channel",
     "fp8_quantize",
     "fp8_dequantize",
+    "codebook_quantize",
+    "codebook_dequantize",
     "gather_bf16",
     "scatter_bf16",
     "all_finite_bf16",
@@ -176,4 +183,7 @@ __all__ = [
     "KIND_UNIFORM",
     "KIND_BF16",
     "KIND_FP8",
+    "KIND_CODEBOOK",
+    "CB_MINMAX",
+    "CB_LLOYD",
 ]

@@ -19,7 +19,8 @@ from numba import njit, types, uintp
 from numba.extending import overload
 
 from .bitpack import pack_bits, unpack_bits
-from .convert import bf16_bits_to_f32, f32_to_bf16_bits, store_row
+from .codebook import codebook_dequantize, codebook_quantize
+from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, store_row
 from .fp8 import fp8_dequantize, fp8_quantize
 from .lowlevel import INLINE, JIT, U1, U2
 from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
@@ -32,12 +33,26 @@ SEG_KIND, SEG_BITS, SEG_A, SEG_G, SEG_B = 0, 1, 2, 3, 4
 SEG_HEADS, SEG_NHEADS, SEG_TOKENS, SEG_NTOKENS = 5, 6, 7, 8
 SEG_META, SEG_META_LEN, SEG_PAYLOAD, SEG_PAYLOAD_LEN, SEG_SYM = 9, 10, 11, 12, 13
 SEG_COLUMNS = 14
-"""Columns: kind (:data:`KIND_UNIFORM` / :data:`KIND_BF16` / :data:`KIND_FP8`), bits, A
-(uniform: per-token; fp8: e5m2), g (uniform group length), B (uniform: symmetric; fp8: scaled),
+"""Columns: kind (:data:`KIND_UNIFORM` / :data:`KIND_BF16` / :data:`KIND_FP8` /
+:data:`KIND_CODEBOOK`), bits, A (uniform, codebook: per-token; fp8: e5m2), g (uniform, codebook:
+group length), B (uniform: symmetric; fp8: scaled; codebook: 1 minmax + 2 Lloyd levels),
 offset and count of the head indices and of the token indices in the index array, byte offset
 and length of the metadata and of the payload section in the tensor's output buffer, byte
 offset of the raw symbols in the symbol buffer (codecs other than bitpack)."""
-KIND_UNIFORM, KIND_BF16, KIND_FP8 = 0, 1, 2
+KIND_UNIFORM, KIND_BF16, KIND_FP8, KIND_CODEBOOK = 0, 1, 2, 3
+CB_MINMAX, CB_LLOYD = 1, 2
+"""Flags of a codebook segment's B column: mid-range zero points, fitted (transmitted) levels."""
+
+
+@njit(**INLINE)
+def _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits):
+    """Views of a codebook segment's metadata scratch: ``(levels, scale, zero)`` (wire order
+    ``[levels if Lloyd][scale][zero if minmax]``, :meth:`CodebookQuantizer.block_meta_layout`)."""
+    nl = (1 << bits) if flags & CB_LLOYD else 0
+    rest = m - nl
+    half = rest // 2 if flags & CB_MINMAX else rest
+    shape = (nb, hs, ts, (d_n + g - 1) // g) if per_token else (nb, hs, (ts + g - 1) // g, d_n)
+    return meta[:nl], meta[nl : nl + half].reshape(shape), meta[m - half : m].reshape(shape)
 
 
 @njit(**INLINE)
@@ -232,7 +247,7 @@ def _fp8_decode_impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kin
 
 
 @njit(**JIT)
-def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
+def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
     """Quantize every segment of one tensor; write metadata and (if ``pack``) packed payloads.
 
     Reference: per segment, the block quantizer's ``quantize_block`` on
@@ -250,6 +265,8 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
             ``SEG_SYM`` offset (uint8, or little-endian uint16 for bfloat16) for another codec.
         pack: bit-pack into ``out`` (the ``bitpack`` codec).
         lut8: uint8 ``(2, 65536)``: the e4m3 and e5m2 symbol of every bfloat16 pattern.
+        books: float64 ``(9, 256)``: row ``b`` starts with the ``2**b`` NF levels
+            (:func:`kvtune.codecs.codebook.nf_table`).
 
     Returns:
         The OR of every symbol of widths 1..8 (the caller checks that they fit).
@@ -285,6 +302,11 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
                 sc = meta[:half].reshape((nb, hs, ng, d_n))
                 ze = meta[m - half : m].reshape((nb, hs, ng, d_n))
                 quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, sc, ze)
+        elif kind == KIND_CODEBOOK:
+            per_token, g, flags = segs[s, SEG_A] != 0, segs[s, SEG_G], segs[s, SEG_B]
+            lv, sc, ze = _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits)
+            codebook_quantize(x, heads, tokens, per_token, g, flags & CB_MINMAX != 0, flags & CB_LLOYD != 0,
+                              books[bits, : 1 << bits], sym, lv, sc, ze)
         else:
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
@@ -297,7 +319,7 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8):
 
 
 @njit(**JIT)
-def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind):
+def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, books):
     """Inverse of :func:`encode_segments`: reconstruct every segment of one tensor into ``out``.
 
     Reference: per segment, :func:`kvtune.codecs.bitpack.unpack_bits`,
@@ -313,6 +335,8 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind):
             scratch otherwise.
         packed: the payloads in ``data`` are bit-packed (``bitpack``).
         out: ``(B, H, T, D)`` float32, or uint16 bits of ``kind`` (1 bfloat16, 2 float16).
+        books: the NF levels, as :func:`encode_segments`. Fitted codebooks are taken as they
+            are: the caller validates them (:func:`kvtune.codecs.codebook.check_levels`).
     """
     nb, nh, nt, d_n = out.shape
     meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
@@ -349,6 +373,14 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind):
                 sc = meta[:half].reshape((nb, hs, ng, d_n))
                 ze = meta[m - half : m].reshape((nb, hs, ng, d_n))
                 dequantize_per_channel(sym4, sc, ze, g, bits, symmetric, heads, tokens, out, kind)
+        elif sk == KIND_CODEBOOK:
+            per_token, g, flags = segs[s, SEG_A] != 0, segs[s, SEG_G], segs[s, SEG_B]
+            lv, sc, ze = _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits)
+            nl = 1 << bits
+            lev = np.empty(nl, np.float32)
+            for k in range(nl):
+                lev[k] = f16_bits_to_f32(lv[k]) if flags & CB_LLOYD else np.float32(books[bits, k])
+            codebook_dequantize(sym4, lev, sc, ze, per_token, g, flags & CB_MINMAX != 0, heads, tokens, out, kind)
         else:
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))

@@ -32,13 +32,14 @@ def warm_up() -> float:
     out = np.zeros(128, np.uint8)
     sym = np.zeros(128, np.uint8)
     luts = np.zeros((2, 256), np.float32)
+    books = np.zeros((9, 256), np.float64)
     for x in (np.ones(shape, np.float32), np.full(shape, 0x3F80, np.uint16)):
-        encode_segments(x, seg, idx, out, sym, True, np.zeros((2, 65536), np.uint8))
+        encode_segments(x, seg, idx, out, sym, True, np.zeros((2, 65536), np.uint8), books)
     ro = out.copy()
     ro.flags.writeable = False
     for data in (out, ro):
         for y, kind in ((np.zeros(shape, np.float32), 0), (np.zeros(shape, np.uint16), 1)):
-            decode_segments(data, seg, idx, luts, np.zeros((2, 256), np.uint16), sym, True, y, kind)
+            decode_segments(data, seg, idx, luts, np.zeros((2, 256), np.uint16), sym, True, y, kind, books)
     y = np.ones(shape, np.float32)
     to_float32(np.full(shape, 0x3F80, np.uint16), y)
     to_float32(np.ones(shape, np.float32), y)

@@ -1,0 +1,288 @@
+"""Non-uniform (codebook) quantization of KV segments: NormalFloat or fitted Lloyd-Max levels.
+
+Accelerates :class:`kvtune.codecs.codebook.CodebookQuantizer` (``quantize_block`` /
+``dequantize_block``): groups of channels (per token) or of tokens (per channel) normalised by
+a float16 absmax scale (or mid-range zero point and half-range scale), each value coded as the
+nearest level of a sorted codebook -- the NF levels of QLoRA (arXiv 2305.14314, sec. 3.1) or a
+Lloyd-Max codebook fitted on the segment (KVQuant, arXiv 2401.18079, sec. 3.3). Encode: the
+count of codebook midpoints below each value; decode: a table lookup and a multiply (and an
+add). Bit for bit the reference's IEEE operations; the Lloyd fit is the reference's exact
+integer histogram arithmetic (:func:`kvtune.codecs.codebook.lloyd_from_histogram`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, uintp
+
+from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
+from .lowlevel import HALF, INLINE, JIT, ONE, ZERO, absmax, vminmax
+
+_u = uintp
+_NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
+_ITERS = 16  # Lloyd iterations (kvtune.codecs.codebook.LLOYD_ITERS)
+
+
+@njit(**INLINE)
+def _params(lo, hi, minmax, sf, zf, m):
+    """float16 ``scale`` (``sf[m]``) and, when ``minmax``, ``zero`` (``zf[m]``) bits of a group
+    with minimum ``lo`` and maximum ``hi`` (absmax: ``hi`` is the largest magnitude); returns
+    them as float32 ``(scale, zero)``. References: the absmax / minmax branches of
+    ``CodebookQuantizer.quantize_block``."""
+    z = ZERO
+    if minmax:
+        z16 = f32_to_f16_bits((lo + hi) * HALF)
+        z16 = np.int64(0) if z16 == 0x8000 else z16
+        zf[m] = z16
+        z = f16_bits_to_f32(z16)
+        s16 = fp16_round_up_bits(max(hi - z, z - lo))
+    else:
+        s16 = fp16_round_up_bits(hi)
+    sf[m] = s16
+    return f16_bits_to_f32(s16), z
+
+
+@njit(**INLINE)
+def _norm(v, s, z, minmax):
+    """``(v - z) / s`` (``v / s`` unless ``minmax``), 0 where ``s == 0``."""
+    if s > ZERO:
+        return (v - z) / s if minmax else v / s
+    return ZERO
+
+
+@njit(**INLINE)
+def _normalise_run(u, a, b, minmax, sf, zf, m):
+    """Normalise the contiguous, non-empty group ``u[a:b]`` in place (per-token groups)."""
+    ua, ub = _u(a), _u(b)
+    if minmax:
+        lo, hi = vminmax(u, ua, ub)
+    else:
+        lo, hi = ZERO, absmax(u, ua, ub)
+    s, z = _params(lo, hi, minmax, sf, zf, m)
+    for i in range(ua, ub):
+        u[i] = _norm(u[i], s, z, minmax)
+
+
+@njit(**INLINE)
+def _normalise_columns(u, base, n, d_n, minmax, sf, zf, m, lo, hi, ss, zz):
+    """Normalise ``n`` rows of ``d_n`` channels from ``u[base]`` in place, one group per
+    channel (per-channel groups); the channel loops are contiguous."""
+    dn = _u(d_n)
+    b0 = _u(base)
+    for d in range(dn):
+        v = u[b0 + d]
+        lo[d] = v
+        hi[d] = abs(v) if not minmax else v
+    for j in range(1, n):
+        o = b0 + _u(j * d_n)
+        if minmax:
+            for d in range(dn):
+                lo[d] = min(lo[d], u[o + d])
+                hi[d] = max(hi[d], u[o + d])
+        else:
+            for d in range(dn):
+                hi[d] = max(hi[d], abs(u[o + d]))
+    for d in range(dn):
+        ss[d], zz[d] = _params(lo[d], hi[d], minmax, sf, zf, m + d)
+    for j in range(n):
+        o = b0 + _u(j * d_n)
+        for d in range(dn):
+            u[o + d] = _norm(u[o + d], ss[d], zz[d], minmax)
+
+
+@njit(**INLINE)
+def _lloyd(u, n, init, out16):
+    """Lloyd-Max levels of ``u[:n]`` from ``init`` (float64) as float16 bits in ``out16``.
+
+    Reference: :func:`kvtune.codecs.codebook.fit_lloyd` (histogram, exact prefix sums, one
+    float64 division per level, float64 -> float32 -> float16)."""
+    hist = np.zeros(_NB, np.int64)
+    half_bins = np.float32(_NB // 2)
+    top = np.float32(_NB - 1)
+    for i in range(_u(n)):  # truncation of the clamped value: floor, then clamp (as the reference)
+        hist[np.int64(min(max((u[i] + ONE) * half_bins, ZERO), top))] += 1
+    cw = np.zeros(_NB + 1, np.int64)
+    cs = np.zeros(_NB + 1, np.int64)
+    for b in range(_NB):
+        cw[b + 1] = cw[b] + hist[b]
+        cs[b + 1] = cs[b] + hist[b] * (2 * b + 1 - _NB)
+    nl = init.shape[0]
+    lev = init.copy()
+    new = np.empty(nl, np.float64)
+    for _ in range(_ITERS):
+        lo = 0
+        for i in range(nl):
+            if i < nl - 1:
+                mid = (lev[i] + lev[i + 1]) / 2.0
+                hi = lo
+                while hi < _NB and np.float64(2 * hi + 1 - _NB) / _NB <= mid:
+                    hi += 1
+            else:
+                hi = _NB
+            w = cw[hi] - cw[lo]
+            inner = 0 < i < nl - 1  # the end levels stay (pinned)
+            new[i] = np.float64(cs[hi] - cs[lo]) / np.float64(w) / _NB if inner and w > 0 else lev[i]
+            lo = hi
+        for i in range(nl):
+            lev[i] = new[i]
+    for i in range(nl):
+        out16[i] = f32_to_f16_bits(np.float32(lev[i]))
+
+
+_BLOCK = 1024  # elements per block of the symbol pass
+
+
+@njit(**INLINE)
+def _symbols(u, n, lev, sym):
+    """``sym[i]`` = number of midpoints ``(lev[k] + lev[k+1]) * 0.5`` below ``u[i]``
+    (reference: :func:`kvtune.codecs.codebook.nearest_level`). Up to 16 levels: one compare
+    per midpoint, midpoint-major over blocks of :data:`_BLOCK` elements (vectorizable);
+    more: a binary search per element."""
+    nl = lev.shape[0]
+    mids = np.empty(nl - 1, np.float32)
+    for k in range(nl - 1):
+        mids[k] = (lev[k] + lev[k + 1]) * HALF
+    if nl <= 16:
+        for a in range(0, n, _BLOCK):
+            m = _u(min(_BLOCK, n - a))
+            ua = _u(a)
+            for i in range(m):
+                sym[ua + i] = np.uint8(0)
+            for k in range(nl - 1):
+                mk = mids[k]
+                for i in range(m):
+                    sym[ua + i] += np.uint8(u[ua + i] > mk)
+    else:
+        for i in range(_u(n)):
+            v = u[i]
+            a, b = 0, nl - 1
+            while a < b:  # first midpoint >= v
+                c = (a + b) // 2
+                if mids[c] < v:
+                    a = c + 1
+                else:
+                    b = c
+            sym[i] = np.uint8(a)
+
+
+@njit(**JIT)
+def codebook_quantize(x, heads, tokens, per_token, g, minmax, lloyd, init, sym, levels, scale, zero):
+    """Codebook quantization of ``x[:, heads][:, :, tokens]``.
+
+    Reference: :meth:`kvtune.codecs.codebook.CodebookQuantizer.quantize_block`.
+
+    Args:
+        x: ``(B, H, T, D)`` float32 or uint16 (bfloat16 bits), C-contiguous.
+        heads, tokens: int64 indices of the segment's heads and tokens.
+        per_token: groups of ``g`` channels (else of ``g`` tokens per channel).
+        g: group length (``D`` or the segment's token count for a whole axis).
+        minmax: mid-range zero point and half-range scale (else absmax scale).
+        lloyd: fit the codebook (written to ``levels``) starting from ``init``; else ``init``
+            (rounded to float32) is the codebook.
+        init: float64 ``(L,)`` NF levels.
+        sym: out, uint8 ``(B, len(heads), len(tokens), D)``.
+        levels: out, uint16 ``(L,)`` float16 bits of the fitted codebook (untouched unless ``lloyd``).
+        scale, zero: out, uint16 float16 bits, ``(B, Hs, Ts, ceil(D / g))`` per token or
+            ``(B, Hs, ceil(Ts / g), D)`` per channel (``zero`` untouched unless ``minmax``).
+    """
+    nb, nh, nt, d_n = x.shape
+    hs, ts = heads.shape[0], tokens.shape[0]
+    xf, sf, zf = x.reshape(-1), scale.reshape(-1), zero.reshape(-1)
+    n = nb * hs * ts * d_n
+    dn = _u(d_n)
+    u = np.empty(n, np.float32)
+    r = 0
+    for b in range(nb):
+        for hi in range(hs):
+            for ti in range(ts):
+                load_row(xf, _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n), u, _u(r * d_n), dn)
+                r += 1
+    if per_token:
+        ng = (d_n + g - 1) // g
+        for r in range(nb * hs * ts):
+            o = r * d_n
+            for gi in range(ng):
+                _normalise_run(u, o + gi * g, o + min(gi * g + g, d_n), minmax, sf, zf, r * ng + gi)
+    else:
+        ng = (ts + g - 1) // g
+        lo = np.empty(d_n, np.float32)
+        hi = np.empty(d_n, np.float32)
+        ss = np.empty(d_n, np.float32)
+        zz = np.empty(d_n, np.float32)
+        for bh in range(nb * hs):
+            for gi in range(ng):
+                t0, t1 = gi * g, min(gi * g + g, ts)
+                _normalise_columns(u, (bh * ts + t0) * d_n, t1 - t0, d_n, minmax, sf, zf, (bh * ng + gi) * d_n,
+                                   lo, hi, ss, zz)
+    nl = init.shape[0]
+    lev = np.empty(nl, np.float32)
+    if lloyd:
+        _lloyd(u, n, init, levels)
+        for k in range(nl):
+            lev[k] = f16_bits_to_f32(levels[k])
+    else:
+        for k in range(nl):
+            lev[k] = np.float32(init[k])
+    _symbols(u, n, lev, sym.reshape(-1))
+
+
+@njit(**JIT)
+def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, tokens, out, kind):
+    """``out[:, heads][:, :, tokens] = levels[sym] * scale (+ zero)``.
+
+    Reference: :meth:`kvtune.codecs.codebook.CodebookQuantizer.dequantize_block` (a lookup, a
+    multiply, then an add), then the conversion to the output dtype.
+
+    Args:
+        sym: uint8 ``(B, Hs, Ts, D)``, values ``< len(levels)``.
+        levels: float32 ``(L,)`` codebook (validated by the caller).
+        scale, zero: uint16 float16 bits as :func:`codebook_quantize`.
+        per_token, g, minmax: as :func:`codebook_quantize`.
+        out: ``(B, H, T, D)`` float32, or uint16 bits of ``kind`` (1 bfloat16, 2 float16),
+            written at the segment's heads and tokens.
+    """
+    nb, hs, ts, d_n = sym.shape
+    nh, nt = out.shape[1], out.shape[2]
+    sf, scf, zf, of = sym.reshape(-1), scale.reshape(-1), zero.reshape(-1), out.reshape(-1)
+    dn = _u(d_n)
+    row = np.empty(d_n, np.float32)
+    ss = np.empty(d_n, np.float32)
+    zz = np.zeros(d_n, np.float32)
+    ng = (d_n + g - 1) // g if per_token else (ts + g - 1) // g
+    r = 0
+    for b in range(nb):
+        for hi in range(hs):
+            for ti in range(ts):
+                dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                src = _u(r * d_n)
+                r += 1
+                if per_token:
+                    for gi in range(ng):
+                        m = r * ng - ng + gi
+                        s = f16_bits_to_f32(scf[m])
+                        d0, d1 = _u(gi * g), _u(min(gi * g + g, d_n))
+                        if minmax:
+                            z = f16_bits_to_f32(zf[m])
+                            for d in range(d0, d1):
+                                v = levels[sf[src + d]] * s
+                                row[d] = z + v
+                        else:
+                            for d in range(d0, d1):
+                                row[d] = levels[sf[src + d]] * s
+                    store_row(of, dst, row, dn, kind)
+                    continue
+                if ti % g == 0:
+                    m = _u(((b * hs + hi) * ng + ti // g) * d_n)
+                    for d in range(dn):
+                        ss[d] = f16_bits_to_f32(scf[m + d])
+                    if minmax:
+                        for d in range(dn):
+                            zz[d] = f16_bits_to_f32(zf[m + d])
+                if minmax:
+                    for d in range(dn):
+                        v = levels[sf[src + d]] * ss[d]
+                        row[d] = zz[d] + v
+                else:
+                    for d in range(dn):
+                        row[d] = levels[sf[src + d]] * ss[d]
+                store_row(of, dst, row, dn, kind)
