@@ -40,14 +40,17 @@ def test_default_space_enumerates_the_full_product():
 def test_full_space_has_the_pca_family_and_subset_keeps_the_replay_candidates():
     space = load_space("full")
     pca = [c for c in space.candidates if c.params["kv.name"] == "dp-alloc"]
-    assert sorted((c.config.key.bits, c.config.codec.name) for c in pca) == sorted(
-        (b, codec) for b in (1.5, 2, 3, 4) for codec in ("bitpack", "range"))
-    assert all(c.config.transforms[0].rope == "pre" and c.config.key.sink_tokens == 4 for c in pca)
-    assert len(space) == 1280 + 768 + 16 + 8
-    others = [c.policy_id for c in space.candidates if c.params["kv.name"] != "dp-alloc"]
+    kept = lambda c: c.config.transforms[0].fraction if c.config.transforms[0].name == "keep" else 1.0  # noqa: E731
+    assert sorted((c.config.key.bits, c.config.codec.name, kept(c)) for c in pca) == sorted(
+        (b, codec, f) for b in (1.5, 2, 3, 4) for codec in ("bitpack", "range") for f in (0.7, 0.85, 1.0))
+    assert all(c.config.transforms[-1].rope == "pre" and c.config.key.sink_tokens == 4 for c in pca)
+    codebook = [c for c in space.candidates if c.params["kv.name"] == "codebook"]
+    assert {(c.config.key.bits, c.config.value.bits) for c in codebook} == {(k, v) for k in (2, 3, 4) for v in (2, 3, 4)}
+    assert len(space) == 1280 + 768 + 16 + 144 + 24
+    others = [c.policy_id for c in space.candidates if c.params["kv.name"] not in ("dp-alloc", "codebook")]
     sub = space.subset(others + ["not-an-id"])
     assert [c.policy_id for c in sub.candidates] == others and [c.index for c in sub.candidates] == list(range(len(others)))
-    with pytest.raises(SpaceError, match="none of the 2072 candidates"):
+    with pytest.raises(SpaceError, match="none of the 2232 candidates"):
         space.subset([])
 
 
