@@ -392,6 +392,29 @@ def test_keep_is_refused_on_sliding_window_models_and_other_workloads(tiny_gemma
         check_selection_fits(llama, cfg, workload="qa", supported=False)
 
 
+def test_a_profile_leaves_out_the_keep_candidates_its_model_cannot_evaluate(tiny_gemma_dir, tiny_model_dir, tiny_text,
+                                                                           tmp_path):
+    """On a sliding-window model the default-like space keeps its other candidates (a run
+    would otherwise fail on its first keep trial); on a llama every candidate stays."""
+    from kvtune.evaluate.model import load_model
+    from kvtune.evaluate.workloads import make_workload
+    from kvtune.methods.tqc.profile import runnable_space
+    from kvtune.methods.tqc.settings import ProfileSettings
+    from kvtune.search.space import load_space
+
+    path = tmp_path / "s.yaml"
+    path.write_text("version: 2\nname: s\nfixed: {kv.name: uniform, codec: bitpack}\nparameters:\n"
+                    "  kv.bits: [2, 4]\n  keep.fraction: {type: float, values: [0.5, 1.0]}\n")
+    space = load_space(path)
+    settings = ProfileSettings(text=str(tiny_text), contexts=2, cheap_samples=2, context_tokens=48, continuation_tokens=8)
+    gemma = make_workload("continuation", load_model(str(tiny_gemma_dir), "cpu"), settings=settings)
+    kept, why = runnable_space(space, gemma)
+    assert len(space) == 4 and [c.config.transforms for c in kept.candidates] == [(), ()]
+    assert len(why) == 1 and why[0].startswith("2 candidate(s) left out") and "sliding-window" in why[0]
+    llama = make_workload("continuation", load_model(str(tiny_model_dir), "cpu"), settings=settings)
+    assert runnable_space(space, llama) == (space, [])
+
+
 def test_snapkv_like_preset_is_kivi4_behind_keep():
     from kvtune.codecs.presets import load_presets
 

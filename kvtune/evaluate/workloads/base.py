@@ -343,6 +343,8 @@ class Workload(ABC):
     default_cheap_samples: ClassVar[int] = 8
     default_max_new_tokens: ClassVar[int] = 0
     score_names: ClassVar[dict[str, str]] = {"cheap": "", "full": ""}
+    #: Whether :meth:`evaluate` runs token-selecting policies (``keep``) on shortened caches.
+    evaluates_selection: ClassVar[bool] = False
 
     def __init__(self, lm: LoadedModel, *, settings: WorkloadSettings,
                  progress: Callable[[int], None] | None = None) -> None:
@@ -442,6 +444,15 @@ class Workload(ABC):
             ]
         return self._baselines[fidelity]
 
+    def policy_problem(self, config: PolicyConfig) -> str | None:
+        """Why :meth:`evaluate` would refuse ``config`` on this workload and model, or ``None``
+        (:func:`check_selection_fits`: ``keep`` where shortened caches are not evaluated)."""
+        try:
+            check_selection_fits(self.lm, config, workload=self.name, supported=self.evaluates_selection)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
     def evaluate(self, config: PolicyConfig, *, fidelity: str = "cheap") -> dict[str, Any]:
         """Evaluate one policy at ``fidelity``.
 
@@ -463,7 +474,7 @@ class Workload(ABC):
             ConfigError: a token-selecting policy (``keep``), which only the continuation
                 workload evaluates (:func:`check_selection_fits`), before any encoding.
         """
-        check_selection_fits(self.lm, config, workload=self.name, supported=False)
+        check_selection_fits(self.lm, config, workload=self.name, supported=self.evaluates_selection)
         t0 = time.perf_counter()
         base = self.baseline(fidelity)
         n = self.num_samples(fidelity)

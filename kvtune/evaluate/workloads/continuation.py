@@ -174,6 +174,7 @@ class ContinuationWorkload(Workload):
     #: Contexts per continuation forward pass (baseline and evaluations alike).
     batch_size = 4
     score_names = {"cheap": "continuation_token_prob", "full": "continuation_token_prob"}
+    evaluates_selection = True
 
     def __init__(self, lm: LoadedModel, *, settings: WorkloadSettings, progress: Callable[[int], None] | None = None,
                  cap: Capture | None = None, parts: Sequence[Sequence[CapturedBatch]] | None = None) -> None:
@@ -317,7 +318,7 @@ class ContinuationWorkload(Workload):
         Raises:
             ConfigError: ``keep`` on a model with sliding-window layers, before any encoding.
         """
-        check_selection_fits(self.lm, config, workload=self.name, supported=True)
+        check_selection_fits(self.lm, config, workload=self.name, supported=self.evaluates_selection)
         t0 = time.perf_counter()
         base = self.baseline(fidelity)
         n = self.num_samples(fidelity)

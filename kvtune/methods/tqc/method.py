@@ -14,6 +14,7 @@ Table: the Pareto front of the final-fidelity rows, gated on the 95 % interval's
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import Any
 
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
 from kvtune.methods.tqc.settings import ProfileSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,7 +129,7 @@ class TQCMethod(Method):
         from kvtune.evaluate.ratio import estimate_ratios
         from kvtune.evaluate.workloads import make_workload, workload_sample_counts
         from kvtune.search.optimizers import OPTIMIZERS
-        from kvtune.methods.tqc.profile import calibrated_space
+        from kvtune.methods.tqc.profile import calibrated_space, runnable_space
         from kvtune.search.space import load_space
 
         torch.manual_seed(settings.seed)
@@ -142,6 +145,9 @@ class TQCMethod(Method):
                            parts=parts)
         if wl.cheap_is_full:  # e.g. --samples equal to --cheap-samples: search at full, nothing to refine
             settings = dataclasses.replace(settings, search_fidelity="full")
+        space, dropped = runnable_space(space, wl)
+        for line in dropped:
+            log.warning("space %s: %s", space.name, line)
         space = calibrated_space(space, lm, wl.calibration_ids(), run_dir, hooks.on_stage, hooks.on_progress,
                                  pca_ids=wl.pca_calibration_ids)  # windows apart from the evaluated ones
         ratios = None
@@ -150,7 +156,7 @@ class TQCMethod(Method):
             ratios = estimate_ratios([c.config for c in space.candidates], wl.kv_sample(), progress=hooks.on_progress)
         info = {
             "settings": settings.to_dict(),
-            "space": {"name": space.name, "path": str(space.path), "candidates": len(space)},
+            "space": {"name": space.name, "path": str(space.path), "candidates": len(space), "left_out": dropped},
             "model_info": lm.describe(),
             "workload": settings.workload,
             "workload_info": wl.describe(),

@@ -334,6 +334,27 @@ def read_calibration(path: Path) -> dict[str, Any]:
     return doc
 
 
+def runnable_space(space, workload) -> tuple[Any, list[str]]:
+    """``space`` without the candidates ``workload`` cannot evaluate on its model
+    (:meth:`~kvtune.evaluate.workloads.base.Workload.policy_problem`: e.g. token selection,
+    ``keep``, on a workload or model that does not run shortened caches), and one line per
+    kind of dropped candidate saying why (empty when none is dropped).
+
+    Raises:
+        SpaceError: no candidate is left (the message names the space).
+    """
+    problems = {c.policy_id: workload.policy_problem(c.config) for c in space.candidates}
+    if not any(problems.values()):
+        return space, []
+    reasons: dict[str, int] = {}
+    for p in problems.values():
+        if p is not None:
+            why = p.split(": ", 1)[-1]
+            reasons[why] = reasons.get(why, 0) + 1
+    kept = space.subset([pid for pid, p in problems.items() if p is None])
+    return kept, [f"{n} candidate(s) left out: {why}" for why, n in reasons.items()]
+
+
 def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on_stage: Hook, on_progress: Hook,
                      *, pca_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None):
     """Fill the space's calibration data from ``calibration.json`` or new calibration passes:
