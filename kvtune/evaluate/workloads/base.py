@@ -106,24 +106,30 @@ def _encode_kwargs(lm: LoadedModel) -> dict[str, Any]:
     return {"layer_types": lm.layer_types} if "layer_types" in params else {}
 
 
-def check_selection_fits(lm: LoadedModel, config: PolicyConfig, *, workload: str, supported: bool) -> None:
-    """Refuse a token-selecting policy (``keep``, :mod:`kvtune.codecs.select`) where its shorter
-    cache cannot be evaluated, before anything is encoded: a workload that does not run
+def selection_unsupported(lm: LoadedModel, config: PolicyConfig, *, workload: str, supported: bool) -> str | None:
+    """Why a token-selecting policy (``keep``, :mod:`kvtune.codecs.select`) cannot be evaluated
+    here, or ``None`` (always ``None`` for other policies): a workload that does not run
     shortened caches at their true positions (``supported`` False), or a model with
     sliding-window layers (their cache keeps the last positions, which a selection cannot
-    shorten consistently; Gemma-3). Other policies pass.
+    shorten consistently; Gemma-3). The reason does not name the policy."""
+    if selecting_transform(config) is None:
+        return None
+    if not supported:
+        return f"workload {workload!r} does not evaluate token selection (keep); use the continuation workload"
+    if "sliding_attention" in lm.layer_types:
+        return f"token selection (keep) is not supported on {lm.name!r}, which has sliding-window layers"
+    return None
+
+
+def check_selection_fits(lm: LoadedModel, config: PolicyConfig, *, workload: str, supported: bool) -> None:
+    """Refuse what :func:`selection_unsupported` names, before anything is encoded.
 
     Raises:
         ConfigError: naming the policy and the reason.
     """
-    if selecting_transform(config) is None:
-        return
-    if not supported:
-        raise ConfigError(f"policy {config.label}: workload {workload!r} does not evaluate token selection (keep); "
-                          "use the continuation workload")
-    if "sliding_attention" in lm.layer_types:
-        raise ConfigError(f"policy {config.label}: token selection (keep) is not supported on {lm.name!r}, "
-                          "which has sliding-window layers")
+    reason = selection_unsupported(lm, config, workload=workload, supported=supported)
+    if reason is not None:
+        raise ConfigError(f"policy {config.label}: {reason}")
 
 
 def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> tuple[KVLayers, bytes, float, float]:
@@ -446,12 +452,9 @@ class Workload(ABC):
 
     def policy_problem(self, config: PolicyConfig) -> str | None:
         """Why :meth:`evaluate` would refuse ``config`` on this workload and model, or ``None``
-        (:func:`check_selection_fits`: ``keep`` where shortened caches are not evaluated)."""
-        try:
-            check_selection_fits(self.lm, config, workload=self.name, supported=self.evaluates_selection)
-        except ConfigError as exc:
-            return str(exc)
-        return None
+        (:func:`selection_unsupported`: ``keep`` where shortened caches are not evaluated); the
+        reason does not name the policy."""
+        return selection_unsupported(self.lm, config, workload=self.name, supported=self.evaluates_selection)
 
     def evaluate(self, config: PolicyConfig, *, fidelity: str = "cheap") -> dict[str, Any]:
         """Evaluate one policy at ``fidelity``.

@@ -347,9 +347,8 @@ def runnable_space(space, workload) -> tuple[Any, list[str]]:
     if not any(problems.values()):
         return space, []
     reasons: dict[str, int] = {}
-    for p in problems.values():
-        if p is not None:
-            why = p.split(": ", 1)[-1]
+    for why in problems.values():
+        if why is not None:
             reasons[why] = reasons.get(why, 0) + 1
     kept = space.subset([pid for pid, p in problems.items() if p is None])
     return kept, [f"{n} candidate(s) left out: {why}" for why, n in reasons.items()]
