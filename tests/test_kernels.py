@@ -874,9 +874,13 @@ def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
     words = out[start:]
     assert words.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION)  # byte-identical
     assert ref_decode(words.tolist(), n, bits, m, div, mod, ref, KR.PRECISION) == sym.tolist()
-    tab, bk = K.rans_decoder_tables(freq, cum, KR.PRECISION)
+    slots = np.empty(mod << KR.PRECISION, np.uint8)
+    fc = K.rans_decoder_tables(freq, cum, KR.PRECISION, slots)
+    assert [[int(slots[(q << KR.PRECISION) + j]) for j in range(1 << KR.PRECISION)] for q in range(mod)] == [
+        [s for s, f in enumerate(row) for _ in range(f)] for row in ref]  # the symbol of every slot
+    assert (fc >> 16).tolist() == freq.reshape(-1).tolist() and (fc & 0xFFFF).tolist() == cum[:, :-1].reshape(-1).tolist()
     dec = np.empty(n * m, np.uint8)
-    assert K.rans_decode(words, bits, m, div, mod, tab, bk, KR.PRECISION, dec) == words.size
+    assert K.rans_decode(words, bits, m, div, mod, fc, slots, KR.PRECISION, dec) == words.size
     assert np.array_equal(dec, sym)
 
 
@@ -914,6 +918,79 @@ def test_rans_form_bits_matches_numpy(groups, k):
         for pooled in (False, True):
             got = K.rans_form_bits(counts.astype(np.int64), neg_grid, grid16, steps, pooled, MAX_LEVEL)
             assert got == pytest.approx(numpy_form_bits(counts, steps, pooled), rel=1e-12)
+
+
+@covers("rans_choose_table")
+@pytest.mark.parametrize("groups, k", [(1, 4), (5, 16), (64, 4), (3, 256)])
+def test_rans_choose_table_matches_numpy(groups, k):
+    """The chosen form is the one of fewest estimated bits (first of equals); its levels are
+    ``count_levels``' codes and its residuals the zigzagged differences described in the doc."""
+    from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS, count_levels, level_weights
+
+    neg_grid = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
+    grid16 = level_weights(np.arange(1, 17), 16)
+    forms = [(1, 0), (2, 0), (2, 1), (3, 1)]
+    steps, pooled = (np.array(c, np.int64) for c in zip(*[(TABLE_STEPS[si], p) for si, p in forms]))
+    zig = lambda r: np.where(r >= 0, 2 * r, -2 * r - 1)  # noqa: E731
+    rng = np.random.default_rng(groups * k + 1)
+    for trial in range(4):
+        counts = (rng.geometric(0.2 + 0.2 * trial, size=(groups, k)) - 1) * (rng.random((groups, k)) < 0.8)
+        counts[:, 0] += 1
+        counts = counts.astype(np.int64)
+        bits = [K.rans_form_bits(counts, neg_grid, grid16, st, bool(po), MAX_LEVEL) if po or groups > 1 else np.inf
+                for st, po in zip(steps, pooled)]
+        want = int(np.argmin(bits))
+        form, levels, res = K.rans_choose_table(counts, neg_grid, grid16, steps, pooled, MAX_LEVEL)
+        assert form == want
+        pool = count_levels(counts.sum(axis=0, keepdims=True), int(steps[want]))[0]
+        expect_levels = pool[None, :] if pooled[want] else count_levels(counts, int(steps[want]))
+        assert np.array_equal(levels, expect_levels)
+        expect_res = zig(np.diff(pool, prepend=0))
+        if not pooled[want]:
+            expect_res = np.concatenate([expect_res, zig(expect_levels[:, pool > 0] - pool[pool > 0]).reshape(-1)])
+        assert np.array_equal(res, expect_res)
+
+
+@covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols")
+@pytest.mark.parametrize("model, bits, shape", [("per_channel", 2, (1, 3, 40, 64)), ("per_head", 4, (1, 2, 33, 8)),
+                                                ("global", 3, (2, 1, 5, 7)), ("per_channel", 8, (1, 1, 9, 16))])
+def test_rans_payload_kernels_match_their_steps(model, bits, shape):
+    """One call == the steps it fuses: counts, table choice, residual words (a one-model
+    coder over the zigzagged residuals), level weights (``level_to_weights``), fused tables and
+    the symbols' words; the decoder inverts it and reports a forged table as status 3."""
+    from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS
+    from kvtune.codecs import rans as R
+
+    rng = np.random.default_rng(bits)
+    x = np.minimum(rng.geometric(0.45, size=shape) - 1, (1 << bits) - 1).astype(np.uint8)
+    flat = x.reshape(-1)
+    lay = R.layout_for_shape(model, bits, shape)
+    coder, cg, cp = R._coder_plan(lay)
+    form, hist, twords, words = K.rans_encode_symbols(flat, bits, lay.m, *lay.count_args(), lay.groups, coder, cg, cp,
+                                                      R._NEG_GRID, R._GRID16, R._FORM_STEPS, R._FORM_POOLED, MAX_LEVEL,
+                                                      R.WEIGHT_BITS, KR.PRECISION)
+    counts = K.rans_count_groups(flat, *lay.count_args(), lay.groups, 1 << bits)
+    f2, levels, res = K.rans_choose_table(counts, R._NEG_GRID, R._GRID16, R._FORM_STEPS, R._FORM_POOLED, MAX_LEVEL)
+    assert form == f2 and np.array_equal(hist, np.bincount(res))
+    si, pooled = R._GROUP_FORMS[form]
+    weights = K.rans_level_weights(levels, TABLE_STEPS[si], R._GRID16, R.WEIGHT_BITS)
+    assert np.array_equal(weights, R.level_to_weights(levels, TABLE_STEPS[si]))
+    tb = max(1, int(hist.size - 1).bit_length())
+    w = np.zeros((1, 1 << tb), np.int64)
+    w[0, : hist.size] = hist
+    tf, tc = K.rans_fused_tables(w, np.zeros((1, 1), np.int64), tb, KR.PRECISION)
+    assert twords.tolist() == ref_encode(res, tb, 1, 1, 1, tf.tolist(), KR.PRECISION)
+    div, mod, comp = lay.coder_args(pooled)
+    freq, cum = K.rans_fused_tables(weights, comp, bits, KR.PRECISION)
+    assert words.tolist() == ref_encode(flat, bits, lay.m, div, mod, freq.tolist(), KR.PRECISION)
+    out = np.empty(flat.size, np.uint8)
+    args = (bits, lay.m, lay.groups, TABLE_STEPS[si], pooled, coder, cg, cp, R._GRID16, MAX_LEVEL, R.WEIGHT_BITS, KR.PRECISION, out)
+    assert K.rans_decode_symbols(hist, twords, words, *args) == 0
+    assert np.array_equal(out, flat)
+    forged = hist.copy()
+    forged[0] += 1  # the table words no longer decode to this histogram
+    assert K.rans_decode_symbols(forged, twords, words, *args) in (1, 3)
+    assert K.rans_decode_symbols(hist, twords, words[:-1], *args) == 8
 
 
 @covers("rans_count_groups")

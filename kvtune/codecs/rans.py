@@ -5,14 +5,18 @@ order-0 distributions per (layer, K/V, group), estimated from the data and sent 
 :mod:`kvtune.codecs.range_coder` describes the groups ``per_channel`` / ``per_head`` /
 ``global`` and the level-code tables), coded with kvtune's own rANS
 (:mod:`kvtune.codecs.kernels.rans`: Duda, arXiv 1311.2540; 4 interleaved 32-bit states after
-Giesen, arXiv 1402.3392; 16-bit words; 15-bit probabilities) instead of constriction's range
-coder, so that coding runs in compiled loops without per-call overhead.
+Giesen, arXiv 1402.3392; 16-bit words; 13-bit probabilities) instead of constriction's range
+coder, so that coding runs in compiled loops without per-call overhead: one kernel call per
+tensor each way (:func:`kvtune.codecs.kernels.rans_encode_symbols` /
+:func:`~kvtune.codecs.kernels.rans_decode_symbols`: counts, table choice, tables, words), which
+releases the GIL, so the codec threads of :mod:`kvtune.codecs.fastpath` run in parallel (with
+the steps as separate calls, two threads decoded slower than one).
 
 **Models.** A group's distribution travels as level codes (:func:`~kvtune.codecs.range_coder.count_levels`,
 ``steps`` levels per octave; 0 = absent). The decoder turns them into integer weights
 ``floor(2**20 * 2**(-(q - 1)/steps))`` (at least 1) and normalizes them with integer arithmetic
 (:func:`kvtune.codecs.kernels.rans.rans_normalize`): every present symbol gets frequency >= 1, the
-frequencies sum to exactly ``2**15``, and encoder and decoder build the same tables on every
+frequencies sum to exactly ``2**13``, and encoder and decoder build the same tables on every
 machine. The encoder picks the table form with the fewest estimated bits: per-group codes with
 2 or 4 levels per octave, or one pooled row with 4 or 8.
 
@@ -21,7 +25,7 @@ machine. The encoder picks the table form with the fewest estimated bits: per-gr
 per_channel, the (batch, head) block for per_head, the tensor for global) are coded as one
 super-symbol with the product distribution (first symbol least significant; per_channel fuses
 adjacent channels, the fused model being the product of their models), so 2-bit symbols take a
-quarter of the coder steps. Products are rounded to 15 bits (rare tail products to 1/2**15),
+quarter of the coder steps. Products are rounded to 13 bits (rare tail products to 1/2**13),
 which costs a fraction of a percent on real KV (measured in ``tests/test_rans.py``).
 
 **Tables on the wire.** The pooled row's codes are sent as zigzagged differences to their left
@@ -56,6 +60,7 @@ lane must end in the encoder's initial state and the padding must be zero. Any f
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
@@ -68,7 +73,7 @@ import torch
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
 from kvtune.codecs.kernels import rans as KR
-from kvtune.codecs.range_coder import KIND_RAW, MAX_LEVEL, MAX_TABLE_ENTRIES, MODELS, TABLE_STEPS, count_levels, fusion_factor, level_weights
+from kvtune.codecs.range_coder import KIND_RAW, MAX_LEVEL, MAX_TABLE_ENTRIES, MODELS, TABLE_STEPS, fusion_factor, level_weights
 from kvtune.core.errors import CorruptStreamError
 
 __all__ = [
@@ -188,76 +193,20 @@ def level_to_weights(levels: np.ndarray, steps: int) -> np.ndarray:
     return np.where(q > 0, np.maximum(w, 1), 0)
 
 
-def _zigzag(r: np.ndarray) -> np.ndarray:
-    return np.where(r >= 0, 2 * r, -2 * r - 1)
-
-
-def _residuals(levels: np.ndarray, pool: np.ndarray, pooled: bool) -> np.ndarray:
-    """Table residuals in coding order: the pooled row against its left neighbour, then (per-group)
-    every group's codes of the pool's present symbols against the pooled code."""
-    z = _zigzag(np.diff(pool, prepend=0))
-    if pooled:
-        return z
-    present = pool > 0
-    return np.concatenate([z, _zigzag(levels[:, present] - pool[present]).reshape(-1)])
-
-
-@dataclass(frozen=True)
-class _Table:
-    steps: int  # index into TABLE_STEPS
-    pooled: bool
-    levels: np.ndarray  # (G, K), or (1, K) when pooled
-    residuals: np.ndarray
-
-
 _NEG_GRID = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
 """``-2**(-u/16)``, ``u = 1 ..`` the last level boundary (the grid of ``count_levels``)."""
 _GRID16 = level_weights(np.arange(1, 17), 16)
+_FORM_STEPS = np.array([TABLE_STEPS[si] for si, _ in _GROUP_FORMS], np.int64)
+_FORM_POOLED = np.array([pooled for _, pooled in _GROUP_FORMS], np.int64)
 
 
-def _choose_table(counts: np.ndarray) -> _Table:
-    """The cheapest of :data:`_GROUP_FORMS` for ``counts`` int64 ``(G, K)``: estimated bits
-    (:func:`kvtune.codecs.kernels.rans_form_bits`), first of equals; then that form's levels
-    and residuals."""
-    best, best_bits = None, math.inf
-    for si, pooled in _GROUP_FORMS:
-        if not pooled and counts.shape[0] == 1:
-            continue
-        bits = KR.rans_form_bits(counts, _NEG_GRID, _GRID16, TABLE_STEPS[si], pooled, MAX_LEVEL)
-        if bits < best_bits:
-            best, best_bits = (si, pooled), bits
-    assert best is not None
-    si, pooled = best
-    pool = count_levels(counts.sum(axis=0, keepdims=True), TABLE_STEPS[si])[0]
-    levels = pool[None, :] if pooled else count_levels(counts, TABLE_STEPS[si])
-    return _Table(si, pooled, levels, _residuals(levels, pool, pooled))
-
-
-def _hist_model(hist: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-    """``(bits, freq, cum)`` of a one-model table over the residual alphabet (padded to 2**bits)."""
-    bits = max(1, int(hist.size - 1).bit_length())
-    w = np.zeros((1, 1 << bits), np.int64)
-    w[0, : hist.size] = hist
-    freq, cum = KR.rans_fused_tables(w, np.zeros((1, 1), np.int64), bits, KR.PRECISION)
-    return bits, freq, cum
-
-
-def _rans_words(sym: np.ndarray, bits: int, m: int, div: int, mod: int, freq: np.ndarray, cum: np.ndarray) -> np.ndarray:
-    out = np.empty(sym.size // m + 2 * KR.LANES, np.uint16)
-    start = KR.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out)
-    return out[start:]
-
-
-def _unrans(words: np.ndarray, n: int, bits: int, m: int, div: int, mod: int, freq, cum, dtype, what: str, padded: bool) -> np.ndarray:
-    """Decode ``n`` symbols from ``words``; trailing words must be zero (``padded``) or absent."""
-    out = np.empty(n, dtype)
-    tab, bk = KR.rans_decoder_tables(freq, cum, KR.PRECISION)
-    used = KR.rans_decode(words, bits, m, div, mod, tab, bk, KR.PRECISION, out)
-    if used < 0:
-        raise _err(f"{what} do not decode (the words run out, or a state is off at the end)")
-    if used != words.size and (not padded or words[used:].any()):
-        raise _err(f"{words.size - used} words follow {what}" + (" and are not zero padding" if padded else ""))
-    return out
+@functools.lru_cache(maxsize=256)
+def _coder_plan(lay: RansLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(coder, comp_group, comp_pooled)`` of the payload kernels for ``lay``: ``coder`` =
+    int64 ``(div, mod)`` per group then pooled (see :meth:`RansLayout.coder_args`)."""
+    dg, mg, cg = lay.coder_args(False)
+    dp, mp, cp = lay.coder_args(True)
+    return np.array([dg, mg, dp, mp], np.int64), cg, cp
 
 
 # ----------------------------------------------------------------------------- encode
@@ -269,23 +218,19 @@ def _header_crc(head: bytes | memoryview, count: int, bits: int) -> int:
 
 def encode_rans(symbols: np.ndarray, bits: int, model: str) -> bytes:
     """rANS-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8): the
-    kind-3 encoding of :class:`RansCodec`, without its raw fallback (module doc: wire layout)."""
+    kind-3 encoding of :class:`RansCodec`, without its raw fallback (module doc: wire layout).
+    The coding runs in one kernel call (:func:`kvtune.codecs.kernels.rans_encode_symbols`)."""
     lay = layout_for_shape(model, bits, symbols.shape)
     if lay.count == 0:
         raise ValueError("rans codec: nothing to encode")
     flat = np.ascontiguousarray(symbols).reshape(-1)
-    k = 1 << bits
-    counts = KR.rans_count_groups(flat, *lay.count_args(), lay.groups, k)
-    table = _choose_table(counts)
-    steps = TABLE_STEPS[table.steps]
-    hist = np.bincount(table.residuals)
-    tbits, tfreq, tcum = _hist_model(hist)
-    twords = _rans_words(table.residuals.astype(np.uint16), tbits, 1, 1, 1, tfreq, tcum)
-    div, mod, comp = lay.coder_args(table.pooled)
-    freq, cum = KR.rans_fused_tables(level_to_weights(table.levels, steps), comp, bits, KR.PRECISION)
-    words = _rans_words(flat, bits, lay.m, div, mod, freq, cum)
+    coder, comp_group, comp_pooled = _coder_plan(lay)
+    form, hist, twords, words = KR.rans_encode_symbols(
+        flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
+        _NEG_GRID, _GRID16, _FORM_STEPS, _FORM_POOLED, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION)
+    si, pooled = _GROUP_FORMS[form]
     head = b"".join([
-        bytes([KIND_RANS, MODELS.index(model) | table.steps << 2 | int(table.pooled) << 4, lay.m]),
+        bytes([KIND_RANS, MODELS.index(model) | si << 2 | int(pooled) << 4, lay.m]),
         struct.pack(f"<{len(lay.dims)}I", *lay.dims),
         struct.pack("<H", hist.size - 1), hist.astype("<u4").tobytes(),
         struct.pack("<I", twords.size), twords.astype("<u2").tobytes(),
@@ -330,36 +275,6 @@ def _check_layout(model: str, bits: int, m: int, dims: tuple[int, ...], count: i
     return lay
 
 
-def _decode_levels(hist: np.ndarray, twords: np.ndarray, lay: RansLayout, bits: int, pooled: bool) -> np.ndarray:
-    """Level codes ``(G, K)`` (``(1, K)`` pooled) from the table histogram and words."""
-    k = 1 << bits
-    total = int(hist.sum())
-    if total > k * (lay.groups + 1):
-        raise _err(f"the table histogram counts {total} entries, a table has at most {k * (lay.groups + 1)}")
-    if total < k:
-        raise _err("the table histogram counts fewer entries than the pooled row has")
-    tbits, tfreq, tcum = _hist_model(hist)
-    z = _unrans(twords, total, tbits, 1, 1, 1, tfreq, tcum, np.uint16, "the table words", False).astype(np.int64)
-    if not np.array_equal(np.bincount(z, minlength=hist.size), hist):
-        raise _err("the decoded table does not match its histogram")
-    r = np.where(z & 1, -(z >> 1) - 1, z >> 1)
-    pool = np.cumsum(r[:k])
-    if pool.min() < 0 or pool.max() > MAX_LEVEL or not pool.any():
-        raise _err("a pooled table code is out of range")
-    if pooled:
-        if total != k:
-            raise _err("the table histogram does not count the pooled row's entries")
-        return pool[None, :]
-    present = pool > 0
-    if total != k + lay.groups * int(present.sum()):
-        raise _err("the table histogram does not count the table's entries")
-    levels = np.zeros((lay.groups, k), np.int64)
-    levels[:, present] = pool[present] + r[k:].reshape(lay.groups, -1)
-    if levels.min() < 0 or levels.max() > MAX_LEVEL or not (levels > 0).any(axis=1).all():
-        raise _err("a table code is out of range or a group has no symbol")
-    return levels
-
-
 def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarray:
     """Decode a kind-3 payload (the kind byte included) to ``count`` flat uint8 symbols.
 
@@ -390,14 +305,22 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     crc_at = rd.pos
     if rd.uint("<I", "the header checksum") != _header_crc(buf[:crc_at], count, bits):
         raise _err(f"header checksum mismatch (altered header or table, or not written for {count} symbols of {bits} bits)")
-    levels = _decode_levels(hist, twords, lay, bits, pooled)
+    k = 1 << bits
+    total = int(hist.sum())
+    if total > k * (lay.groups + 1):
+        raise _err(f"the table histogram counts {total} entries, a table has at most {k * (lay.groups + 1)}")
+    if total < k:
+        raise _err("the table histogram counts fewer entries than the pooled row has")
     nw = rd.uint("<I", "the coder word count")
     words = np.frombuffer(rd.take(2 * nw, "the coder words"), "<u2").astype(np.uint16)
     if rd.pos != len(buf):
         raise _err(f"{len(buf) - rd.pos} bytes follow the coder words")
-    div, mod, comp = lay.coder_args(pooled)
-    freq, cum = KR.rans_fused_tables(level_to_weights(levels, TABLE_STEPS[si]), comp, bits, KR.PRECISION)
-    out = _unrans(words, count, bits, lay.m, div, mod, freq, cum, np.uint8, "the coder words", True)
+    coder, comp_group, comp_pooled = _coder_plan(lay)
+    out = np.empty(count, np.uint8)
+    status = KR.rans_decode_symbols(hist, twords, words, bits, m, lay.groups, TABLE_STEPS[si], pooled, coder,
+                                    comp_group, comp_pooled, _GRID16, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, out)
+    if status:
+        raise _err(KR.DECODE_ERRORS[status])
     return out
 
 

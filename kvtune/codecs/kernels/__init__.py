@@ -84,6 +84,10 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     from .finite import all_finite_bf16, all_finite_f32, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
     from .rans import (
+        rans_choose_table,
+        rans_decode_symbols,
+        rans_encode_symbols,
+        rans_level_weights,
         rans_count_groups,
         rans_decode,
         rans_decoder_tables,
@@ -156,6 +160,10 @@ __all__ = [
     "rans_fused_tables",
     "rans_decoder_tables",
     "rans_count_groups",
+    "rans_choose_table",
+    "rans_level_weights",
+    "rans_encode_symbols",
+    "rans_decode_symbols",
     "rans_form_bits",
     "rans_encode",
     "rans_decode",
