@@ -1,14 +1,15 @@
-"""Compare the full-fidelity fronts of profile runs: a plot and the best ratio per accuracy floor.
+"""Compare the fronts of profile runs at one fidelity: a plot and the best ratio per accuracy floor.
 
 Usage::
 
     python benchmarks/front_plot.py --run before=profiles/default-s7 --run after=profiles/default-s8 \\
         --run ablation=profiles/front-ablation-full --out benchmarks/results/front_issue16
 
-Reads each run's ``trials.parquet`` (the rows evaluated at full fidelity), writes
+Reads each run's ``trials.parquet`` (the rows evaluated at ``--fidelity``, default ``full``;
+``cheap`` for runs searched and not refined at cheap fidelity), writes
 ``<out>/front.svg`` (compression ratio, log scale, against relative accuracy with its 95 %
 bootstrap interval; the 97 % and 99 % floors drawn) and ``<out>/front.md`` (per run, the best
-ratio whose interval's lower end clears 99 / 97 / 95 / 90 %, and every full-fidelity policy),
+ratio whose interval's lower end clears 99 / 97 / 95 / 90 %, and every policy at that fidelity),
 and copies each ``trials.parquet`` next to them as ``<name>.trials.parquet`` so the figures can
 be redrawn. Writes are atomic.
 """
@@ -26,10 +27,10 @@ from kvtune.core.atomic import atomic_write_text
 FLOORS = (0.99, 0.97, 0.95, 0.90)
 
 
-def full_rows(trials: Path) -> pd.DataFrame:
-    """The full-fidelity rows of a run's trials, sorted by compression ratio."""
+def fidelity_rows(trials: Path, fidelity: str = "full") -> pd.DataFrame:
+    """The rows of a run's trials evaluated at ``fidelity``, sorted by compression ratio."""
     t = pd.read_parquet(trials)
-    return t[t["fidelity"] == "full"].sort_values("compression_ratio").reset_index(drop=True)
+    return t[t["fidelity"] == fidelity].sort_values("compression_ratio").reset_index(drop=True)
 
 
 def best_at(rows: pd.DataFrame, floor: float) -> pd.Series | None:
@@ -38,8 +39,8 @@ def best_at(rows: pd.DataFrame, floor: float) -> pd.Series | None:
     return None if ok.empty else ok.loc[ok["compression_ratio"].idxmax()]
 
 
-def markdown(runs: dict[str, pd.DataFrame]) -> str:
-    lines = ["# Full-fidelity fronts", "", "Best compression ratio whose 95 % interval's lower end clears each floor:", "",
+def markdown(runs: dict[str, pd.DataFrame], fidelity: str = "full") -> str:
+    lines = [f"# Fronts at {fidelity} fidelity", "", "Best compression ratio whose 95 % interval's lower end clears each floor:", "",
              "| run | " + " | ".join(f"{int(f * 100)} %" for f in FLOORS) + " |", "|---|" + "---|" * len(FLOORS)]
     for name, rows in runs.items():
         cells = []
@@ -87,19 +88,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", required=True, help="NAME=RUN_FOLDER (repeatable)")
     ap.add_argument("--out", type=Path, required=True, help="output folder")
+    ap.add_argument("--fidelity", choices=("full", "cheap"), default="full", help="the trials' fidelity to compare")
     args = ap.parse_args()
     runs = {}
     for spec in args.run:
         name, sep, folder = spec.partition("=")
         if not sep or not (Path(folder) / "trials.parquet").is_file():
             ap.error(f"--run {spec!r}: expected NAME=RUN_FOLDER holding trials.parquet")
-        runs[name] = full_rows(Path(folder) / "trials.parquet")
+        runs[name] = fidelity_rows(Path(folder) / "trials.parquet", args.fidelity)
+        if runs[name].empty:
+            ap.error(f"--run {spec!r}: no trials at {args.fidelity} fidelity (see --fidelity)")
     args.out.mkdir(parents=True, exist_ok=True)
     for spec in args.run:
         name, _, folder = spec.partition("=")
         shutil.copyfile(Path(folder) / "trials.parquet", args.out / f"{name}.trials.parquet")
     plot(runs, args.out / "front.svg")
-    text = markdown(runs)
+    text = markdown(runs, args.fidelity)
     atomic_write_text(args.out / "front.md", text)
     print(text)
 
