@@ -15,6 +15,7 @@ from kvtune.codecs.bitpack import packed_nbytes
 from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.codecs.rans import (
     KIND_RANS,
+    KIND_RANS_V1,
     MAX_SYMBOLS_PER_BYTE,
     RansCodec,
     empirical_entropy_bits,
@@ -201,3 +202,31 @@ def test_end_to_end_through_policy_and_stream(bits):
         assert len(stream) < len(encode_kv(kv, base))
         for (k, v), (k2, v2) in zip(decode_kv(stream), ref):
             assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_payloads_of_the_15_bit_format_are_refused_with_a_version_error():
+    """Kind 3 (15-bit tables, before 2026-12-02) stops the decode with the typed version error,
+    through the codec and through decode_kv on both paths (the stream's checksums valid)."""
+    import zlib
+
+    from kvtune.codecs.stream import read_header
+    from kvtune.core.errors import StreamVersionError
+
+    x = np.random.default_rng(3).choice(4, p=[0.7, 0.2, 0.07, 0.03], size=(1, 2, 64, 16)).astype(np.uint8)
+    data = RansCodec().pack(x, 2)
+    assert data[0] == KIND_RANS
+    with pytest.raises(StreamVersionError, match="15-bit table format"):
+        RansCodec().unpack(bytes([KIND_RANS_V1]) + data[1:], 2, x.size, shape=x.shape)
+    cfg = PolicyConfig.from_dict({"key": {"name": "uniform", "bits": 2, "granularity": "per_channel"},
+                                  "value": {"name": "uniform", "bits": 2}, "codec": {"name": "rans"}})
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(1, 2, 256, 64, generator=g), torch.randn(1, 2, 256, 64, generator=g))]
+    stream = bytearray(encode_kv(kv, cfg))
+    h = read_header(bytes(stream))
+    at = h.header_nbytes + sum(h.sections[0][0].flat()[:2])
+    assert stream[at] == KIND_RANS
+    stream[at] = KIND_RANS_V1
+    stream[-4:] = zlib.crc32(bytes(stream[:-4])).to_bytes(4, "little")
+    for impl in ("fast", "reference"):
+        with pytest.raises(StreamVersionError, match="15-bit table format"):
+            decode_kv(bytes(stream), impl=impl)

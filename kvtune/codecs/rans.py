@@ -35,8 +35,9 @@ histogram (u32 counts), as the ``range`` codec does with constriction.
 
 Wire layout of one packed tensor (little-endian)::
 
-    u8      kind: 0 = raw (as the ``bitpack`` codec; 16-bit patterns as <u2), 3 = rANS
-    kind 3: u8   model (bits 0-1: 0 global, 1 per_head, 2 per_channel) | steps index (bits 2-3,
+    u8      kind: 0 = raw (as the ``bitpack`` codec; 16-bit patterns as <u2), 4 = rANS (3 = the
+                retired 15-bit format, refused with StreamVersionError)
+    kind 4: u8   model (bits 0-1: 0 global, 1 per_head, 2 per_channel) | steps index (bits 2-3,
                  into TABLE_STEPS) | pooled (bit 4)
             u8   m: fusion factor
             u32  per_channel: D; per_head: B, H; global: nothing
@@ -74,11 +75,12 @@ from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
 from kvtune.codecs.kernels import rans as KR
 from kvtune.codecs.range_coder import KIND_RAW, MAX_LEVEL, MAX_TABLE_ENTRIES, MODELS, TABLE_STEPS, fusion_factor, level_weights
-from kvtune.core.errors import CorruptStreamError
+from kvtune.core.errors import CorruptStreamError, StreamVersionError
 
 __all__ = [
     "RansCodec",
     "KIND_RANS",
+    "KIND_RANS_V1",
     "MAX_SYMBOLS_PER_BYTE",
     "WEIGHT_BITS",
     "RansLayout",
@@ -88,10 +90,12 @@ __all__ = [
     "empirical_entropy_bits",
 ]
 
-KIND_RANS = 3
-"""Kind byte of rANS-coded payloads."""
+KIND_RANS = 4
+"""Kind byte of rANS-coded payloads (13-bit tables)."""
+KIND_RANS_V1 = 3
+"""Kind byte of the retired rANS format with 15-bit tables (refused with StreamVersionError)."""
 MAX_SYMBOLS_PER_BYTE = 1024
-"""A kind-3 payload of ``n`` bytes holds at most ``MAX_SYMBOLS_PER_BYTE * n`` symbols (zero padding)."""
+"""A kind-4 payload of ``n`` bytes holds at most ``MAX_SYMBOLS_PER_BYTE * n`` symbols (zero padding)."""
 WEIGHT_BITS = 20
 """Integer weight of level code 1 (the largest): ``2**WEIGHT_BITS``."""
 
@@ -218,7 +222,7 @@ def _header_crc(head: bytes | memoryview, count: int, bits: int) -> int:
 
 def encode_rans(symbols: np.ndarray, bits: int, model: str) -> bytes:
     """rANS-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8): the
-    kind-3 encoding of :class:`RansCodec`, without its raw fallback (module doc: wire layout).
+    kind-4 encoding of :class:`RansCodec`, without its raw fallback (module doc: wire layout).
     The coding runs in one kernel call (:func:`kvtune.codecs.kernels.rans_encode_symbols`)."""
     lay = layout_for_shape(model, bits, symbols.shape)
     if lay.count == 0:
@@ -276,16 +280,20 @@ def _check_layout(model: str, bits: int, m: int, dims: tuple[int, ...], count: i
 
 
 def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarray:
-    """Decode a kind-3 payload (the kind byte included) to ``count`` flat uint8 symbols.
+    """Decode a kind-4 payload (the kind byte included) to ``count`` flat uint8 symbols.
 
     Raises:
         CorruptStreamError: any inconsistency (see the module doc).
+        StreamVersionError: a payload of the retired 15-bit format (kind 3).
     """
     buf = memoryview(data).cast("B")
     if count > MAX_SYMBOLS_PER_BYTE * len(buf):
         raise _err(f"{len(buf)} bytes cannot hold {count} symbols (at most {MAX_SYMBOLS_PER_BYTE} per byte)")
     rd = _Reader(buf)
     kind, form, m = rd.take(3, "the header")
+    if kind == KIND_RANS_V1:
+        raise StreamVersionError("rans codec: payload in the 15-bit table format (written by kvtune before the "
+                                 "13-bit tables of 2026-12-02); this version reads the 13-bit format only: re-encode the KV")
     if kind != KIND_RANS or bits == RAW16 or count == 0:
         raise _err(f"payload kind {kind} is invalid for {count} symbols of {bits} bits")
     model_id, si, pooled = form & 3, (form >> 2) & 3, bool(form & 16)
@@ -386,12 +394,13 @@ class RansCodec(Codec):
     def max_symbols(self, payload: bytes | memoryview) -> int:
         """The most symbols ``payload`` can hold: ``8 *`` the bytes after the kind byte of a raw
         payload, :data:`MAX_SYMBOLS_PER_BYTE` ``*`` its length for a rANS payload (the encoder pads
-        shorter ones), 0 for an empty payload or an unknown kind."""
+        shorter ones; the retired kind 3 too, so that its decode reports the version), 0 for an
+        empty payload or an unknown kind."""
         if len(payload) == 0:
             return 0
         if payload[0] == KIND_RAW:
             return 8 * (len(payload) - 1)
-        return MAX_SYMBOLS_PER_BYTE * len(payload) if payload[0] == KIND_RANS else 0
+        return MAX_SYMBOLS_PER_BYTE * len(payload) if payload[0] in (KIND_RANS, KIND_RANS_V1) else 0
 
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """rANS-code ``symbols`` (any shape, C order; last axis = channels, axis 1 = heads).
