@@ -22,10 +22,12 @@ every machine. The decoder finds a slot's symbol in one lookup (a ``2**PRECISION
 table per model, see :data:`PRECISION`). Indices are unsigned (``uintp``): numba checks signed indices for
 negative wrap-around on every access.
 
-Speed (2026-12-02, the kernels alone on the real KIVI-2 / KIVI-4 symbols of one 1,024-token
-context of the default model, one thread, load ~0.6): 5-7 ns per coded super-symbol to encode
-and 6-8 ns to decode (decoder tables included), against 14-23 and 23-36 ns for the first
-version (a bucketed symbol search, branches on renormalisation, signed indices). The kernels are serial, release the GIL and are cached as the other kernels
+Speed (``benchmarks/rans_kernels.py``, real KIVI symbols of the default model, one thread,
+``benchmarks/results/rans_kernels.md``): the coder loops take about 6-9 ns per coded
+super-symbol each way, the whole codec (counts, tables, checks) 9-17 ns. The first version
+took 14-23 ns to encode and 23-36 ns to decode in its loops alone (a bucketed symbol search,
+branches on renormalisation, signed indices), measured with a one-off script.
+The kernels are serial, release the GIL and are cached as the other kernels
 (:func:`.cachedir.kernel_cache_dir`); :func:`rans_normalize` and :func:`rans_fused_tables` are the integer
 table arithmetic encoder and decoder share. The package re-exports them (its ``__all__``);
 ``tests/test_kernels.py`` compares them with a pure Python coder.
