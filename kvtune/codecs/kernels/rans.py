@@ -624,8 +624,10 @@ with kernel_cache_dir():
     def rans_decode_symbols(hist, twords, words, bits, m, groups, steps, pooled, coder, comp_group, comp_pooled,
                             grid16, max_level, weight_bits, prec, out):
         """Inverse of :func:`rans_encode_symbols` after the caller has read and checked the
-        header (histogram bounds, checksum): the level codes from the table words, every check
-        of the table, the fused models and the symbols, in one call without the GIL.
+        header (its checksum, and the histogram's total between ``2**bits`` and
+        ``2**bits * (groups + 1)``, which bounds what this allocates): the level codes from the
+        table words, every check of the table, the fused models and the symbols, in one call
+        without the GIL.
 
         Args:
             hist: int64 residual histogram; ``twords`` / ``words``: uint16 table and coder words.
