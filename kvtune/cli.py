@@ -256,6 +256,12 @@ def _print_summary(result) -> None:
             f"front: ratio {pareto['compression_ratio'].min():.2f}x-{pareto['compression_ratio'].max():.2f}x, relative "
             f"accuracy {100 * pareto['relative_accuracy'].min():.1f}%-{100 * pareto['relative_accuracy'].max():.1f}%{fidelity}"
         )
+        from kvtune.search.pareto import best_ratio_per_floor
+
+        rows = trials[trials["fidelity"] == pareto["fidelity"].iloc[0]] if "fidelity" in pareto and "fidelity" in trials else trials
+        best = best_ratio_per_floor(rows)
+        console.print("best ratio whose 95 % interval clears: " + ", ".join(
+            f"{100 * f:.0f} % {'-' if r is None else f'{r:.2f}x'}" for f, r in best.items()), markup=False)
     for name, path in result.files.items():
         console.print(f"  {name:<18} {path}")
 

@@ -38,6 +38,7 @@ def test_profile_writes_all_outputs(tmp_path, tiny_model_dir, tiny_text):
     html = (tmp_path / "reports" / "tiny.html").read_text()
     assert "plotly" in html.lower()
     assert "Pareto front" in res.output
+    assert "best ratio whose 95 % interval clears: 99 % " in res.output  # the floors the README quotes
 
 
 def test_cheap_search_then_full_refinement_of_the_pareto_set(tmp_path, tiny_model_dir, tiny_text):

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from kvtune.core.errors import KvtuneError
-from kvtune.search.pareto import add_codec_latency, hypervolume, non_dominated_mask, pareto_front
+from kvtune.search.pareto import add_codec_latency, best_ratio_per_floor, hypervolume, non_dominated_mask, pareto_front
 
 
 def brute_force_mask(points: np.ndarray, maximize) -> np.ndarray:
@@ -192,3 +192,12 @@ def test_add_codec_latency_rejects_non_positive_throughput():
         add_codec_latency(df)
     with pytest.raises(KvtuneError, match="compression_ratio"):
         pareto_front(df.drop(columns=["compression_ratio"]))
+
+
+def test_best_ratio_per_floor_gates_on_the_interval_lower_end():
+    trials = pd.DataFrame({"compression_ratio": [2.5, 3.5, 6.0, 9.0, 12.0],
+                           "relative_accuracy": [0.998, 0.99, 0.985, 0.96, 0.93],
+                           "relative_accuracy_lo": [0.995, 0.985, 0.972, 0.951, float("nan")]})
+    assert best_ratio_per_floor(trials) == {0.99: 2.5, 0.97: 6.0, 0.95: 9.0, 0.90: 9.0}  # NaN never clears
+    assert best_ratio_per_floor(trials.drop(columns="relative_accuracy_lo"), (0.99, 0.95)) == {0.99: 3.5, 0.95: 9.0}
+    assert best_ratio_per_floor(trials.iloc[:0], (0.97,)) == {0.97: None}

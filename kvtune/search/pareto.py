@@ -32,6 +32,7 @@ __all__ = [
     "OBJECTIVE_COLUMNS",
     "OBJECTIVE_MAXIMIZE",
     "add_codec_latency",
+    "best_ratio_per_floor",
     "hypervolume",
     "non_dominated_mask",
     "pareto_front",
@@ -277,3 +278,21 @@ def hypervolume(
         raise ValueError(f"ref must be finite, got {list(ref)}")
     keep = ~np.isnan(pts).any(axis=1) & np.all(pts < r[None, :], axis=1)
     return float(_hv_rec(pts[keep], r))
+
+
+def best_ratio_per_floor(trials: pd.DataFrame, floors: Sequence[float] = (0.99, 0.97, 0.95, 0.90)) -> dict[float, float | None]:
+    """The highest ``compression_ratio`` among the ``trials`` whose relative accuracy's 95 %
+    interval lower end (``relative_accuracy_lo``, a fraction; ``relative_accuracy`` where the
+    frame has no interval) is at least each floor; ``None`` where no trial clears it.
+
+    The caller picks the rows (e.g. one fidelity); rows with a NaN lower end never clear a
+    floor. The same gate the policy tables apply per accuracy floor.
+    """
+    col = "relative_accuracy_lo" if "relative_accuracy_lo" in trials.columns else "relative_accuracy"
+    lo = pd.to_numeric(trials[col], errors="coerce") if len(trials) else pd.Series(dtype=float)
+    ratio = pd.to_numeric(trials["compression_ratio"], errors="coerce") if len(trials) else pd.Series(dtype=float)
+    out: dict[float, float | None] = {}
+    for floor in floors:
+        ok = ratio[lo >= floor].dropna()
+        out[float(floor)] = float(ok.max()) if len(ok) else None
+    return out
