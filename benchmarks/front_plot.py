@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvtune.core.atomic import atomic_write_text
+from kvtune.search.pareto import best_ratio_per_floor
 
 FLOORS = (0.99, 0.97, 0.95, 0.90)
 
@@ -33,20 +34,11 @@ def fidelity_rows(trials: Path, fidelity: str = "full") -> pd.DataFrame:
     return t[t["fidelity"] == fidelity].sort_values("compression_ratio").reset_index(drop=True)
 
 
-def best_at(rows: pd.DataFrame, floor: float) -> pd.Series | None:
-    """The highest-ratio row whose relative accuracy's 95 % lower end is >= ``floor``."""
-    ok = rows[rows["relative_accuracy_lo"] >= floor]
-    return None if ok.empty else ok.loc[ok["compression_ratio"].idxmax()]
-
-
 def markdown(runs: dict[str, pd.DataFrame], fidelity: str = "full") -> str:
     lines = [f"# Fronts at {fidelity} fidelity", "", "Best compression ratio whose 95 % interval's lower end clears each floor:", "",
              "| run | " + " | ".join(f"{int(f * 100)} %" for f in FLOORS) + " |", "|---|" + "---|" * len(FLOORS)]
     for name, rows in runs.items():
-        cells = []
-        for f in FLOORS:
-            b = best_at(rows, f)
-            cells.append("-" if b is None else f"{b.compression_ratio:.2f}x")
+        cells = ["-" if r is None else f"{r:.2f}x" for r in best_ratio_per_floor(rows, FLOORS).values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for name, rows in runs.items():
         lines += ["", f"## {name}", "", "| policy | ratio | relative accuracy % (95 % interval) | encode / decode GB/s |",
