@@ -43,6 +43,7 @@ from kvtune.codecs.fp8 import FP8Quantizer
 from kvtune.codecs.bitalloc import DPAlloc
 from kvtune.codecs.mixhq import MixHQ, rank_heads
 from kvtune.codecs.pca import PCA, RopeSpec, fit_pca_basis, register_basis
+from kvtune.codecs.rans import RansCodec
 from kvtune.codecs.policy import apply_transforms, invert_transforms, transform_min_bits
 from kvtune.codecs.select import Keep, select_kv, selecting_transform
 from kvtune.codecs.stream import write_stream
@@ -245,6 +246,13 @@ def _kvtc_samples() -> list[PolicyConfig]:
 
 
 KVTC_POLICIES = _kvtc_samples()
+KEEP_KVTC = PolicyConfig(transforms=(Keep(fraction=0.6, score="key-norm", sink_tokens=2, per_head=False),
+                                     TRANSFORM_EXAMPLES["pca"][0]),
+                         key=DPAlloc(bits=2, basis=MATRIX_BASIS, sink_tokens=4), value=DPAlloc(bits=3, basis=MATRIX_BASIS),
+                         codec=RansCodec())
+"""A KVTC-like policy after token selection: the fast path un-rotates the kept keys at their
+positions, as the reference does (not in :data:`POLICIES`: the in-memory pipeline there has no
+positions)."""
 
 # every quantizer and every transform in a covering sample of combinations (bit-packed); every
 # codec x a sample of quantizers and transforms; compositions of transforms
@@ -340,8 +348,8 @@ def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtyp
 
 @pytest.mark.parametrize(
     "cfg, dtype",
-    [(p, torch.float32) for p in KERNEL_POLICIES + KVTC_POLICIES]
-    + [(p, torch.bfloat16) for p in BF16_POLICIES if not _uses_basis(p)] + [(p, torch.bfloat16) for p in KVTC_POLICIES],
+    [(p, torch.float32) for p in KERNEL_POLICIES + KVTC_POLICIES + [KEEP_KVTC]]
+    + [(p, torch.bfloat16) for p in BF16_POLICIES if not _uses_basis(p)] + [(p, torch.bfloat16) for p in KVTC_POLICIES + [KEEP_KVTC]],
     ids=lambda x: x.label if isinstance(x, PolicyConfig) else str(x).removeprefix("torch."),
 )
 def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):

@@ -19,9 +19,10 @@ Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block q
 ``fp8`` and ``codebook`` quantizers, and any quantizer whose plan only uses those block
 kernels); any codec (``bitpack`` has its own kernel; other codecs receive the symbols as numpy
 arrays). KVTC-like policies
-(one ``pca`` transform, then ``dp-alloc`` with the ``gauss`` grid on K and V) have their own
-path: the projection runs the ``pca`` transform's own torch code (float64 matrix products,
-identical by construction), then every segment of the tensor is quantized by one kernel call
+(one ``pca`` transform, after a ``keep`` or not, then ``dp-alloc`` with the ``gauss`` grid on K
+and V) have their own path: the projection runs the ``pca`` transform's own torch code (float64
+matrix products, identical by construction; after ``keep``, pre-RoPE keys are un-rotated at the
+kept tokens' positions, as on the reference path), then every segment of the tensor is quantized by one kernel call
 (:func:`kvtune.codecs.kernels.quantize_components`) and handed to the codec. Anything else -- a
 newly registered component, a big-endian host, numba missing -- uses the reference path
 (:func:`supports` says which). Select the implementation with ``impl=`` on
@@ -105,8 +106,10 @@ def _block_kind(coder: Quantizer) -> str | None:
 
 
 def _is_kvtc(config) -> bool:
-    """One ``pca`` transform, then ``dp-alloc`` (``gauss`` grid) on K and V (exact types)."""
-    return (len(config.transforms) == 1 and type(config.transforms[0]) is PCA
+    """One ``pca`` transform (after a leading ``keep``, if any), then ``dp-alloc`` (``gauss``
+    grid) on K and V (exact types)."""
+    rest = [t for t in config.transforms if not is_selecting(t)]
+    return (len(rest) == 1 and type(rest[0]) is PCA
             and all(type(q) is DPAlloc and q.grid == "gauss" for q in (config.key, config.value)))
 
 
@@ -117,8 +120,8 @@ def supports(config) -> bool:
     True when the kernels are :func:`available`, and the policy is KVTC-like (:func:`_is_kvtc`)
     or every transform is a supported one and every block quantizer the K and V plans can use
     is ``uniform``, ``none``, ``fp8`` or ``codebook``. A leading ``keep``
-    (:mod:`kvtune.codecs.select`) does not count: it runs before the kernels (but ``keep`` +
-    ``pca``, whose keys are un-rotated at the kept positions, runs on the reference path).
+    (:mod:`kvtune.codecs.select`) does not count: it runs before the kernels (``keep`` +
+    ``pca`` gives the ``pca`` transform the kept tokens' positions, as the reference does).
     """
     if not available():
         return False
@@ -287,10 +290,13 @@ def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...]) -> _C
 _GAUSS = np.array(GAUSSIAN_STEPS, np.float64)
 
 
-def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int) -> tuple[list, int, int]:
+def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int,
+                       positions: torch.Tensor | None) -> tuple[list, int, int]:
     """A KVTC-like tensor -> ``(sections, crc32, bytes)``: the ``pca`` transform (torch, as the
-    reference), the range check, one quantization kernel call, then the codec per segment."""
-    y = comp.config.transforms[0].forward(t.detach().to("cpu", torch.float32), layer=layer, kind=kind).contiguous()
+    reference, with the rows' ``positions`` after ``keep``), the range check, one quantization
+    kernel call, then the codec per segment."""
+    y = comp.config.transforms[0].forward(t.detach().to("cpu", torch.float32), layer=layer, kind=kind,
+                                          positions=positions).contiguous()
     yn = y.numpy()
     if not _magnitude(yn)[1] <= plan.value_limit:  # NaN too
         check_value_range(plan.segments, y, layer=layer, kind=kind)
@@ -316,7 +322,7 @@ def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, k
     return sections, crc, n
 
 
-def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int, dtype, dest):
+def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int, dtype, dest, positions):
     """Inverse of :func:`_encode_components` (the reference's checks, in its order)."""
     codec = comp.config.codec
     b, h, tokens, d = plan.shape
@@ -338,7 +344,8 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
         s += 1
     y = np.empty(plan.shape, np.float32)
     K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, sink, y)
-    x = to_output_dtype(comp.config.transforms[0].inverse(torch.from_numpy(y), layer=layer, kind=kind), dtype)
+    x = to_output_dtype(comp.config.transforms[0].inverse(torch.from_numpy(y), layer=layer, kind=kind, positions=positions),
+                        dtype)
     if dest is None:
         return x
     dest.copy_(x)
@@ -499,14 +506,14 @@ def _work(shape: tuple[int, ...]) -> np.ndarray:
 
 def _encode_one(task) -> tuple[list, int, int]:
     """One K or V tensor -> ``(sections, crc32 of their concatenation, total bytes)``."""
-    t, comp, kind, layer, index = task
+    t, comp, kind, layer, index, positions = task
     x = _input_array(t)
     finite, amax = _magnitude(x)
     if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     plan = comp.plan(kind, x.shape, layer)
     if isinstance(plan, _ComponentPlan):
-        return _encode_components(t, plan, comp, kind, layer)
+        return _encode_components(t, plan, comp, kind, layer, positions)
     if comp.bitpack and plan.whole_bf16 and not plan.transforms and x.dtype == np.uint16:
         payload = x.reshape(-1).view(np.uint8)  # a bfloat16 tensor is its own payload
         return [b"", b"", payload], crc32(payload), payload.size
@@ -541,8 +548,12 @@ def _encode_one(task) -> tuple[list, int, int]:
     return sections, crc, n
 
 
-def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
+def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tensor] | None = None) -> tuple[list, list]:
     """Sections of every tensor of ``kv``, with their CRCs.
+
+    ``positions``: per layer, the int64 ``(batch, kv_heads, tokens)`` positions of the rows (the
+    kept tokens after ``keep``, :class:`kvtune.codecs.select.Selection`), for the transforms that
+    use them (``pca`` with pre-RoPE keys); ``None``: ``0 .. tokens - 1``.
 
     Each task first checks its tensor for NaN / inf and finds its largest magnitude (for the
     value limits) with one vectorized integer pass over its bits
@@ -558,8 +569,9 @@ def encode_tensors(kv, config, layer_offset: int) -> tuple[list, list]:
     comp = _compiled(config)
     tasks = []
     for i, (k, v) in enumerate(kv):
-        tasks.append((k, comp, "key", layer_offset + i, i))
-        tasks.append((v, comp, "value", layer_offset + i, i))
+        pos = None if positions is None else positions[i]
+        tasks.append((k, comp, "key", layer_offset + i, i, pos))
+        tasks.append((v, comp, "value", layer_offset + i, i, pos))
     results = parallel_map(_encode_one, tasks)
     sections = [(results[2 * i][0], results[2 * i + 1][0]) for i in range(len(kv))]
     crcs = [((results[2 * i][1], results[2 * i][2]), (results[2 * i + 1][1], results[2 * i + 1][2])) for i in range(len(kv))]
@@ -576,7 +588,7 @@ def _decode_one(task) -> torch.Tensor:
     """Sections of one K or V tensor -> the decoded tensor in ``dtype`` (the reference
     pipeline's tensor decode in :mod:`kvtune.codecs.policy` followed by ``.to(dtype)``), with
     the same checks in the same order; written into ``dest`` when given."""
-    sections, data, shape, comp, kind, layer, dtype, dest = task
+    sections, data, shape, comp, kind, layer, dtype, dest, positions = task
     if math.prod(shape) == 0:  # no tokens: only the state travels; nothing to plan (as the reference)
         need = transform_state_nbytes(comp.config.transforms, shape, layer=layer, kind=kind)
         if len(sections.state) != need:
@@ -588,7 +600,7 @@ def _decode_one(task) -> torch.Tensor:
     if len(plan.segments) != len(sections.meta):
         raise CorruptStreamError(f"{len(sections.meta)} segments recorded, the policy needs {len(plan.segments)}")
     if isinstance(plan, _ComponentPlan):
-        return _decode_components(sections, plan, comp, kind, layer, dtype, dest)
+        return _decode_components(sections, plan, comp, kind, layer, dtype, dest, positions)
     segs = plan.segs
     if comp.bitpack:
         symbuf = _scratch(plan.max_numel)
@@ -693,9 +705,10 @@ def sizes_plausible(header) -> bool:
     return True
 
 
-def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_tensors(stream, header, sections, config, out=None, positions=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Decode every tensor of a validated stream (see :func:`kvtune.codecs.decode_kv`), into
-    the tensors of ``out`` when given (already checked by the caller).
+    the tensors of ``out`` when given (already checked by the caller); ``positions`` as in
+    :func:`encode_tensors` (from the stream's selection masks).
 
     Raises the first error in layer order (K before V), as the reference path does, wrapped in
     :class:`LayerDecodeError`.
@@ -710,7 +723,8 @@ def decode_tensors(stream, header, sections, config, out=None) -> list[tuple[tor
         for j, (secs, lengths, shape, kind) in enumerate(((ks, kl, kshape, "key"), (vs, vl, vshape, "value"))):
             n = lengths.state + sum(lengths.meta) + sum(lengths.payload)
             dest = None if out is None else out[i][j]
-            tasks.append((secs, buf[pos : pos + n], tuple(shape), comp, kind, layer, dtype, dest))
+            rows = None if positions is None else positions[i]
+            tasks.append((secs, buf[pos : pos + n], tuple(shape), comp, kind, layer, dtype, dest, rows))
             pos += n
 
     def run(task):

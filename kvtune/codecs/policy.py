@@ -546,7 +546,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     if on_device:
         sections = torchpath.encode_tensors(kv, inner, layer_offset)
     elif fast:
-        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset)
+        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, None if selection is None else selection.positions)
     else:
         sections = []
         for i, (k, v) in enumerate(kv):
@@ -614,8 +614,9 @@ def decode_kv(
         KVStreamError: the (intact) stream names a policy this kvtune cannot build (e.g. a
             component that is not registered) or cannot apply to the recorded shapes.
         TypeError: ``expect`` is not a :class:`PolicyConfig`.
-        ConfigError: ``impl`` ``"fast"`` or ``"torch"`` for a ``keep`` stream whose transforms
-            depend on positions (``pca`` with pre-RoPE keys: reference path only).
+        ConfigError: ``impl`` ``"torch"`` for a ``keep`` stream whose transforms depend on
+            positions (``pca`` with pre-RoPE keys: the fast and reference paths only), or
+            ``"fast"`` for a policy the kernels do not run.
         KVInputError (a ``ValueError``): ``out`` does not match the stream (shapes, dtype,
             device, contiguity), requires grad or has tensors that overlap in memory; or
             ``device`` is not a usable device (:func:`decode_device`).
@@ -639,10 +640,11 @@ def decode_kv(
     if out is not None:
         _check_out(out, header.shapes, dtype, device)
     if positions is not None and any(t.uses_positions for t in config.transforms):
-        if impl in ("fast", "torch"):  # their transforms take rows at 0 .. tokens - 1, not kept positions
+        if impl == "torch":  # the device path takes rows at 0 .. tokens - 1, not the kept positions
             raise ConfigError(f"policy {header.policy_id}: keep before a position-dependent transform has no "
-                              f"{impl} path; use impl='auto' or 'reference'")
-        impl = "reference"
+                              "torch path; use impl='auto', 'fast' or 'reference'")
+        if impl == "auto":  # the fast path, given the positions, or the reference
+            impl = "fast" if fastpath.supports(config) else "reference"
     if _use_torch(impl, config, device.type != "cpu"):
         try:
             return torchpath.decode_tensors(stream, header, sections, config, device, out)
@@ -658,7 +660,7 @@ def decode_kv(
         return out
     if _use_fast(impl, config) and fastpath.sizes_plausible(header):
         try:
-            return fastpath.decode_tensors(stream, header, sections, config, out)
+            return fastpath.decode_tensors(stream, header, sections, config, out, positions)
         except fastpath.LayerDecodeError as err:
             _raise_decode_error(header.policy_id, err.layer, err.exc)
     result: KVLayers = []
