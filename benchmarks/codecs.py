@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import platform
 import statistics
@@ -72,6 +71,7 @@ from kvtune.codecs.fp8 import FP8Quantizer  # noqa: E402
 from kvtune.codecs.mixhq import MixHQ  # noqa: E402
 from kvtune.codecs.presets import load_presets  # noqa: E402
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer  # noqa: E402
+from kvtune.codecs.select import Keep  # noqa: E402
 from kvtune.codecs.transforms import Affine, Delta, Hadamard  # noqa: E402
 
 TARGET_BITPACK = (0.40, 0.50)  # (encode, decode) fractions of memcpy
@@ -187,9 +187,12 @@ def load_or_fit_basis(path: Path, contexts: int, tokens: int, calib: int = 2) ->
 
 
 def preset_cases(basis: str | None = None) -> list[Case]:
-    """Every preset (kvtc-* only with a PCA ``basis`` digest); each range-coded one also with ``rans``."""
+    """Every preset (kvtc-* only with a PCA ``basis`` digest); each range-coded one also with
+    ``rans``; and a PCA candidate of the default space (``keep`` 0.85, one choice for all heads,
+    then ``kvtc-3`` rANS-coded)."""
     out = []
-    for name, cfg in load_presets(skip_unavailable=True).items():
+    presets = load_presets(skip_unavailable=True)
+    for name, cfg in presets.items():
         if cfg.needs_pca_basis:  # kvtc-*: a basis fitted on calibration KV (--basis)
             if basis is None:
                 continue
@@ -199,6 +202,11 @@ def preset_cases(basis: str | None = None) -> list[Case]:
         if cfg.codec.name == "range" and "rans" in CODECS:  # the same policy with the rANS codec
             rans = CODECS["rans"].from_dict({"name": "rans", "model": getattr(cfg.codec, "model", "per_channel")})
             out.append(Case("preset", f"{name} | rans", dataclasses.replace(cfg, codec=rans), TARGET_RANS))
+    if basis is not None and "kvtc-3" in presets and "rans" in CODECS:
+        cfg = presets["kvtc-3"].with_pca_basis(basis)
+        keep = Keep(fraction=0.85, per_head=False)
+        out.append(Case("preset", "keep 0.85 + kvtc-3 | rans",
+                        dataclasses.replace(cfg, transforms=(keep, *cfg.transforms), codec=CODECS["rans"]()), TARGET_RANS))
     kivi4, kivi2 = PolicyConfig.kivi(4), PolicyConfig.kivi(2)
     for label, base in (("KIVI-4", kivi4), ("KIVI-2", kivi2)):  # their symbols range- and rANS-coded per channel
         for codec, target in (("range", TARGET_RANGE), ("rans", TARGET_RANS)):
