@@ -25,6 +25,25 @@ def test_refinement_order_covers_every_floor_then_the_2d_front_by_ratio():
     assert refinement_order(front.iloc[:0], 3) == []
 
 
+def test_refinement_order_reserves_per_floor_the_best_policy_whose_lower_end_clears_it():
+    """The shape of a real default run: PCA policies led the 2-D front at search fidelity (99.0 %
+    on 8 contexts) and fell to 97.9 % on 24, while 4x uniform / codebook policies whose lower
+    ends already cleared 97 % sat off the 2-D front and were never refined."""
+    front = pd.DataFrame({
+        "policy_id": ["e", "c3", "cb4", "u4", "p5", "p7", "p9"],
+        "relative_accuracy": [1.0, 0.9954, 0.9828, 0.9801, 0.9902, 0.9840, 0.9782],
+        "relative_accuracy_lo": [1.0, 0.9915, 0.9745, 0.9704, 0.9750, 0.9650, 0.9550],
+        "compression_ratio": [1.83, 3.20, 3.9976, 3.9985, 5.63, 7.86, 9.29],
+    })
+    # best per floor (0.99, 0.97): p5, p9; safe per floor: c3 (99 %), then u4 (97 %: p5 is taken,
+    # u4 has the higher ratio of the two 4x ones); second best per floor: (c3), p7; then the rest
+    # of the 2-D front by ratio (e), then cb4
+    assert refinement_order(front, 0, floors=(0.99, 0.97)) == ["p5", "p9", "c3", "u4", "p7", "e", "cb4"]
+    assert refinement_order(front, 4, floors=(0.99, 0.97)) == ["p5", "p9", "c3", "u4"]
+    # without lower ends the 4x policies come last (the order before the safe picks)
+    assert refinement_order(front.drop(columns="relative_accuracy_lo"), 4, floors=(0.99, 0.97)) == ["p5", "p9", "c3", "p7"]
+
+
 def test_split_fidelities_pairs_cheap_and_full_rows():
     trials = pd.DataFrame({
         "policy_id": ["a", "b", "c", "a", "b"],

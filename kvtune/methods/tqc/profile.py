@@ -244,19 +244,23 @@ def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] 
     Only the 2-D accuracy / compression-ratio front can be picked by a policy table at some
     floor when codec speeds are alike, and each floor needs its own candidates. So:
 
-    1. for every floor, its highest-ratio 2-D-front policies whose search accuracy meets the
-       floor, taken round-robin over the floors (highest floor first), up to ``per_floor``
-       per floor (a second one in case the first misses the floor at full fidelity);
-    2. the rest of the 2-D front, by compression ratio, highest first;
-    3. the rest of the 3-D front (kept there by a faster codec), by ratio.
+    1. for every floor, its highest-ratio 2-D-front policy whose search accuracy meets the
+       floor (highest floor first);
+    2. when the front has interval lower ends (``relative_accuracy_lo``): for every floor, the
+       highest-ratio policy of the whole front whose *lower end* already clears the floor (the
+       one most likely to clear it at full fidelity too: the search's few samples can rank a
+       family too high, e.g. PCA policies that scored 99.0 % on 8 contexts and 97.9 % on 24);
+    3. the floors' next best 2-D-front policies as in step 1, up to ``per_floor`` per floor;
+    4. the rest of the 2-D front, by compression ratio, highest first;
+    5. the rest of the 3-D front (kept there by a faster codec), by ratio.
 
-    At most ``limit`` ids (``limit <= 0``: all).
+    Each id once; at most ``limit`` ids (``limit <= 0``: all).
 
     Args:
         front: the search's 3-D Pareto front (``policy_id``, ``relative_accuracy``,
-            ``compression_ratio``).
+            ``compression_ratio``, optionally ``relative_accuracy_lo``; fractions).
         floors: the accuracy floors (fractions) of the policy table.
-        per_floor: policies reserved per floor in step 1.
+        per_floor: policies reserved per floor in steps 1 and 3.
     """
     if front.empty:
         return []
@@ -264,12 +268,27 @@ def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] 
     on_2d = non_dominated_mask(pts, maximize=[True, True])
     ordered = front.assign(_2d=on_2d).sort_values(["_2d", "compression_ratio"], ascending=[False, False], kind="stable")
     flat = ordered[ordered["_2d"]]
+    high_first = sorted(floors, reverse=True)
+    by_floor = [[str(p) for p in flat.loc[flat["relative_accuracy"] >= q, "policy_id"]] for q in high_first]
+    safe = [[] for _ in high_first]
+    if "relative_accuracy_lo" in front.columns:
+        by_ratio = front.sort_values("compression_ratio", ascending=False, kind="stable")
+        safe = [[str(p) for p in by_ratio.loc[by_ratio["relative_accuracy_lo"] >= q, "policy_id"]] for q in high_first]
     ids: list[str] = []
-    by_floor = [[str(p) for p in flat.loc[flat["relative_accuracy"] >= q, "policy_id"]] for q in sorted(floors, reverse=True)]
-    for rank in range(per_floor):
+
+    def first_new(cands: list[str]) -> None:
+        for p in cands:
+            if p not in ids:
+                ids.append(p)
+                return
+
+    for cands in by_floor:
+        first_new(cands[:1])
+    for cands in safe:
+        first_new(cands)
+    for rank in range(1, per_floor):
         for cands in by_floor:
-            if len(cands) > rank and cands[rank] not in ids:
-                ids.append(cands[rank])
+            first_new(cands[rank : rank + 1])
     ids += [str(p) for p in ordered["policy_id"] if str(p) not in ids]
     return ids if limit <= 0 else ids[:limit]
 
