@@ -18,11 +18,11 @@ Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block q
 ``uniform``, ``none``, ``fp8`` and ``codebook`` (hence the ``uniform``, ``none``, ``mixhq``,
 ``fp8`` and ``codebook`` quantizers, and any quantizer whose plan only uses those block
 kernels); any codec (``bitpack`` has its own kernel; other codecs receive the symbols as numpy
-arrays). KVTC-like policies
-(one ``pca`` transform, after a ``keep`` or not, then ``dp-alloc`` with the ``gauss`` grid on K
-and V) have their own path: the projection runs the ``pca`` transform's own torch code (float64
-matrix products, identical by construction; after ``keep``, pre-RoPE keys are un-rotated at the
-kept tokens' positions, as on the reference path), then every segment of the tensor is quantized by one kernel call
+arrays). KVTC-like policies (one ``pca`` transform, after a ``keep`` or not, then ``dp-alloc``
+with the ``gauss`` grid on K and V) have their own path: the projection runs the ``pca``
+transform's own torch code (float64 matrix products, identical by construction; after ``keep``,
+pre-RoPE keys are un-rotated at the kept tokens' positions, as on the reference path), then
+every segment of the tensor is quantized by one kernel call
 (:func:`kvtune.codecs.kernels.quantize_components`) and handed to the codec. Anything else -- a
 newly registered component, a big-endian host, numba missing -- uses the reference path
 (:func:`supports` says which). Select the implementation with ``impl=`` on
@@ -344,8 +344,8 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
         s += 1
     y = np.empty(plan.shape, np.float32)
     K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, sink, y)
-    x = to_output_dtype(comp.config.transforms[0].inverse(torch.from_numpy(y), layer=layer, kind=kind, positions=positions),
-                        dtype)
+    pca = comp.config.transforms[0]
+    x = to_output_dtype(pca.inverse(torch.from_numpy(y), layer=layer, kind=kind, positions=positions), dtype)
     if dest is None:
         return x
     dest.copy_(x)

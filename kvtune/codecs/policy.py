@@ -546,7 +546,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     if on_device:
         sections = torchpath.encode_tensors(kv, inner, layer_offset)
     elif fast:
-        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, None if selection is None else selection.positions)
+        positions = None if selection is None else selection.positions
+        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, positions)
     else:
         sections = []
         for i, (k, v) in enumerate(kv):
