@@ -33,9 +33,12 @@ def set_num_threads(n: int | None) -> None:
     """Use ``n`` worker threads (``None``: follow ``torch.get_num_threads()``).
 
     Raises:
+        TypeError: ``n`` is not an int or ``None``.
         ValueError: ``n < 1``.
     """
     global _threads
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+        raise TypeError(f"the number of threads must be an int or None, got {n!r}")
     if n is not None and n < 1:
         raise ValueError(f"need at least one thread, got {n}")
     _threads = n
@@ -49,18 +52,14 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     included, so a pool thread that the OS does not schedule (a loaded machine) delays the
     result by at most the one item it holds. Exceptions are raised in item order (the first
     failing item's), as a serial loop would. ``fn`` must not call :func:`parallel_map` itself.
+
+    Concurrent calls (e.g. a serving engine decoding several streams at once) share one pool.
+    It only grows, and work is submitted under the lock that replaces it, so no call submits to
+    a pool another call has just shut down (whose queued work still runs).
     """
     n = min(num_threads(), len(items))
     if n <= 1:
         return [fn(x) for x in items]
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size != n - 1:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtune-codec")
-            _pool_size = n - 1
-        pool = _pool
     results: list[Any] = [None] * len(items)
     errors: list[BaseException | None] = [None] * len(items)
     counter = itertools.count()
@@ -75,7 +74,14 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
             except BaseException as exc:  # re-raised below, in item order
                 errors[i] = exc
 
-    futures = [pool.submit(work) for _ in range(n - 1)]
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < n - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="kvtune-codec")
+            _pool_size = n - 1
+        futures = [_pool.submit(work) for _ in range(n - 1)]
     work()
     for f in futures:
         f.result()
