@@ -571,6 +571,20 @@ def test_keep_then_pca_unrotates_the_kept_keys_at_their_own_positions(basis):
         decode_kv(stream, impl="torch")
 
 
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_pca_streams_decode_to_contiguous_tensors_that_serve_as_out_buffers(basis, impl):
+    """The inverse projection works on ``(batch, tokens, heads * head_dim)`` rows; the decoded
+    tensors used to keep that permuted layout, so ``empty_like`` of them was refused as ``out``."""
+    kv = correlated_kv(2, 50, seed=3)
+    cfg = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 3})
+    stream = encode_kv(kv, cfg)
+    decoded = decode_kv(stream, impl=impl)
+    assert all(t.is_contiguous() for pair in decoded for t in pair)
+    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in decoded]
+    for (k, v), (k2, v2) in zip(decode_kv(stream, impl=impl, out=out), decoded):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
 def test_keep_per_head_before_pca_across_heads_is_refused(basis):
     """Each head keeping its own tokens would join different tokens' heads in one PCA row."""
     quant = {"name": "dp-alloc", "bits": 2}

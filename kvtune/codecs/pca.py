@@ -682,10 +682,11 @@ class PCA(Transform):
 
     def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state=None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Undo :meth:`forward`: unproject, then re-rotate pre-RoPE keys at ``positions``; float32."""
+        """Undo :meth:`forward`: unproject, then re-rotate pre-RoPE keys at ``positions``; float32,
+        contiguous (the projection works on ``(batch, tokens, heads * head_dim)`` rows)."""
         entry, spec = self._entry(tuple(y.shape), layer, kind)
         x = unproject(y, entry)
-        return (x if spec is None else rotate_keys(x, spec, positions)).to(torch.float32)
+        return (x if spec is None else rotate_keys(x, spec, positions)).to(torch.float32).contiguous()
 
     def short_label(self) -> str:
         """``pca:{pre|post}[@<first 8 digest digits>]``."""
