@@ -504,6 +504,24 @@ def test_all_finite_matches_isfinite(n):
     assert not K.all_finite_f32(x) and K.all_finite_f32(np.zeros((2, 3, 5), np.float32))
 
 
+@covers("first_nonfinite_f16")
+def test_first_nonfinite_f16_finds_the_first_range_with_a_nan_or_inf():
+    rng = np.random.default_rng(5)
+    values = [np.float16(x) for x in (rng.standard_normal(40) * 1e3)] + [np.float16(65504), np.float16(-0.0)]
+    for bad in (None, np.nan, -np.nan, np.inf, -np.inf):
+        for pos in (0, 17, 41):
+            v = np.array(values, np.float16)
+            if bad is not None:
+                v[pos] = bad
+            buf = np.concatenate([np.frombuffer(b"\x7c\x7e", np.uint8), v.view(np.uint8)])  # 2 bytes outside
+            starts = np.array([0, 2, 2 + 36], np.int64)  # [NaN bytes] excluded below, [0:18), [18:42)
+            ends = np.array([0, 2 + 36, 2 + 84], np.int64)
+            ranges = [buf[a:b].view(np.float16) for a, b in zip(starts, ends)]
+            ref = next((r for r, x in enumerate(ranges) if not torch.isfinite(torch.from_numpy(x.astype(np.float32))).all()), -1)
+            assert K.first_nonfinite_f16(buf, starts, ends) == ref, (bad, pos)
+    assert K.first_nonfinite_f16(np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)) == -1
+
+
 def test_crc32_folds_with_clmul_on_x86_hosts_that_have_it():
     """The fast CRC is not silently off on the development machines (x86-64 with pclmul)."""
     import platform

@@ -585,6 +585,24 @@ def test_pca_streams_decode_to_contiguous_tensors_that_serve_as_out_buffers(basi
         assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
+def test_dp_alloc_metadata_forged_to_nan_is_corrupt(basis):
+    """dp-alloc's float16 scales and means, forged to NaN with the CRC recomputed, decoded to
+    NaN tensors on both paths; the stream check refuses them (kvtune.codecs.policy.check_finite_metadata)."""
+    import zlib
+
+    from kvtune.codecs import read_header
+
+    stream = encode_kv(correlated_kv(1, 60, seed=1), pca_policy(basis.digest, {"name": "dp-alloc", "bits": 2}, "rans"))
+    h = read_header(stream)
+    off = h.header_nbytes + h.sections[0][0].state  # K's first metadata section
+    forged = bytearray(stream)
+    forged[off : off + 2] = b"\x00\x7e"
+    body = bytes(forged[:-4])
+    for impl in ("fast", "reference"):
+        with pytest.raises(CorruptStreamError, match="layer 0 K has a NaN or inf float16 in its metadata"):
+            decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
+
+
 def test_keep_per_head_before_pca_across_heads_is_refused(basis):
     """Each head keeping its own tokens would join different tokens' heads in one PCA row."""
     quant = {"name": "dp-alloc", "bits": 2}

@@ -254,6 +254,41 @@ def test_forge_recomputes_both_checksums(bases):
     assert [k.shape for k, _ in decode_kv(moved)] == [SHAPE, SHAPE]
 
 
+def float16_sections(stream: bytes) -> list[tuple[int, str, str, int]]:
+    """``(layer, "K" | "V", "transform state" | "metadata", byte offset)`` of every non-empty
+    float16 section of ``stream``, in wire order."""
+    h = read_header(stream)
+    out, pos = [], h.header_nbytes
+    for i, lengths in enumerate(h.sections):
+        for name, lens in zip("KV", lengths):
+            if lens.state:
+                out.append((i, name, "transform state", pos))
+            pos += lens.state
+            for meta, payload in zip(lens.meta, lens.payload):
+                if meta:
+                    out.append((i, name, "metadata", pos))
+                pos += meta + payload
+    return out
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference", "torch"])
+@pytest.mark.parametrize("base", ["kivi", "segments", "kivi-range"])
+@pytest.mark.parametrize("value", [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc"], ids=["nan", "inf", "-inf"])
+def test_nonfinite_float16_metadata_with_a_valid_crc_is_corrupt(bases, base, impl, value):
+    """Scales, zero points and transform states are finite float16 in every stream an encoder
+    writes; a forged NaN / inf (CRC recomputed) used to decode to NaN tensors on every path."""
+    stream = bases[base]
+    sections = float16_sections(stream)
+    for layer, name, what, off in (sections[0], sections[-1]):
+        forged = bytearray(stream)
+        forged[off + 2 : off + 4] = value  # the section's second float16
+        body = bytes(forged[:-4])
+        with pytest.raises(CorruptStreamError, match=f"layer {layer} {name} has a NaN or inf float16 in its {what}"):
+            decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
+    if base == "segments":  # the affine state and the metadata are both covered
+        assert {what for _, _, what, _ in sections} == {"transform state", "metadata"}
+
+
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("case", list(CASES))

@@ -83,6 +83,7 @@ __all__ = [
     "encode_tensors",
     "decode_tensors",
     "sizes_plausible",
+    "first_nonfinite_f16",
     "LayerDecodeError",
 ]
 
@@ -703,6 +704,18 @@ def sizes_plausible(header) -> bool:
             if math.prod(shape) > 8 * nbytes:
                 return False
     return True
+
+
+def first_nonfinite_f16(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
+    """Index of the first byte range ``buf[starts[r]:ends[r]]`` of little-endian float16 values
+    holding a NaN or inf, or -1 (:func:`kvtune.codecs.kernels.first_nonfinite_f16`; numpy when
+    the kernels are not :func:`available`)."""
+    if available():
+        return int(K.first_nonfinite_f16(buf, starts, ends))
+    for r, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        if ((buf[a + 1 : b : 2] & 0x7C) == 0x7C).any():
+            return r
+    return -1
 
 
 def decode_tensors(stream, header, sections, config, out=None, positions=None) -> list[tuple[torch.Tensor, torch.Tensor]]:

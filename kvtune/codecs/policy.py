@@ -41,6 +41,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 import kvtune.codecs.fp8  # noqa: F401  (registers the "fp8" quantizer)
@@ -92,6 +93,7 @@ __all__ = [
     "IMPLS",
     "MAX_UNCONFIRMED_PLAN",
     "check_claimed_sizes",
+    "check_finite_metadata",
     "sections_problem",
 ]
 
@@ -637,6 +639,7 @@ def decode_kv(
     positions = mask_positions(header, bits) if bits else None
     config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
     check_claimed_sizes(header, sections, config)
+    check_finite_metadata(stream, header)
     device = decode_device(device)
     if out is not None:
         _check_out(out, header.shapes, dtype, device)
@@ -721,6 +724,43 @@ def sections_problem(shape: tuple[int, ...], sections: TensorSections, codec: Co
         return (f"has {shape[1]} heads + {shape[2]} tokens; its {nbytes} section bytes, whose {codec.name!r} payloads "
                 f"declare no symbol count, allow at most {allowed} (MAX_UNCONFIRMED_PLAN, or 8 per byte)")
     return None
+
+
+def check_finite_metadata(stream: bytes | bytearray | memoryview, header: StreamHeader) -> None:
+    """Refuse a stream whose float16 metadata or transform state holds a NaN or inf.
+
+    Every metadata field and transform state is float16 (:class:`kvtune.codecs.base.MetaField`),
+    and an encoder writes only finite ones (scales and zero points saturate at +-65504, as do
+    ``affine``'s statistics). A forged stream with a NaN scale and a recomputed CRC used to decode
+    to NaN tensors on every path; one pass over those sections (a few % of a bit-packed stream's
+    bytes, :func:`kvtune.codecs.fastpath.first_nonfinite_f16`) refuses it.
+
+    Args:
+        stream: the stream bytes; header: its header (:func:`kvtune.codecs.stream.read_stream`,
+            which checked that the sections fit in the stream).
+
+    Raises:
+        CorruptStreamError: naming the first such section's layer, K or V, and kind.
+    """
+    starts, ends, where = [], [], []
+    pos = header.header_nbytes
+    for i, lengths in enumerate(header.sections):
+        for name, lens in zip("KV", lengths):
+            starts.append(pos)
+            ends.append(pos + lens.state)
+            where.append((i, name, "transform state"))
+            pos += lens.state
+            for meta, payload in zip(lens.meta, lens.payload):
+                starts.append(pos)
+                ends.append(pos + meta)
+                where.append((i, name, "metadata"))
+                pos += meta + payload
+    bad = fastpath.first_nonfinite_f16(np.frombuffer(stream, dtype=np.uint8), np.array(starts, np.int64),
+                                       np.array(ends, np.int64))
+    if bad >= 0:
+        i, name, what = where[bad]
+        raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {name} has a NaN or inf float16 "
+                                 f"in its {what} (an encoder writes only finite ones)")
 
 
 def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSections, TensorSections]], config: PolicyConfig) -> None:

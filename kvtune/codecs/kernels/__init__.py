@@ -81,7 +81,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     from .components import dequantize_components, quantize_components
     from .codebook import codebook_dequantize, codebook_quantize
     from .crc import CRC32_CLMUL, crc32_combine, crc32_update
-    from .finite import all_finite_bf16, all_finite_f32, max_magnitude_bf16, max_magnitude_f32
+    from .finite import all_finite_bf16, all_finite_f32, first_nonfinite_f16, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
     from .rans import (
         rans_choose_table,
@@ -144,6 +144,7 @@ __all__ = [
     "scatter_bf16",
     "all_finite_bf16",
     "all_finite_f32",
+    "first_nonfinite_f16",
     "max_magnitude_bf16",
     "max_magnitude_f32",
     "to_float32",

@@ -5,7 +5,8 @@ Accelerates the input checks of :func:`kvtune.codecs.policy.encode_kv` on the fa
 (:mod:`kvtune.codecs.fastpath`): one read of the data at memory speed answers both "is every
 value finite" (``torch.isfinite(x).all()``) and "what is the largest ``|x|``"
 (``x.abs().amax()``, for the quantizers' value limits,
-:func:`kvtune.codecs.base.check_value_range`), instead of one pass each.
+:func:`kvtune.codecs.base.check_value_range`), instead of one pass each. And the decoder's check
+that a stream's float16 metadata is finite (:func:`first_nonfinite_f16`).
 """
 
 from __future__ import annotations
@@ -60,3 +61,26 @@ def all_finite_f32(x: np.ndarray) -> bool:
     """Whether no element of a float32 array (any shape, C-contiguous) is NaN or +-inf
     (exponent bits of its uint32 view all ones, as :func:`all_finite_bf16`)."""
     return max_magnitude_f32(x) < 0x7F800000
+
+
+@njit(**JIT)
+def first_nonfinite_f16(buf, starts, ends):
+    """Index of the first byte range ``buf[starts[r]:ends[r]]`` of little-endian float16 values
+    that holds a NaN or +-inf, or -1 when every one is finite.
+
+    A float16 is non-finite exactly when its 5 exponent bits are all ones: bits 2..6 of its
+    high (second) byte. Reference: ``not torch.isfinite(torch.frombuffer(section,
+    dtype=torch.float16)).all()`` per range.
+
+    Args:
+        buf: uint8 bytes (a whole stream).
+        starts, ends: int64 byte offsets of the ranges (even lengths).
+    """
+    for r in range(starts.shape[0]):
+        m = np.uint8(0)
+        for i in range(uintp(starts[r] + 1), uintp(ends[r]), uintp(2)):  # a max reduction: no branch per value
+            e = np.uint8(buf[i] & np.uint8(0x7C))
+            m = e if e > m else m
+        if m == 0x7C:
+            return r
+    return -1
