@@ -105,7 +105,7 @@ def profile(
         request = ProfileRequest(
             model=model if "model" in given else None, out=out if "out" in given else None,
             reports=reports if "reports" in given else None, run=run, resume=resume, device=device, seed=seed,
-            options=options, hooks=Hooks(say=lambda m: console.print(m, markup=False)))
+            options=options, hooks=Hooks(say=lambda m: console.print(m, markup=False, soft_wrap=True)))
         if method != "tqc":
             own = sorted(given & TQC_OWN_OPTIONS)
             if own:

@@ -39,6 +39,9 @@ def test_profile_writes_all_outputs(tmp_path, tiny_model_dir, tiny_text):
     assert "plotly" in html.lower()
     assert "Pareto front" in res.output
     assert "best ratio whose 95 % interval clears: 99 % " in res.output  # the floors the README quotes
+    # the run folder and how to resume it are printed before the model loads, not only at the end
+    before_load = res.output.index("load model")
+    assert res.output.index(f"continue with: kvtune profile --resume {run}") < before_load
 
 
 def test_cheap_search_then_full_refinement_of_the_pareto_set(tmp_path, tiny_model_dir, tiny_text):

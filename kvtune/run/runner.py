@@ -125,6 +125,8 @@ def run_method(method: Method, settings: Any, run_dir: str | Path, *, resume: bo
         previous.pop("complete", None)
         method.check(settings)
         executor.check(method, settings)
+        if not resume:  # before the slow part: where the run lives, and how to continue it
+            hooks.say(f"run folder: {run_dir} (if interrupted, continue with: kvtune profile --resume {run_dir})")
         workers = executor.start(RunJob(method, settings, run_dir, given, hooks))
         try:
             context = workers.context
