@@ -261,13 +261,10 @@ def float16_sections(stream: bytes) -> list[tuple[int, str, str, int]]:
     out, pos = [], h.header_nbytes
     for i, lengths in enumerate(h.sections):
         for name, lens in zip("KV", lengths):
-            if lens.state:
-                out.append((i, name, "transform state", pos))
-            pos += lens.state
-            for meta, payload in zip(lens.meta, lens.payload):
-                if meta:
-                    out.append((i, name, "metadata", pos))
-                pos += meta + payload
+            for j, n in enumerate(lens.flat()):  # state, then (metadata, payload) per segment
+                if n and (j == 0 or j % 2):
+                    out.append((i, name, "metadata" if j else "transform state", pos))
+                pos += n
     return out
 
 

@@ -746,15 +746,12 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
     pos = header.header_nbytes
     for i, lengths in enumerate(header.sections):
         for name, lens in zip("KV", lengths):
-            starts.append(pos)
-            ends.append(pos + lens.state)
-            where.append((i, name, "transform state"))
-            pos += lens.state
-            for meta, payload in zip(lens.meta, lens.payload):
-                starts.append(pos)
-                ends.append(pos + meta)
-                where.append((i, name, "metadata"))
-                pos += meta + payload
+            for j, n in enumerate(lens.flat()):  # wire order: state, then (metadata, payload) per segment
+                if j == 0 or j % 2:
+                    starts.append(pos)
+                    ends.append(pos + n)
+                    where.append((i, name, "metadata" if j else "transform state"))
+                pos += n
     bad = fastpath.first_nonfinite_f16(np.frombuffer(stream, dtype=np.uint8), np.array(starts, np.int64),
                                        np.array(ends, np.int64))
     if bad >= 0:
