@@ -868,7 +868,8 @@ def ref_decode(words, n, bits, m, div, mod, freqs, prec) -> list[int]:
 
 
 @covers("rans_normalize", "rans_fused_tables", "rans_decoder_tables", "rans_encode", "rans_decode")
-@pytest.mark.parametrize("bits, m, mod, div, n", [(4, 2, 3, 1, 37), (2, 4, 2, 5, 40), (1, 8, 1, 1, 64), (8, 1, 2, 1, 9), (3, 1, 1, 1, 1)])
+@pytest.mark.parametrize("bits, m, mod, div, n", [(4, 2, 3, 1, 37), (2, 4, 2, 5, 40), (1, 8, 1, 1, 64), (8, 1, 2, 1, 9), (3, 1, 1, 1, 1),
+                                                  (2, 3, 2, 1, 11), (1, 5, 1, 2, 12)])
 def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
     rng = np.random.default_rng(bits)
     k = 1 << bits
