@@ -325,9 +325,10 @@ with kernel_cache_dir():
     def _fuse(sym, bits, m, out):
         """Super-symbols ``out[i] = sym[i m] + sym[i m + 1] 2**bits + ...``.
 
-        The fusions of the widths that fuse (``m`` = 2, 4, 8: 4/3, 2 and 1 bits) are written out
-        with loop-invariant shifts, which LLVM vectorizes: 4.5x faster than the loop over ``j``
-        on real 2-bit symbols, measured with a one-off script (48 vs 214 us per 196,608 symbols).
+        ``m`` = 2 (3- and 4-bit symbols) and 4 (2-bit) are written out with loop-invariant shifts,
+        which LLVM vectorizes: 4.5x faster than the loop over ``j`` on real 2-bit symbols,
+        measured with a one-off script (48 vs 214 us per 196,608 symbols). Other fusions (1-bit
+        symbols, shorter runs) take that loop.
         """
         n = np.uintp(out.shape[0])
         b = np.uint16(bits)
