@@ -44,12 +44,9 @@ overriding ``get_num_new_matched_tokens``, ``update_state_after_alloc``,
 ``build_connector_meta``, ``request_finished``, ``on_new_request`` (scheduler side),
 ``register_kv_caches``,
 ``start_load_kv``, ``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``,
-``get_block_ids_with_load_errors`` and ``shutdown`` (worker side). The paged layout read and
-written is the CPU attention backend's: per layer ``(num_blocks, kv_heads, block_size,
-2 * head_dim)``, viewed as ``(num_blocks, kv_heads, 2 * block_size, head_dim)`` whose first
-``block_size`` rows of a block are its keys and the rest its values; each half is token- or
-channel-major depending on the attention kernels' ISA (the AVX2 ``vec`` kernels store keys
-channel-major), which :func:`probe_layout` finds out at start-up with the engine's own
+``get_block_ids_with_load_errors`` and ``shutdown`` (worker side). The paged blocks are read
+and written by :mod:`kvtune.serving.paged`, which learns their layout (token-major,
+channel-major or AMX-packed, by the attention kernels' ISA) at start-up from the engine's own
 cache-write kernel (``vllm._custom_ops.cpu_attn_reshape_and_cache``).
 """
 
@@ -80,6 +77,7 @@ from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.serving.artifacts import ModelMismatchError, basis_problem, selection_problem
 from kvtune.serving.auth import MAX_KEY_BYTES, load_key, seal, unseal
+from kvtune.serving.paged import PagedLayout, gather_blocks, paged_geometry, probe_layout, scatter_blocks
 from kvtune.serving.transport import (
     DEFAULT_MAX_FRAME_BYTES,
     FrameClient,
@@ -98,11 +96,6 @@ __all__ = [
     "TransferItem",
     "prefix_key",
     "movable_tokens",
-    "gather_blocks",
-    "scatter_blocks",
-    "paged_geometry",
-    "PagedLayout",
-    "probe_layout",
 ]
 
 logger = logging.getLogger(__name__)
@@ -358,151 +351,6 @@ def movable_tokens(prompt_tokens: int, block_size: int) -> int:
     if prompt_tokens <= 0:
         return 0
     return (prompt_tokens - 1) // block_size * block_size
-
-
-def paged_geometry(layer_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """``(num_blocks, kv_heads, block_size, head_dim)`` of one layer of the CPU backend's
-    cache ``(num_blocks, kv_heads, block_size, 2 * head_dim)``.
-
-    Raises:
-        ModelMismatchError: not a 4-D tensor with an even last dimension.
-    """
-    if layer_cache.dim() != 4 or layer_cache.shape[-1] % 2:
-        raise ModelMismatchError(f"unsupported paged KV layout {tuple(layer_cache.shape)}: expected "
-                                 "(num_blocks, kv_heads, block_size, 2 * head_dim) of the CPU attention backend")
-    nb, h, bs, c2 = layer_cache.shape
-    return int(nb), int(h), int(bs), int(c2 // 2)
-
-
-@dataclass(frozen=True)
-class PagedLayout:
-    """How the CPU attention backend lays out one block of one KV head.
-
-    A layer's cache ``(num_blocks, kv_heads, block_size, 2 * head_dim)`` is, per block and
-    head, ``block_size * head_dim`` key elements followed by as many value elements. Each half
-    is token-major (``(block_size, head_dim)``) or channel-major (``(head_dim, block_size)``,
-    the keys of the AVX2 ``vec`` kernels); :func:`probe_layout` finds out which.
-    """
-
-    key_channel_major: bool
-    value_channel_major: bool
-
-
-def probe_layout(write, *, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> PagedLayout:
-    """Find the engine's block layout by letting its own cache-write kernel store known values.
-
-    Args:
-        write: ``(key, value, key_cache, value_cache, slot_mapping) -> None``, the engine's
-            kernel (``vllm._custom_ops.cpu_attn_reshape_and_cache`` bound to the layers' ISA);
-            ``key``/``value`` are ``(tokens, kv_heads, head_dim)``.
-        kv_heads, block_size, head_dim, dtype: the cache's geometry and dtype.
-
-    Returns:
-        The :class:`PagedLayout`.
-
-    Raises:
-        ModelMismatchError: the kernel stores a block in neither token- nor channel-major order
-            (e.g. a packed layout of another ISA): the connector cannot read it.
-    """
-    h, bs, d = kv_heads, block_size, head_dim
-    if bs > 256 or d > 256:  # the probe values (indices) must be exact in bfloat16
-        raise ModelMismatchError(f"cannot probe blocks of {bs} tokens x {d} channels (at most 256 each)")
-    cache = torch.zeros(1, h, bs, 2 * d, dtype=dtype)
-    view = cache.view(1, h, 2 * bs, d)
-    kc, vc = view[:, :, :bs], view[:, :, bs:]
-    tok = torch.arange(bs).view(bs, 1, 1).expand(bs, h, d).to(dtype).contiguous()
-    chan = torch.arange(d).view(1, 1, d).expand(bs, h, d).to(dtype).contiguous()
-    slots = torch.arange(bs, dtype=torch.long)
-    seen = []
-    for pattern in (tok, chan):
-        write(pattern, pattern, kc, vc, slots)
-        seen.append(view[0].float().clone())  # (h, 2bs, d) in memory order
-    want_t = torch.arange(bs, dtype=torch.float32).view(1, bs, 1).expand(h, bs, d)
-    want_c = torch.arange(d, dtype=torch.float32).view(1, 1, d).expand(h, bs, d)
-    orders = []
-    for name, rows in (("key", slice(0, bs)), ("value", slice(bs, 2 * bs))):
-        t_mem, c_mem = seen[0][:, rows], seen[1][:, rows]
-        if torch.equal(t_mem, want_t) and torch.equal(c_mem, want_c):
-            orders.append(False)
-        elif torch.equal(t_mem.reshape(h, d, bs).transpose(1, 2), want_t) and \
-                torch.equal(c_mem.reshape(h, d, bs).transpose(1, 2), want_c):
-            orders.append(True)
-        else:
-            raise ModelMismatchError(f"the engine stores {name} blocks in a layout kvtune cannot read "
-                                     "(neither token- nor channel-major)")
-    return PagedLayout(*orders)
-
-
-def _kv_view(layer_cache: torch.Tensor) -> torch.Tensor:
-    nb, h, bs, d = paged_geometry(layer_cache)
-    return layer_cache.view(nb, h, 2 * bs, d)
-
-
-def _logical(part: torch.Tensor, channel_major: bool) -> torch.Tensor:
-    """``(n, h, bs, d)`` memory-order rows of one half -> logical ``(n, h, bs, d)``."""
-    if not channel_major:
-        return part
-    n, h, bs, d = part.shape
-    return part.reshape(n, h, d, bs).transpose(2, 3)
-
-
-def gather_blocks(layer_cache: torch.Tensor, block_ids: list[int], tokens: int,
-                  layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy the first ``tokens`` tokens of a request out of one paged layer.
-
-    Args:
-        layer_cache: ``(num_blocks, kv_heads, block_size, 2 * head_dim)`` (CPU backend).
-        block_ids: the request's blocks in token order (at least ``ceil(tokens / block_size)``).
-        tokens: how many tokens.
-        layout: the block layout (:func:`probe_layout`).
-
-    Returns:
-        ``(K, V)``, each ``(1, kv_heads, tokens, head_dim)``, contiguous, the cache's dtype.
-    """
-    _, h, bs, d = paged_geometry(layer_cache)
-    nblk = -(-tokens // bs)
-    idx = torch.as_tensor(block_ids[:nblk], dtype=torch.long)
-    blocks = _kv_view(layer_cache).index_select(0, idx)  # (nblk, h, 2bs, d), memory order
-    out = []
-    for rows, cm in ((slice(0, bs), layout.key_channel_major), (slice(bs, 2 * bs), layout.value_channel_major)):
-        x = _logical(blocks[:, :, rows], cm)  # (nblk, h, bs, d)
-        out.append(x.permute(1, 0, 2, 3).reshape(h, nblk * bs, d)[:, :tokens].unsqueeze(0).contiguous())
-    return out[0], out[1]
-
-
-def scatter_blocks(layer_cache: torch.Tensor, block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
-                   start: int, end: int, layout: PagedLayout) -> None:
-    """Write tokens ``[start, end)`` of ``(K, V)`` into a request's blocks of one paged layer.
-
-    Args:
-        layer_cache: ``(num_blocks, kv_heads, block_size, 2 * head_dim)`` (CPU backend).
-        block_ids: the request's blocks in token order.
-        k, v: ``(1, kv_heads, >= end, head_dim)``.
-        start, end: token range; both multiples of the block size.
-        layout: the block layout (:func:`probe_layout`).
-
-    Raises:
-        ModelMismatchError: ``k``/``v`` do not fit the cache (heads, head size, tokens) or the
-            range is not block-aligned.
-    """
-    _, h, bs, d = paged_geometry(layer_cache)
-    if start % bs or end % bs or not 0 <= start <= end:
-        raise ModelMismatchError(f"token range [{start}, {end}) is not aligned to blocks of {bs}")
-    for name, t in (("K", k), ("V", v)):
-        if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != h or t.shape[3] != d or t.shape[2] < end:
-            raise ModelMismatchError(f"{name} of shape {tuple(t.shape)} does not fit the engine's cache "
-                                     f"(1, {h}, >= {end}, {d})")
-    nblk = (end - start) // bs
-    if nblk == 0:
-        return
-    first = start // bs
-    idx = torch.as_tensor(block_ids[first:first + nblk], dtype=torch.long)
-    view = _kv_view(layer_cache)
-    for t, rows, cm in ((k, slice(0, bs), layout.key_channel_major), (v, slice(bs, 2 * bs), layout.value_channel_major)):
-        part = t[0, :, start:end].to(layer_cache.dtype).reshape(h, nblk, bs, d).permute(1, 0, 2, 3)  # (nblk, h, bs, d)
-        if cm:
-            part = part.transpose(2, 3)  # memory order (nblk, h, d, bs)
-        view[:, :, rows].index_copy_(0, idx, part.reshape(nblk, h, bs, d).contiguous())
 
 
 def _layer_index(name: str) -> int:
