@@ -225,6 +225,22 @@ def run(tmp_path_factory, model_dir) -> dict:
     return result
 
 
+def test_block_layout_of_every_isa_round_trips(tmp_path):
+    """The real cache-write kernel of each ISA this CPU runs (``vec``, ``vec16``; ``amx`` on
+    CPUs with AMX tiles): kvtune's probed layout gathers a request back exactly and scatters it
+    into the bytes the kernel writes (tests/test_paged_layout.py has the stand-in kernels)."""
+    out = tmp_path / "layouts.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(_venv_python()), str(REPO / "tests" / "vllm_driver.py"), "layouts", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.is_file(), f"driver failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+    result = json.loads(out.read_text())
+    assert {"vec", "vec16"} <= set(result)
+    assert result["vec"]["layout"] == "PagedLayout(keys channel-major, values token-major)"
+    for isa, r in result.items():
+        assert r["gathered"] and r["scattered"], (isa, r)
+
+
 def _step(run, name):
     return next(s for s in run["steps"] if s["name"] == name)
 

@@ -317,6 +317,39 @@ def generate_timed(llm, ids: list[int], max_tokens: int, params: dict | None, *,
     return tokens, ttft, time.perf_counter() - t0, plp
 
 
+def layouts(args) -> dict:
+    """Per ISA of vLLM's CPU attention kernels this CPU runs (``vec``, ``vec16``, ``amx`` with
+    AMX tiles): the block layout kvtune probes with the real cache-write kernel, and whether a
+    request written by that kernel is gathered back exactly and scattered into the same bytes."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvtune.serving.paged import gather_blocks, probe_layout, scatter_blocks
+
+    isas = ["vec", "vec16"] + (["amx"] if torch.cpu._is_amx_tile_supported() else [])
+    h, bs, d, nb, tokens, blocks = 3, 32, 64, 4, 80, [2, 0, 3]
+    out = {}
+    for isa in isas:
+        def write(key, value, key_cache, value_cache, slots, isa=isa):
+            ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+        layout = probe_layout(write, kv_heads=h, block_size=bs, head_dim=d, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(0)
+        k, v = (torch.randn(tokens, h, d, generator=g).to(torch.bfloat16) for _ in range(2))
+        cache = torch.zeros(nb, h, bs, 2 * d, dtype=torch.bfloat16)
+        view = cache.view(nb, h, 2 * bs, d)
+        slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(tokens)])
+        write(k, v, view[:, :, :bs], view[:, :, bs:], slots)
+        gk, gv = gather_blocks(cache, blocks, tokens, layout)
+        other = torch.zeros_like(cache)
+        scatter_blocks(other, blocks[:2], gk, gv, 0, 2 * bs, layout)
+        same = bool(torch.equal(other[blocks[0]], cache[blocks[0]]) and torch.equal(other[blocks[1]], cache[blocks[1]]))
+        out[isa] = {"layout": repr(layout), "gathered": bool(torch.equal(gk[0], k.transpose(0, 1))
+                                                              and torch.equal(gv[0], v.transpose(0, 1))),
+                    "scattered": same}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -332,6 +365,8 @@ def main(argv=None) -> int:
     sc.add_argument("--store-policy", default="none")
     sc.add_argument("--block-size", type=int, default=128)
     sc.add_argument("--max-model-len", type=int, default=2048)
+    ly = sub.add_parser("layouts", help="probe the paged block layout of every ISA this CPU runs")
+    ly.add_argument("--out", required=True)
     sv = sub.add_parser("serve", help="one instance driven over stdin/stdout (benchmarks/serving_e2e.py)")
     sv.add_argument("--model", required=True)
     sv.add_argument("--role", required=True, choices=("kv_producer", "kv_consumer", "kv_both"))
@@ -344,7 +379,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.cmd == "serve":
         return serve(args)
-    result = scenario(args)
+    result = layouts(args) if args.cmd == "layouts" else scenario(args)
     tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(args.out)
