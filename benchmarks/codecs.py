@@ -34,7 +34,9 @@ original KV, after warm-up, median of repeats):
   CPU, so encode includes the device-to-host copy and decode returns CPU tensors.
 
 * **Stages** (``--stages``): for each preset, where the time of one encode and one decode
-  goes on the fast path (medians of ``--repeats``, in ms): encode = the codec threads' work
+  goes on the fast path (medians of ``--repeats``, in ms): encode = token selection (``keep``
+  policies: :func:`kvtune.codecs.select.select_kv`; the rest of the policy runs on the kept
+  tokens) + the codec threads' work
   (:func:`kvtune.codecs.fastpath.encode_tensors`: input check, kernels, per-tensor CRC) +
   stream assembly (:func:`kvtune.codecs.stream.write_stream`: header, CRC combination, the
   join into one ``bytes``) + the rest (input validation, policy id); decode = stream
@@ -344,6 +346,7 @@ def stage_times(case: Case, kv, scores, memcpy: Memcpy, repeats: int) -> dict[st
     the policy does not run on the fast path or the KV is not on the CPU."""
     from kvtune.codecs.checksum import crc32_threaded
     from kvtune.codecs.kvtensors import DTYPE_NAMES
+    from kvtune.codecs.select import kept_positions, select_kv, selecting_transform, without_selection
     from kvtune.codecs.stream import read_stream, write_stream
 
     cfg = case.config.with_head_scores(scores) if case.config.needs_head_scores else case.config
@@ -351,31 +354,41 @@ def stage_times(case: Case, kv, scores, memcpy: Memcpy, repeats: int) -> dict[st
         return None
     stream = encode_kv(kv, cfg)
     header, sections = read_stream(stream)
-    secs, crcs = fastpath.encode_tensors(kv, cfg, 0)
-    shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
+    # as encode_kv / decode_kv: a keep policy selects the tokens first, and the codec threads
+    # run the rest of the policy on the kept ones (with their positions)
+    keep, inner = selecting_transform(cfg), without_selection(cfg)
+    kv_in, positions = kv, None
+    if keep is not None:
+        kv_in, selection = select_kv(kv, keep)
+        positions = selection.positions
+    kept = kept_positions(stream)
+    secs, crcs = fastpath.encode_tensors(kv_in, inner, 0, positions)
+    shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv_in]
     policy, policy_id, dtype = cfg.to_dict(), cfg.policy_id, DTYPE_NAMES[kv[0][0].dtype]
     body = memoryview(stream)[: len(stream) - header.checksum_nbytes]
     out = {
         "memcpy": 1e3 * memcpy.nbytes / memcpy.sample()[2] / 1e9,
         "encode": _median_ms(lambda: encode_kv(kv, cfg), repeats),
-        "encode threads": _median_ms(lambda: fastpath.encode_tensors(kv, cfg, 0), repeats),
+        "selection": _median_ms(lambda: select_kv(kv, keep), repeats) if keep is not None else 0.0,
+        "encode threads": _median_ms(lambda: fastpath.encode_tensors(kv_in, inner, 0, positions), repeats),
         "assembly": _median_ms(lambda: write_stream(policy=policy, policy_id=policy_id, layer_offset=0, dtype=dtype,
                                                     shapes=shapes, sections=secs, crcs=crcs), repeats),
         "decode": _median_ms(lambda: decode_kv(stream), repeats),
         "validation": _median_ms(lambda: read_stream(stream), repeats),
         "crc": _median_ms(lambda: crc32_threaded(body), repeats),
-        "decode threads": _median_ms(lambda: fastpath.decode_tensors(stream, header, sections, cfg), repeats),
+        "decode threads": _median_ms(lambda: fastpath.decode_tensors(
+            stream, header, sections, inner, positions=None if kept is None else kept.positions), repeats),
     }
-    out["encode rest"] = out["encode"] - out["encode threads"] - out["assembly"]
+    out["encode rest"] = out["encode"] - out["selection"] - out["encode threads"] - out["assembly"]
     out["decode rest"] = out["decode"] - out["validation"] - out["decode threads"]
     return out
 
 
 def stage_table(stages: list[tuple[str, dict[str, float]]]) -> list[str]:
-    lines = ["| preset | memcpy ms | encode ms | codec threads | assembly | rest | decode ms | validation "
-             "(of which CRC) | codec threads | rest |", "|" + "---|" * 10]
+    lines = ["| preset | memcpy ms | encode ms | token selection | codec threads | assembly | rest | decode ms | "
+             "validation (of which CRC) | codec threads | rest |", "|" + "---|" * 11]
     for name, t in stages:
-        lines.append(f"| {name} | {t['memcpy']:.2f} | {t['encode']:.2f} | {t['encode threads']:.2f} | "
+        lines.append(f"| {name} | {t['memcpy']:.2f} | {t['encode']:.2f} | {t['selection']:.2f} | {t['encode threads']:.2f} | "
                      f"{t['assembly']:.2f} | {t['encode rest']:.2f} | {t['decode']:.2f} | {t['validation']:.2f} "
                      f"({t['crc']:.2f}) | {t['decode threads']:.2f} | {t['decode rest']:.2f} |")
     return lines
