@@ -219,6 +219,11 @@ def _uses_basis(p: PolicyConfig) -> bool:
     return any(c.name in BASIS_BOUND for c in (*p.transforms, p.key, p.value))
 
 
+def _kvtc_like(p: PolicyConfig) -> bool:
+    """One pca transform, then dp-alloc (either grid) on K and V: the policies with a fast path."""
+    return len(p.transforms) == 1 and type(p.transforms[0]) is PCA and all(type(q) is DPAlloc for q in (p.key, p.value))
+
+
 def _basis_bound_samples() -> list[PolicyConfig]:
     """pca (pre and post RoPE) with dp-alloc, uniform, bfloat16 and fp8, after other transforms,
     with every codec."""
@@ -235,13 +240,15 @@ def _basis_bound_samples() -> list[PolicyConfig]:
 
 
 def _kvtc_samples() -> list[PolicyConfig]:
-    """KVTC-like policies (pca, then dp-alloc with the gauss grid on K and V), which have their
-    own fast path: pre-RoPE with sink tokens and every codec; post-RoPE with other widths."""
+    """KVTC-like policies (pca, then dp-alloc on K and V), which have their own fast path:
+    pre-RoPE with sink tokens and every codec; post-RoPE with other widths; the min/max grid."""
     pre, post = TRANSFORM_EXAMPLES["pca"]
     out = [PolicyConfig(transforms=(pre,), key=DPAlloc(basis=MATRIX_BASIS, sink_tokens=4),
                         value=DPAlloc(bits=3, basis=MATRIX_BASIS), codec=c) for c in ALL_CODECS]
     out.append(PolicyConfig(transforms=(post,), key=DPAlloc(bits=8, basis=MATRIX_BASIS_POST),
                             value=DPAlloc(bits=1.5, max_bits=4, basis=MATRIX_BASIS_POST, sink_tokens=200)))
+    out.append(PolicyConfig(transforms=(pre,), key=DPAlloc(bits=2.5, grid="minmax", basis=MATRIX_BASIS, sink_tokens=4),
+                            value=DPAlloc(bits=3, grid="minmax", basis=MATRIX_BASIS), codec=RansCodec()))
     return out
 
 
@@ -349,6 +356,7 @@ def test_round_trip_preserves_structure_and_matches_in_memory_pipeline(cfg, dtyp
 @pytest.mark.parametrize(
     "cfg, dtype",
     [(p, torch.float32) for p in KERNEL_POLICIES + KVTC_POLICIES + [KEEP_KVTC]]
+    + [(p, torch.float32) for p in POLICIES if _kvtc_like(p) and p not in KVTC_POLICIES]
     + [(p, torch.bfloat16) for p in BF16_POLICIES if not _uses_basis(p)] + [(p, torch.bfloat16) for p in KVTC_POLICIES + [KEEP_KVTC]],
     ids=lambda x: x.label if isinstance(x, PolicyConfig) else str(x).removeprefix("torch."),
 )
@@ -368,9 +376,9 @@ def test_fast_path_writes_and_reads_the_reference_bytes(cfg, dtype):
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(out, ref))
 
 
-@pytest.mark.parametrize("cfg", [p for p in POLICIES if _uses_basis(p) and p not in KVTC_POLICIES], ids=_id)
+@pytest.mark.parametrize("cfg", [p for p in POLICIES if _uses_basis(p) and not _kvtc_like(p)], ids=_id)
 def test_basis_bound_policies_have_no_kernel_path_and_auto_is_the_reference(cfg):
-    """pca / dp-alloc other than KVTC-like (:data:`KVTC_POLICIES`) are pure torch: the fast path
+    """pca / dp-alloc other than KVTC-like (:func:`_kvtc_like`) are pure torch: the fast path
     says so (impl="fast" is a typed error) and "auto" writes and reads the reference bytes."""
     assert not fastpath.supports(cfg)
     kv = make_kv(MATRIX_SHAPES, seed=7)

@@ -116,8 +116,8 @@ class ComponentQuantizer(Quantizer):
     Range: magnitudes up to 32752 (:attr:`value_limit`), so the float16 mean and step never
     saturate.
 
-    The fast path codes every ``gauss`` segment of a tensor in one call of
-    :func:`kvtune.codecs.kernels.quantize_components` (same bytes; statistics summed in token
+    The fast path codes every segment of a tensor (either grid) in one call of
+    :func:`kvtune.codecs.kernels.quantize_components` (same bytes; the Gaussian grid's statistics summed in token
     order by :func:`token_sum`).
     """
 

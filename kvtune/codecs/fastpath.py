@@ -19,7 +19,7 @@ Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block q
 ``fp8`` and ``codebook`` quantizers, and any quantizer whose plan only uses those block
 kernels); any codec (``bitpack`` has its own kernel; other codecs receive the symbols as numpy
 arrays). KVTC-like policies (one ``pca`` transform, after a ``keep`` or not, then ``dp-alloc``
-with the ``gauss`` grid on K and V) have their own path: the projection runs the ``pca``
+on K and V, either grid) have their own path: the projection runs the ``pca``
 transform's own torch code (float64 matrix products, identical by construction; after ``keep``,
 pre-RoPE keys are un-rotated at the kept tokens' positions, as on the reference path), then
 every segment of the tensor is quantized by one kernel call
@@ -107,11 +107,11 @@ def _block_kind(coder: Quantizer) -> str | None:
 
 
 def _is_kvtc(config) -> bool:
-    """One ``pca`` transform (after a leading ``keep``, if any), then ``dp-alloc`` (``gauss``
-    grid) on K and V (exact types)."""
+    """One ``pca`` transform (after a leading ``keep``, if any), then ``dp-alloc`` on K and V
+    (exact types; ``gauss`` or ``minmax`` grid)."""
     rest = [t for t in config.transforms if not is_selecting(t)]
     return (len(rest) == 1 and type(rest[0]) is PCA
-            and all(type(q) is DPAlloc and q.grid == "gauss" for q in (config.key, config.value)))
+            and all(type(q) is DPAlloc for q in (config.key, config.value)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -273,10 +273,11 @@ class _ComponentPlan:
     bits: np.ndarray
     checks: tuple[tuple[int, int, int], ...]
     value_limit: float
+    minmax: bool = False  # the dp-alloc grid: min/max (True) or Gaussian
     state_nbytes: int = 0  # the pca transform has no state
 
 
-def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...]) -> _ComponentPlan:
+def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...], minmax: bool) -> _ComponentPlan:
     d = shape[3]
     first = segments[0].shape[2] if segments and segments[0].bits == BF16_BITS else 0
     comps = [s for s in segments if s.bits != BF16_BITS]
@@ -285,7 +286,7 @@ def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...]) -> _C
     checks = tuple((s.bits, s.numel, sum(f.nbytes for f in s.meta_layout)) for s in segments)
     return _ComponentPlan(shape, tuple(segments), first, np.concatenate(idx) if idx else np.zeros(0, np.int64), start,
                           np.array([s.bits for s in comps], np.int64), checks,
-                          min((s.coder.value_limit for s in segments), default=math.inf))
+                          min((s.coder.value_limit for s in segments), default=math.inf), minmax)
 
 
 _GAUSS = np.array(GAUSSIAN_STEPS, np.float64)
@@ -306,7 +307,7 @@ def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, k
     sink = np.empty((b, h, plan.first, d), np.uint16)
     meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
     sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
-    K.quantize_components(yn, plan.comp, plan.start, plan.bits, plan.first, _GAUSS, sink, meta, sym)
+    K.quantize_components(yn, plan.comp, plan.start, plan.bits, plan.first, _GAUSS, plan.minmax, sink, meta, sym)
     codec = comp.config.codec
     sections = [b""]
     if plan.first:
@@ -344,7 +345,7 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
         sym[b * nt * lo : b * nt * hi] = symbols.reshape(-1)
         s += 1
     y = np.empty(plan.shape, np.float32)
-    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, sink, y)
+    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, plan.minmax, sink, y)
     pca = comp.config.transforms[0]
     x = to_output_dtype(pca.inverse(torch.from_numpy(y), layer=layer, kind=kind, positions=positions), dtype)
     if dest is None:
@@ -378,7 +379,7 @@ class _Compiled:
         cfg = self.config
         quant = cfg.key if kind == "key" else cfg.value
         if _is_kvtc(cfg):
-            return _component_plan(quant.plan(shape, layer=layer, kind=kind), shape)
+            return _component_plan(quant.plan(shape, layer=layer, kind=kind), shape, quant.grid == "minmax")
         ops = []
         state_nbytes = 0
         for t in cfg.transforms:

@@ -4,8 +4,9 @@ KVTC ("KV Cache Transform Coding for Compact Storage in LLM Inference", arXiv 25
 sec. 3) quantizes each PCA component with its own width (:mod:`kvtune.codecs.bitalloc`). The
 reference codes one :class:`~kvtune.codecs.bitalloc.ComponentSegment` (all components of one
 width) at a time with torch; these kernels code every segment of one K or V tensor in one call,
-bit for bit as :class:`~kvtune.codecs.bitalloc.ComponentQuantizer` (``grid = "gauss"``) and
-:class:`~kvtune.codecs.quantizers.NoQuantizer` (the bfloat16 sink tokens) do.
+bit for bit as :class:`~kvtune.codecs.bitalloc.ComponentQuantizer` (``grid = "gauss"`` or
+``"minmax"``, the ``minmax`` argument) and :class:`~kvtune.codecs.quantizers.NoQuantizer` (the
+bfloat16 sink tokens) do.
 
 Arguments shared by both kernels:
 
@@ -22,8 +23,11 @@ Arguments shared by both kernels:
 * ``sym``: uint8, per segment at ``batch * (tokens - first) * start[s]``: the symbols
   ``(batch, tokens - first, n)`` in C order (the segment's ``(batch, 1, tokens, n)`` block).
 
-Statistics are float64 sums in token order (the reference sums with ``torch.cumsum``, which is
-sequential); float64 -> float16 goes through float32, as torch converts.
+Gauss grid: statistics are float64 sums in token order (the reference sums with
+``torch.cumsum``, which is sequential); float64 -> float16 goes through float32, as torch
+converts. Minmax grid: the parameters of :func:`kvtune.codecs.quantizers.asymmetric_params`
+(``zero`` the minimum rounded up to float16, ``+0`` for ``-0``; ``scale`` the float32 quotient
+``(max - zero) / (2**bits - 1)`` clamped to ``[+0, 65504]``, to float16).
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ import numpy as np
 from numba import njit
 
 from .cachedir import kernel_cache_dir
-from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits
+from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, fp16_round_up_bits
 from .lowlevel import F32_TINY, FP16_MAX, JIT
 
 with kernel_cache_dir():
 
     @njit(**JIT)
-    def quantize_components(y, comp, start, bits, first, steps, sink, meta, sym):
+    def quantize_components(y, comp, start, bits, first, steps, minmax, sink, meta, sym):
         """Quantize every segment of one tensor (module doc: arguments); ``steps``: float64
-        ``(8,)`` Gaussian steps per width. Writes ``sink``, ``meta`` and ``sym``."""
+        ``(8,)`` Gaussian steps per width; ``minmax``: the min/max grid instead of the Gaussian
+        one. Writes ``sink``, ``meta`` and ``sym``."""
         b_, h_, t_, d_ = y.shape
         for b in range(b_):
             for h in range(h_):
@@ -61,22 +66,34 @@ with kernel_cache_dir():
                 for k in range(n):
                     j = comp[lo + k]
                     h, c = j // d_, j % d_
-                    acc = 0.0
-                    for t in range(first, t_):
-                        acc += np.float64(y[b, h, t, c])
-                    z = min(max(acc / inv_n, -FP16_MAX), FP16_MAX)
-                    z16 = f32_to_f16_bits(np.float32(z))
-                    zd = np.float64(f16_bits_to_f32(z16))
-                    acc = 0.0
-                    for t in range(first, t_):
-                        e = np.float64(y[b, h, t, c]) - zd
-                        acc += e * e
-                    sd = min(np.sqrt(acc / inv_n) * steps[w - 1], FP16_MAX)
-                    s16 = f32_to_f16_bits(np.float32(sd))
+                    if minmax:
+                        vlo = vhi = np.float32(0.0)  # no token: a zero grid, as the reference
+                        if nt:
+                            vlo = vhi = y[b, h, first, c]
+                        for t in range(first + 1, t_):
+                            v = y[b, h, t, c]
+                            vlo = min(vlo, v)
+                            vhi = max(vhi, v)
+                        z16 = fp16_round_up_bits(vlo)
+                        sf = min(np.float32(vhi - f16_bits_to_f32(z16)) / top, FP16_MAX)
+                        s16 = f32_to_f16_bits(sf) if sf > 0 else np.int64(0)
+                    else:
+                        acc = 0.0
+                        for t in range(first, t_):
+                            acc += np.float64(y[b, h, t, c])
+                        z = min(max(acc / inv_n, -FP16_MAX), FP16_MAX)
+                        z16 = f32_to_f16_bits(np.float32(z))
+                        zd = np.float64(f16_bits_to_f32(z16))
+                        acc = 0.0
+                        for t in range(first, t_):
+                            e = np.float64(y[b, h, t, c]) - zd
+                            acc += e * e
+                        sd = min(np.sqrt(acc / inv_n) * steps[w - 1], FP16_MAX)
+                        s16 = f32_to_f16_bits(np.float32(sd))
                     meta[mo + b * n + k] = s16
                     meta[mo + b_ * n + b * n + k] = z16
                     scale = f16_bits_to_f32(s16)
-                    zero = np.float32(f16_bits_to_f32(z16) - np.float32(scale * half))
+                    zero = f16_bits_to_f32(z16) if minmax else np.float32(f16_bits_to_f32(z16) - np.float32(scale * half))
                     inv = np.float32(1.0) / max(scale, F32_TINY) if scale > 0 else np.float32(0.0)
                     base = so + b * nt * n + k
                     for t in range(nt):
@@ -85,7 +102,7 @@ with kernel_cache_dir():
                         sym[base + t * n] = np.uint8(u)
 
     @njit(**JIT)
-    def dequantize_components(sym, meta, comp, start, bits, first, sink, y):
+    def dequantize_components(sym, meta, comp, start, bits, first, minmax, sink, y):
         """Inverse of :func:`quantize_components`: float32 ``y`` (module doc) from ``sym``,
         ``meta`` and ``sink``; components in no segment are 0 (``DPAlloc.dequantize``)."""
         b_, h_, t_, d_ = y.shape
@@ -107,7 +124,8 @@ with kernel_cache_dir():
                     j = comp[lo + k]
                     h, c = j // d_, j % d_
                     scale = f16_bits_to_f32(meta[mo + b * n + k])
-                    zero = np.float32(f16_bits_to_f32(meta[mo + b_ * n + b * n + k]) - np.float32(scale * half))
+                    z = f16_bits_to_f32(meta[mo + b_ * n + b * n + k])
+                    zero = z if minmax else np.float32(z - np.float32(scale * half))
                     base = so + b * nt * n + k
                     for t in range(nt):
                         y[b, h, first + t, c] = np.float32(zero + np.float32(np.float32(sym[base + t * n]) * scale))
