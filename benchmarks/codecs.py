@@ -346,7 +346,7 @@ def stage_times(case: Case, kv, scores, memcpy: Memcpy, repeats: int) -> dict[st
     the policy does not run on the fast path or the KV is not on the CPU."""
     from kvtune.codecs.checksum import crc32_threaded
     from kvtune.codecs.kvtensors import DTYPE_NAMES
-    from kvtune.codecs.select import kept_positions, select_kv, selecting_transform, without_selection
+    from kvtune.codecs.select import select_kv, selecting_transform, without_selection
     from kvtune.codecs.stream import read_stream, write_stream
 
     cfg = case.config.with_head_scores(scores) if case.config.needs_head_scores else case.config
@@ -355,13 +355,12 @@ def stage_times(case: Case, kv, scores, memcpy: Memcpy, repeats: int) -> dict[st
     stream = encode_kv(kv, cfg)
     header, sections = read_stream(stream)
     # as encode_kv / decode_kv: a keep policy selects the tokens first, and the codec threads
-    # run the rest of the policy on the kept ones (with their positions)
+    # run the rest of the policy on the kept ones (with their positions, the same both ways)
     keep, inner = selecting_transform(cfg), without_selection(cfg)
     kv_in, positions = kv, None
     if keep is not None:
         kv_in, selection = select_kv(kv, keep)
         positions = selection.positions
-    kept = kept_positions(stream)
     secs, crcs = fastpath.encode_tensors(kv_in, inner, 0, positions)
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv_in]
     policy, policy_id, dtype = cfg.to_dict(), cfg.policy_id, DTYPE_NAMES[kv[0][0].dtype]
@@ -376,8 +375,8 @@ def stage_times(case: Case, kv, scores, memcpy: Memcpy, repeats: int) -> dict[st
         "decode": _median_ms(lambda: decode_kv(stream), repeats),
         "validation": _median_ms(lambda: read_stream(stream), repeats),
         "crc": _median_ms(lambda: crc32_threaded(body), repeats),
-        "decode threads": _median_ms(lambda: fastpath.decode_tensors(
-            stream, header, sections, inner, positions=None if kept is None else kept.positions), repeats),
+        "decode threads": _median_ms(lambda: fastpath.decode_tensors(stream, header, sections, inner, positions=positions),
+                                     repeats),
     }
     out["encode rest"] = out["encode"] - out["selection"] - out["encode threads"] - out["assembly"]
     out["decode rest"] = out["decode"] - out["validation"] - out["decode threads"]
