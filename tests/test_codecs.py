@@ -185,7 +185,7 @@ QUANTIZER_EXAMPLES = {
         CodebookQuantizer(bits=8, levels="nf", normalize="absmax", granularity="per_channel", group_size=7),
     ],
     "dp-alloc": [DPAlloc(basis=MATRIX_BASIS), DPAlloc(bits=1.5, max_bits=4, grid="minmax", basis=MATRIX_BASIS),
-                 DPAlloc(bits=8, basis=MATRIX_BASIS_POST)],
+                 DPAlloc(bits=8, basis=MATRIX_BASIS_POST), DPAlloc(bits=2.5, max_bits=6, grid="ecsq", basis=MATRIX_BASIS)],
 }
 _OPTIONAL_CODECS = {  # codecs written alongside this library, with examples once registered
     "range": lambda cls: [cls(), cls(model="per_head")],
@@ -220,7 +220,7 @@ def _uses_basis(p: PolicyConfig) -> bool:
 
 
 def _kvtc_like(p: PolicyConfig) -> bool:
-    """One pca transform, then dp-alloc (either grid) on K and V: the policies with a fast path."""
+    """One pca transform, then dp-alloc (any grid) on K and V: the policies with a fast path."""
     return len(p.transforms) == 1 and type(p.transforms[0]) is PCA and all(type(q) is DPAlloc for q in (p.key, p.value))
 
 
@@ -241,7 +241,8 @@ def _basis_bound_samples() -> list[PolicyConfig]:
 
 def _kvtc_samples() -> list[PolicyConfig]:
     """KVTC-like policies (pca, then dp-alloc on K and V), which have their own fast path:
-    pre-RoPE with sink tokens and every codec; post-RoPE with other widths; the min/max grid."""
+    pre-RoPE with sink tokens and every codec; post-RoPE with other widths; the min/max and
+    ecsq grids."""
     pre, post = TRANSFORM_EXAMPLES["pca"]
     out = [PolicyConfig(transforms=(pre,), key=DPAlloc(basis=MATRIX_BASIS, sink_tokens=4),
                         value=DPAlloc(bits=3, basis=MATRIX_BASIS), codec=c) for c in ALL_CODECS]
@@ -249,6 +250,10 @@ def _kvtc_samples() -> list[PolicyConfig]:
                             value=DPAlloc(bits=1.5, max_bits=4, basis=MATRIX_BASIS_POST, sink_tokens=200)))
     out.append(PolicyConfig(transforms=(pre,), key=DPAlloc(bits=2.5, grid="minmax", basis=MATRIX_BASIS, sink_tokens=4),
                             value=DPAlloc(bits=3, grid="minmax", basis=MATRIX_BASIS), codec=RansCodec()))
+    out.append(PolicyConfig(transforms=(pre,), key=DPAlloc(bits=1.5, grid="ecsq", basis=MATRIX_BASIS, sink_tokens=4),
+                            value=DPAlloc(bits=3, max_bits=5, grid="ecsq", basis=MATRIX_BASIS), codec=RansCodec()))
+    out.append(PolicyConfig(transforms=(post,), key=DPAlloc(bits=6, grid="ecsq", basis=MATRIX_BASIS_POST),
+                            value=DPAlloc(bits=0.5, grid="ecsq", basis=MATRIX_BASIS_POST), codec=BitPack()))
     return out
 
 

@@ -1038,12 +1038,15 @@ def component_case(shape, first, seed):
 
 
 @covers("quantize_components", "dequantize_components")
-@pytest.mark.parametrize("grid", ["gauss", "minmax"])
+@pytest.mark.parametrize("grid, step", [("gauss", 0.0), ("minmax", 0.0), ("ecsq", 1.5), ("ecsq", 1e-3), ("ecsq", 60000.0)])
 @pytest.mark.parametrize("shape, first", [((1, 3, 33, 16), 4), ((2, 2, 7, 8), 0), ((1, 2, 5, 4), 5), ((1, 1, 1, 8), 0)])
-def test_quantize_components_matches_component_quantizer(shape, first, grid):
+def test_quantize_components_matches_component_quantizer(shape, first, grid, step):
+    """Same symbols, metadata and reconstruction as the reference, every grid; ecsq with a step
+    that some components' deviations widen (1.5), all do (1e-3) and none does (60000)."""
     from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, ComponentQuantizer
 
     y, segs, widths, first = component_case(shape, first, seed=sum(shape))
+    widths = (3, 5, 8) if grid == "ecsq" else widths  # ecsq: 3 bits and up (a level each side)
     b, h, t, d = shape
     nt = t - first
     comp = np.concatenate(segs).astype(np.int64)
@@ -1052,11 +1055,10 @@ def test_quantize_components_matches_component_quantizer(shape, first, grid):
     sink = np.empty((b, h, first, d), np.uint16)
     meta = np.empty(2 * b * comp.size, np.uint16)
     sym = np.empty(b * nt * comp.size, np.uint8)
-    minmax = grid == "minmax"
     hz, cz = divmod(int(segs[0][0]), d)  # a coded component whose minimum is -0: its zero point is +0
     y[:, hz, :, cz] = np.abs(y[:, hz, :, cz])
     y[:, hz, -1, cz] = -0.0
-    K.quantize_components(y, comp, start, bits, first, np.array(GAUSSIAN_STEPS), minmax, sink, meta, sym)
+    K.quantize_components(y, comp, start, bits, first, np.array(GAUSSIAN_STEPS), K.GRID_CODES[grid], step, sink, meta, sym)
     x = torch.from_numpy(y)
     assert np.array_equal(sink, bf16_bits(x[:, :, :first]))
     expected = np.zeros(shape, np.float32)
@@ -1064,14 +1066,14 @@ def test_quantize_components_matches_component_quantizer(shape, first, grid):
     got = np.empty(shape, np.float32)
     for s, (idx, w) in enumerate(zip(segs, widths)):
         block = x[:, idx // d, first:, idx % d].permute(1, 2, 0).unsqueeze(1)  # ComponentSegment.take
-        q, m = ComponentQuantizer(bits=w, grid=grid).quantize_block(block)
+        q, m = ComponentQuantizer(bits=w, grid=grid, step=step).quantize_block(block)
         lo, hi = int(start[s]), int(start[s + 1])
         assert np.array_equal(sym[b * nt * lo : b * nt * hi], q.numpy().reshape(-1))
         ref_meta = np.concatenate([m["scale"].numpy().view(np.uint16).reshape(-1), m["zero"].numpy().view(np.uint16).reshape(-1)])
         assert np.array_equal(meta[2 * b * lo : 2 * b * hi], ref_meta)
-        deq = ComponentQuantizer(bits=w, grid=grid).dequantize_block(q, m, tuple(block.shape))
+        deq = ComponentQuantizer(bits=w, grid=grid, step=step).dequantize_block(q, m, tuple(block.shape))
         expected[:, idx // d, first:, idx % d] = deq[:, 0].permute(2, 0, 1).numpy()
-    K.dequantize_components(sym, meta, comp, start, bits, first, minmax, sink, got)
+    K.dequantize_components(sym, meta, comp, start, bits, first, K.GRID_CODES[grid], sink, got)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))  # dropped components: 0
 
 

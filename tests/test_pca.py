@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, fastpath
-from kvtune.codecs.bitalloc import ComponentQuantizer, DPAlloc, allocate_bits
+from kvtune.codecs.bitalloc import (
+    ECSQ_MIN_RATIO,
+    ECSQ_SPAN,
+    ComponentQuantizer,
+    DPAlloc,
+    allocate_bits,
+    allocate_ecsq,
+    ecsq_gaussian,
+)
 from kvtune.codecs.pca import (
     PCA,
     BasisError,
@@ -193,7 +201,8 @@ def test_pca_with_bfloat16_decodes_within_float_tolerance(basis, codec):
 
 @pytest.mark.parametrize("codec", ["bitpack", "range"])
 @pytest.mark.parametrize("quant", [{"name": "dp-alloc", "bits": 8}, {"name": "dp-alloc", "bits": 1.5},
-                                   {"name": "dp-alloc", "bits": 3, "max_bits": 4, "grid": "minmax"}])
+                                   {"name": "dp-alloc", "bits": 3, "max_bits": 4, "grid": "minmax"},
+                                   {"name": "dp-alloc", "bits": 2, "max_bits": 6, "grid": "ecsq"}])
 def test_dp_alloc_round_trip_equals_the_in_memory_pipeline(basis, codec, quant):
     kv = correlated_kv(2, 77, seed=6)
     cfg = pca_policy(basis.digest, quant, codec)
@@ -238,6 +247,100 @@ def test_component_quantizer_at_8_bits_minmax_is_within_half_a_step():
     sym, meta = q.quantize_block(x)
     err = (q.dequantize_block(sym, meta, x.shape) - x).abs()
     assert bool((err <= meta["scale"].float() / 2 + 1e-3 * x.abs().amax(dim=2, keepdim=True) + 1e-6).all())
+
+
+# ----------------------------------------------------------------------------- ecsq grid
+
+
+def _gaussian_cells(ratio: float, n: int = 400_001) -> tuple[float, float]:
+    """Entropy (bits) and distortion (step**2 units) of N(0, ratio**2) through round(), by
+    midpoint integration of the density: an independent check of :func:`ecsq_gaussian`."""
+    u = torch.linspace(-12 * ratio - 0.5, 12 * ratio + 0.5, n, dtype=torch.float64)
+    w = (u[1] - u[0]) * torch.exp(-0.5 * (u / ratio) ** 2) / (ratio * math.sqrt(2 * math.pi))
+    q = torch.round(u)
+    p = torch.zeros(int(q.max() - q.min()) + 1, dtype=torch.float64).index_add_(0, (q - q.min()).long(), w)
+    p = p[p > 0] / p.sum()
+    return float(-(p * p.log2()).sum()), float((w * (u - q) ** 2).sum() / w.sum())
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.46, 1.0, 2.5, 7.9])
+def test_ecsq_gaussian_matches_a_numerical_integral(ratio):
+    ent, dist = ecsq_gaussian([ratio])
+    ref_ent, ref_dist = _gaussian_cells(ratio)
+    assert float(ent[0]) == pytest.approx(ref_ent, abs=2e-4) and float(dist[0]) == pytest.approx(ref_dist, abs=2e-5)
+
+
+def test_ecsq_gaussian_high_rate_form_and_errors():
+    ent, dist = ecsq_gaussian(torch.tensor([[7.999, 8.001], [100.0, 1000.0]]))
+    assert ent.shape == (2, 2) and float(ent[0, 1] - ent[0, 0]) == pytest.approx(math.log2(8.001 / 7.999), abs=1e-5)
+    assert float(ent[1, 1] - ent[1, 0]) == pytest.approx(math.log2(10), abs=1e-5) and torch.equal(dist[1], torch.full((2,), 1 / 12, dtype=torch.float64))
+    for bad in ([0.0], [-1.0], [math.nan], [math.inf]):
+        with pytest.raises(ConfigError, match="ratios"):
+            ecsq_gaussian(bad)
+
+
+def test_ecsq_min_ratio_is_where_coding_stops_paying():
+    """Below the ratio a coded component removes less distortion per bit than the high-rate slope."""
+    r = torch.linspace(0.3, 0.7, 4001, dtype=torch.float64)
+    ent, dist = ecsq_gaussian(r)
+    pays = (r * r - dist) >= math.log(2) / 6 * ent
+    crossing = float(r[pays][0])
+    assert not bool(pays[0]) and bool(pays[-1]) and abs(crossing - ECSQ_MIN_RATIO) < 5e-3
+
+
+def test_allocate_ecsq_meets_the_entropy_budget_and_drops_small_components():
+    lam = torch.tensor([100.0 * 0.8**i for i in range(48)])
+    for budget in (12.0, 48.0, 150.0):
+        widths, step = allocate_ecsq(lam, budget, 8)
+        m, _ = math.frexp(step)
+        assert math.ldexp(m, 7) == round(math.ldexp(m, 7))  # 7 significant bits
+        sigma = lam.sqrt()
+        coded = sigma >= ECSQ_MIN_RATIO * step
+        assert [w > 0 for w in widths] == coded.tolist() and not bool(coded[-1])  # trailing components dropped
+        spent = float(ecsq_gaussian(sigma[coded] / step)[0].sum())
+        assert spent == pytest.approx(budget, rel=0.03)  # the step is rounded to 1/128 of an octave
+        for w, s in zip(widths, sigma.tolist()):
+            if w:
+                assert 3 <= w <= 8 and (w == 8 or 2 ** (w - 1) - 1 >= ECSQ_SPAN * s / step)
+    assert allocate_ecsq([0.0, -1.0], 4.0, 8) == ((0, 0), 1.0)
+    assert allocate_ecsq(lam, 12.0, 3)[0][0] == 3  # capped alphabet
+
+
+@pytest.mark.parametrize("args, match", [((1.0, 2), "max_bits"), ((0.0, 8), "total_bits"), ((math.inf, 8), "total_bits"),
+                                         ((True, 8), "total_bits")])
+def test_allocate_ecsq_refuses_bad_arguments(args, match):
+    with pytest.raises(ConfigError, match=match):
+        allocate_ecsq([1.0, 2.0], *args)
+    with pytest.raises(ConfigError, match="NaN"):
+        allocate_ecsq([1.0, math.nan], 2.0, 8)
+
+
+def test_component_quantizer_ecsq_uses_the_step_and_widens_only_for_outliers():
+    x = torch.randn(2, 1, 500, 3, generator=torch.Generator().manual_seed(3)) * torch.tensor([0.5, 1.0, 0.05])
+    x[1, 0, 7, 1] = 40.0  # an outlier token in batch row 1, component 1
+    q = ComponentQuantizer(bits=5, grid="ecsq", step=0.25)
+    sym, meta = q.quantize_block(x)
+    scale = meta["scale"].float()[:, 0, 0]
+    assert torch.equal(scale[0], torch.full((3,), 0.25)) and torch.equal(scale[1, [0, 2]], torch.full((2,), 0.25))
+    dev = float((x[1, 0, :, 1] - meta["zero"].float()[1, 0, 0, 1]).abs().max())
+    assert float(scale[1, 1]) == pytest.approx(dev / 15, rel=1e-3)  # 15 levels above the mean
+    err = (q.dequantize_block(sym, meta, x.shape) - x).abs()
+    assert bool((err <= meta["scale"].float() / 2 + 1e-3 * meta["scale"].float()).all())  # never clipped
+    assert int(sym[0, 0, :, 2].float().mode().values) == 16  # the mean's symbol: 2**(bits - 1)
+    with pytest.raises(ConfigError, match="bits >= 2"):
+        ComponentQuantizer(bits=1, grid="ecsq")
+
+
+def test_dp_alloc_ecsq_plans_from_the_basis(basis):
+    q = DPAlloc(bits=1.5, grid="ecsq", basis=basis.digest)
+    widths, step = q.allocation((1, HEADS, 10, DIM), layer=0, kind="value")
+    assert (widths, step) == allocate_ecsq(basis.layers[0][1].eigenvalues, 1.5 * HEADS * DIM, 8) and 0 in widths
+    plan = q.plan((1, HEADS, 10, DIM), layer=0, kind="value")
+    assert all(s.coder.step == step and s.coder.grid == "ecsq" for s in plan)
+    assert sum(s.shape[3] for s in plan) == sum(1 for w in widths if w)
+    assert q.short_label() == "dp1.5/ecsq"
+    with pytest.raises(ConfigError, match="max_bits >= 3"):
+        DPAlloc(bits=1, max_bits=2, grid="ecsq")
 
 
 @pytest.mark.parametrize("shape", [(1, HEADS, 1, DIM), (1, HEADS, 0, DIM), (2, HEADS, 3, DIM)])

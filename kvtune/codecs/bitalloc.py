@@ -22,6 +22,21 @@ alone, before any transform runs; a digest parameter keeps the plan a function o
 policy checks that a ``dp-alloc`` quantizer follows a ``pca`` transform with the same basis
 (:func:`check_pca_pairing`) and fills both from one calibration
 (:meth:`~kvtune.codecs.PolicyConfig.with_pca_basis`).
+
+**Entropy-coded allocation** (``grid = "ecsq"``). The greedy allocation above is the optimum
+for *fixed-rate* codes (every component costs its width). Behind an entropy coder (``rans``,
+``range``) the rate of a component is the entropy of its symbols, and the optimum is different:
+one uniform step ``delta`` shared by every coded component of the layer (entropy-constrained
+scalar quantization: a uniform quantizer followed by entropy coding is within 0.254 bits of the
+rate-distortion bound at high rate, H. Gish and J. N. Pierce, "Asymptotically Efficient
+Quantizing", IEEE Trans. Inf. Theory 14(5), 1968; equal step sizes across the coefficients of
+an orthogonal transform are then optimal, V. K. Goyal, "Theoretical Foundations of Transform
+Coding", IEEE Signal Processing Magazine 18(5), 2001, sec. "Entropy-coded quantization").
+:func:`allocate_ecsq` picks ``delta`` so that the modelled entropy (a Gaussian coefficient of
+variance ``lambda_i`` through a mid-tread quantizer of step ``delta``, :func:`ecsq_gaussian`)
+sums to the budget, drops the components for which a bit buys less distortion than it does at
+the shared slope (:data:`ECSQ_MIN_RATIO`), and gives every coded component an alphabet wide
+enough for :data:`ECSQ_SPAN` standard deviations each side.
 """
 
 from __future__ import annotations
@@ -44,12 +59,20 @@ __all__ = [
     "ComponentQuantizer",
     "ComponentSegment",
     "allocate_bits",
+    "allocate_ecsq",
+    "ecsq_gaussian",
+    "ECSQ_MIN_RATIO",
+    "ECSQ_SPAN",
     "component_segments",
     "check_pca_pairing",
     "fill_dp_alloc",
     "GAUSSIAN_STEPS",
+    "GRIDS",
     "token_sum",
 ]
+
+GRIDS = ("gauss", "minmax", "ecsq")
+"""``dp-alloc``'s per-component grids (:class:`ComponentQuantizer`)."""
 
 GAUSSIAN_STEPS = (1.5956, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
 """Step (in standard deviations) of the mean-squared-error optimal uniform quantizer of a
@@ -88,6 +111,129 @@ def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, 
     return tuple(int(b) for b in torch.bincount(order // max_bits, minlength=d))
 
 
+ECSQ_SPAN = 8
+"""Standard deviations each side of the mean that an ``ecsq`` component's planned alphabet
+covers (a request whose coefficients reach further widens that component's step instead of
+clipping: :class:`ComponentQuantizer`)."""
+
+ECSQ_MIN_RATIO = 0.46
+"""Smallest ``sigma / delta`` at which ``ecsq`` codes a component: below it, the distortion a
+coded Gaussian component removes per bit, ``(sigma**2 - D) / H``, is less than the slope
+``delta**2 * ln(2) / 6`` of the components coded at high rate (:func:`ecsq_gaussian`; the two
+cross at 0.46), so the bits go further elsewhere and the component is dropped."""
+
+_HIGH_RATE = 8.0  # sigma / delta above which the high-rate entropy formula is used
+_GAUSS_DIFF_ENTROPY = 0.5 * math.log2(2 * math.pi * math.e)  # bits, unit-variance Gaussian
+
+
+def ecsq_gaussian(ratio: Sequence[float] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and distortion of a zero-mean Gaussian through a mid-tread uniform quantizer.
+
+    A coefficient ``x ~ N(0, sigma**2)`` is coded as ``q = round(x / delta)`` and decoded as
+    ``q * delta`` (no clamping), ``ratio = sigma / delta``.
+
+    Args:
+        ratio: float64-convertible, any shape; values > 0.
+
+    Returns:
+        ``(entropy, distortion)``: float64 of ``ratio``'s shape: the entropy of ``q`` in bits and
+        the mean squared error in units of ``delta**2``; exact sums over the quantizer's cells
+        from the Gaussian CDF up to ratio 8, the high-rate forms ``log2(ratio) + log2(2 pi e) / 2
+        + 1 / (24 ln 2 ratio**2)`` (the cell-width correction) and ``1 / 12`` above it (within
+        1e-5 bits there).
+
+    Raises:
+        ConfigError: a ratio that is not a finite positive number.
+    """
+    r = torch.as_tensor(ratio, dtype=torch.float64)
+    if not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
+        raise ConfigError("ecsq_gaussian: ratios sigma / delta must be finite and > 0")
+    flat = r.reshape(-1, 1)
+    low = flat.clamp(max=_HIGH_RATE)
+    cells = int(math.ceil(_HIGH_RATE * 9)) + 2  # +-9 standard deviations and more
+    j = torch.arange(-cells, cells + 1, dtype=torch.float64)
+    a, b = (j - 0.5) / low, (j + 0.5) / low  # cell edges in standard deviations
+
+    def cdf(z: torch.Tensor) -> torch.Tensor:
+        return 0.5 * torch.erfc(-z / math.sqrt(2))
+
+    def pdf(z: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+    p = (cdf(b) - cdf(a)).clamp_min(0)
+    m1 = low * (pdf(a) - pdf(b))  # E[x / delta ; cell]
+    m2 = low * low * (p - (b * pdf(b) - a * pdf(a)))  # E[(x / delta)**2 ; cell]
+    dist = (m2 - 2 * j * m1 + j * j * p).sum(1)
+    ent = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
+    high = flat[:, 0] > _HIGH_RATE
+    ent = torch.where(high, torch.log2(flat[:, 0]) + _GAUSS_DIFF_ENTROPY + 1 / (24 * math.log(2)) / flat[:, 0] ** 2, ent)
+    dist = torch.where(high, torch.full_like(dist, 1 / 12), dist)
+    return ent.reshape(r.shape), dist.reshape(r.shape)
+
+
+def _round_step(delta: float) -> float:
+    """``delta`` rounded to 7 significant bits (exact float operations), so that encoder and
+    decoder machines whose ``erf`` differ in the last place still plan the same widths."""
+    m, e = math.frexp(delta)
+    return math.ldexp(round(math.ldexp(m, 7)), e - 7)
+
+
+def allocate_ecsq(eigenvalues: Sequence[float] | torch.Tensor, total_bits: float, max_bits: int
+                  ) -> tuple[tuple[int, ...], float]:
+    """Entropy-constrained allocation across components (see the module docstring).
+
+    Finds the step ``delta`` (to 7 significant bits) at which the modelled entropy of the coded
+    components, ``sum ecsq_gaussian(sigma_i / delta)[0]`` over ``sigma_i >= ECSQ_MIN_RATIO *
+    delta`` (``sigma_i = sqrt(lambda_i)``), meets ``total_bits`` (bisection on ``log2 delta``),
+    then gives each coded component the width ``1 + ceil(log2(L_i + 1))`` for ``L_i =
+    ceil(ECSQ_SPAN * sigma_i / delta)`` levels each side of the mean, clamped to
+    ``3..max_bits``; dropped components get 0.
+
+    Args:
+        eigenvalues: per component variance ``lambda_i`` (negative values count as 0).
+        total_bits: the entropy budget in bits per token over all components, > 0.
+        max_bits: most bits of one component's alphabet (3..8).
+
+    Returns:
+        ``(widths, delta)``: bits per component and the step. All-zero eigenvalues give all-zero
+        widths and ``delta = 1``.
+
+    Raises:
+        ConfigError: ``max_bits`` outside 3..8, a ``total_bits`` that is not a positive finite
+            number, or a NaN eigenvalue.
+    """
+    if isinstance(max_bits, bool) or not isinstance(max_bits, int) or not 3 <= max_bits <= 8:
+        raise ConfigError(f"allocate_ecsq: max_bits = {max_bits!r} must be an integer in 3..8")
+    if isinstance(total_bits, bool) or not isinstance(total_bits, (int, float)) or not 0 < total_bits < math.inf:
+        raise ConfigError(f"allocate_ecsq: total_bits = {total_bits!r} must be a finite number > 0")
+    lam = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1)
+    if bool(lam.isnan().any()):
+        raise ConfigError("allocate_ecsq: eigenvalues must not be NaN")
+    sigma = [math.sqrt(v) for v in lam.clamp_min(0).tolist()]
+    top = max(sigma, default=0.0)
+    if top == 0.0:
+        return (0,) * len(sigma), 1.0
+    sig = torch.tensor(sigma, dtype=torch.float64)
+
+    def entropy(delta: float) -> float:
+        coded = sig[sig >= ECSQ_MIN_RATIO * delta]
+        return float(ecsq_gaussian(coded / delta)[0].sum()) if coded.numel() else 0.0
+
+    lo, hi = math.log2(top) - 40.0, math.log2(top) + 4.0  # entropy(2**lo) > any budget; 2**hi codes nothing
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if entropy(2.0**mid) > total_bits else (lo, mid)
+    delta = _round_step(2.0**hi)
+    widths = []
+    for s in sigma:
+        if s < ECSQ_MIN_RATIO * delta:
+            widths.append(0)
+            continue
+        levels = math.ceil(ECSQ_SPAN * s / delta)
+        widths.append(min(max(1 + levels.bit_length(), 3), max_bits))  # bit_length(L) = ceil(log2(L + 1))
+    return tuple(widths), delta
+
+
 def token_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of float64 ``x`` ``(batch, 1, tokens, n)`` over the tokens (axis 2, kept), added in
     token order (``torch.cumsum`` is sequential; ``torch.sum`` may pair terms differently by
@@ -110,7 +256,11 @@ class ComponentQuantizer(Quantizer):
     2**bits - 1``; values beyond the grid clamp to its end levels (the MSE-optimal trade for
     Gaussian coefficients). ``grid = "minmax"``: the asymmetric min/max grid of ``uniform``
     (:func:`~kvtune.codecs.quantizers.asymmetric_params`: ``x ~ zero + q * scale``, ``zero`` the
-    minimum), which never clips outlier tokens. A constant component decodes to its value
+    minimum), which never clips outlier tokens. ``grid = "ecsq"`` (entropy-coded allocation,
+    module docstring): ``zero`` the mean as for ``gauss``, a mid-tread grid ``x ~ zero + (q -
+    2**(bits - 1)) * scale`` whose ``scale`` is the planned ``step``, widened to ``m / (2**(bits
+    - 1) - 1)`` when the largest deviation ``m = max |x - zero|`` (float32) would not fit, so it
+    never clips either (float16, rounded to nearest). A constant component decodes to its value
     (rounded to float16). Not registered: it is only reached through :meth:`DPAlloc.coder`.
 
     Range: magnitudes up to 32752 (:attr:`value_limit`), so the float16 mean and step never
@@ -122,7 +272,12 @@ class ComponentQuantizer(Quantizer):
     """
 
     bits: int = param(4, low=1, high=8, doc="bits per symbol")
-    grid: str = param("gauss", choices=("gauss", "minmax"), doc="per-component grid")
+    grid: str = param("gauss", choices=GRIDS, doc="per-component grid")
+    step: float = param(0.0, low=0.0, high=FP16_MAX, doc="ecsq: the planned step (the smallest scale)")
+
+    def validate(self) -> None:
+        if self.grid == "ecsq" and self.bits < 2:
+            raise ConfigError("ComponentQuantizer: the ecsq grid needs bits >= 2 (a level each side of the mean)")
 
     @property
     def symbol_bits(self) -> int:
@@ -142,7 +297,8 @@ class ComponentQuantizer(Quantizer):
         scale = scale16.to(torch.float32)
         if self.grid == "minmax":
             return scale, zero16.to(torch.float32)
-        return scale, zero16.to(torch.float32) - scale * ((2**self.bits - 1) / 2.0)
+        half = 2.0 ** (self.bits - 1) if self.grid == "ecsq" else (2**self.bits - 1) / 2.0
+        return scale, zero16.to(torch.float32) - scale * half
 
     def quantize_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """uint8 symbols of ``x.shape`` and the float16 ``scale`` / ``zero`` per component."""
@@ -156,18 +312,24 @@ class ComponentQuantizer(Quantizer):
             return quantize_affine(x, *self._grid(scale16, zero16), self.bits).contiguous(), {"scale": scale16, "zero": zero16}
         tokens = max(int(x.shape[2]), 1)
         zero16 = (token_sum(x.double()) / tokens).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-        std = (token_sum((x.double() - zero16.double()).square()) / tokens).sqrt()
-        scale16 = (std * GAUSSIAN_STEPS[self.bits - 1]).clamp(max=FP16_MAX).to(torch.float16)
+        if self.grid == "ecsq":
+            dev = (x - zero16.to(torch.float32)).abs()
+            dev = dev.amax(dim=2, keepdim=True) if x.shape[2] else torch.zeros_like(zero16, dtype=torch.float32)
+            wide = dev / torch.tensor(2.0 ** (self.bits - 1) - 1, dtype=torch.float32)
+            scale16 = torch.maximum(wide, torch.tensor(self.step, dtype=torch.float32)).clamp(max=FP16_MAX).to(torch.float16)
+        else:
+            std = (token_sum((x.double() - zero16.double()).square()) / tokens).sqrt()
+            scale16 = (std * GAUSSIAN_STEPS[self.bits - 1]).clamp(max=FP16_MAX).to(torch.float16)
         scale, zero = self._grid(scale16, zero16)
         return quantize_affine(x, scale, zero, self.bits).contiguous(), {"scale": scale16, "zero": zero16}
 
     def dequantize_block(self, symbols: torch.Tensor, meta, shape: tuple[int, ...]) -> torch.Tensor:
-        """Float32 ``zero + (q - (2**bits - 1) / 2) * scale``, shape ``shape``."""
+        """Float32 reconstruction on the grid (class docstring), shape ``shape``."""
         scale, zero = self._grid(meta["scale"], meta["zero"])
         return dequantize_affine(symbols.reshape(shape), scale, zero).contiguous()
 
     def short_label(self) -> str:
-        return f"pc{self.bits}" + ("m" if self.grid == "minmax" else "")
+        return f"pc{self.bits}" + {"gauss": "", "minmax": "m", "ecsq": "e"}[self.grid]
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,6 +396,13 @@ def _layer_widths(digest: str, layer: int, kind: str, heads: int, head_dim: int,
     return allocate_bits(entry.eigenvalues, total, max_bits)
 
 
+@functools.lru_cache(maxsize=4096)
+def _layer_ecsq(digest: str, layer: int, kind: str, heads: int, head_dim: int, total: float, max_bits: int
+                ) -> tuple[tuple[int, ...], float]:
+    entry = lookup(digest).layer(layer, kind, heads, head_dim)
+    return allocate_ecsq(entry.eigenvalues, total, max_bits)
+
+
 @register_quantizer("dp-alloc")
 @dataclass(frozen=True)
 class DPAlloc(Quantizer):
@@ -241,16 +410,18 @@ class DPAlloc(Quantizer):
     module docstring). Use after a ``pca`` transform with the same ``basis``.
 
     Cost per element: ``bits`` (the budget, to rounding: ``round(bits * D)`` bits per token of a
-    layer) plus 4 metadata bytes per coded component and batch row (float16 mean and step),
-    i.e. ``32 * coded / (tokens * D)`` bits; dropped components cost nothing.
+    layer; with the ``ecsq`` grid the modelled entropy-coded rate, ``bits * D`` bits per token,
+    :func:`allocate_ecsq`) plus 4 metadata bytes per coded component and batch row (float16
+    mean and step), i.e. ``32 * coded / (tokens * D)`` bits; dropped components cost nothing.
 
     Args:
         bits: average bits per element (per coefficient), > 0 and ``<= max_bits``.
         max_bits: most bits of one component, 1..8.
         basis: the :attr:`~kvtune.codecs.pca.PCABasis.digest` whose eigenvalues drive the
             allocation; ``""`` until calibration fills it in.
-        grid: ``"gauss"`` (MSE-optimal step for Gaussian coefficients, clamps outliers) or
-            ``"minmax"`` (min/max grid, never clamps): :class:`ComponentQuantizer`.
+        grid: ``"gauss"`` (MSE-optimal step for Gaussian coefficients, clamps outliers),
+            ``"minmax"`` (min/max grid, never clamps) or ``"ecsq"`` (one step per layer for an
+            entropy coder, never clamps; ``max_bits`` >= 3): :class:`ComponentQuantizer`.
         sink_tokens: the first tokens (attention sinks, whose KV are outliers that would set
             every component's range or be clamped) kept as bfloat16 coefficients, outside the
             per-component statistics; 16 bits per element on those tokens.
@@ -264,13 +435,15 @@ class DPAlloc(Quantizer):
     bits: float = param(2.0, low=0.0, high=8.0, doc="average bits per element (per-layer budget)")
     max_bits: int = param(8, low=1, high=8, doc="most bits of one component")
     basis: str = param("", doc="sha256 digest of the PCA basis ('' = filled in by calibration)")
-    grid: str = param("gauss", choices=("gauss", "minmax"), doc="per-component grid (ComponentQuantizer)")
+    grid: str = param("gauss", choices=GRIDS, doc="per-component grid (ComponentQuantizer)")
     sink_tokens: int = param(0, low=0, high=2**31 - 1, doc="first tokens kept in bfloat16 (all coefficients)")
 
     def validate(self) -> None:
         if not 0 < self.bits <= self.max_bits:
             raise ConfigError(f"quantizer 'dp-alloc': parameter 'bits' = {self.bits} must be > 0 and <= max_bits "
                               f"= {self.max_bits}")
+        if self.grid == "ecsq" and self.max_bits < 3:
+            raise ConfigError(f"quantizer 'dp-alloc': grid 'ecsq' needs max_bits >= 3, got {self.max_bits}")
         check_digest(self.basis, "quantizer 'dp-alloc': parameter 'basis'")
 
     @property
@@ -278,29 +451,37 @@ class DPAlloc(Quantizer):
         """The widest width (``max_bits``); segments are coded by :meth:`coder`."""
         return self.max_bits
 
-    def head_widths(self) -> tuple[int, ...]:
-        return tuple(range(1, self.max_bits + 1))
-
-    def coder(self, bits: int) -> Quantizer:
-        """The :class:`ComponentQuantizer` of ``bits`` (1..``max_bits``).
+    def coder(self, bits: int, step: float = 0.0) -> Quantizer:
+        """The :class:`ComponentQuantizer` of ``bits`` (1..``max_bits``; 3.. for ``ecsq``, whose
+        planned ``step`` the tensor's plan passes).
 
         Raises:
             ValueError: another width.
         """
         if bits == BF16_BITS and self.sink_tokens:
             return NoQuantizer()
-        if not 1 <= bits <= self.max_bits:
+        if not (3 if self.grid == "ecsq" else 1) <= bits <= self.max_bits:
             raise ValueError(f"dp-alloc has no {bits}-bit block kernel")
-        return ComponentQuantizer(bits=bits, grid=self.grid)
+        return ComponentQuantizer(bits=bits, grid=self.grid, step=step)
+
+    def head_widths(self) -> tuple[int, ...]:
+        return tuple(range(3 if self.grid == "ecsq" else 1, self.max_bits + 1))
 
     def window_widths(self) -> tuple[int, ...]:
         return (BF16_BITS,) if self.sink_tokens else ()
 
-    def widths(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[int, ...]:
-        """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:func:`allocate_bits`)."""
+    def allocation(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[tuple[int, ...], float]:
+        """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` and the ``ecsq``
+        step (:func:`allocate_ecsq`; 0 for the other grids, :func:`allocate_bits`)."""
         d = int(shape[1]) * int(shape[3])
+        if self.grid == "ecsq":
+            return _layer_ecsq(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), self.bits * d, self.max_bits)
         total = max(1, round(self.bits * d))
-        return _layer_widths(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), total, self.max_bits)
+        return _layer_widths(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), total, self.max_bits), 0.0
+
+    def widths(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[int, ...]:
+        """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:meth:`allocation`)."""
+        return self.allocation(shape, layer=layer, kind=kind)[0]
 
     def plan(self, shape, *, layer: int, kind: str, min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
         """The first ``sink_tokens`` tokens as one bfloat16 segment (every coefficient), then one
@@ -315,12 +496,12 @@ class DPAlloc(Quantizer):
         if min_bits is not None and bool((min_bits > 0).any()):
             raise ConfigError("dp-alloc codes whole components and takes no per-token precision floors "
                               "(use it after 'pca' without 'delta' anchors)")
-        widths = self.widths(shape, layer=layer, kind=kind)
+        widths, step = self.allocation(shape, layer=layer, kind=kind)
         if shape[2] == 0:
             return ()
         sink = min(self.sink_tokens, shape[2])
         head = (Segment(None, slice(0, sink), (shape[0], shape[1], sink, shape[3]), NoQuantizer()),) if sink else ()
-        return head + component_segments(shape, widths, self.coder, first_token=sink)
+        return head + component_segments(shape, widths, functools.partial(self.coder, step=step), first_token=sink)
 
     def dequantize(self, q, *, layer: int, kind: str) -> torch.Tensor:
         """Float32 reconstruction; dropped (0-bit) components decode as 0, the calibration mean
@@ -331,9 +512,9 @@ class DPAlloc(Quantizer):
         return out
 
     def short_label(self) -> str:
-        """``dp{bits}[/m{max_bits}][/minmax][/s{sink_tokens}]``, e.g. ``dp1.5`` or ``dp2/m4/s4``."""
+        """``dp{bits}[/m{max_bits}][/minmax|/ecsq][/s{sink_tokens}]``, e.g. ``dp1.5`` or ``dp2/m4/s4``."""
         return (f"dp{self.bits:g}" + (f"/m{self.max_bits}" if self.max_bits != 8 else "")
-                + ("/minmax" if self.grid == "minmax" else "") + (f"/s{self.sink_tokens}" if self.sink_tokens else ""))
+                + ("" if self.grid == "gauss" else f"/{self.grid}") + (f"/s{self.sink_tokens}" if self.sink_tokens else ""))
 
 
 # ----------------------------------------------------------------------------- policy rules

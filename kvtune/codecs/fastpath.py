@@ -108,7 +108,7 @@ def _block_kind(coder: Quantizer) -> str | None:
 
 def _is_kvtc(config) -> bool:
     """One ``pca`` transform (after a leading ``keep``, if any), then ``dp-alloc`` on K and V
-    (exact types; ``gauss`` or ``minmax`` grid)."""
+    (exact types; any grid)."""
     rest = [t for t in config.transforms if not is_selecting(t)]
     return (len(rest) == 1 and type(rest[0]) is PCA
             and all(type(q) is DPAlloc for q in (config.key, config.value)))
@@ -273,11 +273,12 @@ class _ComponentPlan:
     bits: np.ndarray
     checks: tuple[tuple[int, int, int], ...]
     value_limit: float
-    minmax: bool = False  # the dp-alloc grid: min/max (True) or Gaussian
+    grid: int = 0  # the dp-alloc grid (kernels.GRID_CODES)
+    step: float = 0.0  # the ecsq grid's planned step
     state_nbytes: int = 0  # the pca transform has no state
 
 
-def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...], minmax: bool) -> _ComponentPlan:
+def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...], grid: str) -> _ComponentPlan:
     d = shape[3]
     first = segments[0].shape[2] if segments and segments[0].bits == BF16_BITS else 0
     comps = [s for s in segments if s.bits != BF16_BITS]
@@ -286,7 +287,8 @@ def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...], minma
     checks = tuple((s.bits, s.numel, sum(f.nbytes for f in s.meta_layout)) for s in segments)
     return _ComponentPlan(shape, tuple(segments), first, np.concatenate(idx) if idx else np.zeros(0, np.int64), start,
                           np.array([s.bits for s in comps], np.int64), checks,
-                          min((s.coder.value_limit for s in segments), default=math.inf), minmax)
+                          min((s.coder.value_limit for s in segments), default=math.inf), K.GRID_CODES[grid],
+                          next((s.coder.step for s in comps), 0.0))
 
 
 _GAUSS = np.array(GAUSSIAN_STEPS, np.float64)
@@ -307,7 +309,7 @@ def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, k
     sink = np.empty((b, h, plan.first, d), np.uint16)
     meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
     sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
-    K.quantize_components(yn, plan.comp, plan.start, plan.bits, plan.first, _GAUSS, plan.minmax, sink, meta, sym)
+    K.quantize_components(yn, plan.comp, plan.start, plan.bits, plan.first, _GAUSS, plan.grid, plan.step, sink, meta, sym)
     codec = comp.config.codec
     sections = [b""]
     if plan.first:
@@ -345,7 +347,7 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
         sym[b * nt * lo : b * nt * hi] = symbols.reshape(-1)
         s += 1
     y = np.empty(plan.shape, np.float32)
-    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, plan.minmax, sink, y)
+    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, plan.grid, sink, y)
     pca = comp.config.transforms[0]
     x = to_output_dtype(pca.inverse(torch.from_numpy(y), layer=layer, kind=kind, positions=positions), dtype)
     if dest is None:
@@ -379,7 +381,7 @@ class _Compiled:
         cfg = self.config
         quant = cfg.key if kind == "key" else cfg.value
         if _is_kvtc(cfg):
-            return _component_plan(quant.plan(shape, layer=layer, kind=kind), shape, quant.grid == "minmax")
+            return _component_plan(quant.plan(shape, layer=layer, kind=kind), shape, quant.grid)
         ops = []
         state_nbytes = 0
         for t in cfg.transforms:

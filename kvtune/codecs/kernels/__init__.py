@@ -78,7 +78,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         store_output,
         to_float32,
     )
-    from .components import dequantize_components, quantize_components
+    from .components import GRID_CODES, dequantize_components, quantize_components
     from .codebook import codebook_dequantize, codebook_quantize
     from .crc import CRC32_CLMUL, crc32_combine, crc32_update
     from .finite import all_finite_bf16, all_finite_f32, first_nonfinite_f16, max_magnitude_bf16, max_magnitude_f32
@@ -195,4 +195,5 @@ __all__ = [
     "KIND_CODEBOOK",
     "CB_MINMAX",
     "CB_LLOYD",
+    "GRID_CODES",
 ]

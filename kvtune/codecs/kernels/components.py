@@ -4,9 +4,9 @@ KVTC ("KV Cache Transform Coding for Compact Storage in LLM Inference", arXiv 25
 sec. 3) quantizes each PCA component with its own width (:mod:`kvtune.codecs.bitalloc`). The
 reference codes one :class:`~kvtune.codecs.bitalloc.ComponentSegment` (all components of one
 width) at a time with torch; these kernels code every segment of one K or V tensor in one call,
-bit for bit as :class:`~kvtune.codecs.bitalloc.ComponentQuantizer` (``grid = "gauss"`` or
-``"minmax"``, the ``minmax`` argument) and :class:`~kvtune.codecs.quantizers.NoQuantizer` (the
-bfloat16 sink tokens) do.
+bit for bit as :class:`~kvtune.codecs.bitalloc.ComponentQuantizer` (``grid = "gauss"``,
+``"minmax"`` or ``"ecsq"``: the ``grid`` argument, :data:`GRID_CODES`) and
+:class:`~kvtune.codecs.quantizers.NoQuantizer` (the bfloat16 sink tokens) do.
 
 Arguments shared by both kernels:
 
@@ -27,7 +27,9 @@ Gauss grid: statistics are float64 sums in token order (the reference sums with
 ``torch.cumsum``, which is sequential); float64 -> float16 goes through float32, as torch
 converts. Minmax grid: the parameters of :func:`kvtune.codecs.quantizers.asymmetric_params`
 (``zero`` the minimum rounded up to float16, ``+0`` for ``-0``; ``scale`` the float32 quotient
-``(max - zero) / (2**bits - 1)`` clamped to ``[+0, 65504]``, to float16).
+``(max - zero) / (2**bits - 1)`` clamped to ``[+0, 65504]``, to float16). Ecsq grid: ``zero`` as
+for gauss; ``scale`` the larger of the planned ``step`` and the float32 quotient ``max |y -
+zero| / (2**(bits - 1) - 1)``, clamped to 65504, to float16.
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ from .cachedir import kernel_cache_dir
 from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, f32_to_f16_bits, fp16_round_up_bits
 from .lowlevel import F32_TINY, FP16_MAX, JIT
 
+GRID_GAUSS, GRID_MINMAX, GRID_ECSQ = 0, 1, 2
+GRID_CODES = {"gauss": GRID_GAUSS, "minmax": GRID_MINMAX, "ecsq": GRID_ECSQ}
+"""The kernels' ``grid`` argument per :class:`~kvtune.codecs.bitalloc.ComponentQuantizer` grid."""
+
 with kernel_cache_dir():
 
     @njit(**JIT)
-    def quantize_components(y, comp, start, bits, first, steps, minmax, sink, meta, sym):
+    def quantize_components(y, comp, start, bits, first, steps, grid, step, sink, meta, sym):
         """Quantize every segment of one tensor (module doc: arguments); ``steps``: float64
-        ``(8,)`` Gaussian steps per width; ``minmax``: the min/max grid instead of the Gaussian
-        one. Writes ``sink``, ``meta`` and ``sym``."""
+        ``(8,)`` Gaussian steps per width; ``grid``: :data:`GRID_CODES`; ``step``: the ecsq
+        grid's planned step. Writes ``sink``, ``meta`` and ``sym``."""
         b_, h_, t_, d_ = y.shape
         for b in range(b_):
             for h in range(h_):
@@ -60,13 +66,14 @@ with kernel_cache_dir():
             w = bits[s]
             mo = 2 * b_ * lo
             so = b_ * nt * lo
-            half = np.float32(((1 << w) - 1) / 2.0)
+            half = np.float32(1 << (w - 1)) if grid == GRID_ECSQ else np.float32(((1 << w) - 1) / 2.0)
             top = np.float32((1 << w) - 1)
+            reach = np.float32((1 << (w - 1)) - 1)
             for b in range(b_):
                 for k in range(n):
                     j = comp[lo + k]
                     h, c = j // d_, j % d_
-                    if minmax:
+                    if grid == GRID_MINMAX:
                         vlo = vhi = np.float32(0.0)  # no token: a zero grid, as the reference
                         if nt:
                             vlo = vhi = y[b, h, first, c]
@@ -83,17 +90,25 @@ with kernel_cache_dir():
                             acc += np.float64(y[b, h, t, c])
                         z = min(max(acc / inv_n, -FP16_MAX), FP16_MAX)
                         z16 = f32_to_f16_bits(np.float32(z))
-                        zd = np.float64(f16_bits_to_f32(z16))
-                        acc = 0.0
-                        for t in range(first, t_):
-                            e = np.float64(y[b, h, t, c]) - zd
-                            acc += e * e
-                        sd = min(np.sqrt(acc / inv_n) * steps[w - 1], FP16_MAX)
-                        s16 = f32_to_f16_bits(np.float32(sd))
+                        if grid == GRID_ECSQ:
+                            zf = f16_bits_to_f32(z16)
+                            dev = np.float32(0.0)
+                            for t in range(first, t_):
+                                dev = max(dev, abs(np.float32(y[b, h, t, c] - zf)))
+                            sf = min(max(np.float32(dev / reach), np.float32(step)), FP16_MAX)
+                            s16 = f32_to_f16_bits(sf)
+                        else:
+                            zd = np.float64(f16_bits_to_f32(z16))
+                            acc = 0.0
+                            for t in range(first, t_):
+                                e = np.float64(y[b, h, t, c]) - zd
+                                acc += e * e
+                            sd = min(np.sqrt(acc / inv_n) * steps[w - 1], FP16_MAX)
+                            s16 = f32_to_f16_bits(np.float32(sd))
                     meta[mo + b * n + k] = s16
                     meta[mo + b_ * n + b * n + k] = z16
                     scale = f16_bits_to_f32(s16)
-                    zero = f16_bits_to_f32(z16) if minmax else np.float32(f16_bits_to_f32(z16) - np.float32(scale * half))
+                    zero = f16_bits_to_f32(z16) if grid == GRID_MINMAX else np.float32(f16_bits_to_f32(z16) - np.float32(scale * half))
                     inv = np.float32(1.0) / max(scale, F32_TINY) if scale > 0 else np.float32(0.0)
                     base = so + b * nt * n + k
                     for t in range(nt):
@@ -102,7 +117,7 @@ with kernel_cache_dir():
                         sym[base + t * n] = np.uint8(u)
 
     @njit(**JIT)
-    def dequantize_components(sym, meta, comp, start, bits, first, minmax, sink, y):
+    def dequantize_components(sym, meta, comp, start, bits, first, grid, sink, y):
         """Inverse of :func:`quantize_components`: float32 ``y`` (module doc) from ``sym``,
         ``meta`` and ``sink``; components in no segment are 0 (``DPAlloc.dequantize``)."""
         b_, h_, t_, d_ = y.shape
@@ -116,7 +131,7 @@ with kernel_cache_dir():
         for s in range(bits.shape[0]):
             lo, hi = start[s], start[s + 1]
             n = hi - lo
-            half = np.float32(((1 << bits[s]) - 1) / 2.0)
+            half = np.float32(1 << (bits[s] - 1)) if grid == GRID_ECSQ else np.float32(((1 << bits[s]) - 1) / 2.0)
             mo = 2 * b_ * lo
             so = b_ * nt * lo
             for b in range(b_):
@@ -125,7 +140,7 @@ with kernel_cache_dir():
                     h, c = j // d_, j % d_
                     scale = f16_bits_to_f32(meta[mo + b * n + k])
                     z = f16_bits_to_f32(meta[mo + b_ * n + b * n + k])
-                    zero = z if minmax else np.float32(z - np.float32(scale * half))
+                    zero = z if grid == GRID_MINMAX else np.float32(z - np.float32(scale * half))
                     base = so + b * nt * n + k
                     for t in range(nt):
                         y[b, h, first + t, c] = np.float32(zero + np.float32(np.float32(sym[base + t * n]) * scale))
