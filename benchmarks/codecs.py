@@ -190,8 +190,9 @@ def load_or_fit_basis(path: Path, contexts: int, tokens: int, calib: int = 2) ->
 
 def preset_cases(basis: str | None = None) -> list[Case]:
     """Every preset (kvtc-* only with a PCA ``basis`` digest); each range-coded one also with
-    ``rans``; and a PCA candidate of the default space (``keep`` 0.85, one choice for all heads,
-    then ``kvtc-3`` rANS-coded)."""
+    ``rans``; and two PCA policies (with a basis): ``keep`` 0.85 (one choice for all heads)
+    then ``kvtc-3`` rANS-coded, and the default space's ``dp-alloc`` on the ecsq grid at K 1 /
+    V 2.5 bits."""
     out = []
     presets = load_presets(skip_unavailable=True)
     for name, cfg in presets.items():
@@ -209,6 +210,10 @@ def preset_cases(basis: str | None = None) -> list[Case]:
         keep = Keep(fraction=0.85, per_head=False)
         out.append(Case("preset", "keep 0.85 + kvtc-3 | rans",
                         dataclasses.replace(cfg, transforms=(keep, *cfg.transforms), codec=CODECS["rans"]()), TARGET_RANS))
+        ecsq = {"name": "dp-alloc", "grid": "ecsq", "sink_tokens": 4}
+        cfg = PolicyConfig.from_dict({"transforms": ["pca"], "key": {**ecsq, "bits": 1}, "value": {**ecsq, "bits": 2.5},
+                                      "codec": "rans"}).with_pca_basis(basis)
+        out.append(Case("preset", "pca + ecsq K 1 / V 2.5 | rans", cfg, TARGET_RANS))
     kivi4, kivi2 = PolicyConfig.kivi(4), PolicyConfig.kivi(2)
     for label, base in (("KIVI-4", kivi4), ("KIVI-2", kivi2)):  # their symbols range- and rANS-coded per channel
         for codec, target in (("range", TARGET_RANGE), ("rans", TARGET_RANS)):

@@ -23,13 +23,12 @@ def test_default_space_enumerates_the_full_product():
     assert len(uniform) == 2 * 4 * 2 * 2 * 4 * 2
     assert all(c.config.codec.name == "bitpack" and c.config.value.granularity == "per_token" for c in uniform)
     pca = [c for c in space.candidates if c.params["kv.name"] == "dp-alloc"]
-    minmax = [c for c in pca if c.config.key.grid == "minmax"]
-    assert all(c.config.value.grid == "minmax" for c in minmax)
-    assert len(pca) - len(minmax) == 6 * 3 * 3  # gauss grid: key budgets x value budgets x kept fractions
-    assert len(minmax) == 3 * 3 * 3  # minmax grid: keys 3-4 bits x values 3.5-4.5 bits x kept fractions
-    assert {c.config.label for c in pca} >= {"pca:pre|K:dp2/s4|V:dp2/s4|rans", "pca:pre|K:dp3.5/s4|V:dp3/s4|rans",
-                                             "keep(fraction=0.85,per_head=False)+pca:pre|K:dp1.25/s4|V:dp2.5/s4|rans",
-                                             "pca:pre|K:dp4/minmax/s4|V:dp4.5/minmax/s4|rans"}
+    assert all(c.config.key.grid == c.config.value.grid == "ecsq" and c.config.codec.name == "rans" for c in pca)
+    assert len(pca) == 4 * 4 * 3  # key budgets x value budgets x kept fractions
+    assert {(c.config.key.bits, c.config.value.bits) for c in pca} == {(k, v) for k in (0.75, 1, 1.5, 2)
+                                                                       for v in (2, 2.5, 3, 3.5)}
+    assert {c.config.label for c in pca} >= {"pca:pre|K:dp1/ecsq/s1|V:dp2.5/ecsq/s1|rans",
+                                             "keep(fraction=0.85,per_head=False)+pca:pre|K:dp1.5/ecsq/s1|V:dp2.5/ecsq/s1|rans"}
     codebook = [c for c in space.candidates if c.params["kv.name"] == "codebook"]
     assert len(codebook) == 2 * 3 * 3 * 3  # +- hadamard x key bits x value bits x kept fractions
     assert all(c.config.key.granularity == "per_channel" and c.config.key.group_size == 32 for c in codebook)
