@@ -911,6 +911,10 @@ GOOD_POLICIES = {
         key=UniformQuantizer(bits=2, granularity="per_channel", group_size=32, sink_tokens=2, recent_tokens=16),
         value=MixHQ(head_scores=SCORES, recent_tokens=4),
     ),
+    # PCA + dp-alloc on the ecsq grid, rANS coded: a bf16 sink segment, then one segment per width
+    "ecsq": PolicyConfig(transforms=(TRANSFORM_EXAMPLES["pca"][0],), codec=RansCodec(),
+                         key=DPAlloc(bits=1.5, grid="ecsq", basis=MATRIX_BASIS, sink_tokens=1),
+                         value=DPAlloc(bits=2.5, grid="ecsq", basis=MATRIX_BASIS)),
 }
 
 
