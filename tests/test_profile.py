@@ -44,6 +44,25 @@ def test_refinement_order_reserves_per_floor_the_best_policy_whose_lower_end_cle
     assert refinement_order(front.drop(columns="relative_accuracy_lo"), 4, floors=(0.99, 0.97)) == ["p5", "p9", "c3", "p7"]
 
 
+def test_refinement_order_reserves_the_fastest_policy_per_floor_and_bandwidth():
+    """The shape of default-s13: slow PCA policies (0.1 GB/s codecs) fill the 2-D front at every
+    floor, and the fast uniform ones a table picks at 1-5 Gbps sit on the 3-D front only."""
+    front = pd.DataFrame({
+        "policy_id": ["p6", "p8", "p10", "p12", "u26", "u43", "u46"],
+        "relative_accuracy": [0.998, 0.990, 0.975, 0.960, 0.996, 0.971, 0.966],
+        "compression_ratio": [5.95, 8.33, 10.35, 12.70, 2.56, 4.26, 4.57],
+        "encode_gbps": [0.11, 0.09, 0.09, 0.10, 1.06, 1.83, 1.75],
+        "decode_gbps": [0.10, 0.12, 0.14, 0.08, 1.53, 2.82, 2.41],
+    })
+    # step 1: p8 (99 %), p10 (97 %), p12 (95 % and 90 %); step 3, seconds per GB at 1 Gbps = 1/enc +
+    # 1/dec + 8/cr: u26 (99 %: 3.73 s against p6's 20.4 s), u43 (97 %), u46 (95 %; 90 %: u46 again);
+    # at 5 Gbps the same; then p6 (the rest of the 2-D front)
+    assert refinement_order(front, 0, floors=(0.99, 0.97, 0.95, 0.90)) == ["p8", "p10", "p12", "u26", "u43", "u46", "p6"]
+    assert refinement_order(front, 5, floors=(0.99, 0.97, 0.95, 0.90)) == ["p8", "p10", "p12", "u26", "u43"]
+    # without codec speeds the fast ones come last, after the whole 2-D front, by ratio
+    assert refinement_order(front.drop(columns=["encode_gbps", "decode_gbps"]), 5) == ["p8", "p10", "p12", "p6", "u46"]
+
+
 def test_split_fidelities_pairs_cheap_and_full_rows():
     trials = pd.DataFrame({
         "policy_id": ["a", "b", "c", "a", "b"],

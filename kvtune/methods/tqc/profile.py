@@ -47,6 +47,7 @@ from kvtune.run.folder import check_out_folder, check_run_name
 from kvtune.run.runner import RunResult
 from kvtune.run.store import TrialStore
 from kvtune.run.settings import check_floors
+from kvtune.tables.latency import line_coefficients
 from kvtune.tables.run import read_run_info
 
 
@@ -237,8 +238,14 @@ def check_workload_inputs(settings: ProfileSettings, n_full: int) -> None:
             "use fewer or shorter contexts, or more text")
 
 
+REFINE_BANDWIDTHS_GBPS = (1.0, 5.0)
+"""Link bandwidths (Gbps) at which :func:`refinement_order` reserves each floor's fastest
+policy: where a policy table stops picking the highest-ratio policies (their codecs cost more
+than the bytes they save) and starts picking fast ones."""
+
+
 def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] = (0.99, 0.97, 0.95, 0.90),
-                     per_floor: int = 2) -> list[str]:
+                     per_floor: int = 2, bandwidths_gbps: tuple[float, ...] = REFINE_BANDWIDTHS_GBPS) -> list[str]:
     """Which search-fidelity Pareto policies to re-evaluate at full fidelity, most useful first.
 
     Only the 2-D accuracy / compression-ratio front can be picked by a policy table at some
@@ -250,17 +257,25 @@ def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] 
        highest-ratio policy of the whole front whose *lower end* already clears the floor (the
        one most likely to clear it at full fidelity too: the search's few samples can rank a
        family too high, e.g. PCA policies that scored 99.0 % on 8 contexts and 97.9 % on 24);
-    3. the floors' next best 2-D-front policies as in step 1, up to ``per_floor`` per floor;
-    4. the rest of the 2-D front, by compression ratio, highest first;
-    5. the rest of the 3-D front (kept there by a faster codec), by ratio.
+    3. when the front has codec speeds (``encode_gbps``, ``decode_gbps``, GB/s): for every floor
+       and every bandwidth of ``bandwidths_gbps``, the policy of the whole front meeting the
+       floor with the shortest predicted transfer, ``V/s_enc + V/(cr B) + V/s_dec`` (KVServe,
+       arXiv 2605.13734; :func:`kvtune.tables.latency.line_coefficients`): when high-ratio
+       policies with slow codecs fill the 2-D front, the fast ones a table picks at 1-5 Gbps
+       would otherwise fall past ``limit``;
+    4. the floors' next best 2-D-front policies as in step 1, up to ``per_floor`` per floor;
+    5. the rest of the 2-D front, by compression ratio, highest first;
+    6. the rest of the 3-D front (kept there by a faster codec), by ratio.
 
     Each id once; at most ``limit`` ids (``limit <= 0``: all).
 
     Args:
         front: the search's 3-D Pareto front (``policy_id``, ``relative_accuracy``,
-            ``compression_ratio``, optionally ``relative_accuracy_lo``; fractions).
+            ``compression_ratio``, optionally ``relative_accuracy_lo``, ``encode_gbps`` and
+            ``decode_gbps``; fractions).
         floors: the accuracy floors (fractions) of the policy table.
-        per_floor: policies reserved per floor in steps 1 and 3.
+        per_floor: policies reserved per floor in steps 1 and 4.
+        bandwidths_gbps: the link bandwidths of step 3 (Gbps).
     """
     if front.empty:
         return []
@@ -286,6 +301,13 @@ def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] 
         first_new(cands[:1])
     for cands in safe:
         first_new(cands)
+    if {"encode_gbps", "decode_gbps"} <= set(front.columns):
+        a, b = line_coefficients(front["compression_ratio"], front["encode_gbps"], front["decode_gbps"])
+        for q in high_first:
+            for bw in bandwidths_gbps:
+                seconds_per_gb = pd.Series(a + b * 8.0 / bw, index=front.index)[front["relative_accuracy"] >= q]
+                first_new([str(front.loc[seconds_per_gb.sort_values(kind="stable").index, "policy_id"].iloc[0])]
+                          if len(seconds_per_gb) else [])
     for rank in range(1, per_floor):
         for cands in by_floor:
             first_new(cands[rank : rank + 1])
