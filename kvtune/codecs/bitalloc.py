@@ -390,17 +390,14 @@ def component_segments(shape: tuple[int, ...], widths: Sequence[int], coder, *, 
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_widths(digest: str, layer: int, kind: str, heads: int, head_dim: int, total: int, max_bits: int
-                  ) -> tuple[int, ...]:
-    entry = lookup(digest).layer(layer, kind, heads, head_dim)
-    return allocate_bits(entry.eigenvalues, total, max_bits)
-
-
-@functools.lru_cache(maxsize=4096)
-def _layer_ecsq(digest: str, layer: int, kind: str, heads: int, head_dim: int, total: float, max_bits: int
-                ) -> tuple[tuple[int, ...], float]:
-    entry = lookup(digest).layer(layer, kind, heads, head_dim)
-    return allocate_ecsq(entry.eigenvalues, total, max_bits)
+def _layer_allocation(digest: str, layer: int, kind: str, heads: int, head_dim: int, grid: str, bits: float,
+                      max_bits: int) -> tuple[tuple[int, ...], float]:
+    """``(widths, step)`` of one layer and kind (:meth:`DPAlloc.allocation`), cached."""
+    eig = lookup(digest).layer(layer, kind, heads, head_dim).eigenvalues
+    d = heads * head_dim
+    if grid == "ecsq":
+        return allocate_ecsq(eig, bits * d, max_bits)
+    return allocate_bits(eig, max(1, round(bits * d)), max_bits), 0.0
 
 
 @register_quantizer("dp-alloc")
@@ -473,11 +470,8 @@ class DPAlloc(Quantizer):
     def allocation(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[tuple[int, ...], float]:
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` and the ``ecsq``
         step (:func:`allocate_ecsq`; 0 for the other grids, :func:`allocate_bits`)."""
-        d = int(shape[1]) * int(shape[3])
-        if self.grid == "ecsq":
-            return _layer_ecsq(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), self.bits * d, self.max_bits)
-        total = max(1, round(self.bits * d))
-        return _layer_widths(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), total, self.max_bits), 0.0
+        return _layer_allocation(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), self.grid, self.bits,
+                                 self.max_bits)
 
     def widths(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[int, ...]:
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:meth:`allocation`)."""

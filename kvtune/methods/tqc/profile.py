@@ -47,7 +47,7 @@ from kvtune.run.folder import check_out_folder, check_run_name
 from kvtune.run.runner import RunResult
 from kvtune.run.store import TrialStore
 from kvtune.run.settings import check_floors
-from kvtune.tables.latency import line_coefficients
+from kvtune.tables.latency import gbps_to_x_s_per_gb, line_coefficients
 from kvtune.tables.run import read_run_info
 
 
@@ -304,10 +304,10 @@ def refinement_order(front: pd.DataFrame, limit: int, floors: tuple[float, ...] 
     if {"encode_gbps", "decode_gbps"} <= set(front.columns):
         a, b = line_coefficients(front["compression_ratio"], front["encode_gbps"], front["decode_gbps"])
         for q in high_first:
+            meets = front["relative_accuracy"] >= q
             for bw in bandwidths_gbps:
-                seconds_per_gb = pd.Series(a + b * 8.0 / bw, index=front.index)[front["relative_accuracy"] >= q]
-                first_new([str(front.loc[seconds_per_gb.sort_values(kind="stable").index, "policy_id"].iloc[0])]
-                          if len(seconds_per_gb) else [])
+                seconds_per_gb = pd.Series(a + b * gbps_to_x_s_per_gb(bw), index=front.index)[meets]
+                first_new([str(front.loc[seconds_per_gb.idxmin(), "policy_id"])] if len(seconds_per_gb) else [])
     for rank in range(1, per_floor):
         for cands in by_floor:
             first_new(cands[rank : rank + 1])
