@@ -151,11 +151,14 @@ class MOBOOptimizer(Optimizer):
 
     def __init__(self, space, *, seed: int = 0, q_min: float = 0.97, ratios: np.ndarray | None = None,
                  device=None, n_init: int = 8, mc_samples: int = 32, prescreen: int = 128,
-                 acquisition: str = "qlogehvi",
+                 acquisition: str = "qlogehvi", accuracy_axis: str = "linear",
                  acc_ref: float = 0.5, max_train: int = 300, fit_rows: int = 120, maxiter: int = 60) -> None:
         super().__init__(space, seed=seed, q_min=q_min, ratios=ratios, device=device)
         if acquisition not in ("qlogehvi", "qlognehvi"):
             raise ValueError(f"acquisition must be 'qlogehvi' or 'qlognehvi', got {acquisition!r}")
+        if accuracy_axis not in ("linear", "warped"):
+            raise ValueError(f"accuracy_axis must be 'linear' or 'warped', got {accuracy_axis!r}")
+        self.accuracy_axis = accuracy_axis
         self.n_init, self.mc_samples, self.prescreen = int(n_init), int(mc_samples), int(prescreen)
         self.acquisition, self.acc_ref = acquisition, float(acc_ref)
         self.max_train, self.fit_rows, self.maxiter = int(max_train), int(fit_rows), int(maxiter)
@@ -196,7 +199,7 @@ class MOBOOptimizer(Optimizer):
     def _objectives(self, mean_out: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Model outputs (warped accuracy, log latency[, log ratio]) -> objective space
         ``(accuracy, ratio, -latency)``; numpy twin of the MC objective."""
-        acc = 1.0 + WARP_DELTA - np.exp(-mean_out[:, 0])
+        acc = mean_out[:, 0] if self.accuracy_axis == "warped" else 1.0 + WARP_DELTA - np.exp(-mean_out[:, 0])
         ratio = np.exp(mean_out[:, 2]) if self.ratios is None else self._ratio_from_x(x)
         return np.column_stack([acc, ratio, -np.exp(mean_out[:, 1])])
 
@@ -229,7 +232,8 @@ class MOBOOptimizer(Optimizer):
         """The free candidate of largest acquisition value given the pending ones (``busy``)."""
         base, idx = self._surrogate()
         vals = np.array([self._obs[i] for i in idx])
-        ref = np.array([self.acc_ref, 1.0, -1.1 * float(vals[:, 2].max())])
+        acc_ref = float(warp_accuracy(self.acc_ref)) if self.accuracy_axis == "warped" else self.acc_ref
+        ref = np.array([acc_ref, 1.0, -1.1 * float(vals[:, 2].max())])
         believer = busy.size > 0 and self.acquisition == "qlogehvi"
         gp = base.believe(self._x[busy]) if believer else base
 
@@ -284,11 +288,11 @@ class MOBOOptimizer(Optimizer):
         from botorch.acquisition.multi_objective.objective import GenericMCMultiOutputObjective
         from botorch.sampling import SobolQMCNormalSampler
 
-        known_ratio = self.ratios is not None
+        known_ratio, warped = self.ratios is not None, self.accuracy_axis == "warped"
         on_device = functools.partial(torch.as_tensor, dtype=DTYPE, device=self.device)
 
         def objective(samples: torch.Tensor, X: torch.Tensor | None = None) -> torch.Tensor:
-            acc = 1.0 + WARP_DELTA - torch.exp(-samples[..., 0])
+            acc = samples[..., 0] if warped else 1.0 + WARP_DELTA - torch.exp(-samples[..., 0])
             ratio = torch.exp(samples[..., 2]) if not known_ratio else self._ratio_from_x(X).expand(samples.shape[:-1])
             return torch.stack([acc, ratio, -torch.exp(samples[..., 1])], dim=-1)
 
