@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.search.optimizers import OPTIMIZERS, make_optimizer
-from kvtune.search.optimizers.gp import fit_gp
-from kvtune.search.optimizers.kvserve import KVServeOptimizer, kvserve_acquisition
+from kvtune.search.optimizers.gp import candidate_inputs, fit_gp
+from kvtune.search.optimizers.kvserve import KVServeOptimizer, kvserve_acquisition, warp_accuracy
 from kvtune.search.optimizers.replay import HypervolumeSpec, ReplayObjective, best_feasible_ratio
 from kvtune.search.optimizers.synthetic import synthetic_problem
 from kvtune.search.pareto import hypervolume
@@ -219,6 +219,24 @@ def test_mobo_hypervolume_beats_random(small):
             _drive(opt, replay, 10)
             hv[name].append(replay.hypervolume([opt.told[i] for i in opt.told]) / replay.exhaustive_hypervolume())
     assert np.mean(hv["mobo"]) > np.mean(hv["random"]) + 0.05, hv
+
+
+def test_mobo_accuracy_axis_maps_the_warped_model_output(small):
+    """The GP models z = -log(1.01 - accuracy); the hypervolume's accuracy axis is accuracy itself
+    (``linear``) or z (``warped``), whose reference point is z(acc_ref)."""
+    space, _, ratios = small
+    z = warp_accuracy(np.array([0.99, 0.5]))
+    out = np.column_stack([z, np.log([0.2, 0.4])])  # (warped accuracy, log latency)
+    x = candidate_inputs(space, ratios)[:2]
+    linear = make_optimizer("mobo", space, ratios=ratios, accuracy_axis="linear")._objectives(out, x)
+    warped = make_optimizer("mobo", space, ratios=ratios)._objectives(out, x)  # the default
+    np.testing.assert_allclose(linear[:, 0], [0.99, 0.5], rtol=1e-12)
+    np.testing.assert_allclose(warped[:, 0], [-math.log(0.02), -math.log(0.51)], rtol=1e-12)
+    np.testing.assert_allclose(warped[:, 1:], linear[:, 1:])  # ratio from the inputs, -latency
+    np.testing.assert_allclose(linear[:, 1], ratios[:2], rtol=1e-9)
+    np.testing.assert_allclose(linear[:, 2], [-0.2, -0.4], rtol=1e-12)
+    with pytest.raises(ValueError, match="accuracy_axis"):
+        make_optimizer("mobo", space, accuracy_axis="log")
 
 
 # ---------------------------------------------------------------- optuna seam
