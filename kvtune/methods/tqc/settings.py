@@ -82,7 +82,7 @@ class ProfileSettings(RunSettings):
     prompt_format: str = "auto"
     search_fidelity: str = "cheap"
     refine: bool = True
-    refine_budget: int = 12
+    refine_budget: int = 16
     run: str = ""
     out: str = "profiles"
     reports: str = "reports"
