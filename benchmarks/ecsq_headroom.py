@@ -19,9 +19,10 @@ projected on a pre-RoPE PCA basis fitted on ``--calib`` other windows (as
 2. **An output-aware metric for values.** An error ``e`` in a value vector reaches the layer's
    output through ``W_o`` (grouped-query attention: the query heads sharing the KV head), so
    the error that matters is ``|| M^(1/2) e ||`` with ``M = sum_i W_o,i^T W_o,i`` over those
-   heads, not ``|| e ||``. Whitening by ``M`` before the PCA (the data-aware SVD of ASVD, arXiv
-   2312.05821, and SVD-LLM, arXiv 2403.07378, applied to the KV basis) makes plain squared
-   error in the new coefficients equal to that weighted error. The script quantizes the values'
+   heads, not ``|| e ||``. Whitening by ``M`` before the PCA (a weighted-metric PCA, as the
+   activation-aware SVDs of ASVD, arXiv 2312.05821, and SVD-LLM, arXiv 2403.07378, weight
+   theirs by the data; here the weight is the output projection) makes plain squared error in
+   the new coefficients equal to that weighted error. The script quantizes the values'
    coefficients of both bases with one uniform step (ecsq), at steps spanning 0.5-7 bits per
    element, and reports the rate (per-component empirical entropy) each needs for equal
    weighted squared error.
