@@ -30,7 +30,7 @@ projected on a pre-RoPE PCA basis fitted on ``--calib`` other windows (as
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -39,10 +39,9 @@ import torch
 
 from kvtune.codecs.bitalloc import DPAlloc
 from kvtune.codecs.pca import PCA, register_basis
-from kvtune.evaluate.calibrate_pca import calibrate_pca_basis
-from kvtune.evaluate.model import load_model
-from kvtune.evaluate.workloads import make_workload
-from kvtune.methods.tqc.settings import ProfileSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ecsq_rate_distortion import calibrated_windows, window_arguments  # noqa: E402
 
 POLICIES = ((1.0, 2.5), (1.5, 3.5))  # (key bits, value bits) of the 97 % and 99 % policies
 STEPS = np.geomspace(0.01, 4.0, 24)  # uniform steps for the output-aware comparison
@@ -109,19 +108,9 @@ def rate_at_equal_error(x: np.ndarray, mean: np.ndarray, fwd: np.ndarray, inv: n
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", type=int, default=4)
-    ap.add_argument("--calib", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--layers", default=",".join(str(i) for i in range(0, 30, 3)))
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/ecsq_headroom.md"))
-    args = ap.parse_args()
+    args = window_arguments(__doc__, "benchmarks/results/ecsq_headroom.md")
     t0 = time.perf_counter()
-    lm = load_model(ProfileSettings().model, "cpu")
-    settings = ProfileSettings(contexts=args.contexts + args.calib, cheap_samples=args.contexts,
-                               context_tokens=args.tokens, continuation_tokens=2)
-    wl = make_workload("continuation", lm, settings=settings)
-    basis = calibrate_pca_basis(lm, wl.cap.input_ids[args.contexts:, : args.tokens])
+    lm, wl, basis = calibrated_windows(args)
     digest = register_basis(basis)
     pca = PCA(basis=digest)
     layers = [int(v) for v in args.layers.split(",")]

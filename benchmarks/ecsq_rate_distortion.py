@@ -63,20 +63,33 @@ def measure(q: DPAlloc, y: torch.Tensor, layer: int, kind: str) -> tuple[float, 
     return bits, err
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def window_arguments(doc: str, out: str) -> argparse.Namespace:
+    """The command line shared with ``benchmarks/ecsq_headroom.py``: ``--contexts``, ``--calib``,
+    ``--tokens``, ``--layers`` and ``--out`` (default ``out``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--contexts", type=int, default=4)
     ap.add_argument("--calib", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--layers", default=",".join(str(i) for i in range(0, 30, 3)))
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/ecsq_rate_distortion.md"))
-    args = ap.parse_args()
-    t0 = time.perf_counter()
+    ap.add_argument("--out", type=Path, default=Path(out))
+    return ap.parse_args()
+
+
+def calibrated_windows(args: argparse.Namespace):
+    """``(model, workload, basis)``: the default model, ``args.contexts + args.calib`` essay windows
+    of ``args.tokens`` tokens prefilled, and a pre-RoPE PCA basis fitted on the last ``args.calib``."""
     lm = load_model(ProfileSettings().model, "cpu")
     settings = ProfileSettings(contexts=args.contexts + args.calib, cheap_samples=args.contexts,
                                context_tokens=args.tokens, continuation_tokens=2)
     wl = make_workload("continuation", lm, settings=settings)
-    digest = register_basis(calibrate_pca_basis(lm, wl.cap.input_ids[args.contexts:, : args.tokens]))
+    return lm, wl, calibrate_pca_basis(lm, wl.cap.input_ids[args.contexts:, : args.tokens])
+
+
+def main() -> None:
+    args = window_arguments(__doc__, "benchmarks/results/ecsq_rate_distortion.md")
+    t0 = time.perf_counter()
+    _, wl, basis = calibrated_windows(args)
+    digest = register_basis(basis)
     pca = PCA(basis=digest)
     layers = [int(v) for v in args.layers.split(",")]
     sums: dict[tuple[str, str, float], list[float]] = {}
