@@ -223,7 +223,7 @@ def test_mobo_hypervolume_beats_random(small):
 
 def test_mobo_accuracy_axis_maps_the_warped_model_output(small):
     """The GP models z = -log(1.01 - accuracy); the hypervolume's accuracy axis is accuracy itself
-    (``linear``) or z (``warped``), whose reference point is z(acc_ref)."""
+    (``linear``) or z (``warped``, the default)."""
     space, _, ratios = small
     z = warp_accuracy(np.array([0.99, 0.5]))
     out = np.column_stack([z, np.log([0.2, 0.4])])  # (warped accuracy, log latency)

@@ -637,6 +637,21 @@ def test_allocate_bits_refuses_what_it_cannot_allocate(eigenvalues, total, max_b
     assert allocate_bits([4.0, 1.0, 1.0], 3, 8) == (2, 1, 0)
 
 
+def test_rope_tables_of_long_contexts_are_computed_not_cached(monkeypatch):
+    """Short contexts take the cached tables, long ones (beyond ``_ROPE_CACHE_ELEMENTS``) compute
+    theirs: both give the same rotation, bit for bit, in float32 and float64."""
+    import kvtune.codecs.pca as pca_module
+
+    spec = RopeSpec(INV_FREQ, 1.3)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(1, HEADS, 40, DIM, dtype=dtype)
+        cached = unrotate_keys(x, spec), rotate_keys(x, spec)
+        monkeypatch.setattr(pca_module, "_ROPE_CACHE_ELEMENTS", 0)
+        computed = unrotate_keys(x, spec), rotate_keys(x, spec)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) and a.dtype == dtype for a, b in zip(cached, computed))
+
+
 def test_unrotate_at_kept_positions_equals_unrotating_then_keeping():
     x = torch.randn(2, HEADS, 40, DIM, dtype=torch.float64)
     spec = RopeSpec(INV_FREQ, 1.3)

@@ -496,7 +496,12 @@ def _rope_cos_sin(tokens: int, spec: RopeSpec, positions: torch.Tensor | None = 
     return angles.cos() * spec.scaling, angles.sin() * spec.scaling
 
 
-@functools.lru_cache(maxsize=64)
+_ROPE_CACHE_ELEMENTS = 1 << 17
+"""Tables of at most this many ``tokens x rotary_dim / 2`` entries are cached (0.5 MB each in
+float32; 128 of them at most); longer contexts recompute theirs, a small cost next to the tensor."""
+
+
+@functools.lru_cache(maxsize=128)
 def _rope_table(tokens: int, spec: RopeSpec, dtype: torch.dtype, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` at positions ``0 .. tokens - 1`` in ``dtype`` (divided by ``s^2`` for the
     inverse rotation), cached: the encoder and decoder rotate every key tensor."""
@@ -512,15 +517,14 @@ def _rotation(cs: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, inverse
 
 
 def _rotate(x: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | None, inverse: bool) -> torch.Tensor:
-    """``(x1 cos - x2 sin, x2 cos + x1 sin, rest)`` on the rotary channel pairs, written into one
-    new tensor (no concatenation: a third of the time of the out-of-place form)."""
+    """``(x1 cos - x2 sin, x2 cos + x1 sin, rest)`` on the rotary channel pairs (with the inverse
+    rotation's tables when ``inverse``), written into one new tensor without concatenating."""
     x = x.to(_work_dtype(x))
-    tokens = int(x.shape[2])
-    if positions is None:
+    tokens, half = int(x.shape[2]), spec.inv_freq.numel()
+    if positions is None and tokens * half <= _ROPE_CACHE_ELEMENTS:
         cos, sin = _rope_table(tokens, spec, x.dtype, inverse)
     else:
         cos, sin = _rotation(_rope_cos_sin(tokens, spec, positions), x.dtype, inverse)
-    half = spec.inv_freq.numel()
     out = torch.empty(x.shape, dtype=x.dtype)
     x1, x2, o1, o2 = x[..., :half], x[..., half : 2 * half], out[..., :half], out[..., half : 2 * half]
     torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)

@@ -208,7 +208,8 @@ class MOBOOptimizer(Optimizer):
 
     def _objectives(self, mean_out: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Model outputs (warped accuracy, log latency[, log ratio]) -> objective space
-        ``(accuracy, ratio, -latency)``; numpy twin of the MC objective."""
+        ``(accuracy, ratio, -latency)``, the accuracy on ``accuracy_axis`` (warped: the model's
+        output itself); numpy twin of the MC objective."""
         acc = mean_out[:, 0] if self.accuracy_axis == "warped" else 1.0 + WARP_DELTA - np.exp(-mean_out[:, 0])
         ratio = np.exp(mean_out[:, 2]) if self.ratios is None else self._ratio_from_x(x)
         return np.column_stack([acc, ratio, -np.exp(mean_out[:, 1])])
