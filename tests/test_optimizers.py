@@ -223,7 +223,7 @@ def test_mobo_hypervolume_beats_random(small):
 
 def test_mobo_accuracy_axis_maps_the_warped_model_output(small):
     """The GP models z = -log(1.01 - accuracy); the hypervolume's accuracy axis is accuracy itself
-    (``linear``) or z (``warped``, the default)."""
+    (``linear``) or z (``warped``, the default); a bad axis or reference accuracy is refused."""
     space, _, ratios = small
     z = warp_accuracy(np.array([0.99, 0.5]))
     out = np.column_stack([z, np.log([0.2, 0.4])])  # (warped accuracy, log latency)
@@ -237,6 +237,9 @@ def test_mobo_accuracy_axis_maps_the_warped_model_output(small):
     np.testing.assert_allclose(linear[:, 2], [-0.2, -0.4], rtol=1e-12)
     with pytest.raises(ValueError, match="accuracy_axis"):
         make_optimizer("mobo", space, accuracy_axis="log")
+    for bad in (float("nan"), 1.0, 2.0, -0.1):  # z(2.0) would be NaN: a degenerate reference point
+        with pytest.raises(ValueError, match="acc_ref"):
+            make_optimizer("mobo", space, acc_ref=bad)
 
 
 # ---------------------------------------------------------------- optuna seam
