@@ -249,12 +249,12 @@ def test_believer_keeps_the_mean_and_shrinks_the_std():
 
 @pytest.mark.parametrize("acquisition", ["qlogehvi", "qlognehvi"])
 def test_mobo_exploration_batch_has_no_duplicates(acquisition, small):
-    """With a reference point no candidate can improve on (accuracy 1.5), every pick is the
-    pure-exploration fallback (largest posterior std). With pending candidates neither
+    """With a reference point no candidate can improve on (accuracy 1.5, linear axis), every pick
+    is the pure-exploration fallback (largest posterior std). With pending candidates neither
     excluded from the scored set nor believed (std blind to them), it proposed #83 four
     times for seed 3 (checked by patching both out); either one alone prevents it."""
     _, replay, _ = small
-    opt = _make("mobo", {"acquisition": acquisition, "acc_ref": 1.5}, small, seed=3)
+    opt = _make("mobo", {"acquisition": acquisition, "acc_ref": 1.5, "accuracy_axis": "linear"}, small, seed=3)
     _warm(opt, replay, 4)
     batch = _indices(opt.ask_batch(4))
     assert len(batch) == 4

@@ -237,9 +237,10 @@ def test_mobo_accuracy_axis_maps_the_warped_model_output(small):
     np.testing.assert_allclose(linear[:, 2], [-0.2, -0.4], rtol=1e-12)
     with pytest.raises(ValueError, match="accuracy_axis"):
         make_optimizer("mobo", space, accuracy_axis="log")
-    for bad in (float("nan"), 1.0, 2.0, -0.1):  # z(2.0) would be NaN: a degenerate reference point
+    for bad in (float("nan"), float("inf"), 1.01, 2.0):  # z(2.0) would be NaN: a degenerate reference point
         with pytest.raises(ValueError, match="acc_ref"):
             make_optimizer("mobo", space, acc_ref=bad)
+    assert make_optimizer("mobo", space, acc_ref=2.0, accuracy_axis="linear").acc_ref == 2.0  # pure exploration
 
 
 # ---------------------------------------------------------------- optuna seam

@@ -86,6 +86,7 @@ waiting forever.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -153,13 +154,15 @@ class MOBOOptimizer(Optimizer):
         acquisition: ``"qlogehvi"`` (default) or ``"qlognehvi"``.
         accuracy_axis: ``"warped"`` (default) or ``"linear"``: the hypervolume's accuracy axis
             (module docstring, rule 3).
-        acc_ref: accuracy of the reference point, in ``[0, 1)``.
+        acc_ref: accuracy of the reference point (finite; below ``1 + WARP_DELTA`` on the warped
+            axis; above 1 no candidate improves the hypervolume: pure exploration).
         max_train: cap on the GPs' training set.
         fit_rows: cap on the rows the GP hyperparameters are fitted on (cost control).
         maxiter: L-BFGS-B iteration cap of each GP fit.
 
     Raises:
-        ValueError: an unknown ``acquisition`` or ``accuracy_axis``, or ``acc_ref`` outside ``[0, 1)``.
+        ValueError: an unknown ``acquisition`` or ``accuracy_axis``, or an ``acc_ref`` that is not
+            finite or (warped axis) not below ``1 + WARP_DELTA``.
     """
 
     def __init__(self, space, *, seed: int = 0, q_min: float = 0.97, ratios: np.ndarray | None = None,
@@ -171,8 +174,11 @@ class MOBOOptimizer(Optimizer):
             raise ValueError(f"acquisition must be 'qlogehvi' or 'qlognehvi', got {acquisition!r}")
         if accuracy_axis not in ("linear", "warped"):
             raise ValueError(f"accuracy_axis must be 'linear' or 'warped', got {accuracy_axis!r}")
-        if not (isinstance(acc_ref, (int, float)) and 0.0 <= acc_ref < 1.0):  # NaN fails too
-            raise ValueError(f"acc_ref must be an accuracy in [0, 1), got {acc_ref!r}")
+        if not (isinstance(acc_ref, (int, float)) and math.isfinite(acc_ref)):
+            raise ValueError(f"acc_ref must be a finite accuracy, got {acc_ref!r}")
+        if accuracy_axis == "warped" and acc_ref >= 1.0 + WARP_DELTA:
+            raise ValueError(f"acc_ref {acc_ref:g} has no warped value (the warp is -log({1 + WARP_DELTA:g} - "
+                             f"accuracy)): use one below {1 + WARP_DELTA:g}, or accuracy_axis='linear'")
         self.accuracy_axis = accuracy_axis
         self.n_init, self.mc_samples, self.prescreen = int(n_init), int(mc_samples), int(prescreen)
         self.acquisition, self.acc_ref = acquisition, float(acc_ref)
