@@ -20,8 +20,10 @@ def pack_bits(sym, bits, out):
     """Pack flat uint8 ``sym`` (values ``< 2**bits``), MSB first, into ``out`` (``ceil(n*bits/8)`` bytes).
 
     Reference: :func:`kvtune.codecs.bitpack.pack_bits`. Returns the OR of all
-    symbols (the caller rejects symbols that do not fit). Widths 1, 2 and 4 fill whole bytes;
-    the others assemble every 8 symbols (``bits`` bytes) in a 64-bit word.
+    symbols (the caller rejects symbols that do not fit). Widths 2 and 4 read the symbols as
+    little-endian 32- / 16-bit words (4 / 2 symbols, one output byte each: shifts and ORs that
+    vectorize, ~2x faster than gathering bytes) and width 1 fills whole bytes; the others
+    assemble every 8 symbols (``bits`` bytes) in a 64-bit word.
     """
     n = _u(sym.shape[0])
     seen = np.uint8(0)
@@ -33,16 +35,24 @@ def pack_bits(sym, bits, out):
         return np.int64(seen)
     if bits == 4:
         full = n // U2
+        w16 = sym[: full * U2].view(np.uint16)  # symbols 2i, 2i + 1 in the low, high byte
+        s16 = np.uint16(0)
         for i in range(full):
-            a, c = sym[U2 * i], sym[U2 * i + U1]
-            seen |= a | c
-            out[i] = (a << np.uint8(4)) | c
+            v = w16[i]
+            s16 |= v
+            out[i] = np.uint8(((v << np.uint16(4)) | (v >> np.uint16(8))) & np.uint16(0xFF))
+        seen = np.uint8(s16 & np.uint16(0xFF)) | np.uint8(s16 >> np.uint16(8))
     elif bits == 2:
         full = n // U4
+        w32 = sym[: full * U4].view(np.uint32)  # symbols 4i .. 4i + 3 in bytes 0 .. 3
+        s32 = np.uint32(0)
         for i in range(full):
-            a, b, c, d = sym[U4 * i], sym[U4 * i + U1], sym[U4 * i + U2], sym[U4 * i + U3]
-            seen |= a | b | c | d
-            out[i] = (a << np.uint8(6)) | (b << np.uint8(4)) | (c << np.uint8(2)) | d
+            v = w32[i]
+            s32 |= v
+            out[i] = np.uint8(((v << np.uint32(6)) | (v >> np.uint32(4)) | (v >> np.uint32(14)) | (v >> np.uint32(24)))
+                              & np.uint32(0xFF))
+        s16 = s32 | (s32 >> np.uint32(16))
+        seen = np.uint8((s16 | (s16 >> np.uint32(8))) & np.uint32(0xFF))
     elif bits == 1:
         full = n // U8
         for i in range(full):
