@@ -17,6 +17,15 @@ Real table (once ``kvtune/search/spaces/full.yaml`` has been evaluated exhaustiv
         --out benchmarks/results/search
 
 (MixHQ head scores from ``benchmarks/data/full_replay_calibration.json``, next to the table.)
+The default space has its own table (every candidate at the profile's cheap search fidelity,
+from an exhaustive run; its PCA basis digest in
+``benchmarks/data/default_replay_calibration.json``)::
+
+    python benchmarks/search.py --table benchmarks/data/default_replay.parquet \\
+        --space kvtune/search/spaces/default.yaml --optimizers mobo,random --seeds 10 --budgets 0.1117,0.1564 \\
+        --out benchmarks/results/search_default
+
+(40 and 56 evaluations: the profile's search budget, and that plus its 16 refinement slots.)
 
 Synthetic problem with a known answer (2,025 candidates, :mod:`kvtune.search.optimizers.synthetic`)::
 
@@ -64,8 +73,9 @@ def markdown_table(frame) -> str:
 def replay_problem(table: str, space_path: str, calibration: str | None = None):
     """``(space, replay, description)`` of a real replay table and the space it was made from.
 
-    A space with MixHQ candidates gets the head scores of ``calibration`` (default: ``<table
-    stem>_calibration.json`` next to the table); their values are part of the policy ids. The
+    A space with MixHQ or PCA candidates gets the head scores and the PCA basis digests of
+    ``calibration`` (a run's ``calibration.json``; default: ``<table stem>_calibration.json``
+    next to the table); both are part of the policy ids. The
     space is cut to the candidates the table holds (:meth:`SearchSpace.subset`): a table
     evaluated before the space file gained candidates still replays its own.
 
@@ -78,20 +88,23 @@ def replay_problem(table: str, space_path: str, calibration: str | None = None):
     from kvtune.search.space import load_space
 
     space = load_space(space_path)
-    if space.needs_head_scores:
+    if space.needs_head_scores or space.needs_pca_basis:
         import json
 
         from kvtune.evaluate.calibrate import HeadScores
 
         cal = Path(calibration) if calibration else Path(table).with_name(Path(table).stem + "_calibration.json")
         if not cal.is_file():
-            raise KvtuneError(f"space {space.name} has MixHQ candidates: pass --calibration (the run's "
-                              f"calibration.json); {cal} does not exist")
+            raise KvtuneError(f"space {space.name} has calibrated (MixHQ or PCA) candidates: pass --calibration "
+                              f"(the run's calibration.json); {cal} does not exist")
         try:
-            scores = HeadScores.from_dict(json.loads(cal.read_text(encoding="utf-8"))["head_scores"])
+            doc = json.loads(cal.read_text(encoding="utf-8"))
+            if space.needs_head_scores:
+                space = space.with_head_scores(HeadScores.from_dict(doc["head_scores"]).scores)
+            if space.needs_pca_basis:  # the digests only: a replay never encodes
+                space = space.with_pca_basis({rope: doc["pca_bases"][rope]["digest"] for rope in space.pca_ropes_missing})
         except (ValueError, KeyError, TypeError) as exc:
-            raise KvtuneError(f"{cal}: not a kvtune calibration.json ({exc})") from None
-        space = space.with_head_scores(scores.scores)
+            raise KvtuneError(f"{cal}: not a kvtune calibration.json with what {space.name} needs ({exc!r})") from None
     replay = ReplayObjective.from_parquet(table)
     # candidates the space gained after the table was evaluated (full.yaml's dp-alloc branch) are
     # left out: the replay answers the table's own candidates
