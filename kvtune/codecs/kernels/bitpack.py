@@ -17,7 +17,7 @@ _u = uintp
 
 @njit(**JIT)
 def pack_bits(sym, bits, out):
-    """Pack flat uint8 ``sym`` (values ``< 2**bits``), MSB first, into ``out`` (``ceil(n*bits/8)`` bytes).
+    """Pack flat, C-contiguous uint8 ``sym`` (values ``< 2**bits``), MSB first, into ``out`` (``ceil(n*bits/8)`` bytes).
 
     Reference: :func:`kvtune.codecs.bitpack.pack_bits`. Returns the OR of all
     symbols (the caller rejects symbols that do not fit). Widths 2 and 4 read the symbols as
