@@ -75,7 +75,8 @@ def replay_problem(table: str, space_path: str, calibration: str | None = None):
 
     A space with MixHQ or PCA candidates gets the head scores and the PCA basis digests of
     ``calibration`` (a run's ``calibration.json``; default: ``<table stem>_calibration.json``
-    next to the table); both are part of the policy ids. The
+    next to the table); both are part of the policy ids. PCA candidates of a calibration without
+    ``pca_bases`` keep no digest, so the table (made before the space had them) leaves them out. The
     space is cut to the candidates the table holds (:meth:`SearchSpace.subset`): a table
     evaluated before the space file gained candidates still replays its own.
 
@@ -101,8 +102,9 @@ def replay_problem(table: str, space_path: str, calibration: str | None = None):
             doc = json.loads(cal.read_text(encoding="utf-8"))
             if space.needs_head_scores:
                 space = space.with_head_scores(HeadScores.from_dict(doc["head_scores"]).scores)
-            if space.needs_pca_basis:  # the digests only: a replay never encodes
-                space = space.with_pca_basis({rope: doc["pca_bases"][rope]["digest"] for rope in space.pca_ropes_missing})
+            if space.needs_pca_basis and "pca_bases" in doc:  # digests only: a replay never encodes
+                digests = {rope: doc["pca_bases"][rope]["digest"] for rope in space.pca_ropes_missing}
+                space = space.with_pca_basis(digests)
         except (ValueError, KeyError, TypeError) as exc:
             raise KvtuneError(f"{cal}: not a kvtune calibration.json with what {space.name} needs ({exc!r})") from None
     replay = ReplayObjective.from_parquet(table)
