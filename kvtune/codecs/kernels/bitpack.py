@@ -22,7 +22,7 @@ def pack_bits(sym, bits, out):
     Reference: :func:`kvtune.codecs.bitpack.pack_bits`. Returns the OR of all
     symbols (the caller rejects symbols that do not fit). Widths 2 and 4 read the symbols as
     little-endian 32- / 16-bit words (4 / 2 symbols, one output byte each: shifts and ORs that
-    vectorize, ~2x faster than gathering bytes) and width 1 fills whole bytes; the others
+    vectorize, ~1.5-2x faster than gathering bytes) and width 1 fills whole bytes; the others
     assemble every 8 symbols (``bits`` bytes) in a 64-bit word.
     """
     n = _u(sym.shape[0])
