@@ -1,7 +1,7 @@
 """Where the default profile loses its 99 % floor: the search's trials or the refinement's picks.
 
-Replays ``mobo`` (the profile's search, 40 evaluations) on the default space's cheap-fidelity
-replay table, then the profile's refinement order
+Replays ``mobo`` (the profile's search; ``--budget`` evaluations, default the profile's) on the
+default space's cheap-fidelity replay table, then the profile's refinement order
 (:func:`kvtune.methods.tqc.profile.refinement_order`) at refinement budgets 12 and 16, and reports
 per seed the highest compression ratio among
 
@@ -29,17 +29,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def main(argv: list[str] | None = None) -> int:
+    import json
+
+    from kvtune.methods.tqc.settings import ProfileSettings
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", default=str(ROOT / "benchmarks/data/default_replay.parquet"))
     ap.add_argument("--space", default=str(ROOT / "kvtune/search/spaces/default.yaml"))
     ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--budget", type=int, default=40, help="search evaluations (the profile's budget)")
+    ap.add_argument("--budget", type=int, default=ProfileSettings().budget,
+                    help="search evaluations (default: the profile's search budget)")
     ap.add_argument("--floor", type=float, default=0.99)
     ap.add_argument("--full-samples", type=int, default=24, help="contexts at full fidelity")
-    ap.add_argument("--options", default="{}", help='mobo options as JSON, e.g. \'{"acc_ref": 0.9}\'')
+    ap.add_argument("--options", type=json.loads, default={}, help='mobo options as JSON, e.g. \'{"acc_ref": 0.9}\'')
     args = ap.parse_args(argv)
-
-    import json
 
     import numpy as np
     import pandas as pd
@@ -59,10 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return float(t.loc[ok, "compression_ratio"].max()) if ok else float("nan")
 
     print(f"{desc}; best projected to clear {args.floor:.0%}: {best(t.index):.2f}x")
-    rows = []
+    rows, ratios = [], replay.ratios(space)
     for seed in range(args.seeds):
-        run = run_optimizer("mobo", space, replay, seed=seed, budget=args.budget, ratios=replay.ratios(space),
-                            options=json.loads(args.options))
+        run = run_optimizer("mobo", space, replay, seed=seed, budget=args.budget, ratios=ratios, options=args.options)
         told = pd.DataFrame(run.trials)
         front = pareto_front(told)
         rows.append({"seed": seed, "search": best(told["policy_id"]),
