@@ -7,6 +7,8 @@ channels scaled x20, as keys have); tests on real model KV live elsewhere. Prese
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import importlib
 import math
@@ -126,12 +128,16 @@ SPLIT_LAYER = 5  # two heads, one high one low
 
 def _matrix_basis(key_rope: str) -> str:
     """A registered PCA basis for layers 0..6 with the matrix's geometry at layers 3..6 (fitted on
-    other data than the matrix's), keys pre- or post-RoPE; its digest."""
+    other data than the matrix's), keys pre- or post-RoPE, the pre-RoPE one with per-layer
+    sensitivities (for dp-alloc's model-wide budget); its digest."""
     shapes = [((1, 2, 120, 64),) * 2] * 3 + [tuple((1, s[1], 120, s[3]) for s in pair) for pair in MATRIX_SHAPES]
     rope = [RopeSpec((1.0 / 10000 ** (torch.arange(0, s[0][3], 2, dtype=torch.float64) / s[0][3])).float())
             for s in shapes]
-    return register_basis(fit_pca_basis([make_kv(shapes, seed=s) for s in (50, 60)], key_rope=key_rope,
-                                        rope=rope if key_rope == "pre" else ()))
+    basis = fit_pca_basis([make_kv(shapes, seed=s) for s in (50, 60)], key_rope=key_rope,
+                          rope=rope if key_rope == "pre" else ())
+    if key_rope == "pre":
+        basis = dataclasses.replace(basis, sensitivity=tuple((2.0**-i, 4.0**i) for i in range(len(shapes))))
+    return register_basis(basis)
 
 
 MATRIX_BASIS, MATRIX_BASIS_POST = _matrix_basis("pre"), _matrix_basis("post")
@@ -185,7 +191,9 @@ QUANTIZER_EXAMPLES = {
         CodebookQuantizer(bits=8, levels="nf", normalize="absmax", granularity="per_channel", group_size=7),
     ],
     "dp-alloc": [DPAlloc(basis=MATRIX_BASIS), DPAlloc(bits=1.5, max_bits=4, grid="minmax", basis=MATRIX_BASIS),
-                 DPAlloc(bits=8, basis=MATRIX_BASIS_POST), DPAlloc(bits=2.5, max_bits=6, grid="ecsq", basis=MATRIX_BASIS)],
+                 DPAlloc(bits=8, basis=MATRIX_BASIS_POST), DPAlloc(bits=2.5, max_bits=6, grid="ecsq", basis=MATRIX_BASIS),
+                 DPAlloc(bits=1.5, grid="ecsq", basis=MATRIX_BASIS, budget="model"),
+                 DPAlloc(bits=2, max_bits=4, grid="minmax", basis=MATRIX_BASIS, budget="model")],
 }
 _OPTIONAL_CODECS = {  # codecs written alongside this library, with examples once registered
     "range": lambda cls: [cls(), cls(model="per_head")],
@@ -254,6 +262,10 @@ def _kvtc_samples() -> list[PolicyConfig]:
                             value=DPAlloc(bits=3, max_bits=5, grid="ecsq", basis=MATRIX_BASIS), codec=RansCodec()))
     out.append(PolicyConfig(transforms=(post,), key=DPAlloc(bits=6, grid="ecsq", basis=MATRIX_BASIS_POST),
                             value=DPAlloc(bits=0.5, grid="ecsq", basis=MATRIX_BASIS_POST), codec=BitPack()))
+    dp = QUANTIZER_EXAMPLES["dp-alloc"]  # the model-wide budgets
+    out.append(PolicyConfig(transforms=(pre,), key=dp[4], value=dataclasses.replace(dp[4], bits=2.5, sink_tokens=1),
+                            codec=RansCodec()))
+    out.append(PolicyConfig(transforms=(pre,), key=dp[5], value=dp[5], codec=BitPack()))
     return out
 
 

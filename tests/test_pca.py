@@ -4,6 +4,7 @@ the run-folder calibration / serving load."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -17,6 +18,7 @@ from kvtune.codecs.bitalloc import (
     ECSQ_SPAN,
     ComponentQuantizer,
     DPAlloc,
+    allocate_across_layers,
     allocate_bits,
     allocate_ecsq,
     ecsq_gaussian,
@@ -409,6 +411,7 @@ def test_run_calibration_writes_reads_back_and_serving_loads_the_basis(tiny_mode
     assert doc["pca_bases"]["pre"] == {"digest": digests["pre"], "file": PCA_BASIS_FILES["pre"], "mode": "joint"}
     basis = lookup(digests["pre"])
     assert len(basis.layers) == lm.num_layers and basis.layers[0][0].heads == lm.kv_heads
+    assert len(basis.sensitivity) == lm.num_layers  # measured on the same windows
     before = (tmp_path / PCA_BASIS_FILES["pre"]).read_bytes()
     assert calibrated_pca_bases(["pre"], None, ids, tmp_path) == digests  # resume: read back, no model needed
     assert (tmp_path / PCA_BASIS_FILES["pre"]).read_bytes() == before
@@ -738,3 +741,124 @@ def test_serving_finds_a_missing_or_unloaded_basis_when_the_policy_is_set_up(bas
     unloaded = pca_policy(basis.digest, quant).to_dict()
     unloaded["transforms"][0]["basis"] = unloaded["key"]["basis"] = unloaded["value"]["basis"] = "ab" * 32
     assert "abababababab" in basis_problem(PolicyConfig.from_dict(unloaded))
+
+
+# ----------------------------------------------------------------------------- model-wide budget
+
+
+def _modelled_bits(eigenvalues, widths, step) -> float:
+    sig = torch.as_tensor(eigenvalues, dtype=torch.float64).sqrt()
+    coded = torch.tensor([w > 0 for w in widths])
+    return float(ecsq_gaussian(sig[coded] / step)[0].sum())
+
+
+def test_allocate_across_layers_gives_the_sensitive_layer_a_finer_step_at_the_same_total_rate():
+    eig = torch.logspace(1, -3, 24)
+    (w0, s0), (w1, s1) = allocate_across_layers([eig, eig], [1.0, 16.0], 2.0, 8, "ecsq")
+    assert s1 == s0 / 4  # delta_l = delta / sqrt(s_l), exact for a power of two
+    assert sum(w1) > sum(w0) and all(b >= a for a, b in zip(w0, w1))
+    total = _modelled_bits(eig, w0, s0) + _modelled_bits(eig, w1, s1)
+    assert total == pytest.approx(2.0 * 48, rel=0.02)  # the shared budget, spent unevenly
+    assert _modelled_bits(eig, w1, s1) > 1.5 * _modelled_bits(eig, w0, s0)
+    # equal sensitivities: one allocation over the concatenated components
+    widths, step = allocate_ecsq(torch.cat([eig, eig / 4]), 2.0 * 48, 8)
+    assert allocate_across_layers([eig, eig / 4], [4.0, 4.0], 2.0, 8, "ecsq")[1] == (widths[24:], step)
+    # fixed-rate grids: the greedy allocation on the weighted eigenvalues, round(bits * sum D) bits
+    fixed = allocate_across_layers([[4.0, 1.0], [4.0, 1.0]], [1.0, 16.0], 1.5, 8, "minmax")
+    assert fixed == (((1, 0), 0.0), ((3, 2), 0.0)) and sum(map(sum, (w for w, _ in fixed))) == 6
+
+
+@pytest.mark.parametrize("sens", [[1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, float("inf")]])
+def test_allocate_across_layers_refuses_bad_sensitivities(sens):
+    with pytest.raises(ConfigError, match="sensitivity"):
+        allocate_across_layers([[1.0, 0.5], [1.0, 0.5]], sens, 2.0, 8, "ecsq")
+
+
+@pytest.fixture(scope="module")
+def sensitive_basis(basis):
+    b = dataclasses.replace(basis, sensitivity=((1.0, 1.0), (1.0, 64.0)))
+    register_basis(b)
+    return b
+
+
+def test_dp_alloc_model_budget_plans_from_the_basis_sensitivity(basis, sensitive_basis):
+    q = DPAlloc(bits=2, grid="ecsq", basis=sensitive_basis.digest, budget="model")
+    shape = (1, HEADS, 10, DIM)
+    (_, s0), (_, s1) = (q.allocation(shape, layer=i, kind="value") for i in (0, 1))
+    assert s1 == s0 / 8
+    assert q.allocation(shape, layer=0, kind="key") == allocate_across_layers(
+        [basis.layers[0][0].eigenvalues, basis.layers[1][0].eigenvalues], [1.0, 1.0], 2, 8, "ecsq")[0]
+    assert q.short_label() == "dp2/ecsq/model"
+    assert "budget" not in DPAlloc(bits=2).to_dict() and q.to_dict()["budget"] == "model"  # old ids unchanged
+    with pytest.raises(BasisError, match="sensitivity"):
+        DPAlloc(bits=2, grid="ecsq", basis=basis.digest, budget="model").plan(shape, layer=0, kind="value")
+    with pytest.raises(BasisError, match="layer 2"):
+        q.plan(shape, layer=2, kind="value")
+
+
+@pytest.mark.parametrize("grid", ["ecsq", "gauss"])
+def test_dp_alloc_model_budget_round_trips_fast_as_reference(sensitive_basis, grid):
+    kv = correlated_kv(2, 70, seed=9)
+    cfg = pca_policy(sensitive_basis.digest, {"name": "dp-alloc", "bits": 2, "grid": grid, "budget": "model",
+                                              "sink_tokens": 1}, "rans")
+    stream = encode_kv(kv, cfg)
+    assert stream == encode_kv(kv, cfg, impl="reference")
+    fast, ref = decode_kv(stream, expect=cfg), decode_kv(stream, expect=cfg, impl="reference")
+    for (k, v), (k2, v2), (k3, v3) in zip(kv, fast, ref):
+        assert torch.equal(k2, k3) and torch.equal(v2, v3)
+    err = [float((v - v2).square().mean()) for (_, v), (_, v2) in zip(kv, fast)]
+    assert err[1] < err[0] / 4  # the 64x more sensitive layer's values are coded finer
+
+
+def test_basis_sensitivity_is_stored_hashed_and_checked(basis, sensitive_basis, tmp_path):
+    assert sensitive_basis.digest != basis.digest and "sensitivity" not in basis.header()
+    back = load_basis(save_basis(sensitive_basis, tmp_path / "s.safetensors"), expect=sensitive_basis.digest)
+    assert back.sensitivity == ((1.0, 1.0), (1.0, 64.0)) and back.layer_sensitivity("value") == (1.0, 64.0)
+    with pytest.raises(BasisError, match="no per-layer sensitivity"):
+        basis.layer_sensitivity("key")
+    for bad in (((1.0, 1.0),), ((1.0, 1.0), (1.0, -2.0)), ((1.0, 1.0), (1.0, float("nan")))):
+        with pytest.raises(BasisError, match="sensitivity"):
+            dataclasses.replace(basis, sensitivity=bad)
+    for i, value in enumerate((-1.0, "x", 0)):
+        path = _forge_header(sensitive_basis, tmp_path, f"forged{i}.safetensors", _edit_basis_header("sensitivity", 1, value))
+        with pytest.raises(BasisError, match="sensitivity"):
+            load_basis(path)
+
+
+def _continuation_loss(lm, kv, ids, context):
+    from kvtune.evaluate.model import kv_to_cache
+
+    cache = kv_to_cache([(k.clone(), v.clone()) for k, v in kv], lm.model.config, context_tokens=context)
+    logits = lm.model(input_ids=ids[:, context:], cache=cache, use_cache=True).logits.double()
+    return float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, context + 1 :], reduction="sum"))
+
+
+def test_kv_gradients_match_finite_differences_and_sensitivity_averages_their_squares(tiny_model_dir):
+    from kvtune.evaluate.calibrate_pca import kv_gradients, layer_sensitivity
+    from kvtune.evaluate.model import cache_to_kv, forward_cache, load_model
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(1))
+    context = 21  # what layer_sensitivity scores below: the last max(2, min(4, 24 // 8)) = 3 tokens
+    grads = kv_gradients(lm, ids, context)
+    assert len(grads) == lm.num_layers and grads[0][1].shape == (1, lm.kv_heads, context, lm.head_dim)
+    with torch.no_grad():
+        kv = [(k.double(), v.double()) for k, v in cache_to_kv(forward_cache(lm.model(input_ids=ids[:, :context], use_cache=True)))]
+        lm.model.double()
+        try:
+            for layer, j in ((0, 1), (lm.num_layers - 1, 0)):
+                u = torch.randn(kv[layer][j].shape, generator=torch.Generator().manual_seed(layer), dtype=torch.float64)
+                eps = 1e-4
+                moved = [list(p) for p in kv]
+                moved[layer][j] = kv[layer][j] + eps * u
+                up = _continuation_loss(lm, moved, ids, context)
+                moved[layer][j] = kv[layer][j] - eps * u
+                down = _continuation_loss(lm, moved, ids, context)
+                assert (up - down) / (2 * eps) == pytest.approx(float((grads[layer][j].double() * u).sum()), rel=1e-2)  # float32 gradient
+        finally:
+            lm.model.float()
+    sens = layer_sensitivity(lm, ids, key_rope="post", target_tokens=4, skip_tokens=2)
+    assert sens[0][1] == pytest.approx(float(grads[0][1][:, :, 2:].double().square().mean()), rel=1e-6)
+    assert len(sens) == lm.num_layers and all(v > 0 for pair in sens for v in pair)
+    with pytest.raises(BasisError, match="no context"):
+        layer_sensitivity(lm, ids[:, :6], skip_tokens=4)

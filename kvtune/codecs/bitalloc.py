@@ -37,6 +37,19 @@ variance ``lambda_i`` through a mid-tread quantizer of step ``delta``, :func:`ec
 sums to the budget, drops the components for which a bit buys less distortion than it does at
 the shared slope (:data:`ECSQ_MIN_RATIO`), and gives every coded component an alphabet wide
 enough for :data:`ECSQ_SPAN` standard deviations each side.
+
+**One budget for the whole model** (``budget = "model"``). A per-layer budget spends the same
+bits on every layer, but layers differ in how much an error in their KV costs the model: on
+SmolLM2-135M the mean squared gradient of the continuation loss with respect to the value
+coefficients falls ~400x from the first layers to the last, for keys it varies ~100x
+(:func:`kvtune.evaluate.calibrate_pca.layer_sensitivity`, stored with the basis as
+:attr:`~kvtune.codecs.pca.PCABasis.sensitivity`). To second order the loss grows by ``sum_l
+s_l D_l`` (``s_l`` the layer's sensitivity, ``D_l`` its squared error; the diagonal Fisher
+approximation that KVQuant, arXiv 2401.18079, sec. 3.2, uses to weigh quantization error), and
+minimising that under one rate for all layers gives every layer the step ``delta_l = delta /
+sqrt(s_l)`` (equal slope ``s_l delta_l**2``, the ECSQ optimum above applied across layers; for
+the fixed-rate grids, the greedy allocation on the weighted gains ``s_l lambda_i 4**-b``).
+:func:`allocate_across_layers` computes it; ``bits`` is then the average over all layers.
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ from typing import Mapping, Sequence
 import torch
 
 from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, Segment, Transform, param, register_quantizer
-from kvtune.codecs.pca import PCA, check_digest, lookup
+from kvtune.codecs.pca import KINDS, PCA, check_digest, lookup
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, asymmetric_params, dequantize_affine, quantize_affine
 from kvtune.core.errors import ConfigError
 
@@ -60,6 +73,8 @@ __all__ = [
     "ComponentSegment",
     "allocate_bits",
     "allocate_ecsq",
+    "allocate_across_layers",
+    "BUDGETS",
     "ecsq_gaussian",
     "ECSQ_MIN_RATIO",
     "ECSQ_SPAN",
@@ -73,6 +88,10 @@ __all__ = [
 
 GRIDS = ("gauss", "minmax", "ecsq")
 """``dp-alloc``'s per-component grids (:class:`ComponentQuantizer`)."""
+
+BUDGETS = ("layer", "model")
+"""``dp-alloc``'s budgets: the same bits in every layer, or one budget for the whole model spent
+where the calibrated sensitivity says it buys most (:func:`allocate_across_layers`)."""
 
 GAUSSIAN_STEPS = (1.5956, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
 """Step (in standard deviations) of the mean-squared-error optimal uniform quantizer of a
@@ -389,6 +408,57 @@ def component_segments(shape: tuple[int, ...], widths: Sequence[int], coder, *, 
     return tuple(out)
 
 
+def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor], sensitivity: Sequence[float],
+                           bits: float, max_bits: int, grid: str) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """One bit budget for all layers, spent by weighted distortion (the module docstring).
+
+    Layer ``l``'s eigenvalues are scaled by its sensitivity ``s_l``; one allocation runs over
+    the components of all layers together (:func:`allocate_ecsq` with ``bits * sum_l D_l``
+    bits for ``grid="ecsq"``, else :func:`allocate_bits` with ``max(1, round(bits * sum_l
+    D_l))``); an ``ecsq`` layer's step is the shared one divided by ``sqrt(s_l)``, rounded to 7
+    significant bits like every planned step.
+
+    Args:
+        eigenvalues: per layer, the ``D_l`` component variances.
+        sensitivity: per layer ``s_l``, finite and > 0 (only ratios matter).
+        bits: average bits per element over all layers' components, > 0.
+        max_bits: most bits of one component.
+        grid: one of :data:`GRIDS`.
+
+    Returns:
+        Per layer ``(widths, step)`` as :func:`allocate_ecsq` (step 0.0 for the fixed-rate grids).
+
+    Raises:
+        ConfigError: a sensitivity that is not finite and > 0, another number of sensitivities
+            than layers, or what :func:`allocate_ecsq` / :func:`allocate_bits` raise.
+    """
+    if len(sensitivity) != len(eigenvalues) or not all(0 < float(v) < math.inf for v in sensitivity):
+        raise ConfigError(f"allocate_across_layers: need one finite sensitivity > 0 per layer ({len(eigenvalues)}), "
+                          f"got {list(sensitivity)!r}")
+    lams = [torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in eigenvalues]
+    weighted = torch.cat([lam * float(w) for lam, w in zip(lams, sensitivity)])
+    total = bits * weighted.numel()
+    if grid == "ecsq":
+        widths, delta = allocate_ecsq(weighted, total, max_bits)
+        steps = [_round_step(delta / math.sqrt(float(w))) for w in sensitivity]
+    else:
+        widths, steps = allocate_bits(weighted, max(1, round(total)), max_bits), [0.0] * len(lams)
+    out, start = [], 0
+    for lam, step in zip(lams, steps):
+        out.append((tuple(widths[start : start + lam.numel()]), step))
+        start += lam.numel()
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_allocation(digest: str, kind: str, grid: str, bits: float, max_bits: int
+                      ) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """Every layer's ``(widths, step)`` under one model-wide budget (:func:`allocate_across_layers`), cached."""
+    basis = lookup(digest)
+    eig = [pair[KINDS.index(kind)].eigenvalues for pair in basis.layers]
+    return allocate_across_layers(eig, basis.layer_sensitivity(kind), bits, max_bits, grid)
+
+
 @functools.lru_cache(maxsize=4096)
 def _layer_allocation(digest: str, layer: int, kind: str, heads: int, head_dim: int, grid: str, bits: float,
                       max_bits: int) -> tuple[tuple[int, ...], float]:
@@ -422,11 +492,15 @@ class DPAlloc(Quantizer):
         sink_tokens: the first tokens (attention sinks, whose KV are outliers that would set
             every component's range or be clamped) kept as bfloat16 coefficients, outside the
             per-component statistics; 16 bits per element on those tokens.
+        budget: ``"layer"`` (``bits`` in every layer) or ``"model"`` (``bits`` on average over
+            all layers, spent by the basis' per-layer sensitivity: :func:`allocate_across_layers`;
+            the basis must carry :attr:`~kvtune.codecs.pca.PCABasis.sensitivity`).
 
     Raises:
         ConfigError: on construction, a bad parameter; on use, a missing basis
             (:class:`~kvtune.codecs.pca.BasisNotLoadedError`), a tensor the basis does not cover,
-            or per-token floors from a transform (``dp-alloc`` plans per component, not per token).
+            a ``"model"`` budget on a basis without sensitivity, or per-token floors from a
+            transform (``dp-alloc`` plans per component, not per token).
     """
 
     bits: float = param(2.0, low=0.0, high=8.0, doc="average bits per element (per-layer budget)")
@@ -434,6 +508,8 @@ class DPAlloc(Quantizer):
     basis: str = param("", doc="sha256 digest of the PCA basis ('' = filled in by calibration)")
     grid: str = param("gauss", choices=GRIDS, doc="per-component grid (ComponentQuantizer)")
     sink_tokens: int = param(0, low=0, high=2**31 - 1, doc="first tokens kept in bfloat16 (all coefficients)")
+    budget: str = param("layer", choices=BUDGETS, elide_default=True,
+                        doc="bits per layer ('layer') or on average over the model ('model')")
 
     def validate(self) -> None:
         if not 0 < self.bits <= self.max_bits:
@@ -469,7 +545,11 @@ class DPAlloc(Quantizer):
 
     def allocation(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[tuple[int, ...], float]:
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` and the ``ecsq``
-        step (:func:`allocate_ecsq`; 0 for the other grids, :func:`allocate_bits`)."""
+        step (:func:`allocate_ecsq`; 0 for the other grids, :func:`allocate_bits`; with
+        ``budget="model"``, the layer's share of :func:`allocate_across_layers`)."""
+        if self.budget == "model":
+            lookup(self.basis).layer(int(layer), kind, int(shape[1]), int(shape[3]))  # the tensor's geometry
+            return _model_allocation(self.basis, kind, self.grid, self.bits, self.max_bits)[int(layer)]
         return _layer_allocation(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), self.grid, self.bits,
                                  self.max_bits)
 
@@ -506,9 +586,10 @@ class DPAlloc(Quantizer):
         return out
 
     def short_label(self) -> str:
-        """``dp{bits}[/m{max_bits}][/minmax|/ecsq][/s{sink_tokens}]``, e.g. ``dp1.5`` or ``dp2/m4/s4``."""
+        """``dp{bits}[/m{max_bits}][/minmax|/ecsq][/s{sink_tokens}][/model]``, e.g. ``dp1.5`` or ``dp2/m4/s4``."""
         return (f"dp{self.bits:g}" + (f"/m{self.max_bits}" if self.max_bits != 8 else "")
-                + ("" if self.grid == "gauss" else f"/{self.grid}") + (f"/s{self.sink_tokens}" if self.sink_tokens else ""))
+                + ("" if self.grid == "gauss" else f"/{self.grid}") + (f"/s{self.sink_tokens}" if self.sink_tokens else "")
+                + ("/model" if self.budget == "model" else ""))
 
 
 # ----------------------------------------------------------------------------- policy rules

@@ -194,6 +194,13 @@ class PCABasis:
         rope: per layer a :class:`RopeSpec` (required, one per layer, when ``key_rope == "pre"``;
             empty otherwise).
         info: free JSON-able provenance (model, contexts, tokens); part of the digest.
+        sensitivity: per layer ``(key, value)``: how much the model's loss grows per unit of
+            squared error in one coefficient of that layer's keys / values (finite, > 0; units
+            of loss per squared coefficient, only ratios matter), measured on the calibration
+            contexts (:func:`kvtune.evaluate.calibrate_pca.layer_sensitivity`); ``()`` when
+            not measured. ``dp-alloc`` with ``budget="model"`` weighs each layer's distortion
+            by it (:func:`kvtune.codecs.bitalloc.allocate_across_layers`). Part of the digest
+            when present.
 
     Raises:
         BasisError: on construction, a malformed basis (the message names the layer and kind).
@@ -204,6 +211,7 @@ class PCABasis:
     key_rope: str = "post"
     rope: tuple[RopeSpec, ...] = ()
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sensitivity: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in FIT_MODES:
@@ -230,6 +238,9 @@ class PCABasis:
                     raise BasisError(f"PCA basis layer {i}: RoPE inv_freq must be finite and scaling > 0")
         elif self.rope:
             raise BasisError("a post-RoPE PCA basis carries no RoPE specs")
+        problem = _sensitivity_problem(self.sensitivity, len(self.layers))
+        if problem:
+            raise BasisError(f"PCA basis sensitivity: {problem}")
         json.dumps(dict(self.info))  # JSON-able (TypeError otherwise)
 
     def layer(self, layer: int, kind: str, heads: int, head_dim: int) -> BasisLayer:
@@ -249,8 +260,9 @@ class PCABasis:
     # ------------------------------------------------------------------ serialization
 
     def header(self) -> dict[str, Any]:
-        """The canonical JSON-able description (everything but the tensors' values)."""
-        return {
+        """The canonical JSON-able description (everything but the tensors' values; the
+        ``sensitivity`` pairs only when measured, so that older bases keep their digests)."""
+        out = {
             "format": BASIS_FORMAT,
             "mode": self.mode,
             "key_rope": self.key_rope,
@@ -258,6 +270,22 @@ class PCABasis:
             "rope": [[int(s.inv_freq.numel()), float(s.scaling)] for s in self.rope],
             "info": dict(self.info),
         }
+        if self.sensitivity:
+            out["sensitivity"] = [[float(k), float(v)] for k, v in self.sensitivity]
+        return out
+
+    def layer_sensitivity(self, kind: str) -> tuple[float, ...]:
+        """Per layer, the :attr:`sensitivity` of ``kind`` (``"key"`` / ``"value"``).
+
+        Raises:
+            BasisError: the basis has no sensitivity (fitted before it was measured, or without
+                it); the message says how to get one.
+        """
+        if not self.sensitivity:
+            raise BasisError(f"PCA basis {self.digest[:12]} has no per-layer sensitivity, which dp-alloc "
+                             "budget='model' needs: refit it with kvtune.evaluate.calibrate_pca.calibrate_pca_basis "
+                             "(a new profile run does)")
+        return tuple(float(pair[KINDS.index(kind)]) for pair in self.sensitivity)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor by its file name, in canonical order."""
@@ -292,6 +320,17 @@ def _expected_shapes(header: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     for i, (n, _) in enumerate(header["rope"]):
         out[f"layer{i}.rope_inv_freq"] = (n,)
     return out
+
+
+def _sensitivity_problem(pairs: Any, layers: int) -> str | None:
+    """Why ``pairs`` is not empty or one ``(key, value)`` pair of finite numbers > 0 per layer."""
+    if not isinstance(pairs, (list, tuple)) or len(pairs) not in (0, layers):
+        return f"must be empty or one (key, value) pair per layer ({layers})"
+    for pair in pairs:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(_is_finite_number(v) and float(v) > 0 for v in pair)):
+            return f"every entry must be a (key, value) pair of finite numbers > 0, got {pair!r}"
+    return None
 
 
 def _is_finite_number(v: Any) -> bool:
@@ -343,6 +382,9 @@ def _check_header(header: Any, where: str) -> dict[str, Any]:
         raise bad(f"'mode' must be one of {FIT_MODES} and 'key_rope' one of {ROPE_MODES}")
     if not isinstance(header.get("info"), dict):
         raise bad("'info' must be an object")
+    problem = _sensitivity_problem(header.get("sensitivity", []), len(layers))
+    if problem:
+        raise bad(f"'sensitivity' {problem}")
     return header
 
 
@@ -428,7 +470,8 @@ def _basis_from(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], 
     rope = tuple(RopeSpec(tensors[f"layer{i}.rope_inv_freq"], float(s)) for i, (_, s) in enumerate(header["rope"]))
     try:
         return PCABasis(layers=tuple(layers), mode=header["mode"], key_rope=header["key_rope"], rope=rope,
-                        info=header["info"])
+                        info=header["info"],
+                        sensitivity=tuple((float(k), float(v)) for k, v in header.get("sensitivity", [])))
     except BasisError as exc:
         raise BasisError(f"{where}: {exc}") from None
 
