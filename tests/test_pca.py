@@ -862,3 +862,32 @@ def test_kv_gradients_match_finite_differences_and_sensitivity_averages_their_sq
     assert len(sens) == lm.num_layers and all(v > 0 for pair in sens for v in pair)
     with pytest.raises(BasisError, match="no context"):
         layer_sensitivity(lm, ids[:, :6], skip_tokens=4)
+
+
+def test_a_layer_whose_components_the_model_budget_drops_round_trips(basis):
+    """A layer 10**6 times less sensitive than the other keeps (almost) no component: its elements
+    outnumber its symbols, which the size rule allows through ``elements_per_symbol``."""
+    b = dataclasses.replace(basis, sensitivity=((1e-6, 1e-6), (1.0, 1.0)))
+    register_basis(b)
+    kv = correlated_kv(2, 90, seed=10)
+    cfg = pca_policy(b.digest, {"name": "dp-alloc", "bits": 0.5, "grid": "ecsq", "budget": "model",
+                                "sink_tokens": 1}, "rans")
+    shape = tuple(kv[0][1].shape)
+    coded = [sum(1 for w in cfg.value.widths(shape, layer=i, kind="value") if w) for i in (0, 1)]
+    assert coded[0] < coded[1] and cfg.value.elements_per_symbol(shape, layer=1, kind="value") == -(-HEADS * DIM // coded[1])
+    stream = encode_kv(kv, cfg)
+    assert stream == encode_kv(kv, cfg, impl="reference")
+    out = decode_kv(stream, expect=cfg)
+    assert all(torch.isfinite(t).all() for pair in out for t in pair)
+
+
+def test_sections_problem_scales_the_symbol_bound_by_elements_per_symbol():
+    from kvtune.codecs.bitpack import BitPack
+    from kvtune.codecs.policy import sections_problem
+    from kvtune.codecs.stream import TensorSections
+
+    secs = TensorSections.from_flat([b"", b"", bytes(2)])  # a 2-byte bit-packed payload: at most 16 symbols
+    assert "at most 16" in sections_problem((1, 1, 8, 4), secs, BitPack())
+    assert sections_problem((1, 1, 8, 4), secs, BitPack(), 2) is None
+    assert "at most 32" in sections_problem((1, 1, 8, 5), secs, BitPack(), 2)
+    assert sections_problem((1, 1, 8, 5), secs, BitPack(), 0) is None  # no bound from symbols: the plan rule

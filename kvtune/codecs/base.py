@@ -782,6 +782,16 @@ class Quantizer(Component):
         """A copy that uses per-(layer, kv_head) calibration scores; default: ``self`` (unused)."""
         return self
 
+    def elements_per_symbol(self, shape: Shape, *, layer: int, kind: str) -> int:
+        """The most tensor elements one coded symbol stands for in ``layer`` / ``kind`` (``shape``:
+        ``(batch, kv_heads, tokens, head_dim)``; only ``kv_heads`` and ``head_dim`` may be used).
+
+        The decoder's size rule (:func:`kvtune.codecs.policy.sections_problem`) lets a tensor
+        have this many elements per symbol its payloads can hold; ``0``: no bound from the
+        symbols (a plan that may code none). Default 1: every element is a symbol.
+        """
+        return 1
+
     # ------------------------------------------------------------------ generic
 
     def symbol_widths(self, floors: tuple[int, ...] = ()) -> tuple[int, ...]:

@@ -557,6 +557,17 @@ class DPAlloc(Quantizer):
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:meth:`allocation`)."""
         return self.allocation(shape, layer=layer, kind=kind)[0]
 
+    def elements_per_symbol(self, shape: tuple[int, ...], *, layer: int, kind: str) -> int:
+        """``ceil(D / c)`` for the ``c`` coded components of ``D`` (dropped components have no
+        symbols; sink tokens code every element), 0 when ``c = 0``.
+
+        Raises:
+            ConfigError: as :meth:`allocation`.
+        """
+        coded = sum(1 for w in self.widths(shape, layer=layer, kind=kind) if w)
+        d = int(shape[1]) * int(shape[3])
+        return -(-d // coded) if coded else 0
+
     def plan(self, shape, *, layer: int, kind: str, min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
         """The first ``sink_tokens`` tokens as one bfloat16 segment (every coefficient), then one
         segment per width in use over the other tokens (:func:`component_segments`); none for an

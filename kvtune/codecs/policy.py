@@ -49,7 +49,7 @@ import kvtune.codecs.mixhq  # noqa: F401  (registers the "mixhq" quantizer)
 import kvtune.codecs.transforms  # noqa: F401  (registers the transforms)
 from kvtune.codecs import fastpath, torchpath
 from kvtune.codecs.bitalloc import check_pca_pairing, fill_dp_alloc  # registers "dp-alloc"
-from kvtune.codecs.pca import fill_pca_bases, missing_pca_ropes  # registers "pca"
+from kvtune.codecs.pca import KINDS, fill_pca_bases, missing_pca_ropes  # registers "pca"
 from kvtune.codecs.select import (
     check_selection,
     check_selection_chain,
@@ -558,8 +558,9 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
             sections.append((_encode_tensor(k, inner, inner.key, layer, "key", pos),
                              _encode_tensor(v, inner, inner.value, layer, "value", pos)))
     for i, (shape_pair, pair) in enumerate(zip(shapes, sections)):
-        for name, shape, flat in zip("KV", shape_pair, pair):
-            problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec)
+        for name, shape, flat, quant, kind in zip("KV", shape_pair, pair, (inner.key, inner.value), KINDS):
+            per_symbol = quant.elements_per_symbol(shape, layer=layer_offset + i, kind=kind)
+            problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec, per_symbol)
             if problem is not None:
                 raise KVInputError(f"kv[{i}] {name} of shape {shape} {problem}: the decoder would refuse the stream")
     return write_stream(
@@ -694,26 +695,29 @@ sections per 8 heads + tokens (the density of ``bitpack``). Plans are linear in 
 codec confirms the symbol count only when it decodes a segment of the plan."""
 
 
-def sections_problem(shape: tuple[int, ...], sections: TensorSections, codec: Codec) -> str | None:
+def sections_problem(shape: tuple[int, ...], sections: TensorSections, codec: Codec, per_symbol: int = 1) -> str | None:
     """Why a non-empty K or V tensor of ``shape`` cannot be the one coded in ``sections`` with
     ``codec``, or ``None``: the rule that bounds what the decoder allocates from a claimed shape
     before the codec has confirmed it.
 
-    When every payload bounds its symbols (:meth:`Codec.max_symbols`), the tensor has at most
-    their sum of elements. Otherwise its heads + tokens (what a plan costs) are at most
-    :data:`MAX_UNCONFIRMED_PLAN`, or 8 per byte of its sections (state, metadata, payloads).
+    When every payload bounds its symbols (:meth:`Codec.max_symbols`) and ``per_symbol > 0``,
+    the tensor has at most ``per_symbol`` times their sum of elements. Otherwise its heads +
+    tokens (what a plan costs) are at most :data:`MAX_UNCONFIRMED_PLAN`, or 8 per byte of its
+    sections (state, metadata, payloads).
 
     Args:
         shape: ``(batch, kv_heads, tokens, head_dim)`` with at least one element.
         sections: the tensor's sections (bytes or memoryviews).
         codec: the policy's codec.
+        per_symbol: the quantizer's :meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol`
+            for the tensor (``dp-alloc`` drops components, whose elements have no symbols).
 
     Raises:
         CorruptStreamError: a payload's own size declaration is malformed (from ``max_symbols``).
     """
     bounds = [codec.max_symbols(p) for p in sections.payload]
-    if None not in bounds:
-        most, numel = sum(bounds), math.prod(shape)
+    if None not in bounds and per_symbol > 0:
+        most, numel = per_symbol * sum(bounds), math.prod(shape)
         if numel > most:
             return (f"claims {numel} elements; its {sum(map(len, sections.payload))} payload bytes hold at most "
                     f"{most} with codec {codec.name!r}")
@@ -771,7 +775,8 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
     non-empty one passes :func:`sections_problem` (with ``bitpack``, at most 8 elements per
     payload byte; with ``zstd``, 8 per content byte its frames declare; with range-coded
     payloads, which declare no count, at most :data:`MAX_UNCONFIRMED_PLAN` heads + tokens or 8
-    per section byte). The bounded claim then bounds everything the decoder allocates for the
+    per section byte; times the quantizer's
+    :meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol`, the components ``dp-alloc`` drops). The bounded claim then bounds everything the decoder allocates for the
     tensor before its codec confirms the symbol count of a segment (plans are linear in heads
     and tokens, the output in elements, allocated after every segment decoded); an empty
     tensor is neither planned nor allocated.
@@ -783,18 +788,26 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
 
     Raises:
         CorruptStreamError: the first tensor (layer order, K before V) that breaks a rule.
+        ConfigError: a ``dp-alloc`` quantizer that cannot plan the tensor (its basis not
+            loaded, or of another geometry), as decoding it would.
     """
+    quants = (config.key, config.value)
     for i, (shapes, tensors, lengths) in enumerate(zip(header.shapes, sections, header.sections)):
-        for name, shape, secs, lens in zip("KV", shapes, tensors, lengths):
+        for name, shape, secs, lens, quant, kind in zip("KV", shapes, tensors, lengths, quants, KINDS):
             where = f"corrupt KV stream: layer {header.layer_offset + i} {name} of shape {shape}"
             numel = math.prod(shape)
             if bool(numel) != bool(lens.num_segments):  # plans partition a tensor: empty <=> no segments
                 raise CorruptStreamError(f"{where} has {numel} elements but records {lens.num_segments} segments")
+            problem = shape_problem(shape)  # before a quantizer plans from it
+            if problem is not None:
+                raise CorruptStreamError(f"{where} {problem}")
+            if not numel:
+                continue
+            per_symbol = quant.elements_per_symbol(shape, layer=header.layer_offset + i, kind=kind)
             try:
-                problem = sections_problem(shape, secs, config.codec) if numel else None
+                problem = sections_problem(shape, secs, config.codec, per_symbol)
             except CorruptStreamError as exc:
                 problem = f"has a payload whose size declaration is malformed ({exc})"
-            problem = problem or shape_problem(shape)
             if problem is not None:
                 raise CorruptStreamError(f"{where} {problem}")
 
