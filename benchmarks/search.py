@@ -17,12 +17,13 @@ Real table (once ``kvtune/search/spaces/full.yaml`` has been evaluated exhaustiv
         --out benchmarks/results/search
 
 (MixHQ head scores from ``benchmarks/data/full_replay_calibration.json``, next to the table.)
-The default space has its own table (every candidate at the profile's cheap search fidelity,
+The default space of session 15 (`benchmarks/spaces/default_s15.yaml`: every `dp-alloc` budget per
+layer) has its own table (every candidate at the profile's cheap search fidelity,
 from an exhaustive run; its PCA basis digest in
 ``benchmarks/data/default_replay_calibration.json``)::
 
     python benchmarks/search.py --table benchmarks/data/default_replay.parquet \\
-        --space kvtune/search/spaces/default.yaml --optimizers mobo,random --seeds 10 --budgets 0.1117,0.1564 \\
+        --space benchmarks/spaces/default_s15.yaml --optimizers mobo,random --seeds 10 --budgets 0.1117,0.1564 \\
         --out benchmarks/results/search_default
 
 (40 and 56 evaluations: the profile's search budget, and that plus its 16 refinement slots.)

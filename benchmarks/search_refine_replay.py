@@ -1,8 +1,9 @@
 """Where the default profile loses its 99 % floor: the search's trials or the refinement's picks.
 
 Replays ``mobo`` (the profile's search; ``--budget`` evaluations, default the profile's) on the
-default space's cheap-fidelity replay table, then the profile's refinement order
-(:func:`kvtune.methods.tqc.profile.refinement_order`) at refinement budgets 12 and 16, and reports
+cheap-fidelity replay table of the session-15 default space (``benchmarks/spaces/default_s15.yaml``),
+then the profile's refinement order (:func:`kvtune.methods.tqc.profile.refinement_order`) at
+refinement budgets 12 and 16, and reports
 per seed the highest compression ratio among
 
 * the search's trials, and
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", default=str(ROOT / "benchmarks/data/default_replay.parquet"))
-    ap.add_argument("--space", default=str(ROOT / "kvtune/search/spaces/default.yaml"))
+    ap.add_argument("--space", default=str(ROOT / "benchmarks/spaces/default_s15.yaml"))
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--budget", type=int, default=ProfileSettings().budget,
                     help="search evaluations (default: the profile's search budget)")

@@ -24,11 +24,13 @@ def test_default_space_enumerates_the_full_product():
     assert all(c.config.codec.name == "bitpack" and c.config.value.granularity == "per_token" for c in uniform)
     pca = [c for c in space.candidates if c.params["kv.name"] == "dp-alloc"]
     assert all(c.config.key.grid == c.config.value.grid == "ecsq" and c.config.codec.name == "rans" for c in pca)
+    assert all(c.config.key.budget == c.config.value.budget == "model" for c in pca)
     assert len(pca) == 4 * 4 * 3  # key budgets x value budgets x kept fractions
-    assert {(c.config.key.bits, c.config.value.bits) for c in pca} == {(k, v) for k in (0.75, 1, 1.5, 2)
-                                                                       for v in (2, 2.5, 3, 3.5)}
-    assert {c.config.label for c in pca} >= {"pca:pre|K:dp1/ecsq/s1|V:dp2.5/ecsq/s1|rans",
-                                             "keep(fraction=0.85,per_head=False)+pca:pre|K:dp1.5/ecsq/s1|V:dp2.5/ecsq/s1|rans"}
+    assert {(c.config.key.bits, c.config.value.bits) for c in pca} == {(k, v) for k in (0.5, 0.75, 1, 1.5)
+                                                                       for v in (1.5, 2, 2.5, 3)}
+    assert {c.config.label for c in pca} >= {
+        "pca:pre|K:dp0.75/ecsq/s1/model|V:dp2/ecsq/s1/model|rans",
+        "keep(fraction=0.85,per_head=False)+pca:pre|K:dp1.5/ecsq/s1/model|V:dp2.5/ecsq/s1/model|rans"}
     codebook = [c for c in space.candidates if c.params["kv.name"] == "codebook"]
     assert len(codebook) == 2 * 3 * 3 * 3  # +- hadamard x key bits x value bits x kept fractions
     assert all(c.config.key.granularity == "per_channel" and c.config.key.group_size == 32 for c in codebook)
