@@ -1068,14 +1068,14 @@ def _authentic_stream(policy: dict, sections, shapes, dtype="float32") -> bytes:
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_header_claiming_huge_shapes_fails_before_allocating(impl):
-    """A header whose shapes need terabytes is refused by the section-length checks (the fast
-    path hands such a stream to the reference path instead of allocating from it)."""
+    """A header whose shapes need terabytes is refused by the shape limits or the section-length
+    checks, before anything is planned or allocated from it."""
     cfg = PolicyConfig.kivi(2)
     meta, payload = bytes(2 * 2 * 32), bytes(32 * 32 * 2 // 8)
     for tokens in (10**12, 2**62):
         shape = (1, 1, tokens, 32)
         stream = _authentic_stream(cfg.to_dict(), [([b"", meta, payload], [b"", meta, payload])], [(shape, shape)])
-        with pytest.raises(CorruptStreamError, match="payload|metadata|segments"):
+        with pytest.raises(CorruptStreamError, match=r"payload|metadata|segments|allowed: 0\.\.2147483647"):
             decode_kv(stream, impl=impl)
 
 

@@ -39,6 +39,7 @@ from kvtune.codecs.pca import (
 )
 from kvtune.codecs.policy import apply_transforms, invert_transforms
 from kvtune.codecs.select import kept_positions
+from kvtune.codecs.stream import read_stream
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, TruncatedStreamError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -877,7 +878,10 @@ def test_a_layer_whose_components_the_model_budget_drops_round_trips(basis):
     assert coded[0] < coded[1] and cfg.value.elements_per_symbol(shape, layer=1, kind="value") == -(-HEADS * DIM // coded[1])
     stream = encode_kv(kv, cfg)
     assert stream == encode_kv(kv, cfg, impl="reference")
-    out = decode_kv(stream, expect=cfg)
+    header = read_stream(stream)[0]
+    assert not fastpath.sizes_plausible(header) and fastpath.sizes_plausible(header, cfg)  # decoded on the fast path
+    out, ref = decode_kv(stream, expect=cfg), decode_kv(stream, expect=cfg, impl="reference")
+    assert all(torch.equal(a, b) for pair, rpair in zip(out, ref) for a, b in zip(pair, rpair))
     assert all(torch.isfinite(t).all() for pair in out for t in pair)
 
 

@@ -327,18 +327,24 @@ def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, k
 
 
 def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int, dtype, dest, positions):
-    """Inverse of :func:`_encode_components` (the reference's checks, in its order)."""
+    """Inverse of :func:`_encode_components` (the reference's checks, in its order). Every
+    segment is decoded (its codec checking the count against its payload) before anything is
+    allocated from the claimed shape, as on the reference path: a stream whose ``dp-alloc``
+    drops most components has many elements per byte, yet decodes here."""
     codec = comp.config.codec
     b, h, tokens, d = plan.shape
     nt = tokens - plan.first
-    sink = np.zeros((b, h, plan.first, d), np.uint16)
-    meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
-    sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
-    s = 0
+    decoded = []
     for seg, (bits, count, mlen), mbytes, payload in zip(plan.segments, plan.checks, sections.meta, sections.payload):
         symbols = codec.unpack(payload, bits, count, shape=seg.shape)
         if len(mbytes) != mlen:
             raise CorruptStreamError(f"metadata section has {len(mbytes)} bytes, the policy needs {mlen}")
+        decoded.append((bits, mbytes, symbols))
+    sink = np.zeros((b, h, plan.first, d), np.uint16)
+    meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
+    sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
+    s = 0
+    for bits, mbytes, symbols in decoded:
         if bits == BF16_BITS:
             sink[...] = symbols.reshape(sink.shape)
             continue
@@ -346,6 +352,7 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
         meta[2 * b * lo : 2 * b * hi] = np.frombuffer(mbytes, "<u2")
         sym[b * nt * lo : b * nt * hi] = symbols.reshape(-1)
         s += 1
+    del decoded
     y = np.empty(plan.shape, np.float32)
     K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, plan.grid, sink, y)
     pca = comp.config.transforms[0]
@@ -692,15 +699,21 @@ def _invert_transforms(y: np.ndarray, plan: _Plan, state) -> None:
             K.affine_rows(y, st[0], st[-1], op[2], True)
 
 
-def sizes_plausible(header) -> bool:
-    """Whether every tensor of a stream has at most 8 elements per byte of its sections.
+def sizes_plausible(header, config=None) -> bool:
+    """Whether every tensor of a stream has at most 8 elements per byte of its sections, or
+    ``config`` (the stream's policy) is KVTC-like.
 
     The fast path allocates its plans (index arrays) and outputs from the header's shapes
     before it reads the sections, so a corrupt header claiming ``10**12`` tokens would fail
     with ``MemoryError``. A bit-packed symbol takes at least one bit, so no ``bitpack`` stream
     breaks this bound; an entropy-coded stream of near-constant data may, and then decodes on
-    the reference path, which checks every section length before it allocates.
+    the reference path, which checks every section length before it allocates. A KVTC-like
+    policy's fast decode does the same (:func:`_decode_components`; its plans are a function of
+    the basis, not of the tokens), so its streams, which drop whole components and may hold many
+    elements per byte, always qualify.
     """
+    if config is not None and available() and _is_kvtc(config):
+        return True
     for (kshape, vshape), (kl, vl) in zip(header.shapes, header.sections):
         for shape, lengths in ((kshape, kl), (vshape, vl)):
             nbytes = lengths.state + sum(lengths.meta) + sum(lengths.payload)

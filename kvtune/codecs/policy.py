@@ -663,7 +663,7 @@ def decode_kv(
             ok.copy_(k)
             ov.copy_(v)
         return out
-    if _use_fast(impl, config) and fastpath.sizes_plausible(header):
+    if _use_fast(impl, config) and fastpath.sizes_plausible(header, config):
         try:
             return fastpath.decode_tensors(stream, header, sections, config, out, positions)
         except fastpath.LayerDecodeError as err:
