@@ -1,4 +1,4 @@
-"""The ``dp-alloc`` quantizer: bits allocated over PCA components under a per-layer budget.
+"""The ``dp-alloc`` quantizer: bits allocated over PCA components under a per-layer or model-wide budget.
 
 KVTC ("KV Cache Transform Coding for Compact Storage in LLM Inference", arXiv 2511.01815,
 sec. 3) codes the PCA coefficients of the KV cache (:mod:`kvtune.codecs.pca`) with a bit
