@@ -863,6 +863,9 @@ def test_kv_gradients_match_finite_differences_and_sensitivity_averages_their_sq
     assert len(sens) == lm.num_layers and all(v > 0 for pair in sens for v in pair)
     with pytest.raises(BasisError, match="no context"):
         layer_sensitivity(lm, ids[:, :6], skip_tokens=4)
+    for kwargs in ({"key_rope": "bogus"}, {"skip_tokens": -5}, {"target_tokens": 0}):
+        with pytest.raises(BasisError, match="layer_sensitivity"):
+            layer_sensitivity(lm, ids, **kwargs)
 
 
 def test_a_layer_whose_components_the_model_budget_drops_round_trips(basis):
@@ -894,4 +897,59 @@ def test_sections_problem_scales_the_symbol_bound_by_elements_per_symbol():
     assert "at most 16" in sections_problem((1, 1, 8, 4), secs, BitPack())
     assert sections_problem((1, 1, 8, 4), secs, BitPack(), 2) is None
     assert "at most 32" in sections_problem((1, 1, 8, 5), secs, BitPack(), 2)
-    assert sections_problem((1, 1, 8, 5), secs, BitPack(), 0) is None  # no bound from symbols: the plan rule
+    # a quantizer that drops elements: at most MAX_ELEMENTS_PER_BYTE per section byte, whatever the symbol bound
+    assert sections_problem((1, 1, 8, 1024), secs, BitPack(), 1024) is None
+    assert "MAX_ELEMENTS_PER_BYTE" in sections_problem((1, 1, 9, 1024), secs, BitPack(), 2048)
+
+
+@pytest.mark.parametrize("budget", ["model", "layer"])
+def test_a_layer_that_would_code_nothing_codes_its_first_component(basis, budget):
+    """Without sink tokens a layer whose allocation is empty still needs a segment."""
+    b = dataclasses.replace(basis, sensitivity=((1.0, 1.0), (1e-2, 1e-2)))
+    register_basis(b)
+    kv = correlated_kv(2, 40, seed=9)
+    bits = 0.5 if budget == "model" else 0.01
+    cfg = pca_policy(b.digest, {"name": "dp-alloc", "bits": bits, "grid": "ecsq", "budget": budget}, "rans")
+    shape = tuple(kv[1][0].shape)
+    assert [w for w in cfg.key.widths(shape, layer=1, kind="key") if w] == [3]  # component 0 at the ecsq minimum
+    out = decode_kv(encode_kv(kv, cfg), expect=cfg)
+    assert all(torch.isfinite(t).all() for pair in out for t in pair)
+
+
+def test_extreme_sensitivity_ratios_allocate_finite_steps(basis):
+    eig = [basis.layers[0][1].eigenvalues, basis.layers[1][1].eigenvalues]
+    ref = allocate_across_layers(eig, [1.0, 3.0], 2, 8, "ecsq")
+    assert allocate_across_layers(eig, [1e300, 3e300], 2, 8, "ecsq") == ref  # only ratios matter
+    (_, s0), (_, s1) = allocate_across_layers(eig, [1e300, 5e-324], 2, 8, "ecsq")
+    assert math.isfinite(s0) and math.isfinite(s1) and s1 > s0  # floored at 1 / SENSITIVITY_RANGE
+    b = dataclasses.replace(basis, sensitivity=((1e300, 1e300), (5e-324, 5e-324)))
+    register_basis(b)
+    cfg = pca_policy(b.digest, {"name": "dp-alloc", "bits": 2, "grid": "ecsq", "budget": "model", "sink_tokens": 1}, "rans")
+    out = decode_kv(encode_kv(correlated_kv(2, 40, seed=3), cfg), expect=cfg)
+    assert all(torch.isfinite(t).all() for pair in out for t in pair)
+
+
+@pytest.mark.parametrize("args", [([], [], 2, 8, "ecsq"), ([[1.0]], [1.0], float("nan"), 8, "gauss"),
+                                  ([[1.0]], [1.0], 0, 8, "gauss"), ([[1.0]], [1.0], 2, 8, "bogus"),
+                                  ([[1.0]], ["1"], 2, 8, "ecsq"), ([[1.0]], [True], 2, 8, "ecsq")])
+def test_allocate_across_layers_refuses_bad_arguments(args):
+    with pytest.raises(ConfigError, match="allocate_across_layers"):
+        allocate_across_layers(*args)
+
+
+def test_a_model_budget_stream_without_its_basis_is_a_stream_error_and_serving_sees_it_first(basis, sensitive_basis):
+    from kvtune.serving.artifacts import basis_problem
+
+    kv = correlated_kv(2, 40, seed=4)
+    cfg = pca_policy(sensitive_basis.digest, {"name": "dp-alloc", "bits": 2, "grid": "ecsq", "budget": "model"}, "rans")
+    stream = encode_kv(kv, cfg)
+    forget_basis(sensitive_basis.digest)
+    try:
+        for impl in ("auto", "reference"):
+            with pytest.raises(KVStreamError, match="cannot decode layer 0"):
+                decode_kv(stream, impl=impl)
+    finally:
+        register_basis(sensitive_basis)
+    assert basis_problem(cfg) is None
+    unmeasured = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 2, "budget": "model"})
+    assert "no per-layer sensitivity" in basis_problem(unmeasured)

@@ -787,8 +787,8 @@ class Quantizer(Component):
         ``(batch, kv_heads, tokens, head_dim)``; only ``kv_heads`` and ``head_dim`` may be used).
 
         The decoder's size rule (:func:`kvtune.codecs.policy.sections_problem`) lets a tensor
-        have this many elements per symbol its payloads can hold; ``0``: no bound from the
-        symbols (a plan that may code none). Default 1: every element is a symbol.
+        have this many elements per symbol its payloads can hold (>= 1). Default 1: every
+        element is a symbol.
         """
         return 1
 

@@ -74,7 +74,9 @@ __all__ = [
     "allocate_bits",
     "allocate_ecsq",
     "allocate_across_layers",
+    "at_least_one_component",
     "BUDGETS",
+    "SENSITIVITY_RANGE",
     "ecsq_gaussian",
     "ECSQ_MIN_RATIO",
     "ECSQ_SPAN",
@@ -408,20 +410,36 @@ def component_segments(shape: tuple[int, ...], widths: Sequence[int], coder, *, 
     return tuple(out)
 
 
+SENSITIVITY_RANGE = 1e12
+"""Largest ratio between two layers' sensitivities :func:`allocate_across_layers` honours: the
+sensitivities are divided by the largest, and smaller ones raised to ``1 / SENSITIVITY_RANGE``
+(a layer a trillion times less sensitive than another already codes almost nothing)."""
+
+
+MAX_PLANNED_STEP = 65024.0
+"""Largest ``ecsq`` step :func:`allocate_across_layers` plans (the largest 7-significant-bit
+number a float16 holds; a layer this coarse codes one component, at about zero bits)."""
+
+
+def _is_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float))
+
+
 def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor], sensitivity: Sequence[float],
                            bits: float, max_bits: int, grid: str) -> tuple[tuple[tuple[int, ...], float], ...]:
     """One bit budget for all layers, spent by weighted distortion (the module docstring).
 
-    Layer ``l``'s eigenvalues are scaled by its sensitivity ``s_l``; one allocation runs over
-    the components of all layers together (:func:`allocate_ecsq` with ``bits * sum_l D_l``
-    bits for ``grid="ecsq"``, else :func:`allocate_bits` with ``max(1, round(bits * sum_l
-    D_l))``); an ``ecsq`` layer's step is the shared one divided by ``sqrt(s_l)``, rounded to 7
-    significant bits like every planned step.
+    Layer ``l``'s eigenvalues are scaled by its sensitivity ``s_l`` (divided by the largest,
+    floored at ``1 / SENSITIVITY_RANGE``: only ratios matter); one allocation runs over the
+    components of all layers together (:func:`allocate_ecsq` with ``bits * sum_l D_l`` bits for
+    ``grid="ecsq"``, else :func:`allocate_bits` with ``max(1, round(bits * sum_l D_l))``); an
+    ``ecsq`` layer's step is the shared one divided by ``sqrt(s_l)``, rounded to 7 significant
+    bits like every planned step, at most :data:`MAX_PLANNED_STEP`.
 
     Args:
-        eigenvalues: per layer, the ``D_l`` component variances.
-        sensitivity: per layer ``s_l``, finite and > 0 (only ratios matter).
-        bits: average bits per element over all layers' components, > 0.
+        eigenvalues: per layer (at least one), the ``D_l`` component variances.
+        sensitivity: per layer ``s_l``, a finite number > 0.
+        bits: average bits per element over all layers' components, finite and > 0.
         max_bits: most bits of one component.
         grid: one of :data:`GRIDS`.
 
@@ -429,18 +447,25 @@ def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor]
         Per layer ``(widths, step)`` as :func:`allocate_ecsq` (step 0.0 for the fixed-rate grids).
 
     Raises:
-        ConfigError: a sensitivity that is not finite and > 0, another number of sensitivities
-            than layers, or what :func:`allocate_ecsq` / :func:`allocate_bits` raise.
+        ConfigError: no layers, another number of sensitivities than layers, a sensitivity that
+            is not a finite number > 0, a ``bits`` that is not a finite number > 0, an unknown
+            ``grid``, or what :func:`allocate_ecsq` / :func:`allocate_bits` raise.
     """
-    if len(sensitivity) != len(eigenvalues) or not all(0 < float(v) < math.inf for v in sensitivity):
-        raise ConfigError(f"allocate_across_layers: need one finite sensitivity > 0 per layer ({len(eigenvalues)}), "
-                          f"got {list(sensitivity)!r}")
+    if not eigenvalues or len(sensitivity) != len(eigenvalues) \
+            or not all(_is_number(v) and 0 < v < math.inf for v in sensitivity):
+        raise ConfigError(f"allocate_across_layers: need one finite sensitivity > 0 per layer (>= 1 layer, got "
+                          f"{len(eigenvalues)}), got {str(list(sensitivity))[:200]}")
+    if not (_is_number(bits) and 0 < bits < math.inf) or grid not in GRIDS:
+        raise ConfigError(f"allocate_across_layers: bits = {bits!r} must be a finite number > 0 and grid = {grid!r} "
+                          f"one of {GRIDS}")
+    top = max(float(v) for v in sensitivity)
+    weights = [max(float(v) / top, 1.0 / SENSITIVITY_RANGE) for v in sensitivity]
     lams = [torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in eigenvalues]
-    weighted = torch.cat([lam * float(w) for lam, w in zip(lams, sensitivity)])
+    weighted = torch.cat([lam * w for lam, w in zip(lams, weights)])
     total = bits * weighted.numel()
     if grid == "ecsq":
         widths, delta = allocate_ecsq(weighted, total, max_bits)
-        steps = [_round_step(delta / math.sqrt(float(w))) for w in sensitivity]
+        steps = [min(_round_step(delta / math.sqrt(w)), MAX_PLANNED_STEP) for w in weights]
     else:
         widths, steps = allocate_bits(weighted, max(1, round(total)), max_bits), [0.0] * len(lams)
     out, start = [], 0
@@ -448,6 +473,16 @@ def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor]
         out.append((tuple(widths[start : start + lam.numel()]), step))
         start += lam.numel()
     return tuple(out)
+
+
+def at_least_one_component(widths: tuple[int, ...], min_width: int) -> tuple[int, ...]:
+    """``widths`` with the first component (the largest eigenvalue) given ``min_width`` bits when
+    the allocation codes none: a non-empty tensor needs a segment (the stream format records
+    at least one per tensor), and the decoder's size rule one coded symbol per ``D`` elements
+    (:meth:`DPAlloc.elements_per_symbol`)."""
+    if not widths or any(widths):
+        return widths
+    return (min_width,) + widths[1:]
 
 
 @functools.lru_cache(maxsize=64)
@@ -546,27 +581,29 @@ class DPAlloc(Quantizer):
     def allocation(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[tuple[int, ...], float]:
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` and the ``ecsq``
         step (:func:`allocate_ecsq`; 0 for the other grids, :func:`allocate_bits`; with
-        ``budget="model"``, the layer's share of :func:`allocate_across_layers`)."""
+        ``budget="model"``, the layer's share of :func:`allocate_across_layers`), at least one
+        component coded (:func:`at_least_one_component`)."""
         if self.budget == "model":
             lookup(self.basis).layer(int(layer), kind, int(shape[1]), int(shape[3]))  # the tensor's geometry
-            return _model_allocation(self.basis, kind, self.grid, self.bits, self.max_bits)[int(layer)]
-        return _layer_allocation(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), self.grid, self.bits,
-                                 self.max_bits)
+            widths, step = _model_allocation(self.basis, kind, self.grid, self.bits, self.max_bits)[int(layer)]
+        else:
+            widths, step = _layer_allocation(self.basis, int(layer), kind, int(shape[1]), int(shape[3]), self.grid,
+                                             self.bits, self.max_bits)
+        return at_least_one_component(widths, self.head_widths()[0]), step
 
     def widths(self, shape: tuple[int, ...], *, layer: int, kind: str) -> tuple[int, ...]:
         """Bits per component of a tensor of ``shape`` at ``layer`` / ``kind`` (:meth:`allocation`)."""
         return self.allocation(shape, layer=layer, kind=kind)[0]
 
     def elements_per_symbol(self, shape: tuple[int, ...], *, layer: int, kind: str) -> int:
-        """``ceil(D / c)`` for the ``c`` coded components of ``D`` (dropped components have no
-        symbols; sink tokens code every element), 0 when ``c = 0``.
+        """``ceil(D / c)`` for the ``c >= 1`` coded components of ``D`` (dropped components have
+        no symbols; sink tokens code every element).
 
         Raises:
             ConfigError: as :meth:`allocation`.
         """
         coded = sum(1 for w in self.widths(shape, layer=layer, kind=kind) if w)
-        d = int(shape[1]) * int(shape[3])
-        return -(-d // coded) if coded else 0
+        return -(-int(shape[1]) * int(shape[3]) // max(coded, 1))
 
     def plan(self, shape, *, layer: int, kind: str, min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
         """The first ``sink_tokens`` tokens as one bfloat16 segment (every coefficient), then one

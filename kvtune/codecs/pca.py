@@ -241,6 +241,7 @@ class PCABasis:
         problem = _sensitivity_problem(self.sensitivity, len(self.layers))
         if problem:
             raise BasisError(f"PCA basis sensitivity: {problem}")
+        object.__setattr__(self, "sensitivity", tuple((float(k), float(v)) for k, v in self.sensitivity))
         json.dumps(dict(self.info))  # JSON-able (TypeError otherwise)
 
     def layer(self, layer: int, kind: str, heads: int, head_dim: int) -> BasisLayer:
@@ -281,6 +282,8 @@ class PCABasis:
             BasisError: the basis has no sensitivity (fitted before it was measured, or without
                 it); the message says how to get one.
         """
+        if kind not in KINDS:
+            raise BasisError(f"kind must be one of {KINDS}, got {kind!r}")
         if not self.sensitivity:
             raise BasisError(f"PCA basis {self.digest[:12]} has no per-layer sensitivity, which dp-alloc "
                              "budget='model' needs: refit it with kvtune.evaluate.calibrate_pca.calibrate_pca_basis "
@@ -329,7 +332,7 @@ def _sensitivity_problem(pairs: Any, layers: int) -> str | None:
     for pair in pairs:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2
                 and all(_is_finite_number(v) and float(v) > 0 for v in pair)):
-            return f"every entry must be a (key, value) pair of finite numbers > 0, got {pair!r}"
+            return f"every entry must be a (key, value) pair of finite numbers > 0, got {repr(pair)[:80]}"
     return None
 
 

@@ -92,6 +92,7 @@ __all__ = [
     "transform_min_bits",
     "IMPLS",
     "MAX_UNCONFIRMED_PLAN",
+    "MAX_ELEMENTS_PER_BYTE",
     "check_claimed_sizes",
     "check_finite_metadata",
     "sections_problem",
@@ -686,6 +687,14 @@ def decode_kv(
     return result if out is None else out
 
 
+MAX_ELEMENTS_PER_BYTE = 4096
+"""Most elements per byte of its sections a tensor may have when its quantizer codes fewer
+symbols than elements (:meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol` > 1, e.g.
+``dp-alloc`` dropping components), whatever its payloads' symbol bounds (an rANS payload of
+near-constant symbols may claim 1,024 per byte): a forged shape then allocates at most 16 KiB of
+float32 output per byte of stream. Real KV stays far below (a SmolLM2 layer coding one component
+of 192 over 1,024 tokens, with one bfloat16 sink token, has ~250)."""
+
 MAX_UNCONFIRMED_PLAN = 1 << 20
 """Most heads + tokens of a K or V tensor whose payloads declare no symbol bound
 (:meth:`~kvtune.codecs.base.Codec.max_symbols` is ``None``, e.g. range-coded ones) that the
@@ -700,29 +709,33 @@ def sections_problem(shape: tuple[int, ...], sections: TensorSections, codec: Co
     ``codec``, or ``None``: the rule that bounds what the decoder allocates from a claimed shape
     before the codec has confirmed it.
 
-    When every payload bounds its symbols (:meth:`Codec.max_symbols`) and ``per_symbol > 0``,
-    the tensor has at most ``per_symbol`` times their sum of elements. Otherwise its heads +
-    tokens (what a plan costs) are at most :data:`MAX_UNCONFIRMED_PLAN`, or 8 per byte of its
-    sections (state, metadata, payloads).
+    When every payload bounds its symbols (:meth:`Codec.max_symbols`), the tensor has at most
+    ``per_symbol`` times their sum of elements, and with ``per_symbol > 1`` at most
+    :data:`MAX_ELEMENTS_PER_BYTE` per byte of its sections. Otherwise its heads + tokens (what a
+    plan costs) are at most :data:`MAX_UNCONFIRMED_PLAN`, or 8 per byte of its sections (state,
+    metadata, payloads).
 
     Args:
         shape: ``(batch, kv_heads, tokens, head_dim)`` with at least one element.
         sections: the tensor's sections (bytes or memoryviews).
         codec: the policy's codec.
         per_symbol: the quantizer's :meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol`
-            for the tensor (``dp-alloc`` drops components, whose elements have no symbols).
+            for the tensor (``dp-alloc`` drops components, whose elements have no symbols), >= 1.
 
     Raises:
         CorruptStreamError: a payload's own size declaration is malformed (from ``max_symbols``).
     """
     bounds = [codec.max_symbols(p) for p in sections.payload]
-    if None not in bounds and per_symbol > 0:
-        most, numel = per_symbol * sum(bounds), math.prod(shape)
+    nbytes = sum(len(x) for x in sections.flat())
+    if per_symbol > 1 and math.prod(shape) > MAX_ELEMENTS_PER_BYTE * nbytes:
+        return (f"claims {math.prod(shape)} elements; its {nbytes} section bytes allow at most "
+                f"{MAX_ELEMENTS_PER_BYTE * nbytes} (MAX_ELEMENTS_PER_BYTE)")
+    if None not in bounds:
+        most, numel = max(per_symbol, 1) * sum(bounds), math.prod(shape)
         if numel > most:
             return (f"claims {numel} elements; its {sum(map(len, sections.payload))} payload bytes hold at most "
                     f"{most} with codec {codec.name!r}")
         return None
-    nbytes = sum(len(x) for x in sections.flat())
     allowed = max(MAX_UNCONFIRMED_PLAN, 8 * nbytes)
     if shape[1] + shape[2] > allowed:
         return (f"has {shape[1]} heads + {shape[2]} tokens; its {nbytes} section bytes, whose {codec.name!r} payloads "
@@ -776,7 +789,8 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
     payload byte; with ``zstd``, 8 per content byte its frames declare; with range-coded
     payloads, which declare no count, at most :data:`MAX_UNCONFIRMED_PLAN` heads + tokens or 8
     per section byte; times the quantizer's
-    :meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol`, the components ``dp-alloc`` drops). The bounded claim then bounds everything the decoder allocates for the
+    :meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol` for the components ``dp-alloc``
+    drops, then at most :data:`MAX_ELEMENTS_PER_BYTE` per section byte). The bounded claim then bounds everything the decoder allocates for the
     tensor before its codec confirms the symbol count of a segment (plans are linear in heads
     and tokens, the output in elements, allocated after every segment decoded); an empty
     tensor is neither planned nor allocated.
@@ -788,8 +802,8 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
 
     Raises:
         CorruptStreamError: the first tensor (layer order, K before V) that breaks a rule.
-        ConfigError: a ``dp-alloc`` quantizer that cannot plan the tensor (its basis not
-            loaded, or of another geometry), as decoding it would.
+        KVStreamError: a quantizer that cannot plan the tensor (a ``dp-alloc`` basis not loaded,
+            or of another geometry), as decoding the layer would say.
     """
     quants = (config.key, config.value)
     for i, (shapes, tensors, lengths) in enumerate(zip(header.shapes, sections, header.sections)):
@@ -803,7 +817,10 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
                 raise CorruptStreamError(f"{where} {problem}")
             if not numel:
                 continue
-            per_symbol = quant.elements_per_symbol(shape, layer=header.layer_offset + i, kind=kind)
+            try:
+                per_symbol = quant.elements_per_symbol(shape, layer=header.layer_offset + i, kind=kind)
+            except ConfigError as exc:  # e.g. a basis not loaded: as decoding the layer would say
+                _raise_decode_error(header.policy_id, header.layer_offset + i, exc)
             try:
                 problem = sections_problem(shape, secs, config.codec, per_symbol)
             except CorruptStreamError as exc:

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from kvtune.codecs.pca import BasisError, PCABasis, RopeSpec, fit_pca_basis
+from kvtune.codecs.pca import ROPE_MODES, BasisError, PCABasis, RopeSpec, fit_pca_basis
 from kvtune.core.errors import ModelLayoutError
 from kvtune.evaluate.model import LoadedModel, cache_to_kv, forward_cache, kv_to_cache
 
-__all__ = ["model_rope", "calibrate_pca_basis", "kv_gradients", "layer_sensitivity", "SENSITIVITY_FLOOR"]
+__all__ = ["model_rope", "calibrate_pca_basis", "kv_gradients", "layer_sensitivity", "sensitivity_windows",
+           "SENSITIVITY_FLOOR"]
 
 SENSITIVITY_FLOOR = 1e-6
 """Smallest sensitivity of a layer, relative to the largest of its kind: a layer whose KV the
@@ -96,6 +97,26 @@ def kv_gradients(lm: LoadedModel, input_ids: torch.Tensor, context_tokens: int) 
     return out
 
 
+def sensitivity_windows(input_ids: torch.Tensor, *, target_tokens: int = 128, skip_tokens: int = 4
+                        ) -> tuple[int, int, int, int]:
+    """``(windows, tokens, scored, context)`` of :func:`layer_sensitivity` on ``(N, T)`` ``input_ids``.
+
+    Raises:
+        BasisError: ``target_tokens < 1``, ``skip_tokens < 0``, no window, or windows too short
+            to leave a context after ``skip_tokens`` and the scored tokens.
+    """
+    n, total = (int(v) for v in input_ids.shape)
+    if target_tokens < 1 or skip_tokens < 0:
+        raise BasisError(f"layer_sensitivity: target_tokens = {target_tokens} must be >= 1 and skip_tokens = "
+                         f"{skip_tokens} >= 0")
+    target = max(2, min(target_tokens, total // 8))
+    context = total - target
+    if n < 1 or context <= skip_tokens:
+        raise BasisError(f"layer_sensitivity: {n} windows of {total} tokens leave no context after the "
+                         f"{skip_tokens} skipped tokens and {target} scored ones")
+    return n, total, target, context
+
+
 def layer_sensitivity(lm: LoadedModel, input_ids: torch.Tensor, *, key_rope: str = "pre", target_tokens: int = 128,
                       skip_tokens: int = 4) -> tuple[tuple[float, float], ...]:
     """Per layer ``(key, value)`` sensitivity of the model's loss to errors in its KV.
@@ -115,22 +136,20 @@ def layer_sensitivity(lm: LoadedModel, input_ids: torch.Tensor, *, key_rope: str
         lm: the model.
         input_ids: ``(N, T)`` int64 calibration windows, ``T >= skip_tokens + 3``.
         key_rope: ``"pre"`` or ``"post"``, as the basis the sensitivity goes with.
-        target_tokens: most scored tokens per window.
-        skip_tokens: first tokens left out of the mean.
+        target_tokens: most scored tokens per window, >= 1.
+        skip_tokens: first tokens left out of the mean, >= 0.
 
     Returns:
         One ``(key, value)`` pair of floats > 0 per layer.
 
     Raises:
-        BasisError: windows too short, or no layer of a kind with a non-zero gradient.
+        BasisError: bad arguments or windows too short (:func:`sensitivity_windows`), an unknown
+            ``key_rope``, or no layer of a kind with a non-zero gradient.
         ModelLayoutError: ``key_rope="pre"`` on a model whose rotary embedding cannot be read.
     """
-    n, total = (int(v) for v in input_ids.shape)
-    target = max(2, min(target_tokens, total // 8))
-    context = total - target
-    if n < 1 or context <= skip_tokens:
-        raise BasisError(f"layer_sensitivity: {n} windows of {total} tokens leave no context after the "
-                         f"{skip_tokens} skipped tokens and {target} scored ones")
+    n, total, target, context = sensitivity_windows(input_ids, target_tokens=target_tokens, skip_tokens=skip_tokens)
+    if key_rope not in ROPE_MODES:
+        raise BasisError(f"layer_sensitivity: key_rope = {key_rope!r} must be one of {ROPE_MODES}")
     rope = model_rope(lm) if key_rope == "pre" else None
     sums: list[list[float]] = []
     counts: list[list[int]] = []
@@ -175,6 +194,8 @@ def calibrate_pca_basis(lm: LoadedModel, input_ids: torch.Tensor, *, key_rope: s
     """
     from kvtune.evaluate.capture import capture
 
+    if sensitivity:
+        sensitivity_windows(input_ids)  # windows long enough, before the slow work
     rope = model_rope(lm) if key_rope == "pre" else ()
     cap = capture(lm, input_ids, int(input_ids.shape[1]), baseline=False)
     contexts = [cap.context_kv(i) for i in range(cap.num_contexts)]

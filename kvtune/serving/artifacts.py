@@ -33,7 +33,7 @@ import torch
 
 from kvtune.codecs.kvtensors import DTYPE_NAMES
 from kvtune.codecs.policy import PolicyConfig
-from kvtune.codecs.pca import PCA, BasisNotLoadedError, lookup
+from kvtune.codecs.pca import PCA, BasisError, BasisNotLoadedError, lookup
 from kvtune.codecs.select import selecting_transform
 from kvtune.core.errors import ConfigError, KvtuneError, TableError
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
@@ -224,7 +224,7 @@ def _head_scores(run_dir: Path | None, head_scores: Any) -> tuple[tuple[float, .
 def load_pca_bases(run_dir: Path | None) -> tuple[str, ...]:
     """Load and register the PCA bases ``calibration.json`` records (``pca_bases.<rope>``:
     ``digest``, ``file`` in the run folder); their digests."""
-    from kvtune.codecs.pca import BasisError, load_basis, register_basis
+    from kvtune.codecs.pca import load_basis, register_basis
 
     path = None if run_dir is None else run_dir / "calibration.json"
     if path is None or not path.is_file():
@@ -294,18 +294,25 @@ def selection_problem(config: PolicyConfig) -> str | None:
 
 def basis_problem(config: PolicyConfig) -> str | None:
     """Why ``config`` cannot encode in this process for want of a PCA basis, or ``None``: a
-    ``pca`` transform without a basis (never calibrated) or naming one that is not loaded
-    (:func:`kvtune.serving.load_pca_bases` loads a run's). Found when a policy is set up, not
-    at its first transfer."""
+    ``pca`` transform without a basis (never calibrated), naming one that is not loaded
+    (:func:`kvtune.serving.load_pca_bases` loads a run's), or a ``dp-alloc`` model-wide budget
+    on a basis without per-layer sensitivity. Found when a policy is set up, not at its first
+    transfer."""
     for t in config.transforms:
         if not isinstance(t, PCA):
             continue
         if not t.basis:
             return f"policy {config.label} has a pca transform without a basis: calibrate it in a profile run"
         try:
-            lookup(t.basis)
+            basis = lookup(t.basis)
         except BasisNotLoadedError as exc:
             return f"policy {config.label}: {exc}"
+        for quant, kind in ((config.key, "key"), (config.value, "value")):
+            if getattr(quant, "budget", "layer") == "model":
+                try:
+                    basis.layer_sensitivity(kind)
+                except BasisError as exc:
+                    return f"policy {config.label}: {exc}"
     return None
 
 
