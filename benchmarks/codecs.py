@@ -71,6 +71,7 @@ from kvtune.codecs.base import CODECS  # noqa: E402
 from kvtune.codecs.codebook import CodebookQuantizer  # noqa: E402
 from kvtune.codecs.fp8 import FP8Quantizer  # noqa: E402
 from kvtune.codecs.mixhq import MixHQ  # noqa: E402
+from kvtune.codecs.pca import lookup  # noqa: E402
 from kvtune.codecs.presets import load_presets  # noqa: E402
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer  # noqa: E402
 from kvtune.codecs.select import Keep  # noqa: E402
@@ -190,9 +191,9 @@ def load_or_fit_basis(path: Path, contexts: int, tokens: int, calib: int = 2) ->
 
 def preset_cases(basis: str | None = None) -> list[Case]:
     """Every preset (kvtc-* only with a PCA ``basis`` digest); each range-coded one also with
-    ``rans``; and two PCA policies (with a basis): ``keep`` 0.85 (one choice for all heads)
-    then ``kvtc-3`` rANS-coded, and the default space's ``dp-alloc`` on the ecsq grid at K 1 /
-    V 2.5 bits."""
+    ``rans``; and PCA policies (with a basis): ``keep`` 0.85 (one choice for all heads)
+    then ``kvtc-3`` rANS-coded, ``dp-alloc`` on the ecsq grid at K 1 / V 2.5 bits, and (with a
+    basis that carries per-layer sensitivity) the model-wide budget at K 0.75 / V 2 bits."""
     out = []
     presets = load_presets(skip_unavailable=True)
     for name, cfg in presets.items():
@@ -214,6 +215,11 @@ def preset_cases(basis: str | None = None) -> list[Case]:
         cfg = PolicyConfig.from_dict({"transforms": ["pca"], "key": {**ecsq, "bits": 1}, "value": {**ecsq, "bits": 2.5},
                                       "codec": "rans"}).with_pca_basis(basis)
         out.append(Case("preset", "pca + ecsq K 1 / V 2.5 | rans", cfg, TARGET_RANS))
+        if lookup(basis).sensitivity:  # the default space's 97 % policy: one budget for the whole model
+            model = {"name": "dp-alloc", "grid": "ecsq", "sink_tokens": 1, "budget": "model"}
+            cfg = PolicyConfig.from_dict({"transforms": ["pca"], "key": {**model, "bits": 0.75},
+                                          "value": {**model, "bits": 2}, "codec": "rans"}).with_pca_basis(basis)
+            out.append(Case("preset", "pca + ecsq model K 0.75 / V 2 | rans", cfg, TARGET_RANS))
     kivi4, kivi2 = PolicyConfig.kivi(4), PolicyConfig.kivi(2)
     for label, base in (("KIVI-4", kivi4), ("KIVI-2", kivi2)):  # their symbols range- and rANS-coded per channel
         for codec, target in (("range", TARGET_RANGE), ("rans", TARGET_RANS)):
