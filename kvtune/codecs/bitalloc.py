@@ -66,6 +66,7 @@ from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, Segment, Transfo
 from kvtune.codecs.pca import KINDS, PCA, check_digest, lookup
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, asymmetric_params, dequantize_affine, quantize_affine
 from kvtune.core.errors import ConfigError
+from kvtune.core.jsonio import is_finite_number
 
 __all__ = [
     "DPAlloc",
@@ -421,10 +422,6 @@ MAX_PLANNED_STEP = 65024.0
 number a float16 holds; a layer this coarse codes one component, at about zero bits)."""
 
 
-def _is_number(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float))
-
-
 def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor], sensitivity: Sequence[float],
                            bits: float, max_bits: int, grid: str) -> tuple[tuple[tuple[int, ...], float], ...]:
     """One bit budget for all layers, spent by weighted distortion (the module docstring).
@@ -452,10 +449,10 @@ def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor]
             ``grid``, or what :func:`allocate_ecsq` / :func:`allocate_bits` raise.
     """
     if not eigenvalues or len(sensitivity) != len(eigenvalues) \
-            or not all(_is_number(v) and 0 < v < math.inf for v in sensitivity):
+            or not all(is_finite_number(v) and v > 0 for v in sensitivity):
         raise ConfigError(f"allocate_across_layers: need one finite sensitivity > 0 per layer (>= 1 layer, got "
                           f"{len(eigenvalues)}), got {str(list(sensitivity))[:200]}")
-    if not (_is_number(bits) and 0 < bits < math.inf) or grid not in GRIDS:
+    if not (is_finite_number(bits) and bits > 0) or grid not in GRIDS:
         raise ConfigError(f"allocate_across_layers: bits = {bits!r} must be a finite number > 0 and grid = {grid!r} "
                           f"one of {GRIDS}")
     top = max(float(v) for v in sensitivity)

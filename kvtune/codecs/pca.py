@@ -58,6 +58,7 @@ import torch
 from kvtune.codecs.base import Transform, param, register_transform
 from kvtune.core.atomic import atomic_write_bytes
 from kvtune.core.errors import ConfigError
+from kvtune.core.jsonio import is_finite_number
 
 __all__ = [
     "BasisError",
@@ -331,19 +332,9 @@ def _sensitivity_problem(pairs: Any, layers: int) -> str | None:
         return f"must be empty or one (key, value) pair per layer ({layers})"
     for pair in pairs:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(_is_finite_number(v) and float(v) > 0 for v in pair)):
+                and all(is_finite_number(v) and float(v) > 0 for v in pair)):
             return f"every entry must be a (key, value) pair of finite numbers > 0, got {repr(pair)[:80]}"
     return None
-
-
-def _is_finite_number(v: Any) -> bool:
-    """``v`` is an int or float (not a bool) that converts to a finite float."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:  # an int beyond the float range
-        return False
 
 
 def _tensor_entry_problem(entry: Any, shape: tuple[int, ...]) -> str | None:
@@ -379,7 +370,7 @@ def _check_header(header: Any, where: str) -> dict[str, Any]:
         raise bad("'rope' must be a list with one [rotary_dim / 2, scaling] per layer, or empty")
     for row in rope:
         if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int and 0 < row[0] <= MAX_BASIS_DIM
-                and _is_finite_number(row[1])):
+                and is_finite_number(row[1])):
             raise bad("every rope entry must be [rotary_dim / 2, scaling], scaling a finite number")
     if header.get("mode") not in FIT_MODES or header.get("key_rope") not in ROPE_MODES:
         raise bad(f"'mode' must be one of {FIT_MODES} and 'key_rope' one of {ROPE_MODES}")

@@ -11,7 +11,17 @@ import json
 import math
 from typing import Any
 
-__all__ = ["canonical_json", "dec_float", "enc_float", "jsonable", "plain", "strict_dumps"]
+__all__ = ["canonical_json", "dec_float", "enc_float", "is_finite_number", "jsonable", "plain", "strict_dumps"]
+
+
+def is_finite_number(v: Any) -> bool:
+    """``v`` is an int or float (not a bool) that converts to a finite float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an int beyond the float range
+        return False
 
 
 def enc_float(v: float) -> float | str:
