@@ -731,7 +731,7 @@ def sections_problem(shape: tuple[int, ...], sections: TensorSections, codec: Co
         return (f"claims {math.prod(shape)} elements; its {nbytes} section bytes allow at most "
                 f"{MAX_ELEMENTS_PER_BYTE * nbytes} (MAX_ELEMENTS_PER_BYTE)")
     if None not in bounds:
-        most, numel = max(per_symbol, 1) * sum(bounds), math.prod(shape)
+        most, numel = per_symbol * sum(bounds), math.prod(shape)
         if numel > most:
             return (f"claims {numel} elements; its {sum(map(len, sections.payload))} payload bytes hold at most "
                     f"{most} with codec {codec.name!r}")
@@ -790,10 +790,10 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
     payloads, which declare no count, at most :data:`MAX_UNCONFIRMED_PLAN` heads + tokens or 8
     per section byte; times the quantizer's
     :meth:`~kvtune.codecs.base.Quantizer.elements_per_symbol` for the components ``dp-alloc``
-    drops, then at most :data:`MAX_ELEMENTS_PER_BYTE` per section byte). The bounded claim then bounds everything the decoder allocates for the
-    tensor before its codec confirms the symbol count of a segment (plans are linear in heads
-    and tokens, the output in elements, allocated after every segment decoded); an empty
-    tensor is neither planned nor allocated.
+    drops, then at most :data:`MAX_ELEMENTS_PER_BYTE` per section byte). The bounded claim then
+    bounds everything the decoder allocates for the tensor before its codec confirms the symbol
+    count of a segment (plans are linear in heads and tokens, the output in elements, allocated
+    after every segment decoded); an empty tensor is neither planned nor allocated.
 
     Args:
         header: the stream header (:func:`kvtune.codecs.stream.read_stream`).
