@@ -43,6 +43,8 @@ __all__ = [
     "f32_as_u32",
     "v8_ptr",
     "vminmax",
+    "vminmax_groups8",
+    "vminmax_rows8",
     "absmax",
 ]
 
@@ -152,6 +154,128 @@ def vminmax(typingctx, arr, start, stop):
             builder.store(builder.call(smin, [builder.load(lo), v]), lo)
             builder.store(builder.call(smax, [builder.load(hi), v]), hi)
         return context.make_tuple(builder, signature.return_type, [builder.load(lo), builder.load(hi)])
+
+    return sig, codegen
+
+
+def _select_min(builder, a, b):
+    """``a < b ? a : b`` lane by lane: one ``minps`` on x86. Equal to ``llvm.minnum`` on
+    non-NaN lanes (up to the sign of a zero), without its NaN fix-ups (3 instructions per op)."""
+    return builder.select(builder.fcmp_ordered("<", a, b), a, b)
+
+
+def _select_max(builder, a, b):
+    """``a > b ? a : b`` lane by lane (``maxps``); as :func:`_select_min`."""
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+def _tree8(builder, vecs, vop):
+    """Lane ``k`` of the result = min (or max, by ``vop``: :func:`_select_min` or
+    :func:`_select_max`) of the 8 lanes of ``vecs[k]``: a
+    transposing tree of 7 vector ops and 14 shuffles for 8 reductions (one at a time takes 3
+    ops, 3 shuffles and 2 extracts each, in a dependent chain)."""
+    i32 = ir.IntType(32)
+
+    def halves(a, b, lo_idx, hi_idx):
+        mask = lambda idx: ir.Constant(ir.VectorType(i32, 8), [ir.Constant(i32, i) for i in idx])  # noqa: E731
+        return vop(builder, builder.shuffle_vector(a, b, mask(lo_idx)), builder.shuffle_vector(a, b, mask(hi_idx)))
+
+    quads = [halves(vecs[i], vecs[i + 1], (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)) for i in (0, 2, 4, 6)]
+    pairs = [halves(quads[i], quads[i + 1], (0, 1, 4, 5, 8, 9, 12, 13), (2, 3, 6, 7, 10, 11, 14, 15)) for i in (0, 2)]
+    return halves(pairs[0], pairs[1], (0, 2, 4, 6, 8, 10, 12, 14), (1, 3, 5, 7, 9, 11, 13, 15))
+
+
+@intrinsic
+def vminmax_groups8(typingctx, arr, start, g, lo, hi, out):
+    """Min and max of 8 consecutive groups of ``g`` float32 values: group ``k`` is
+    ``arr[start + k*g : start + (k+1)*g]``; ``lo[out + k]``, ``hi[out + k]`` receive them.
+
+    ``g`` must be a positive multiple of 8 (the caller checks) and the values finite (the
+    quantizers' inputs are: NaN and inf are refused before). Each group is reduced on 8-lane
+    vectors (:func:`_select_min`, :func:`_select_max`), then the 8 groups together by a
+    transposing tree (:func:`_tree8`). Exact: order does not change a min or max (the sign of a
+    zero aside, made canonical by the callers)."""
+    ok = all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in (arr, lo, hi))
+    if not ok:
+        return None
+    sig = types.void(arr, start, g, lo, hi, out)
+
+    def codegen(context, builder, signature, args):
+        sa = signature.args
+        data = context.make_array(sa[0])(context, builder, args[0]).data
+        i64, f32 = ir.IntType(64), ir.FloatType()
+        v8 = ir.VectorType(f32, 8)
+        start_i, g_i, out_i = (context.cast(builder, args[i], sa[i], types.int64) for i in (1, 2, 5))
+        eight = ir.Constant(i64, 8)
+
+        def load(idx):
+            return builder.load(builder.bitcast(builder.gep(data, [idx]), v8.as_pointer()), align=4)
+
+        los, his = [], []
+        for k in range(8):
+            g0 = builder.add(start_i, builder.mul(g_i, ir.Constant(i64, k)))
+            first = load(g0)
+            acc_lo = cgutils.alloca_once_value(builder, first)
+            acc_hi = cgutils.alloca_once_value(builder, first)
+            with cgutils.for_range_slice(builder, builder.add(g0, eight), builder.add(g0, g_i), eight, inc=True) as (idx, _):
+                v = load(idx)
+                builder.store(_select_min(builder, builder.load(acc_lo), v), acc_lo)
+                builder.store(_select_max(builder, builder.load(acc_hi), v), acc_hi)
+            los.append(builder.load(acc_lo))
+            his.append(builder.load(acc_hi))
+        for res, arg in ((_tree8(builder, los, _select_min), 3), (_tree8(builder, his, _select_max), 4)):
+            dst = context.make_array(sa[arg])(context, builder, args[arg]).data
+            builder.store(res, builder.bitcast(builder.gep(dst, [out_i]), v8.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def vminmax_rows8(typingctx, arr, start, stride, n, lo, hi, at):
+    """Per-lane min and max of ``n >= 1`` rows of 8 float32 lanes: row ``j`` is
+    ``arr[start + j*stride : start + j*stride + 8]``; ``lo[at:at + 8]`` and ``hi[at:at + 8]``
+    receive them (the per-channel groups of a block of tokens).
+
+    Four independent accumulator pairs (rows ``j mod 4``) kept in registers, combined at the
+    end: a running min through memory, one row at a time, waits on store-to-load forwarding at
+    every row. Finite values only, exact: as :func:`vminmax_groups8`."""
+    ok = all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in (arr, lo, hi))
+    if not ok:
+        return None
+    sig = types.void(arr, start, stride, n, lo, hi, at)
+
+    def codegen(context, builder, signature, args):
+        sa = signature.args
+        data = context.make_array(sa[0])(context, builder, args[0]).data
+        i64 = ir.IntType(64)
+        v8 = ir.VectorType(ir.FloatType(), 8)
+        start_i, stride_i, n_i, at_i = (context.cast(builder, args[i], sa[i], types.int64) for i in (1, 2, 3, 6))
+
+        def load(row):
+            idx = builder.add(start_i, builder.mul(row, stride_i))
+            return builder.load(builder.bitcast(builder.gep(data, [idx]), v8.as_pointer()), align=4)
+
+        first = load(ir.Constant(i64, 0))
+        accs = [(cgutils.alloca_once_value(builder, first), cgutils.alloca_once_value(builder, first)) for _ in range(4)]
+        four = ir.Constant(i64, 4)
+        n4 = builder.mul(builder.udiv(n_i, four), four)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), n4, four, inc=True) as (row, _):
+            for k, (alo, ahi) in enumerate(accs):
+                v = load(builder.add(row, ir.Constant(i64, k)))
+                builder.store(_select_min(builder, builder.load(alo), v), alo)
+                builder.store(_select_max(builder, builder.load(ahi), v), ahi)
+        alo, ahi = accs[0]
+        with cgutils.for_range_slice(builder, n4, n_i, ir.Constant(i64, 1), inc=True) as (row, _):
+            v = load(row)
+            builder.store(_select_min(builder, builder.load(alo), v), alo)
+            builder.store(_select_max(builder, builder.load(ahi), v), ahi)
+        lo4, hi4 = [builder.load(a) for a, _ in accs], [builder.load(h) for _, h in accs]
+        rlo = _select_min(builder, _select_min(builder, lo4[0], lo4[1]), _select_min(builder, lo4[2], lo4[3]))
+        rhi = _select_max(builder, _select_max(builder, hi4[0], hi4[1]), _select_max(builder, hi4[2], hi4[3]))
+        for res, arg in ((rlo, 4), (rhi, 5)):
+            builder.store(res, v8_ptr(context, builder, types.void(sa[arg], sa[6]), [args[arg], args[6]]), align=4)
+        return context.get_dummy_value()
 
     return sig, codegen
 

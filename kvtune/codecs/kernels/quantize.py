@@ -5,7 +5,8 @@ Accelerates :class:`kvtune.codecs.quantizers.UniformQuantizer` (``quantize_block
 token) or of tokens (per channel), with float16 scales and zero points -- the scheme of KIVI
 ("KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750, sec. 3:
 keys per channel, values per token). Bit for bit the reference's IEEE operations (a subtract,
-a multiply, round to nearest even, clamp), on 8-lane vectors.
+a multiply, round to nearest even, clamp), on 8- and 16-lane vectors (LLVM IR written directly:
+numba's loop vectorizer leaves short per-group loops mostly scalar, with a set-up cost per loop).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
-from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, v8_ptr, vminmax
+from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, v8_ptr, vminmax, vminmax_groups8, vminmax_rows8
 
 _u = uintp
+U16 = np.uint64(16)
 _mn = np.minimum  # elementwise min/max across arrays: faster than the builtin (which wins in
 # scalar reduction chains)
 _mx = np.maximum
@@ -83,75 +85,150 @@ def _quant(v, z, inv, fq):
 _ROWS = 32  # rows per block of the per-token kernel
 
 
-@intrinsic
-def _vquant8(typingctx, src, soff, z, inv, fq, dst, doff):
-    """8 lanes of :func:`_quant`: ``dst[doff + i] = clamp(rint((src[soff + i] - z) * inv), 0, fq)``.
+def _vquant(lanes: int, per_lane: bool):
+    """An intrinsic for ``lanes`` lanes of :func:`_quant`:
+    ``dst[doff + i] = clamp(rint((src[soff + i] - z) * inv), 0, fq)``, with one group's scalar
+    ``z`` and ``inv`` (``f(src, soff, z, inv, fq, dst, doff)``) or, when ``per_lane``,
+    ``zs[poff + i]`` and ``invs[poff + i]`` (``f(src, soff, zs, invs, poff, fq, dst, doff)``,
+    per-channel groups).
 
     A subtract, a multiply (two roundings, no FMA), ``llvm.rint`` (nearest even, as
     ``np.rint``/``torch.round``), max/min clamp, conversion to uint8: the reference's operations
-    on a vector."""
-    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(dst, types.Array)
-            and dst.dtype == types.uint8):
+    on a vector (16 lanes fill an AVX-512 register; LLVM splits them into two on AVX2)."""
+
+    def typer(src, soff, *rest):
+        dst = rest[-2]
+        if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(dst, types.Array)
+                and dst.dtype == types.uint8):
+            return None
+        sig = types.void(src, soff, *rest)
+
+        def codegen(context, builder, signature, args):
+            sa = signature.args
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            vf = ir.VectorType(f32, lanes)
+            mod = builder.module
+
+            def vptr(i, j):  # <lanes x float>* to array args[i] at index args[j]
+                ary = context.make_array(sa[i])(context, builder, args[i])
+                idx = context.cast(builder, args[j], sa[j], types.int64)
+                return builder.bitcast(builder.gep(ary.data, [idx]), vf.as_pointer())
+
+            def splat(i):
+                val = context.cast(builder, args[i], sa[i], types.float32)
+                return builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), val, ir.Constant(i32, 0)),
+                                              ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+            if per_lane:
+                z, inv = builder.load(vptr(2, 4), align=4), builder.load(vptr(3, 4), align=4)
+                fq, di, do = splat(5), 6, 7
+            else:
+                z, inv, fq, di, do = splat(2), splat(3), splat(4), 5, 6
+            name = f"v{lanes}f32"
+            rint = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf]), f"llvm.rint.{name}")
+            vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.{name}")
+            vmin = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.minnum.{name}")
+            v = builder.load(vptr(0, 1), align=4)
+            u = builder.call(rint, [builder.fmul(builder.fsub(v, z), inv)])
+            u = builder.call(vmin, [builder.call(vmax, [u, ir.Constant(vf, [0.0] * lanes)]), fq])
+            dary = context.make_array(sa[di])(context, builder, args[di])
+            dptr = builder.gep(dary.data, [context.cast(builder, args[do], sa[do], types.int64)])
+            vi8 = ir.VectorType(ir.IntType(8), lanes)
+            builder.store(builder.fptoui(u, vi8), builder.bitcast(dptr, vi8.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    if per_lane:
+        def vquant(typingctx, src, soff, zs, invs, poff, fq, dst, doff):
+            return typer(src, soff, zs, invs, poff, fq, dst, doff)
+    else:
+        def vquant(typingctx, src, soff, z, inv, fq, dst, doff):
+            return typer(src, soff, z, inv, fq, dst, doff)
+    return intrinsic(vquant)
+
+
+_vquant8 = _vquant(8, False)
+_vquant16 = _vquant(16, False)
+_vquant8v = _vquant(8, True)
+_vquant16v = _vquant(16, True)
+
+
+def _deq_store(context, builder, u, s, z, out_ty, out_arg, ooff_ty, ooff):
+    """``out[ooff:ooff + 16] = z + float32(u) * s`` (a multiply, then an add: the reference's
+    two roundings) for 16 uint8 lanes ``u`` (``s``, ``z``: 16-lane float32); float32 ``out``,
+    or uint16 ``out`` of bfloat16 bits rounded to nearest even with NaN as 0x7FC0
+    (:func:`~kvtune.codecs.kernels.convert.f32_to_bf16_bits`)."""
+    f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
+    v16 = ir.VectorType(f32, 16)
+    v = builder.fadd(z, builder.fmul(builder.uitofp(u, v16), s))
+    ary = context.make_array(out_ty)(context, builder, out_arg)
+    o = context.cast(builder, ooff, ooff_ty, types.int64)
+    if out_ty.dtype == types.float32:
+        builder.store(v, builder.bitcast(builder.gep(ary.data, [o]), v16.as_pointer()), align=4)
+        return
+    vi = ir.VectorType(i32, 16)
+
+    def splat(c):
+        return ir.Constant(vi, [c] * 16)
+
+    bits = builder.bitcast(v, vi)
+    lsb = builder.and_(builder.lshr(bits, splat(16)), splat(1))
+    r = builder.lshr(builder.add(builder.add(bits, splat(0x7FFF)), lsb), splat(16))
+    nan = builder.icmp_unsigned(">", builder.and_(bits, splat(0x7FFFFFFF)), splat(0x7F800000))
+    r = builder.select(nan, splat(0x7FC0), r)
+    v16i = ir.VectorType(i16, 16)
+    builder.store(builder.trunc(r, v16i), builder.bitcast(builder.gep(ary.data, [o]), v16i.as_pointer()), align=2)
+
+
+def _load_lanes(context, builder, ary_ty, ary_arg, off_ty, off, elem, n=16):
+    ary = context.make_array(ary_ty)(context, builder, ary_arg)
+    o = context.cast(builder, off, off_ty, types.int64)
+    return builder.load(builder.bitcast(builder.gep(ary.data, [o]), ir.VectorType(elem, n).as_pointer()),
+                        align=elem.width // 8 if isinstance(elem, ir.IntType) else 4)
+
+
+def _splat16(builder, val):
+    v = ir.VectorType(val.type, 16)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(v, ir.Undefined), val, ir.Constant(ir.IntType(32), 0)),
+                                  ir.Constant(v, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+
+def _deq_out_ok(out):
+    return isinstance(out, types.Array) and out.dtype in (types.float32, types.uint16)
+
+
+@intrinsic
+def _vdeq16(typingctx, sym, soff, s, z, out, ooff):
+    """16 lanes of the reconstruction ``z + sym * s`` (one group's ``s``, ``z``), written to
+    float32 ``out`` or as bfloat16 bits to uint16 ``out`` (:func:`_deq_store`)."""
+    if not (isinstance(sym, types.Array) and sym.dtype == types.uint8 and _deq_out_ok(out)):
         return None
-    sig = types.void(src, soff, z, inv, fq, dst, doff)
+    sig = types.void(sym, soff, s, z, out, ooff)
 
     def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        v8 = ir.VectorType(f32, 8)
-        mod = builder.module
-        ptr = v8_ptr(context, builder, types.void(signature.args[0], signature.args[1]), [args[0], args[1]])
-        dary = context.make_array(signature.args[5])(context, builder, args[5])
-        doff = context.cast(builder, args[6], signature.args[6], types.int64)
-        dptr = builder.bitcast(builder.gep(dary.data, [doff]), ir.VectorType(ir.IntType(8), 8).as_pointer())
-
-        def splat(val):
-            return builder.shuffle_vector(
-                builder.insert_element(ir.Constant(v8, ir.Undefined), val, ir.Constant(ir.IntType(32), 0)),
-                ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
-
-        rint = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v8]), "llvm.rint.v8f32")
-        vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v8, v8]), "llvm.maxnum.v8f32")
-        vmin = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v8, v8]), "llvm.minnum.v8f32")
-        z, inv, fq = (context.cast(builder, a, t, types.float32) for a, t in zip(args[2:5], signature.args[2:5]))
-        v = builder.load(ptr, align=4)
-        u = builder.call(rint, [builder.fmul(builder.fsub(v, splat(z)), splat(inv))])
-        u = builder.call(vmin, [builder.call(vmax, [u, ir.Constant(v8, [0.0] * 8)]), splat(fq)])
-        builder.store(builder.fptoui(u, ir.VectorType(ir.IntType(8), 8)), dptr, align=1)
+        sa = signature.args
+        u = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8))
+        sv, zv = (_splat16(builder, context.cast(builder, args[i], sa[i], types.float32)) for i in (2, 3))
+        _deq_store(context, builder, u, sv, zv, sa[4], args[4], sa[5], args[5])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def _vquant8v(typingctx, src, soff, zs, invs, poff, fq, dst, doff):
-    """As :func:`_vquant8` with per-lane ``zs[poff + i]`` and ``invs[poff + i]`` (per-channel groups)."""
-    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(dst, types.Array)
-            and dst.dtype == types.uint8):
+def _vdeq16v(typingctx, sym, soff, ss, zz, poff, out, ooff):
+    """As :func:`_vdeq16` with per-lane ``ss[poff + i]`` and ``zz[poff + i]`` (per-channel groups)."""
+    if not (isinstance(sym, types.Array) and sym.dtype == types.uint8 and _deq_out_ok(out)):
         return None
-    sig = types.void(src, soff, zs, invs, poff, fq, dst, doff)
+    sig = types.void(sym, soff, ss, zz, poff, out, ooff)
 
     def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        v8 = ir.VectorType(f32, 8)
-        mod = builder.module
         sa = signature.args
-        ptr = v8_ptr(context, builder, types.void(sa[0], sa[1]), [args[0], args[1]])
-        zp = v8_ptr(context, builder, types.void(sa[2], sa[4]), [args[2], args[4]])
-        ip = v8_ptr(context, builder, types.void(sa[3], sa[4]), [args[3], args[4]])
-        dary = context.make_array(sa[6])(context, builder, args[6])
-        doff = context.cast(builder, args[7], sa[7], types.int64)
-        dptr = builder.bitcast(builder.gep(dary.data, [doff]), ir.VectorType(ir.IntType(8), 8).as_pointer())
-        fq = context.cast(builder, args[5], sa[5], types.float32)
-        fqv = builder.shuffle_vector(
-            builder.insert_element(ir.Constant(v8, ir.Undefined), fq, ir.Constant(ir.IntType(32), 0)),
-            ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
-        rint = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v8]), "llvm.rint.v8f32")
-        vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v8, v8]), "llvm.maxnum.v8f32")
-        vmin = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v8, v8]), "llvm.minnum.v8f32")
-        v = builder.load(ptr, align=4)
-        u = builder.call(rint, [builder.fmul(builder.fsub(v, builder.load(zp, align=4)), builder.load(ip, align=4))])
-        u = builder.call(vmin, [builder.call(vmax, [u, ir.Constant(v8, [0.0] * 8)]), fqv])
-        builder.store(builder.fptoui(u, ir.VectorType(ir.IntType(8), 8)), dptr, align=1)
+        u = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8))
+        sv = _load_lanes(context, builder, sa[2], args[2], sa[4], args[4], ir.FloatType())
+        zv = _load_lanes(context, builder, sa[3], args[3], sa[4], args[4], ir.FloatType())
+        _deq_store(context, builder, u, sv, zv, sa[5], args[5], sa[6], args[6])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -162,9 +239,12 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
     """Uniform quantization of ``x[:, heads][:, :, tokens]`` in groups of ``g`` channels.
 
     Reference: :meth:`kvtune.codecs.quantizers.UniformQuantizer.quantize_block` with
-    ``granularity = "per_token"``. Works on blocks of 32 rows: load, min/max of every group,
-    the groups' parameters (vectorized), then the symbols (one loop over the block's groups
-    when they tile it in multiples of 8 values: no per-row bounds or scalar tails).
+    ``granularity = "per_token"``. Works on blocks of 32 rows: load (one copy when the rows
+    are consecutive in ``x``), min/max of every group (8 groups at a time,
+    :func:`~kvtune.codecs.kernels.lowlevel.vminmax_groups8`, when groups of 8k values tile the
+    rows), the groups' parameters (vectorized), then the symbols (one loop over the block's
+    groups when they tile it, 16 lanes at a time when ``g`` is a multiple of 16: no per-row
+    bounds or scalar tails).
 
     Args:
         x: ``(B, H, T, D)`` float32 or uint16 (bfloat16 bits), C-contiguous.
@@ -183,6 +263,7 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
     fq = np.float32((1 << bits) - 1)
     dn = _u(d_n)
     blk = np.empty(_ROWS * d_n, np.float32)
+    src = np.empty(_ROWS, np.int64)
     lo = np.empty(_ROWS * ng, np.float32)
     hi = np.empty(_ROWS * ng, np.float32)
     s16 = np.empty(_ROWS * ng, np.int32)
@@ -194,8 +275,10 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
     b = hi_ = ti = 0  # (batch, head, token) of the next row to load
     for r0 in range(0, nrows, _ROWS):
         nr = min(_ROWS, nrows - r0)
+        contiguous = True  # the block's rows follow each other in x: one load (no per-row loop set-up)
         for r in range(nr):
-            load_row(xf, _u(((b * nh + heads[hi_]) * nt + tokens[ti]) * d_n), blk, _u(r * d_n), dn)
+            src[r] = ((b * nh + heads[hi_]) * nt + tokens[ti]) * d_n
+            contiguous &= src[r] == src[0] + r * d_n
             ti += 1
             if ti == ts:
                 ti = 0
@@ -203,16 +286,24 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
                 if hi_ == hs:
                     hi_ = 0
                     b += 1
-        for r in range(nr):
-            o = _u(r * d_n)
-            for gi in range(ng):
-                d0 = o + _u(gi * g)
-                d1 = o + _u(min(gi * g + g, d_n))
-                i = r * ng + gi
-                if symmetric:
-                    hi[i] = absmax(blk, d0, d1)
-                else:
-                    lo[i], hi[i] = vminmax(blk, d0, d1)
+        if contiguous:
+            load_row(xf, _u(src[0]), blk, _u(0), _u(nr * d_n))
+        else:
+            for r in range(nr):
+                load_row(xf, _u(src[r]), blk, _u(r * d_n), dn)
+        n8 = 0
+        if tiled and not symmetric:  # 8 whole groups at a time, reduced together
+            n8 = nr * ng // 8 * 8
+            for i in range(0, n8, 8):
+                vminmax_groups8(blk, i * g, g, lo, hi, i)
+        for i in range(n8, nr * ng):
+            r, gi = i // ng, i % ng
+            d0 = _u(r * d_n + gi * g)
+            d1 = _u(r * d_n + min(gi * g + g, d_n))
+            if symmetric:
+                hi[i] = absmax(blk, d0, d1)
+            else:
+                lo[i], hi[i] = vminmax(blk, d0, d1)
         _params(lo, hi, nr * ng, bits, symmetric, s16, z16, zs, invs)
         mo = _u(r0 * ng)
         for i in range(_u(nr * ng)):
@@ -225,8 +316,12 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
             for i in range(_u(nr * ng)):
                 z, inv = zs[i], invs[i]
                 d0 = i * ug
-                for d in range(d0, d0 + ug, U8):
-                    _vquant8(blk, d, z, inv, fq, sf, base + d)
+                if g % 16 == 0:
+                    for d in range(d0, d0 + ug, U16):
+                        _vquant16(blk, d, z, inv, fq, sf, base + d)
+                else:
+                    for d in range(d0, d0 + ug, U8):
+                        _vquant8(blk, d, z, inv, fq, sf, base + d)
             continue
         for r in range(nr):
             o = _u(r * d_n)
@@ -248,7 +343,10 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
 
     Reference: :meth:`kvtune.codecs.quantizers.UniformQuantizer.quantize_block` with
     ``granularity = "per_channel"``. Arguments as :func:`quantize_per_token`; ``scale`` and
-    ``zero`` are ``(B, len(heads), ceil(len(tokens) / g), D)``.
+    ``zero`` are ``(B, len(heads), ceil(len(tokens) / g), D)``. Per group of ``g`` tokens: load
+    (one copy when the tokens are consecutive), per-channel min/max 8 channels at a time with
+    register accumulators (:func:`~kvtune.codecs.kernels.lowlevel.vminmax_rows8`), parameters,
+    symbols 16 channels at a time.
     """
     nb, nh, nt, d_n = x.shape
     xf, sf, scf, zf = x.reshape(-1), sym.reshape(-1), scale.reshape(-1), zero.reshape(-1)
@@ -269,8 +367,14 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
             for gi in range(ng):
                 t0 = gi * g
                 n = min(g, ts - t0)
+                contiguous = True  # consecutive tokens: one load (no per-row loop set-up)
                 for j in range(n):
-                    load_row(xf, _u((hrow + tokens[t0 + j]) * d_n), blk, _u(j * d_n), dn)
+                    contiguous &= tokens[t0 + j] == tokens[t0] + j
+                if contiguous:
+                    load_row(xf, _u((hrow + tokens[t0]) * d_n), blk, _u(0), _u(n * d_n))
+                else:
+                    for j in range(n):
+                        load_row(xf, _u((hrow + tokens[t0 + j]) * d_n), blk, _u(j * d_n), dn)
                 if symmetric:
                     for d in range(dn):
                         hi[d] = abs(blk[d])
@@ -279,12 +383,15 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
                         for d in range(dn):
                             hi[d] = _mx(hi[d], abs(blk[o + d]))
                 else:
-                    for d in range(dn):
+                    d8 = dn // U8 * U8
+                    for d in range(_u(0), d8, U8):
+                        vminmax_rows8(blk, d, d_n, n, lo, hi, d)
+                    for d in range(d8, dn):
                         lo[d] = blk[d]
                         hi[d] = blk[d]
                     for j in range(1, n):
                         o = _u(j * d_n)
-                        for d in range(dn):
+                        for d in range(d8, dn):
                             v = blk[o + d]
                             lo[d] = _mn(lo[d], v)
                             hi[d] = _mx(hi[d], v)
@@ -297,9 +404,12 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
                         zf[mo + d] = z16[d]
                 base = _u(((b * hs + h) * ts + t0) * d_n)
                 d8 = dn // U8 * U8
+                d16 = dn // U16 * U16
                 for j in range(n):
                     o = _u(j * d_n)
-                    for d in range(_u(0), d8, U8):
+                    for d in range(_u(0), d16, U16):
+                        _vquant16v(blk, o + d, zs, invs, d, fq, sf, base + o + d)
+                    for d in range(d16, d8, U8):
                         _vquant8v(blk, o + d, zs, invs, d, fq, sf, base + o + d)
                     for d in range(d8, dn):
                         sf[base + o + d] = _quant(blk[o + d], zs[d], invs[d], fq)
@@ -324,11 +434,21 @@ def dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, ou
     ng = scale.shape[3]
     dn = _u(d_n)
     row = np.empty(d_n, np.float32)
+    vec = kind != 2 and g % 16 == 0 and d_n % g == 0  # whole 16-lane chunks
     r = 0
     for b in range(nb):
         for hi in range(hs):
             for ti in range(ts):
                 src = _u(r * d_n)
+                if vec:
+                    dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                    for gi in range(ng):
+                        m = _u(r * ng + gi)
+                        s, z = _sz(scf[m], zf[m] if not symmetric else 0, bits, symmetric)
+                        for d in range(_u(gi * g), _u(gi * g + g), U16):
+                            _vdeq16(sf, src + d, s, z, of, dst + d)
+                    r += 1
+                    continue
                 for gi in range(ng):
                     m = _u(r * ng + gi)
                     s, z = _sz(scf[m], zf[m] if not symmetric else 0, bits, symmetric)
@@ -350,6 +470,7 @@ def dequantize_per_channel(sym, scale, zero, g, bits, symmetric, heads, tokens, 
     ss = np.empty(d_n, np.float32)
     zz = np.empty(d_n, np.float32)
     row = np.empty(d_n, np.float32)
+    vec = kind != 2 and d_n % 16 == 0  # whole 16-lane chunks
     for b in range(nb):
         for hi in range(hs):
             for gi in range(ng):
@@ -360,6 +481,11 @@ def dequantize_per_channel(sym, scale, zero, g, bits, symmetric, heads, tokens, 
                     zz[d] = z
                 for ti in range(gi * g, min(gi * g + g, ts)):
                     src = _u(((b * hs + hi) * ts + ti) * d_n)
+                    if vec:
+                        dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                        for d in range(_u(0), dn, U16):
+                            _vdeq16v(sf, src + d, ss, zz, d, of, dst + d)
+                        continue
                     for d in range(dn):
                         v = np.float32(sf[src + d]) * ss[d]
                         row[d] = zz[d] + v
