@@ -784,6 +784,38 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
             assert np.array_equal(got, ref_out), (kind, packed)
 
 
+@covers("encode_tensor")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_encode_tensor_is_check_then_segments_then_crc(dtype):
+    """One call = the magnitude check (``max_magnitude_*``), then ``encode_segments`` (packed)
+    and zlib's CRC-32 of the sections; a NaN, an inf or a magnitude beyond ``limit`` returns
+    ``seen = -1`` with the magnitude and writes nothing."""
+    shape = (2, 3, 26, 16)
+    x = with_extremes(student_t(shape, seed=3, scale=50.0))
+    xk, _ = kernel_input(x, dtype)
+    segs, index, nbytes, _ = build_table(shape, segment_plan(shape))
+    lut8 = fp8_luts()[2]
+    want = np.zeros(nbytes, np.uint8)
+    seen_want = K.encode_segments(xk, segs, index, want, np.zeros(nbytes * 8, np.uint8), True, lut8, nf_table())
+    magnitude = K.max_magnitude_bf16(xk) if dtype == "bf16" else K.max_magnitude_f32(xk)
+    amax = float(x.abs().max().to(torch.bfloat16 if dtype == "bf16" else torch.float32))
+    for limit in (math.inf, amax, 2 * amax):
+        out = np.zeros(nbytes, np.uint8)
+        bits, seen, crc = K.encode_tensor(xk, limit, segs, index, out, np.zeros(nbytes * 8, np.uint8), lut8, nf_table())
+        assert (bits, seen, crc) == (magnitude, seen_want, zlib.crc32(want.tobytes()))
+        assert np.array_equal(out, want)
+    out = np.zeros(nbytes, np.uint8)
+    bits, seen, crc = K.encode_tensor(xk, np.nextafter(amax, 0.0), segs, index, out, np.zeros(nbytes * 8, np.uint8),
+                                      lut8, nf_table())
+    assert (bits, seen, crc) == (magnitude, -1, 0) and not out.any()
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.clone()
+        y[1, 2, 5, 3] = bad
+        yk, _ = kernel_input(y, dtype)
+        bits, seen, _ = K.encode_tensor(yk, math.inf, segs, index, out, np.zeros(nbytes * 8, np.uint8), lut8, nf_table())
+        assert seen == -1 and bits >= (0x7F80 if dtype == "bf16" else 0x7F800000) and not out.any()
+
+
 # ----------------------------------------------------------------------------- CRC32
 
 

@@ -466,10 +466,13 @@ def _magnitude(x: np.ndarray) -> tuple[bool, float]:
     """``(finite, amax)`` of a bfloat16-bits or float32 array in one pass
     (:func:`kvtune.codecs.kernels.max_magnitude_bf16` / ``max_magnitude_f32``): whether no
     value is NaN or inf, and the largest ``|x|`` (NaN or inf when one is)."""
-    if x.dtype == np.uint16:
-        bits = K.max_magnitude_bf16(x)
+    return _magnitude_of(x.dtype, K.max_magnitude_bf16(x) if x.dtype == np.uint16 else K.max_magnitude_f32(x))
+
+
+def _magnitude_of(dtype, bits: int) -> tuple[bool, float]:
+    """``(finite, amax)`` from the magnitude bits of a bfloat16-bits (uint16) or float32 array."""
+    if dtype == np.uint16:
         return bits < 0x7F80, float(np.array([bits << 16], np.uint32).view(np.float32)[0])
-    bits = K.max_magnitude_f32(x)
     return bits < 0x7F800000, float(np.array([bits], np.uint32).view(np.float32)[0])
 
 
@@ -515,10 +518,36 @@ def _work(shape: tuple[int, ...]) -> np.ndarray:
     return buf[:n].reshape(shape)
 
 
+def _encode_bitpacked(x: np.ndarray, plan: _Plan, kind: str, layer: int, index: int) -> tuple[list, int, int]:
+    """:func:`_encode_one` of a ``bitpack`` policy without transforms: the input check, every
+    segment and the CRC in one kernel call (:func:`kvtune.codecs.kernels.encode_tensor`); the
+    checks and errors of the general route, in its order."""
+    out = _empty(plan.nbytes, np.uint8)
+    args = (plan.segs, plan.idx, out, _scratch(plan.max_numel), _fp8_luts()[2], nf_table())
+    bits, seen, crc = K.encode_tensor(x, plan.value_limit, *args)
+    if seen < 0:  # a NaN / inf, or a magnitude that needs the per-segment range check
+        finite, amax = _magnitude_of(x.dtype, bits)
+        if not finite:
+            raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
+        _check_value_range(x, amax, plan, layer, kind)
+        bits, seen, crc = K.encode_tensor(x, math.inf, *args)
+    if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
+        raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
+    view = memoryview(out)
+    return [view[a:b] for a, b in plan.bounds], int(crc), out.size
+
+
 def _encode_one(task) -> tuple[list, int, int]:
     """One K or V tensor -> ``(sections, crc32 of their concatenation, total bytes)``."""
     t, comp, kind, layer, index, positions = task
     x = _input_array(t)
+    if comp.bitpack and not comp.config.transforms:  # a common case in one kernel call (GIL: once)
+        try:
+            plan = comp.plan(kind, x.shape, layer)
+        except Exception:  # report a NaN / inf first, as below
+            plan = None
+        if isinstance(plan, _Plan) and not plan.whole_bf16:
+            return _encode_bitpacked(x, plan, kind, layer, index)
     finite, amax = _magnitude(x)
     if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -760,9 +761,23 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
     Raises:
         CorruptStreamError: naming the first such section's layer, K or V, and kind.
     """
+    starts, ends, where = _float16_ranges(header.header_nbytes, header.sections)
+    bad = fastpath.first_nonfinite_f16(np.frombuffer(stream, dtype=np.uint8), starts, ends)
+    if bad >= 0:
+        i, name, what = where[bad]
+        raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {name} has a NaN or inf float16 "
+                                 f"in its {what} (an encoder writes only finite ones)")
+
+
+@functools.lru_cache(maxsize=64)
+def _float16_ranges(header_nbytes: int, sections: tuple) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Byte ranges of every float16 section of a stream (transform state and metadata, wire
+    order) as int64 ``(starts, ends)``, and per range ``(layer, "K"/"V", kind)``; a function of
+    the header's section lengths alone, so remembered for repeated headers (fixed-size chunks
+    of one policy). The arrays are never handed out: callers only read them."""
     starts, ends, where = [], [], []
-    pos = header.header_nbytes
-    for i, lengths in enumerate(header.sections):
+    pos = header_nbytes
+    for i, lengths in enumerate(sections):
         for name, lens in zip("KV", lengths):
             for j, n in enumerate(lens.flat()):  # wire order: state, then (metadata, payload) per segment
                 if j == 0 or j % 2:
@@ -770,12 +785,7 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
                     ends.append(pos + n)
                     where.append((i, name, "metadata" if j else "transform state"))
                 pos += n
-    bad = fastpath.first_nonfinite_f16(np.frombuffer(stream, dtype=np.uint8), np.array(starts, np.int64),
-                                       np.array(ends, np.int64))
-    if bad >= 0:
-        i, name, what = where[bad]
-        raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {name} has a NaN or inf float16 "
-                                 f"in its {what} (an encoder writes only finite ones)")
+    return np.array(starts, np.int64), np.array(ends, np.int64), tuple(where)
 
 
 def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSections, TensorSections]], config: PolicyConfig) -> None:

@@ -121,6 +121,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         SEG_TOKENS,
         decode_segments,
         encode_segments,
+        encode_tensor,
     )
     from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
     from .warmup import warm_up
@@ -169,6 +170,7 @@ __all__ = [
     "rans_encode",
     "rans_decode",
     "encode_segments",
+    "encode_tensor",
     "decode_segments",
     "crc32_update",
     "crc32_combine",

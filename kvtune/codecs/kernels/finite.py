@@ -18,7 +18,7 @@ from .lowlevel import JIT
 
 
 @njit(**JIT)
-def _max_masked(flat, mask):
+def max_masked(flat, mask):
     """The largest ``flat[i] & mask`` of a 1-D unsigned integer array (0 when empty): an integer
     max reduction the compiler vectorizes (``vpmaxuw`` on 16 lanes for uint16).
 
@@ -40,14 +40,14 @@ def max_magnitude_bf16(bits: np.ndarray) -> int:
     inf's); below it, ``float32`` of ``pattern << 16`` is ``abs(x).amax()``.
     Reference: ``x.abs().amax()`` and ``torch.isfinite(x).all()``.
     """
-    return int(_max_masked(bits.reshape(-1), np.uint16(0x7FFF)))
+    return int(max_masked(bits.reshape(-1), np.uint16(0x7FFF)))
 
 
 def max_magnitude_f32(x: np.ndarray) -> int:
     """The largest magnitude of a float32 array (any shape, C-contiguous) as a float32 bit
     pattern without the sign (0 when empty); ``>= 0x7F800000`` means a NaN or inf. As
     :func:`max_magnitude_bf16`."""
-    return int(_max_masked(x.reshape(-1).view(np.uint32), np.uint32(0x7FFFFFFF)))
+    return int(max_masked(x.reshape(-1).view(np.uint32), np.uint32(0x7FFFFFFF)))
 
 
 def all_finite_bf16(bits: np.ndarray) -> bool:

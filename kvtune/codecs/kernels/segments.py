@@ -21,8 +21,10 @@ from numba.extending import overload
 from .bitpack import pack_bits, unpack_bits
 from .codebook import codebook_dequantize, codebook_quantize
 from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, store_row
+from .crc import crc32_update
+from .finite import max_masked
 from .fp8 import fp8_dequantize, fp8_quantize
-from .lowlevel import INLINE, JIT, U1, U2
+from .lowlevel import INLINE, JIT, U1, U2, u32_as_f32
 from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 
 _u = uintp
@@ -385,3 +387,58 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
             _fp8_decode(sym4, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind)
+
+
+def _magnitude(x):  # pragma: no cover - replaced by the overload below
+    """``(bits, value, finite)`` of the largest ``|x|`` (:func:`kvtune.codecs.kernels.max_magnitude_bf16`
+    / ``max_magnitude_f32``); in compiled code only."""
+    raise NotImplementedError
+
+
+@overload(_magnitude, inline="always")
+def _magnitude_impl(x):
+    if x.dtype == types.uint16:
+
+        def impl(x):
+            bits = np.int64(max_masked(x.reshape(-1), np.uint16(0x7FFF)))
+            return bits, u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < 0x7F80
+
+        return impl
+    if x.dtype == types.float32:
+
+        def impl(x):
+            bits = np.int64(max_masked(x.reshape(-1).view(np.uint32), np.uint32(0x7FFFFFFF)))
+            return bits, u32_as_f32(np.uint32(bits)), bits < 0x7F800000
+
+        return impl
+    return None
+
+
+@njit(**JIT)
+def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books):
+    """The whole ``bitpack`` encode of one K or V tensor without transforms, in one call: the
+    input check, :func:`encode_segments` and the CRC-32 of the sections (a codec thread then
+    releases and re-takes the GIL once per tensor, not once per step: with two threads each
+    re-take may wait for the other thread's Python).
+
+    Reference: :func:`kvtune.codecs.kernels.max_magnitude_bf16` (``max_magnitude_f32`` for
+    float32 ``x``), then :func:`encode_segments` with ``pack`` and :func:`crc32_update` of
+    ``out`` from 0.
+
+    Args:
+        x: ``(B, H, T, D)`` uint16 (bfloat16 bits) or float32; limit: the largest magnitude the
+            plan's blocks take without a per-segment check (float64; ``inf`` to skip it).
+        segs, idx, out, symbuf, lut8, books: as :func:`encode_segments` (``pack`` is true).
+
+    Returns:
+        ``(magnitude, seen, crc)``: ``magnitude`` the largest ``|x|`` as bits (as
+        ``max_magnitude_*``); when it is a NaN / inf or its value exceeds ``limit``, nothing is
+        written and ``seen`` is -1 (the caller checks the value ranges, then calls again with
+        ``limit = inf``); else ``seen`` as :func:`encode_segments` and ``crc`` the CRC-32 of
+        ``out``.
+    """
+    bits, value, finite = _magnitude(x)
+    if not (finite and np.float64(value) <= limit):
+        return bits, np.int64(-1), np.int64(0)
+    seen = encode_segments(x, segs, idx, out, symbuf, True, lut8, books)
+    return bits, seen, crc32_update(0, out)
