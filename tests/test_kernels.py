@@ -816,6 +816,24 @@ def test_encode_tensor_is_check_then_segments_then_crc(dtype):
         assert seen == -1 and bits >= (0x7F80 if dtype == "bf16" else 0x7F800000) and not out.any()
 
 
+@covers("decode_tensor")
+def test_decode_tensor_is_crc_then_packed_segments():
+    """One call = zlib's CRC-32 of the sections, then ``decode_segments`` (packed): the same
+    output, into every output kind."""
+    shape = (2, 3, 26, 16)
+    x = with_extremes(student_t(shape, seed=4, scale=50.0))
+    xk, _ = kernel_input(x, "bf16")
+    segs, index, nbytes, _ = build_table(shape, segment_plan(shape))
+    luts, lut16, lut8 = fp8_luts()
+    data = np.zeros(nbytes, np.uint8)
+    K.encode_segments(xk, segs, index, data, np.zeros(nbytes * 8, np.uint8), True, lut8, nf_table())
+    for kind, _ in OUT_KINDS:
+        want, got = out_array(shape, kind), out_array(shape, kind)
+        K.decode_segments(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), True, want, kind, nf_table())
+        crc = K.decode_tensor(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), got, kind, nf_table())
+        assert crc == zlib.crc32(data.tobytes()) and np.array_equal(got, want), kind
+
+
 # ----------------------------------------------------------------------------- CRC32
 
 

@@ -11,7 +11,12 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
 * K and V tensors are independent tasks shared by the calling thread and a small thread pool
   (the kernels and zlib release the GIL); each task also computes the CRC32 of its sections
   while they are in cache, and the stream writer combines them
-  (:func:`kvtune.codecs.kernels.crc32_combine`) instead of reading the stream again,
+  (:func:`kvtune.codecs.kernels.crc32_combine`) instead of reading the stream again; the
+  decoder does the same to verify the stream's checksum (``decode_tensors(check_crc=True)``),
+* a ``bitpack`` tensor is one kernel call (to encode without transforms:
+  :func:`kvtune.codecs.kernels.encode_tensor`, input check, segments, CRC; to decode:
+  :func:`kvtune.codecs.kernels.decode_tensor`, CRC, segments), so a codec thread takes the GIL
+  back once per tensor: with two threads, each re-take can wait for the other thread's Python,
 * metadata and payload are written straight into numpy buffers whose bytes are the sections.
 
 Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block quantizers
@@ -59,13 +64,14 @@ from kvtune.codecs.base import (
 )
 from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, DPAlloc
 from kvtune.codecs.bitpack import BitPack
-from kvtune.codecs.checksum import crc32
+from kvtune.codecs.checksum import crc32, crc32_combine
 from kvtune.codecs.codebook import CodebookQuantizer, check_levels, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.pca import PCA
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.select import is_selecting
+from kvtune.codecs.stream import check_checksum
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
 from kvtune.core.errors import CorruptStreamError, KVInputError
@@ -624,23 +630,31 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT16 = _OUT_KIND[torch.float16]
 
 
-def _decode_one(task) -> torch.Tensor:
-    """Sections of one K or V tensor -> the decoded tensor in ``dtype`` (the reference
-    pipeline's tensor decode in :mod:`kvtune.codecs.policy` followed by ``.to(dtype)``), with
-    the same checks in the same order; written into ``dest`` when given."""
+def _decode_one(task) -> tuple[torch.Tensor, int]:
+    """Sections of one K or V tensor -> ``(the decoded tensor in dtype, CRC-32 of its sections)``
+    (the reference pipeline's tensor decode in :mod:`kvtune.codecs.policy` followed by
+    ``.to(dtype)``), with the same checks in the same order; written into ``dest`` when given.
+    The CRC is taken while the bytes are read (in the ``bitpack`` kernel call itself)."""
     sections, data, shape, comp, kind, layer, dtype, dest, positions = task
     if math.prod(shape) == 0:  # no tokens: only the state travels; nothing to plan (as the reference)
         need = transform_state_nbytes(comp.config.transforms, shape, layer=layer, kind=kind)
         if len(sections.state) != need:
             raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {need}")
-        return dest if dest is not None else torch.zeros(shape, dtype=dtype)
+        return (dest if dest is not None else torch.zeros(shape, dtype=dtype)), crc32(data)
     plan = comp.plan(kind, shape, layer)
     if len(sections.state) != plan.state_nbytes:
         raise CorruptStreamError(f"transform state section has {len(sections.state)} bytes, the policy needs {plan.state_nbytes}")
     if len(plan.segments) != len(sections.meta):
         raise CorruptStreamError(f"{len(sections.meta)} segments recorded, the policy needs {len(plan.segments)}")
     if isinstance(plan, _ComponentPlan):
-        return _decode_components(sections, plan, comp, kind, layer, dtype, dest, positions)
+        crc = crc32(data)
+        return _decode_components(sections, plan, comp, kind, layer, dtype, dest, positions), crc
+    return _decode_planned(sections, data, shape, plan, comp, dtype, dest)
+
+
+def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, dest) -> tuple[torch.Tensor, int]:
+    """:func:`_decode_one` of a tensor with a block-quantizer plan (:class:`_Plan`)."""
+    crc = None
     segs = plan.segs
     if comp.bitpack:
         symbuf = _scratch(plan.max_numel)
@@ -652,6 +666,7 @@ def _decode_one(task) -> torch.Tensor:
             if len(meta) != mlen:
                 raise CorruptStreamError(f"metadata section has {len(meta)} bytes, the policy needs {mlen}")
     else:
+        crc = crc32(data)
         codec = comp.config.codec
         symbuf = np.empty(max(plan.sym_nbytes, 1), np.uint8)
         segs = segs.copy()
@@ -678,9 +693,11 @@ def _decode_one(task) -> torch.Tensor:
         result = None
         target = _empty(shape, np.float32 if out_kind == 0 else np.uint16, zero=not plan.segments)
     y = target if direct else _work(shape)
-    if plan.segments:
-        luts = _fp8_luts()
-        K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, comp.bitpack, y, out_kind if direct else 0,
+    luts = _fp8_luts()
+    if crc is None:  # bitpack: the CRC and every segment in one kernel call
+        crc = K.decode_tensor(data, segs, plan.idx, luts[0], luts[1], symbuf, y, out_kind if direct else 0, nf_table())
+    elif plan.segments:
+        K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, False, y, out_kind if direct else 0,
                           nf_table())
     if not direct:
         if plan.transforms:
@@ -692,10 +709,10 @@ def _decode_one(task) -> torch.Tensor:
         else:
             K.store_output(y, out_kind, target)
     if result is not None:
-        return result
+        return result, int(crc)
     if out_kind == 0:
-        return torch.from_numpy(target)
-    return torch.from_numpy(target.view(np.int16)).view(dtype)
+        return torch.from_numpy(target), int(crc)
+    return torch.from_numpy(target.view(np.int16)).view(dtype), int(crc)
 
 
 def _check_codebooks(plan: _Plan, metas) -> None:
@@ -763,13 +780,21 @@ def first_nonfinite_f16(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -
     return -1
 
 
-def decode_tensors(stream, header, sections, config, out=None, positions=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_tensors(stream, header, sections, config, out=None, positions=None,
+                   check_crc: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Decode every tensor of a validated stream (see :func:`kvtune.codecs.decode_kv`), into
     the tensors of ``out`` when given (already checked by the caller); ``positions`` as in
     :func:`encode_tensors` (from the stream's selection masks).
 
+    ``check_crc``: also verify the stream's final CRC-32 (:func:`kvtune.codecs.stream.check_checksum`)
+    from the CRCs the tasks take of their tensors' sections while they decode them, combined
+    with the header's and the selection masks' (:func:`kvtune.codecs.checksum.crc32_combine`):
+    one read of the stream instead of two, for a caller that read it with
+    ``verify_checksum=False``. A mismatch is raised after every task ran, before any result is
+    returned.
+
     Raises the first error in layer order (K before V), as the reference path does, wrapped in
-    :class:`LayerDecodeError`.
+    :class:`LayerDecodeError`; CorruptStreamError on a checksum mismatch (``check_crc``).
     """
     comp = _compiled(config)
     dtype = NAME_DTYPES[header.dtype]
@@ -798,8 +823,20 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None) -
             _, exc = results[2 * i + j]
             if exc is not None:
                 raise LayerDecodeError(header.layer_offset + i, exc)
-        out.append((results[2 * i][0], results[2 * i + 1][0]))
+        out.append((results[2 * i][0][0], results[2 * i + 1][0][0]))
+    if check_crc:
+        crc = _combined_crc(buf, header, pos, [r[0][1] for r in results], [len(t[1]) for t in tasks])
+        check_checksum(buf, header, crc)
     return out
+
+
+def _combined_crc(buf: np.ndarray, header, end: int, crcs: list[int], lengths: list[int]) -> int:
+    """CRC-32 of ``buf[:total - 4]`` from the tensors' CRCs: the header's, each tensor's
+    combined in stream order, then the selection masks' (``buf[end:total - 4]``)."""
+    crc = crc32(buf[: header.header_nbytes])
+    for c, n in zip(crcs, lengths):
+        crc = crc32_combine(crc, c, n)
+    return crc32(buf[end : header.total_nbytes - header.checksum_nbytes], crc)
 
 
 class LayerDecodeError(Exception):

@@ -74,10 +74,25 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
-from kvtune.codecs.stream import StreamHeader, TensorSections, read_stream, selection_views, shape_problem, write_stream
+from kvtune.codecs.stream import (
+    StreamHeader,
+    TensorSections,
+    check_checksum,
+    read_stream,
+    selection_views,
+    shape_problem,
+    write_stream,
+)
 from kvtune.core.ids import config_policy_id
 from kvtune.core.jsonio import canonical_json
-from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVInputTypeError, KVStreamError
+from kvtune.core.errors import (
+    ConfigError,
+    CorruptStreamError,
+    KVInputError,
+    KVInputTypeError,
+    KVStreamError,
+    PolicyMismatchError,
+)
 
 __all__ = [
     "KVLayers",
@@ -629,7 +644,23 @@ def decode_kv(
     """
     if expect is not None and not isinstance(expect, PolicyConfig):
         raise TypeError(f"expect must be a PolicyConfig or None, got {type(expect).__name__}")
-    header, sections = read_stream(stream, expect_policy_id=None if expect is None else expect.policy_id)
+    # the final checksum is verified below (the fast path takes it while decoding); any error
+    # found first is reported as a checksum mismatch when the stream is damaged, as if checked first
+    header, sections = read_stream(stream, verify_checksum=False)
+    try:
+        return _decode_read(stream, header, sections, expect, impl, out, device)
+    except Exception:
+        check_checksum(stream, header)
+        raise
+
+
+def _decode_read(stream, header: StreamHeader, sections, expect: PolicyConfig | None, impl: str, out, device) -> KVLayers:
+    """:func:`decode_kv` after :func:`kvtune.codecs.stream.read_stream` (without its checksum,
+    which every route below verifies before it returns or, but for the fast path, before it
+    decodes)."""
+    if expect is not None and header.policy_id != expect.policy_id:
+        raise PolicyMismatchError(f"KV stream was encoded with policy {header.policy_id}, caller expects "
+                                  f"{expect.policy_id}")
     try:
         config = PolicyConfig.from_dict(header.policy)
     except (ConfigError, TypeError, ValueError) as exc:
@@ -652,6 +683,10 @@ def decode_kv(
                               "torch path; use impl='auto', 'fast' or 'reference'")
         if impl == "auto":  # the fast path, given the positions, or the reference
             impl = "fast" if fastpath.supports(config) else "reference"
+    fast = device.type == "cpu" and not _use_torch(impl, config, False) and _use_fast(impl, config) \
+        and fastpath.sizes_plausible(header, config)
+    if not fast:
+        check_checksum(stream, header)
     if _use_torch(impl, config, device.type != "cpu"):
         try:
             return torchpath.decode_tensors(stream, header, sections, config, device, out)
@@ -665,9 +700,9 @@ def decode_kv(
             ok.copy_(k)
             ov.copy_(v)
         return out
-    if _use_fast(impl, config) and fastpath.sizes_plausible(header, config):
+    if fast:
         try:
-            return fastpath.decode_tensors(stream, header, sections, config, out, positions)
+            return fastpath.decode_tensors(stream, header, sections, config, out, positions, check_crc=True)
         except fastpath.LayerDecodeError as err:
             _raise_decode_error(header.policy_id, err.layer, err.exc)
     result: KVLayers = []

@@ -77,6 +77,12 @@ segments, each segment's metadata length and its payload against the plan
 tokens is not planned: only its state length is checked. Every failure on untrusted bytes is
 a :class:`~kvtune.core.errors.KVStreamError`; no tensor is produced from a stream that fails any
 check. Streams are deterministic: the same input and policy give the same bytes.
+
+:func:`kvtune.codecs.decode_kv` reads with ``verify_checksum=False`` and verifies the final
+checksum itself: its fast path takes each tensor's CRC-32 while decoding it (one read of the
+stream instead of two) and compares the combination before it returns; the other paths check
+it before decoding; and any error found on the way is reported as a checksum mismatch when the
+stream is damaged. A caller therefore sees the errors in the order above.
 """
 
 from __future__ import annotations
@@ -111,6 +117,8 @@ __all__ = [
     "write_stream",
     "read_stream",
     "read_header",
+    "check_checksum",
+    "stream_checksum",
     "selection_views",
     "mask_nbytes",
 ]
@@ -500,13 +508,18 @@ def byte_view(data: bytes | bytearray | memoryview) -> memoryview:
 
 
 def read_stream(
-    data: bytes | bytearray | memoryview, *, expect_policy_id: str | None = None
+    data: bytes | bytearray | memoryview, *, expect_policy_id: str | None = None, verify_checksum: bool = True
 ) -> tuple[StreamHeader, list[tuple[TensorSections, TensorSections]]]:
     """Validate a stream and split it into its header and per-layer sections.
 
     Args:
         data: the stream bytes.
         expect_policy_id: when given, the policy id the caller expects.
+        verify_checksum: check the final CRC-32 here (a pass over the whole stream). ``False``
+            leaves it to the caller, who must call :func:`check_checksum` (or compare
+            :func:`stream_checksum` with a CRC it computed while reading the sections) before
+            trusting any section, and on any error found first: the fast decode path computes
+            each tensor's CRC while its bytes are in cache.
 
     Returns:
         ``(header, sections)``; ``sections[i]`` is ``(K, V)`` :class:`TensorSections` of
@@ -547,9 +560,8 @@ def read_stream(
         raise TruncatedStreamError(f"KV stream truncated: {n} bytes, header and section lengths say {total}")
     if n > total:
         raise _bad(f"{n - total} unexpected bytes after the end of the stream ({total} bytes)")
-    (crc,) = _CRC.unpack_from(mv, total - _CRC.size)
-    if crc32_threaded(mv[: total - _CRC.size]) != crc:
-        raise _bad("checksum mismatch")
+    if verify_checksum:
+        check_checksum(mv, header)
     if expect_policy_id is not None and header.policy_id != expect_policy_id:
         raise PolicyMismatchError(
             f"KV stream was encoded with policy {header.policy_id}, caller expects {expect_policy_id}"
@@ -566,6 +578,28 @@ def read_stream(
             tensors.append(TensorSections.from_flat(views))
         sections.append((tensors[0], tensors[1]))
     return header, sections
+
+
+def stream_checksum(data: bytes | bytearray | memoryview, header: StreamHeader) -> int:
+    """The final CRC-32 recorded in a stream that :func:`read_stream` accepted with ``header``
+    (its last 4 bytes, little-endian): ``zlib.crc32`` of every byte before them."""
+    mv = byte_view(data)
+    return _CRC.unpack_from(mv, header.total_nbytes - _CRC.size)[0]
+
+
+def check_checksum(data: bytes | bytearray | memoryview, header: StreamHeader, crc: int | None = None) -> None:
+    """Refuse a stream whose final CRC-32 does not match its bytes: ``crc`` (the CRC of every
+    byte before the final checksum, computed by the caller) or, when ``None``, computed here
+    (:func:`kvtune.codecs.checksum.crc32_threaded`).
+
+    Raises:
+        CorruptStreamError: ``corrupt KV stream: checksum mismatch``.
+    """
+    mv = byte_view(data)
+    if crc is None:
+        crc = crc32_threaded(mv[: header.total_nbytes - _CRC.size])
+    if crc != stream_checksum(mv, header):
+        raise _bad("checksum mismatch")
 
 
 def selection_views(data: bytes | bytearray | memoryview, header: StreamHeader) -> list[memoryview]:

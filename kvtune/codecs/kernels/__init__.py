@@ -120,6 +120,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         SEG_SYM,
         SEG_TOKENS,
         decode_segments,
+        decode_tensor,
         encode_segments,
         encode_tensor,
     )
@@ -172,6 +173,7 @@ __all__ = [
     "encode_segments",
     "encode_tensor",
     "decode_segments",
+    "decode_tensor",
     "crc32_update",
     "crc32_combine",
     "CRC32_CLMUL",

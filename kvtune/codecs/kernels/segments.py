@@ -442,3 +442,17 @@ def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books):
         return bits, np.int64(-1), np.int64(0)
     seen = encode_segments(x, segs, idx, out, symbuf, True, lut8, books)
     return bits, seen, crc32_update(0, out)
+
+
+@njit(**JIT)
+def decode_tensor(data, segs, idx, luts, lut16, symbuf, out, kind, books):
+    """The whole ``bitpack`` decode of one K or V tensor in one call: the CRC-32 of its sections
+    ``data`` (while they are read anyway; the caller combines the tensors' CRCs into the
+    stream's, :func:`crc32_combine`), then :func:`decode_segments` with ``packed``.
+
+    Reference: :func:`crc32_update` of ``data`` from 0, then :func:`decode_segments`.
+    Arguments as :func:`decode_segments`. Returns the CRC-32 of ``data``.
+    """
+    crc = crc32_update(0, data)
+    decode_segments(data, segs, idx, luts, lut16, symbuf, True, out, kind, books)
+    return crc
