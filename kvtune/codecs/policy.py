@@ -566,7 +566,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         sections = torchpath.encode_tensors(kv, inner, layer_offset)
     elif fast:
         positions = None if selection is None else selection.positions
-        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, positions)
+        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, positions, reuse_buffers=True)
     else:
         sections = []
         for i, (k, v) in enumerate(kv):
