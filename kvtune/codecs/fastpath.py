@@ -607,10 +607,12 @@ def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tens
 
     ``reuse_buffers``: the ``bitpack`` tensors encoded in one kernel call write their sections
     into one buffer of the calling thread that its next call overwrites (the caller copies the
-    sections out first: :func:`kvtune.codecs.encode_kv` joins them into the stream). Measured
-    on the 2-vCPU development VM: 60 fresh 114 KB output buffers held until the stream is
-    joined cost up to ~3.5 ms of page faults per ``kivi-2`` encode of 1,024 tokens (the 60
-    kernel calls themselves take ~3.4 ms on one thread).
+    sections out first: :func:`kvtune.codecs.encode_kv` joins them into the stream). Fresh
+    buffers cost page faults whenever the allocator cannot hand back the last call's memory:
+    ``encode_kv`` of ``kivi-2`` on 1,024 tokens, in a loop that keeps the last 3 streams alive
+    (a sender with transfers in flight; 2-vCPU AMD EPYC, 2026-12-03), took 2.96-3.04 ms with the
+    reused buffer against 3.20-3.45 ms with fresh ones (2 threads; 4.77-4.85 against 4.85-5.15
+    ms with one).
 
     Each task first checks its tensor for NaN / inf and finds its largest magnitude (for the
     value limits) with one vectorized integer pass over its bits
