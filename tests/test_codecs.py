@@ -14,6 +14,7 @@ import importlib
 import math
 import re
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ from kvtune.codecs.pca import PCA, RopeSpec, fit_pca_basis, register_basis
 from kvtune.codecs.rans import RansCodec
 from kvtune.codecs.policy import apply_transforms, invert_transforms, transform_min_bits
 from kvtune.codecs.select import Keep, select_kv, selecting_transform
-from kvtune.codecs.stream import write_stream
+from kvtune.codecs.stream import check_checksum, read_stream, stream_checksum, write_stream
 from kvtune.codecs.transforms import (
     Affine,
     Delta,
@@ -1048,6 +1049,29 @@ def test_wrong_expected_policy(good_stream):
     cfg, stream = good_stream
     with pytest.raises(PolicyMismatchError, match=cfg.policy_id):
         decode_kv(stream, expect=PolicyConfig.kivi(3))
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_a_flip_after_the_header_is_reported_as_a_checksum_mismatch(good_stream, impl):
+    """The fast path verifies the stream CRC while decoding (``read_stream(verify_checksum=False)``),
+    yet a damaged stream reports the checksum first, as the reference path does, whatever check a
+    flipped metadata or payload byte would trip first (e.g. a NaN float16 scale), into ``out``
+    tensors too; ``read_stream`` without the checksum accepts it and ``check_checksum`` refuses it."""
+    _, stream = good_stream
+    h = read_header(stream)
+    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in decode_kv(stream)]
+    for pos in np.linspace(h.header_nbytes, len(stream) - 1, 25).astype(int):
+        bad = _flip(stream, int(pos))
+        with pytest.raises(CorruptStreamError, match="checksum mismatch"):
+            decode_kv(bad, impl=impl)
+        with pytest.raises(CorruptStreamError, match="checksum mismatch"):
+            decode_kv(bad, impl=impl, out=out)
+        header, _ = read_stream(bad, verify_checksum=False)
+        assert header == h
+        with pytest.raises(CorruptStreamError, match="checksum mismatch"):
+            check_checksum(bad, header)
+    check_checksum(stream, h)
+    assert stream_checksum(stream, h) == zlib.crc32(stream[:-4])
 
 
 def test_no_single_byte_flip_ever_decodes(good_stream):
