@@ -6,7 +6,7 @@ quantizer (:mod:`kvtune.codecs.quantizers`, :mod:`kvtune.codecs.fp8`,
 their output dtype (:mod:`kvtune.codecs.fastpath`). Each conversion rounds as torch does (to
 nearest even); ``tests/test_kernels.py`` compares them with torch's conversions.
 
-:func:`load_row`, :func:`load_row_magnitude`, :func:`store_row` and :func:`bf16_bits_to_f32` are helpers for the other
+:func:`load_row`, :func:`store_row` and :func:`bf16_bits_to_f32` are helpers for the other
 kernel modules, not kernels (tested through the kernels that use them); the others are
 re-exported by :mod:`kvtune.codecs.kernels`.
 """
@@ -169,44 +169,6 @@ def _load_row_impl(xf, off, row, roff, n):
         def impl(xf, off, row, roff, n):
             for d in range(n):
                 row[roff + d] = xf[off + d]
-
-        return impl
-    return None
-
-
-def load_row_magnitude(xf, off, row, roff, n, m):  # pragma: no cover - replaced by the overload below
-    """:func:`load_row`, returning ``max(m, largest magnitude bits of the values loaded)``: the
-    bits without the sign (``& 0x7FFF`` of bfloat16, ``& 0x7FFFFFFF`` of float32; NaN and inf
-    patterns are above every finite one), as :func:`kvtune.codecs.kernels.max_magnitude_bf16`
-    reads them. In compiled code only (an inlined overload)."""
-    raise NotImplementedError
-
-
-@overload(load_row_magnitude, inline="always")
-def _load_row_magnitude_impl(xf, off, row, roff, n, m):
-    """The loop for the dtype of ``xf``, with an integer max reduction in that width (vectorized)."""
-    if xf.dtype == types.uint16:
-
-        def impl(xf, off, row, roff, n, m):
-            mm = np.uint16(m)
-            for d in range(n):
-                v = xf[off + d]
-                row[roff + d] = u32_as_f32(np.uint32(v) << np.uint32(16))
-                e = np.uint16(v & np.uint16(0x7FFF))
-                mm = e if e > mm else mm
-            return np.int64(mm)
-
-        return impl
-    if xf.dtype == types.float32:
-
-        def impl(xf, off, row, roff, n, m):
-            mm = np.uint32(m)
-            for d in range(n):
-                v = xf[off + d]
-                row[roff + d] = v
-                e = np.uint32(f32_as_u32(v) & np.uint32(0x7FFFFFFF))
-                mm = e if e > mm else mm
-            return np.int64(mm)
 
         return impl
     return None

@@ -17,7 +17,7 @@ from numba import njit, types, uintp
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, load_row_magnitude, store_row
+from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
 from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, v8_ptr, vminmax, vminmax_groups8, vminmax_rows8
 
 _u = uintp
@@ -254,11 +254,6 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
         symmetric: symmetric grid (``zero`` is left untouched).
         sym: out, uint8 ``(B, len(heads), len(tokens), D)``.
         scale, zero: out, uint16 float16 bits ``(B, len(heads), len(tokens), ceil(D / g))``.
-
-    Returns:
-        The largest magnitude of the segment's values, as bits without the sign
-        (:func:`~kvtune.codecs.kernels.convert.load_row_magnitude`; a NaN / inf pattern when one
-        is there: the symbols are then meaningless, but every one is within ``bits``).
     """
     nb, nh, nt, d_n = x.shape
     xf, sf, scf, zf = x.reshape(-1), sym.reshape(-1), scale.reshape(-1), zero.reshape(-1)
@@ -277,7 +272,6 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
     invs = np.empty(_ROWS * ng, np.float32)
     tiled = g % 8 == 0 and d_n % g == 0  # KIVI's g = 32, a whole row of 64 or 128: one flat loop
     ug = _u(g)
-    mag = np.int64(0)
     b = hi_ = ti = 0  # (batch, head, token) of the next row to load
     for r0 in range(0, nrows, _ROWS):
         nr = min(_ROWS, nrows - r0)
@@ -293,10 +287,10 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
                     hi_ = 0
                     b += 1
         if contiguous:
-            mag = load_row_magnitude(xf, _u(src[0]), blk, _u(0), _u(nr * d_n), mag)
+            load_row(xf, _u(src[0]), blk, _u(0), _u(nr * d_n))
         else:
             for r in range(nr):
-                mag = load_row_magnitude(xf, _u(src[r]), blk, _u(r * d_n), dn, mag)
+                load_row(xf, _u(src[r]), blk, _u(r * d_n), dn)
         n8 = 0
         if tiled and not symmetric:  # 8 whole groups at a time, reduced together
             n8 = nr * ng // 8 * 8
@@ -341,7 +335,6 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
                     _vquant8(blk, d, z, inv, fq, sf, base + d)
                 for d in range(d8, d1):
                     sf[base + d] = _quant(blk[d], z, inv, fq)
-    return mag
 
 
 @njit(**JIT)
@@ -350,8 +343,7 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
 
     Reference: :meth:`kvtune.codecs.quantizers.UniformQuantizer.quantize_block` with
     ``granularity = "per_channel"``. Arguments as :func:`quantize_per_token`; ``scale`` and
-    ``zero`` are ``(B, len(heads), ceil(len(tokens) / g), D)``; returns the magnitude bits as
-    :func:`quantize_per_token`. Per group of ``g`` tokens: load
+    ``zero`` are ``(B, len(heads), ceil(len(tokens) / g), D)``. Per group of ``g`` tokens: load
     (one copy when the tokens are consecutive), per-channel min/max 8 channels at a time with
     register accumulators (:func:`~kvtune.codecs.kernels.lowlevel.vminmax_rows8`), parameters,
     symbols 16 channels at a time.
@@ -369,7 +361,6 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
     z16 = np.empty(d_n, np.int32)
     zs = np.empty(d_n, np.float32)
     invs = np.empty(d_n, np.float32)
-    mag = np.int64(0)
     for b in range(nb):
         for h in range(hs):
             hrow = (b * nh + heads[h]) * nt
@@ -380,10 +371,10 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
                 for j in range(n):
                     contiguous &= tokens[t0 + j] == tokens[t0] + j
                 if contiguous:
-                    mag = load_row_magnitude(xf, _u((hrow + tokens[t0]) * d_n), blk, _u(0), _u(n * d_n), mag)
+                    load_row(xf, _u((hrow + tokens[t0]) * d_n), blk, _u(0), _u(n * d_n))
                 else:
                     for j in range(n):
-                        mag = load_row_magnitude(xf, _u((hrow + tokens[t0 + j]) * d_n), blk, _u(j * d_n), dn, mag)
+                        load_row(xf, _u((hrow + tokens[t0 + j]) * d_n), blk, _u(j * d_n), dn)
                 if symmetric:
                     for d in range(dn):
                         hi[d] = abs(blk[d])
@@ -422,7 +413,6 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
                         _vquant8v(blk, o + d, zs, invs, d, fq, sf, base + o + d)
                     for d in range(d8, dn):
                         sf[base + o + d] = _quant(blk[o + d], zs[d], invs[d], fq)
-    return mag
 
 
 @njit(**JIT)

@@ -86,8 +86,6 @@ def _meta_scratch(segs, nb, d_n):
 
 
 def _put_bf16(x, heads, tokens, out, off):  # pragma: no cover - replaced by the overload below
-    """Writes the segment's bfloat16 bits; returns the largest magnitude bits read (as
-    :func:`_magnitude_bits`)."""
     raise NotImplementedError
 
 
@@ -101,7 +99,6 @@ def _put_bf16_impl(x, heads, tokens, out, off):
         xf = x.reshape(-1)
         dn = _u(d_n)
         o = _u(off)
-        mag = np.int64(0)
         for b in range(nb):
             for hi in range(heads.shape[0]):
                 for ti in range(tokens.shape[0]):
@@ -110,27 +107,9 @@ def _put_bf16_impl(x, heads, tokens, out, off):
                         v = _bf16_bits_of(xf[src + d])
                         out[o + U2 * d] = np.uint8(v & 0xFF)
                         out[o + U2 * d + U1] = np.uint8(v >> 8)
-                    mag = max(mag, _magnitude_bits(xf, src, dn))
                     o += U2 * dn
-        return mag
 
     return impl
-
-
-def _magnitude_bits(xf, src, n):  # pragma: no cover - replaced by the overload below
-    raise NotImplementedError
-
-
-@overload(_magnitude_bits, inline="always")
-def _magnitude_bits_impl(xf, src, n):
-    """Largest magnitude bits of ``xf[src:src + n]`` (as :func:`kvtune.codecs.kernels.max_magnitude_bf16`
-    / ``max_magnitude_f32``), 0 when empty."""
-    if xf.dtype == types.uint16:
-        return lambda xf, src, n: np.int64(max_masked(xf[src : src + n], np.uint16(0x7FFF))) if n else np.int64(0)
-    if xf.dtype == types.float32:
-        return lambda xf, src, n: (np.int64(max_masked(xf[src : src + n].view(np.uint32), np.uint32(0x7FFFFFFF)))
-                                   if n else np.int64(0))
-    return None
 
 
 def _bf16_bits_of(v):  # pragma: no cover - replaced by the overload below
@@ -294,18 +273,9 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
     Returns:
         The OR of every symbol of widths 1..8 (the caller checks that they fit).
     """
-    return _encode_all(x, segs, idx, out, symbuf, pack, lut8, books)[0]
-
-
-@njit(**JIT)
-def _encode_all(x, segs, idx, out, symbuf, pack, lut8, books):
-    """:func:`encode_segments`, returning ``(seen, magnitude)``: ``magnitude`` the largest
-    magnitude bits of the values the uniform and bfloat16 segments read (those of the other
-    kinds are not counted)."""
     nb, nh, nt, d_n = x.shape
     meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
     seen = np.int64(0)
-    mag = np.int64(0)
     for s in range(segs.shape[0]):
         kind, bits = segs[s, SEG_KIND], segs[s, SEG_BITS]
         hs, ts = segs[s, SEG_NHEADS], segs[s, SEG_NTOKENS]
@@ -315,9 +285,9 @@ def _encode_all(x, segs, idx, out, symbuf, pack, lut8, books):
         so = 0 if pack else segs[s, SEG_SYM]
         if kind == KIND_BF16:
             if pack:
-                mag = max(mag, _put_bf16(x, heads, tokens, out, segs[s, SEG_PAYLOAD]))
+                _put_bf16(x, heads, tokens, out, segs[s, SEG_PAYLOAD])
             else:
-                mag = max(mag, _put_bf16(x, heads, tokens, symbuf, so))
+                _put_bf16(x, heads, tokens, symbuf, so)
             continue
         sym = symbuf[so : so + n].reshape((nb, hs, ts, d_n))
         m = segs[s, SEG_META_LEN] // 2
@@ -328,12 +298,12 @@ def _encode_all(x, segs, idx, out, symbuf, pack, lut8, books):
                 ng = (d_n + g - 1) // g
                 sc = meta[:half].reshape((nb, hs, ts, ng))
                 ze = meta[m - half : m].reshape((nb, hs, ts, ng))
-                mag = max(mag, quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, sc, ze))
+                quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, sc, ze)
             else:
                 ng = (ts + g - 1) // g
                 sc = meta[:half].reshape((nb, hs, ng, d_n))
                 ze = meta[m - half : m].reshape((nb, hs, ng, d_n))
-                mag = max(mag, quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, sc, ze))
+                quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, sc, ze)
         elif kind == KIND_CODEBOOK:
             per_token, g, flags = segs[s, SEG_A] != 0, segs[s, SEG_G], segs[s, SEG_B]
             lv, sc, ze = _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits)
@@ -347,7 +317,7 @@ def _encode_all(x, segs, idx, out, symbuf, pack, lut8, books):
         if pack:
             po = segs[s, SEG_PAYLOAD]
             seen |= pack_bits(sym.reshape(-1), bits, out[po : po + segs[s, SEG_PAYLOAD_LEN]])
-    return seen, mag
+    return seen
 
 
 @njit(**JIT)
@@ -427,25 +397,20 @@ def _magnitude(x):  # pragma: no cover - replaced by the overload below
 
 @overload(_magnitude, inline="always")
 def _magnitude_impl(x):
-    def impl(x):
-        bits = _magnitude_bits(x.reshape(-1), 0, x.size)
-        value, finite = _magnitude_value(x, bits)
-        return bits, value, finite
-
-    return impl
-
-
-def _magnitude_value(x, bits):  # pragma: no cover - replaced by the overload below
-    """``(value, finite)`` of magnitude ``bits`` of ``x``'s dtype (bfloat16 bits or float32)."""
-    raise NotImplementedError
-
-
-@overload(_magnitude_value, inline="always")
-def _magnitude_value_impl(x, bits):
     if x.dtype == types.uint16:
-        return lambda x, bits: (u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < 0x7F80)
+
+        def impl(x):
+            bits = np.int64(max_masked(x.reshape(-1), np.uint16(0x7FFF)))
+            return bits, u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < 0x7F80
+
+        return impl
     if x.dtype == types.float32:
-        return lambda x, bits: (u32_as_f32(np.uint32(bits)), bits < 0x7F800000)
+
+        def impl(x):
+            bits = np.int64(max_masked(x.reshape(-1).view(np.uint32), np.uint32(0x7FFFFFFF)))
+            return bits, u32_as_f32(np.uint32(bits)), bits < 0x7F800000
+
+        return impl
     return None
 
 
@@ -472,31 +437,11 @@ def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books):
         ``limit = inf``); else ``seen`` as :func:`encode_segments` and ``crc`` the CRC-32 of
         ``out``.
     """
-    if _uniform_partition(segs, x):  # the magnitude comes with the loads: one read of x
-        seen, bits = _encode_all(x, segs, idx, out, symbuf, True, lut8, books)
-        value, finite = _magnitude_value(x, bits)
-        if not (finite and np.float64(value) <= limit):  # nothing written counts: the caller checks
-            return bits, np.int64(-1), np.int64(0)
-        return bits, seen, crc32_update(0, out)
     bits, value, finite = _magnitude(x)
     if not (finite and np.float64(value) <= limit):
         return bits, np.int64(-1), np.int64(0)
     seen = encode_segments(x, segs, idx, out, symbuf, True, lut8, books)
     return bits, seen, crc32_update(0, out)
-
-
-@njit(**INLINE)
-def _uniform_partition(segs, x):
-    """Whether every segment is uniform or bfloat16 (whose kernels report the magnitude of what
-    they read and stay within their widths whatever the values) and together they hold all of
-    ``x``'s elements (a plan partitions its tensor)."""
-    nb, _, _, d_n = x.shape
-    total = 0
-    for s in range(segs.shape[0]):
-        if segs[s, SEG_KIND] != KIND_UNIFORM and segs[s, SEG_KIND] != KIND_BF16:
-            return False
-        total += nb * segs[s, SEG_NHEADS] * segs[s, SEG_NTOKENS] * d_n
-    return segs.shape[0] > 0 and total == x.size
 
 
 @njit(**JIT)
