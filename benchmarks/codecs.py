@@ -48,8 +48,9 @@ original KV, after warm-up, median of repeats):
 * **Decode into preallocated tensors**: :func:`~kvtune.codecs.decode_kv` with ``out=`` tensors
   allocated once per case (a serving engine decodes into its KV cache blocks, and the memcpy
   reference copies into preallocated tensors too). A plain decode also allocates its output,
-  whose first touch page-faults: measured here at 0.3-1.2 ms of a ~3 ms ``kivi-2`` decode,
-  varying from run to run with the allocator's state.
+  whose first touch page-faults: 0.4-1.7 ms of a 2-3 ms ``kivi-2`` decode of 1,024 tokens
+  (``fastpath.decode_tensors`` with and without ``out``, one and two threads, 2-vCPU AMD EPYC,
+  2026-12-03), varying from run to run with the allocator's state.
 
 Targets (issue 16, on the 2-core development CPU): bit-packed presets encode at >= 40 % and
 decode (into preallocated tensors) at >= 50 % of memcpy; range-coded presets at >= 3 % (issue
