@@ -57,3 +57,44 @@ def test_set_num_threads_refuses_what_is_no_thread_count(n, error):
     with pytest.raises(error):
         threads.set_num_threads(n)
     assert threads.num_threads() == before
+
+
+def test_concurrent_encodes_and_decodes_from_several_threads_give_the_serial_streams():
+    """``encode_kv`` writes bit-packed sections into a buffer of its calling thread, reused by
+    that thread's next call (``fastpath.encode_tensors(reuse_buffers=True)``), and ``decode_kv``
+    checks the stream CRC from per-tensor CRCs: four threads encoding and decoding different
+    caches at once, through the shared codec pool, get exactly the streams and tensors of a
+    serial run."""
+    import torch
+
+    from kvtune.codecs import PolicyConfig, decode_kv, encode_kv
+
+    cfg = PolicyConfig.kivi(2)
+    gen = torch.Generator().manual_seed(5)
+    caches = [[(torch.randn(1, 2, t, 16, generator=gen).to(torch.bfloat16),
+                torch.randn(1, 2, t, 16, generator=gen).to(torch.bfloat16)) for _ in range(3)] for t in (40, 72, 130, 9)]
+    want = [encode_kv(kv, cfg) for kv in caches]
+    decoded = [decode_kv(s) for s in want]
+    before = threads.num_threads()
+    threads.set_num_threads(2)
+    errors: list[BaseException] = []
+
+    def loop(i: int) -> None:
+        try:
+            for _ in range(60):
+                stream = encode_kv(caches[i], cfg)
+                assert stream == want[i]
+                for (k, v), (k2, v2) in zip(decode_kv(stream), decoded[i]):
+                    assert torch.equal(k, k2) and torch.equal(v, v2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        workers = [threading.Thread(target=loop, args=(i,)) for i in range(len(caches))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        threads.set_num_threads(before)
+    assert not errors, repr(errors[0])
