@@ -9,23 +9,21 @@ import pytest
 from kvtune.codecs import threads
 
 
-def test_concurrent_calls_of_different_sizes_share_the_pool_safely():
-    """Calls with different task counts used to resize the shared pool by shutting it down
-    while another call was about to submit to it: ``RuntimeError: cannot schedule new futures
-    after shutdown`` (3 of 400 concurrent decodes of a 1-layer and a 3-layer stream)."""
+def run_concurrently(body, args: list, codec_threads: int) -> None:
+    """``body(arg)`` for every arg at once, one Python thread each, with ``codec_threads``
+    codec threads; re-raises (as an assertion) the first failure of any of them."""
     before = threads.num_threads()
-    threads.set_num_threads(4)
+    threads.set_num_threads(codec_threads)
     errors: list[BaseException] = []
 
-    def loop(size: int) -> None:
+    def loop(arg) -> None:
         try:
-            for _ in range(400):
-                assert threads.parallel_map(lambda x: 2 * x, list(range(size))) == [2 * i for i in range(size)]
+            body(arg)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     try:
-        workers = [threading.Thread(target=loop, args=(size,)) for size in (2, 3, 6, 2)]
+        workers = [threading.Thread(target=loop, args=(arg,)) for arg in args]
         for w in workers:
             w.start()
         for w in workers:
@@ -33,6 +31,18 @@ def test_concurrent_calls_of_different_sizes_share_the_pool_safely():
     finally:
         threads.set_num_threads(before)
     assert not errors, repr(errors[0])
+
+
+def test_concurrent_calls_of_different_sizes_share_the_pool_safely():
+    """Calls with different task counts used to resize the shared pool by shutting it down
+    while another call was about to submit to it: ``RuntimeError: cannot schedule new futures
+    after shutdown`` (3 of 400 concurrent decodes of a 1-layer and a 3-layer stream)."""
+
+    def body(size: int) -> None:
+        for _ in range(400):
+            assert threads.parallel_map(lambda x: 2 * x, list(range(size))) == [2 * i for i in range(size)]
+
+    run_concurrently(body, [2, 3, 6, 2], codec_threads=4)
 
 
 def test_parallel_map_raises_the_first_failing_items_error_in_order():
@@ -75,26 +85,12 @@ def test_concurrent_encodes_and_decodes_from_several_threads_give_the_serial_str
                 torch.randn(1, 2, t, 16, generator=gen).to(torch.bfloat16)) for _ in range(3)] for t in (40, 72, 130, 9)]
     want = [encode_kv(kv, cfg) for kv in caches]
     decoded = [decode_kv(s) for s in want]
-    before = threads.num_threads()
-    threads.set_num_threads(2)
-    errors: list[BaseException] = []
 
-    def loop(i: int) -> None:
-        try:
-            for _ in range(60):
-                stream = encode_kv(caches[i], cfg)
-                assert stream == want[i]
-                for (k, v), (k2, v2) in zip(decode_kv(stream), decoded[i]):
-                    assert torch.equal(k, k2) and torch.equal(v, v2)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def body(i: int) -> None:
+        for _ in range(60):
+            stream = encode_kv(caches[i], cfg)
+            assert stream == want[i]
+            for (k, v), (k2, v2) in zip(decode_kv(stream), decoded[i]):
+                assert torch.equal(k, k2) and torch.equal(v, v2)
 
-    try:
-        workers = [threading.Thread(target=loop, args=(i,)) for i in range(len(caches))]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    finally:
-        threads.set_num_threads(before)
-    assert not errors, repr(errors[0])
+    run_concurrently(body, list(range(len(caches))), codec_threads=2)
