@@ -1575,3 +1575,55 @@ def test_affine_represents_values_beyond_float16_exactly_enough():
     for impl in ("fast", "reference"):
         (k, _), = decode_kv(encode_kv(kv, cfg, impl=impl), impl=impl)
         assert torch.allclose(k[..., 3], kv[0][0][..., 3], rtol=5e-3)
+
+
+# ----------------------------------------------------------------------------- limits found by fuzzing (2026-12-03)
+
+
+def test_a_group_size_beyond_the_axis_is_one_group_on_every_path():
+    """``group_size`` may be up to 2**31 - 1: the reference and device paths used to pad every
+    row to it (``group``), allocating ~17 GB for a 25 KB stream the fast path writes in
+    milliseconds. A group longer than its axis is one group of the whole axis."""
+    from kvtune.codecs.quantizers import group
+
+    x = torch.arange(12.0).reshape(1, 2, 3, 2)
+    assert group(x, 2, 2**31 - 1).shape == (1, 2, 1, 3, 2) and torch.equal(group(x, 2, 3), group(x, 2, 2**31 - 1))
+    huge = UniformQuantizer(bits=2, granularity="per_channel", group_size=2**31 - 1, recent_tokens=4)
+    cfg = PolicyConfig(key=huge, value=UniformQuantizer(bits=3, granularity="per_token", group_size=2**31 - 1))
+    kv = make_kv([((1, 2, 40, 16), (1, 2, 40, 16))], dtype=torch.bfloat16)
+    stream = encode_kv(kv, cfg)
+    assert encode_kv(kv, cfg, impl="reference") == stream == encode_kv(kv, cfg, impl="torch")
+    for (k, v), (k2, v2) in zip(decode_kv(stream, impl="reference"), decode_kv(stream, impl="fast")):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_encode_refuses_a_layer_offset_the_decoder_would_refuse():
+    kv = make_kv([((1, 2, 8, 16), (1, 2, 8, 16))] * 2)
+    last = 2**31 - 2  # the largest first layer for 2 layers (layers 0 .. 2**31 - 1)
+    assert read_header(encode_kv(kv, PolicyConfig.kivi(2), layer_offset=last)).layer_offset == last
+    for bad in (last + 1, 2**40):
+        with pytest.raises(ValueError, match="largest layer index"):
+            encode_kv(kv, PolicyConfig.kivi(2), layer_offset=bad)
+
+
+def test_checksum_helpers_refuse_a_header_of_a_longer_stream():
+    short = encode_kv(make_kv([((1, 2, 8, 16), (1, 2, 8, 16))]), PolicyConfig.kivi(2))
+    long_header = read_header(encode_kv(make_kv([((1, 2, 64, 16), (1, 2, 64, 16))]), PolicyConfig.kivi(2)))
+    with pytest.raises(TruncatedStreamError):
+        stream_checksum(short, long_header)
+    with pytest.raises(TruncatedStreamError):
+        check_checksum(short, long_header)
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+def test_out_tensors_in_the_streams_own_buffer_are_refused_and_out_is_returned(impl):
+    """Decoding into tensors that alias the stream being read would overwrite its input (the
+    fast path then saw a checksum mismatch on an intact stream): refused before decoding. With
+    valid ``out``, every path returns that very list."""
+    kv = make_kv([((1, 2, 8, 16), (1, 2, 8, 16))], dtype=torch.bfloat16)
+    stream = bytearray(encode_kv(kv, PolicyConfig.kivi(2)))
+    alias = torch.frombuffer(stream, dtype=torch.bfloat16, count=2 * 8 * 16, offset=64).view(1, 2, 8, 16)
+    with pytest.raises(KVInputError, match="stream's buffer"):
+        decode_kv(stream, impl=impl, out=[(alias, torch.empty(1, 2, 8, 16, dtype=torch.bfloat16))])
+    out = [(torch.empty(1, 2, 8, 16, dtype=torch.bfloat16), torch.empty(1, 2, 8, 16, dtype=torch.bfloat16))]
+    assert decode_kv(bytes(stream), impl=impl, out=out) is out

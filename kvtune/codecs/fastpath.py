@@ -863,17 +863,17 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
             return None, exc
 
     results = parallel_map(run, tasks)
-    out = []
+    decoded = []
     for i in range(len(header.shapes)):
         for j in (0, 1):
             _, exc = results[2 * i + j]
             if exc is not None:
                 raise LayerDecodeError(header.layer_offset + i, exc)
-        out.append((results[2 * i][0][0], results[2 * i + 1][0][0]))
+        decoded.append((results[2 * i][0][0], results[2 * i + 1][0][0]))
     if check_crc:
         crc = _combined_crc(buf, header, pos, [r[0][1] for r in results], [len(t[1]) for t in tasks])
         check_checksum(buf, header, crc)
-    return out
+    return decoded if out is None else out
 
 
 def _combined_crc(buf: np.ndarray, header, end: int, crcs: list[int], lengths: list[int]) -> int:

@@ -75,6 +75,7 @@ from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.kvtensors import DTYPE_NAMES, NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import (
+    MAX_DIM,
     StreamHeader,
     TensorSections,
     check_checksum,
@@ -533,7 +534,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         KVInputTypeError, KVInputError: malformed ``kv`` (:func:`check_kv`: not pairs of 4-D
             tensors, meta tensors, unsupported or mixed dtypes; a ``TypeError`` / ``ValueError``
             as well).
-        TypeError, ValueError: a ``layer_offset`` that is not an int, or negative.
+        TypeError, ValueError: a ``layer_offset`` that is not an int, negative, or that puts the
+            last layer past :data:`kvtune.codecs.stream.MAX_DIM`.
         KVInputError (a ``ValueError``): a tensor with no batch, KV heads or channels (0 tokens
             are fine: an empty cache), beyond the format's limits
             (:func:`kvtune.codecs.stream.shape_problem`), with NaN / inf values, or with a
@@ -557,6 +559,9 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         raise TypeError(f"layer_offset must be an int, got {type(layer_offset).__name__}")
     if layer_offset < 0:
         raise ValueError(f"layer_offset must be >= 0, got {layer_offset}")
+    if layer_offset + max(len(kv) - 1, 0) > MAX_DIM:  # the decoder refuses such a header
+        raise ValueError(f"layer_offset {layer_offset} with {len(kv)} layers goes past the format's largest layer "
+                         f"index {MAX_DIM}")
     selection = None
     if keep is not None:  # the rest of the policy runs on the kept tokens
         kv, selection = select_kv(kv, keep)
@@ -676,7 +681,7 @@ def _decode_read(stream, header: StreamHeader, sections, expect: PolicyConfig | 
     check_finite_metadata(stream, header)
     device = decode_device(device)
     if out is not None:
-        _check_out(out, header.shapes, dtype, device)
+        _check_out(out, header.shapes, dtype, device, stream if device.type == "cpu" else None)
     if positions is not None and any(t.uses_positions for t in config.transforms):
         if impl == "torch":  # the device path takes rows at 0 .. tokens - 1, not the kept positions
             raise ConfigError(f"policy {header.policy_id}: keep before a position-dependent transform has no "
@@ -895,9 +900,10 @@ def decode_device(device: torch.device | str | int | None) -> torch.device:
     return dev
 
 
-def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device) -> None:
+def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device, stream=None) -> None:
     """``decode_kv(out=...)`` needs contiguous tensors on ``device`` of the stream's shapes and
-    dtype, without autograd, no two of which share memory (one would overwrite the other)."""
+    dtype, without autograd, no two of which share memory (one would overwrite the other), nor
+    memory with the ``stream`` being decoded (CPU; decoding would overwrite its own input)."""
     if not isinstance(out, (list, tuple)) or len(out) != len(shapes):
         raise KVInputError(f"out must be a list of {len(shapes)} (K, V) pairs")
     spans = []
@@ -912,6 +918,9 @@ def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device) 
                 raise KVInputError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
             if t.numel():
                 spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"out[{i}] {name}"))
+    if stream is not None and len(stream):
+        start = np.frombuffer(stream, np.uint8).ctypes.data
+        spans.append((start, start + len(np.frombuffer(stream, np.uint8)), "the stream's buffer"))
     spans.sort()
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:

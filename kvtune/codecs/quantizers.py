@@ -77,7 +77,9 @@ def group(x: torch.Tensor, axis: int, group_size: int) -> torch.Tensor:
     """Split ``axis`` (of length ``n``) of ``x`` into ``(ceil(n/g), g)`` groups.
 
     A ragged last group is padded by repeating the axis' last element, which leaves every
-    group's min, max and absmax unchanged. ``group_size = 0`` means one group of length ``n``.
+    group's min, max and absmax unchanged. ``group_size = 0`` means one group of length ``n``,
+    and so does any ``group_size >= n`` (the group is not padded to ``group_size``: a policy may
+    set it up to ``2**31 - 1``, which would allocate that many elements per row).
 
     Returns:
         ``x`` with ``axis`` replaced by the two axes ``(num_groups, g)``: one more dimension,
@@ -85,7 +87,7 @@ def group(x: torch.Tensor, axis: int, group_size: int) -> torch.Tensor:
     """
     axis = axis % x.dim()
     n = x.shape[axis]
-    g = group_size or n
+    g = min(group_size or n, n) or 1
     num_groups = -(-n // g)
     if num_groups * g != n:
         idx = torch.arange(num_groups * g, device=x.device).clamp_(max=n - 1)

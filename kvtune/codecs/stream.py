@@ -582,8 +582,15 @@ def read_stream(
 
 def stream_checksum(data: bytes | bytearray | memoryview, header: StreamHeader) -> int:
     """The final CRC-32 recorded in a stream that :func:`read_stream` accepted with ``header``
-    (its last 4 bytes, little-endian): ``zlib.crc32`` of every byte before them."""
+    (its last 4 bytes, little-endian): ``zlib.crc32`` of every byte before them.
+
+    Raises:
+        TruncatedStreamError: ``data`` is shorter than ``header`` says.
+    """
     mv = byte_view(data)
+    if len(mv) < header.total_nbytes:  # another stream's header
+        raise TruncatedStreamError(f"KV stream truncated: {len(mv)} bytes, header and section lengths say "
+                                   f"{header.total_nbytes}")
     return _CRC.unpack_from(mv, header.total_nbytes - _CRC.size)[0]
 
 
@@ -594,11 +601,13 @@ def check_checksum(data: bytes | bytearray | memoryview, header: StreamHeader, c
 
     Raises:
         CorruptStreamError: ``corrupt KV stream: checksum mismatch``.
+        TruncatedStreamError: ``data`` is shorter than ``header`` says (a header of another stream).
     """
     mv = byte_view(data)
+    expected = stream_checksum(mv, header)
     if crc is None:
         crc = crc32_threaded(mv[: header.total_nbytes - _CRC.size])
-    if crc != stream_checksum(mv, header):
+    if crc != expected:
         raise _bad("checksum mismatch")
 
 
