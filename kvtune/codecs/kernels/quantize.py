@@ -18,7 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
-from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, v8_ptr, vminmax, vminmax_groups8, vminmax_rows8
+from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, vminmax, vminmax_groups8, vminmax_rows8
 
 _u = uintp
 U16 = np.uint64(16)
