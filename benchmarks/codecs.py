@@ -23,7 +23,8 @@ original KV, after warm-up, median of repeats):
   building the cached segment plans), then run ``--repeats`` times.
 * **memcpy reference**: ``Tensor.copy_`` of every K and V tensor into preallocated tensors of
   the same shape and dtype, measured *between* the codec runs (one memcpy sample before each
-  encode and each decode), so that both see the same machine load. Under CPU contention a
+  encode and each decode), so that both see the same machine load. A sample, of the memcpy and
+  of a codec alike, is the median of :data:`BURST` back-to-back runs. Under CPU contention a
   multi-threaded copy can be slower than a single-threaded one (its OpenMP barrier waits for
   a descheduled thread); to stay conservative the reference is the faster of a 1-thread and a
   ``--threads``-thread copy. Ratios are medians over repeats of (codec GB/s / memcpy GB/s of
@@ -36,14 +37,18 @@ original KV, after warm-up, median of repeats):
 * **Stages** (``--stages``): for each preset, where the time of one encode and one decode
   goes on the fast path (medians of ``--repeats``, in ms): encode = token selection (``keep``
   policies: :func:`kvtune.codecs.select.select_kv`; the rest of the policy runs on the kept
-  tokens) + the codec threads' work
-  (:func:`kvtune.codecs.fastpath.encode_tensors`: input check, kernels, per-tensor CRC) +
-  stream assembly (:func:`kvtune.codecs.stream.write_stream`: header, CRC combination, the
-  join into one ``bytes``) + the rest (input validation, policy id); decode = stream
-  validation (:func:`kvtune.codecs.stream.read_stream` without the final checksum) + the codec
-  threads' work (:func:`kvtune.codecs.fastpath.decode_tensors`, which takes each tensor's CRC
-  while decoding it and checks the stream's; the time of a separate CRC pass over the whole
-  stream is shown beside it for reference) + the rest (policy, claimed sizes, metadata checks).
+  tokens) + the codec threads' work (input check, kernels, per-tensor CRC:
+  :func:`kvtune.codecs.fastpath.encode_into` into a preallocated buffer for bit-packed policies
+  without transforms, one kernel call per thread; else
+  :func:`kvtune.codecs.fastpath.encode_tensors`) + stream assembly (header, CRC combination,
+  and the allocation of the stream, which ``encode_into`` writes in place
+  (:func:`kvtune.codecs.stream.write_stream_in_place`), or the join of the sections into one
+  ``bytes``, :func:`kvtune.codecs.stream.write_stream`) + the rest (input validation, policy,
+  the first-call size check); decode = stream validation
+  (:func:`kvtune.codecs.stream.read_header` without the final checksum) + the codec threads'
+  work (:func:`kvtune.codecs.fastpath.decode_tensors`, which takes each tensor's CRC while
+  decoding it and checks the stream's; the time of a separate CRC pass over the whole stream is
+  shown beside it for reference) + the rest (policy, claimed sizes, metadata checks).
 
 * **Decode into preallocated tensors**: :func:`~kvtune.codecs.decode_kv` with ``out=`` tensors
   allocated once per case (a serving engine decodes into its KV cache blocks, and the memcpy
@@ -73,6 +78,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, fastpath, original_nbytes  # noqa: E402
@@ -270,9 +276,15 @@ class Memcpy:
             torch.set_num_threads(self.threads)
 
     def sample(self, reps: int = 3) -> tuple[float, float, float]:
-        """GB/s of (1-thread copy, N-thread copy, best of both): median of ``reps`` each."""
-        one = statistics.median(self._time(self.src, self.dst, 1) for _ in range(reps))
+        """GB/s of (1-thread copy, N-thread copy, best of both): median of ``reps`` each.
+
+        The N-thread copies run first: torch's OpenMP workers keep spinning for a while after a
+        parallel copy, and on a 2-vCPU machine the spinning worker takes a core from the codec
+        run that follows the sample (measured, 2-vCPU AMD EPYC, 2026-12-03: a ``kivi-2`` encode
+        took 4.76 ms right after three 2-thread copies, 3.96 ms 50 ms later and 3.78 ms right
+        after three 1-thread copies, medians of 20)."""
         many = statistics.median(self._time(self.src, self.dst, self.threads) for _ in range(reps))
+        one = statistics.median(self._time(self.src, self.dst, 1) for _ in range(reps))
         return self.nbytes / one / 1e9, self.nbytes / many / 1e9, self.nbytes / min(one, many) / 1e9
 
     def sample_fp32(self, reps: int = 3) -> float:
@@ -348,27 +360,34 @@ def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, 
     res = Result(case, nbytes / len(stream), 8 * len(stream) / numel, t1 - t0, t2 - t1, fast=fastpath.supports(cfg))
     into = [(torch.empty_like(k), torch.empty_like(v)) for k, v in out]  # the decoded shapes (kept tokens too)
     for _ in range(repeats):
-        mc = memcpy.sample()[2]
-        _sync(device)
-        t0 = time.perf_counter()
-        stream = encode_kv(kv, cfg)
-        t = time.perf_counter() - t0
-        res.enc_gbps.append(nbytes / t / 1e9)
-        res.enc_rel.append(nbytes / t / 1e9 / mc)
-        mc = memcpy.sample()[2]
-        t0 = time.perf_counter()
-        decode_kv(stream)
-        t = time.perf_counter() - t0
-        res.dec_gbps.append(nbytes / t / 1e9)
-        res.dec_rel.append(nbytes / t / 1e9 / mc)
-        mc = memcpy.sample()[2]
-        t0 = time.perf_counter()
-        decode_kv(stream, out=into)
-        _sync(device)
-        t = time.perf_counter() - t0
-        res.into_gbps.append(nbytes / t / 1e9)
-        res.into_rel.append(nbytes / t / 1e9 / mc)
+        for gbps, rel, run in ((res.enc_gbps, res.enc_rel, lambda: encode_kv(kv, cfg)),
+                               (res.dec_gbps, res.dec_rel, lambda: decode_kv(stream)),
+                               (res.into_gbps, res.into_rel, lambda: decode_kv(stream, out=into))):
+            mc = memcpy.sample(BURST)[2]
+            t = _burst(run, device)
+            gbps.append(nbytes / t / 1e9)
+            rel.append(nbytes / t / 1e9 / mc)
     return res
+
+
+BURST = 3
+"""Back-to-back runs per sample, of the memcpy reference and of a codec alike (the median is
+the sample). Both are measured in the state their own previous run leaves behind: a codec run
+right after 47 MB of memcpy traffic (its dirty cache lines, torch's spinning OpenMP workers)
+was much slower than the next one (``kivi-2`` encode 4.4-4.9 ms, then 2.6-2.8 ms; 2-vCPU AMD
+EPYC, 2026-12-03), a cost the memcpy reference never pays."""
+
+
+def _burst(fn, device: str) -> float:
+    """Median seconds of :data:`BURST` back-to-back calls of ``fn``."""
+    times = []
+    for _ in range(BURST):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -387,36 +406,46 @@ def stage_times(case: Case, kv, scores, memcpy: Memcpy, repeats: int) -> dict[st
     from kvtune.codecs.checksum import crc32_threaded
     from kvtune.codecs.kvtensors import DTYPE_NAMES
     from kvtune.codecs.select import select_kv, selecting_transform, without_selection
-    from kvtune.codecs.stream import read_stream, write_stream
+    from kvtune.codecs.stream import read_header, stream_head, write_stream, write_stream_in_place
 
     cfg = case.config.with_head_scores(scores) if case.config.needs_head_scores else case.config
     if not fastpath.supports(cfg) or kv[0][0].device.type != "cpu":
         return None
     stream = encode_kv(kv, cfg)
-    header, sections = read_stream(stream)
+    header = read_header(stream)
     # as encode_kv / decode_kv: a keep policy selects the tokens first, and the codec threads
     # run the rest of the policy on the kept ones (with their positions, the same both ways)
     keep, inner = selecting_transform(cfg), without_selection(cfg)
-    kv_in, positions = kv, None
+    kv_in, positions, selection = kv, None, None
     if keep is not None:
         kv_in, selection = select_kv(kv, keep)
         positions = selection.positions
-    secs, crcs = fastpath.encode_tensors(kv_in, inner, 0, positions)  # fresh buffers: held for the assembly below
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv_in]
-    policy, policy_id, dtype = cfg.to_dict(), cfg.policy_id, DTYPE_NAMES[kv[0][0].dtype]
+    fields = dict(policy=cfg.to_dict(), policy_id=cfg.policy_id, layer_offset=0, dtype=DTYPE_NAMES[kv[0][0].dtype],
+                  shapes=shapes, source_tokens=None if selection is None else selection.source_tokens,
+                  masks=None if selection is None else selection.masks)
+    batch = fastpath.encode_plan(inner, shapes, 0)
+    if batch is not None:  # one kernel call per codec thread, straight into the stream
+        buf = np.empty(int(batch.nbytes.sum()), np.uint8)
+        threads = lambda: fastpath.encode_into(kv_in, batch, buf)  # noqa: E731
+        assembly = lambda: write_stream_in_place(head=stream_head(**fields, lengths=batch.lengths),  # noqa: E731
+                                                 nbytes=int(batch.nbytes.sum()), masks=fields["masks"],
+                                                 write_sections=lambda b: 0)
+    else:
+        secs, crcs = fastpath.encode_tensors(kv_in, inner, 0, positions)  # held for the assembly below
+        threads = lambda: fastpath.encode_tensors(kv_in, inner, 0, positions)  # noqa: E731
+        assembly = lambda: write_stream(**fields, sections=secs, crcs=crcs)  # noqa: E731
     body = memoryview(stream)[: len(stream) - header.checksum_nbytes]
     out = {
         "memcpy": 1e3 * memcpy.nbytes / memcpy.sample()[2] / 1e9,
         "encode": _median_ms(lambda: encode_kv(kv, cfg), repeats),
         "selection": _median_ms(lambda: select_kv(kv, keep), repeats) if keep is not None else 0.0,
-        "encode threads": _median_ms(lambda: fastpath.encode_tensors(kv_in, inner, 0, positions, reuse_buffers=True),
-                                     repeats),
-        "assembly": _median_ms(lambda: write_stream(policy=policy, policy_id=policy_id, layer_offset=0, dtype=dtype,
-                                                    shapes=shapes, sections=secs, crcs=crcs), repeats),
+        "encode threads": _median_ms(threads, repeats),
+        "assembly": _median_ms(assembly, repeats),
         "decode": _median_ms(lambda: decode_kv(stream), repeats),
-        "validation": _median_ms(lambda: read_stream(stream, verify_checksum=False), repeats),
+        "validation": _median_ms(lambda: read_header(stream, verify_checksum=False), repeats),
         "crc": _median_ms(lambda: crc32_threaded(body), repeats),
-        "decode threads": _median_ms(lambda: fastpath.decode_tensors(stream, header, sections, inner, positions=positions,
+        "decode threads": _median_ms(lambda: fastpath.decode_tensors(stream, header, None, inner, positions=positions,
                                                                      check_crc=True), repeats),
     }
     out["encode rest"] = out["encode"] - out["selection"] - out["encode threads"] - out["assembly"]

@@ -978,15 +978,15 @@ def test_truncated_stream(good_stream):
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_header_policy_must_hash_to_the_recorded_policy_id(monkeypatch, impl):
     """A header whose policy was swapped (checksums recomputed) must not decode with the wrong policy."""
-    import kvtune.codecs.policy as policy_module
+    import kvtune.codecs.stream as stream_module
 
-    real_write = policy_module.write_stream
+    real_head = stream_module.stream_head  # the header of both stream writers
     swapped = PolicyConfig.from_dict({**PolicyConfig.kivi(2).to_dict(), "transforms": [{"name": "hadamard"}]})
 
-    def forged_write(**kw):
-        return real_write(**{**kw, "policy": swapped.to_dict()})  # keeps KIVI-2's policy id
+    def forged_head(**kw):
+        return real_head(**{**kw, "policy": swapped.to_dict()})  # keeps KIVI-2's policy id
 
-    monkeypatch.setattr(policy_module, "write_stream", forged_write)
+    monkeypatch.setattr(stream_module, "stream_head", forged_head)
     stream = encode_kv(make_kv(MATRIX_SHAPES[:1]), PolicyConfig.kivi(2), impl=impl)
     monkeypatch.undo()
     for expect in (None, PolicyConfig.kivi(2)):

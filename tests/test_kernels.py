@@ -834,6 +834,103 @@ def test_decode_tensor_is_crc_then_packed_segments():
         assert crc == zlib.crc32(data.tobytes()) and np.array_equal(got, want), kind
 
 
+def stacked_tables(shapes, columns: int, seg_col: int, nseg_col: int):
+    """Segment tables of tensors of ``shapes`` stacked as the batch kernels take them (index
+    offsets rebased), a row table with each tensor's rows filled in, and the per-tensor tables."""
+    tables = [build_table(shape, segment_plan(shape)) for shape in shapes]
+    rows, index, table = [], [], np.zeros((len(shapes), columns), np.int64)
+    for i, (segs, idx, _, _) in enumerate(tables):
+        r = segs.copy()
+        r[:, K.SEG_HEADS] += sum(len(x) for x in index)
+        r[:, K.SEG_TOKENS] += sum(len(x) for x in index)
+        table[i, seg_col], table[i, nseg_col] = sum(len(x) for x in rows), len(r)
+        rows.append(r)
+        index.append(idx)
+    return np.concatenate(rows), np.concatenate(index), table, tables
+
+
+BATCH_SHAPES = [(2, 3, 26, 16), (1, 3, 26, 8), (2, 3, 26, 24), (1, 3, 26, 16)]
+
+
+def run_threads(n: int, fn) -> None:
+    """``fn()`` in ``n`` Python threads at once (the kernels release the GIL)."""
+    import threading
+
+    threads = [threading.Thread(target=fn) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@covers("encode_batch")
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_encode_batch_is_encode_tensor_per_row(dtype, threads):
+    """Every row = ``encode_tensor`` of its tensor into its range of the output, whichever
+    thread claims it; a row whose magnitude exceeds its limit writes nothing and reports -1."""
+    segs, index, table, tables = stacked_tables(BATCH_SHAPES, K.ENC_COLUMNS, K.ENC_SEG, K.ENC_NSEG)
+    xs = [kernel_input(with_extremes(student_t(shape, seed=10 + i, scale=30.0)), dtype)[0]
+          for i, shape in enumerate(BATCH_SHAPES)]
+    sizes = np.array([t[2] for t in tables], np.int64)
+    limits = np.array([math.inf, math.inf, 1e-3, math.inf])  # row 2 is beyond its limit
+    table[:, K.ENC_X] = [x.ctypes.data for x in xs]
+    table[:, K.ENC_FLOAT32] = dtype == "f32"
+    table[:, K.ENC_B : K.ENC_D + 1] = BATCH_SHAPES
+    table[:, K.ENC_OUT], table[:, K.ENC_LEN] = np.cumsum(sizes) - sizes, sizes
+    lut8 = fp8_luts()[2]
+    want, want_results = np.zeros(sizes.sum(), np.uint8), []
+    for (tab, idx, n, _), x, start, limit in zip(tables, xs, table[:, K.ENC_OUT], limits):
+        want_results.append(K.encode_tensor(x, limit, tab, idx, want[start : start + n], np.zeros(n * 8, np.uint8),
+                                            lut8, nf_table()))
+    assert want_results[2][1] == -1
+    buf, results, counter = np.zeros(sizes.sum(), np.uint8), np.zeros((len(xs), 3), np.int64), np.zeros(1, np.int64)
+    run_threads(threads, lambda: K.encode_batch(table, limits, segs, index, buf, np.zeros(sizes.max() * 8, np.uint8),
+                                                lut8, nf_table(), results, counter))
+    assert np.array_equal(buf, want) and results.tolist() == [list(map(int, r)) for r in want_results]
+    assert counter[0] >= len(xs)  # every thread left after the last row
+
+
+@covers("decode_batch")
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_batch_is_decode_tensor_per_row(kind, threads):
+    """Every row = ``decode_tensor`` of its range of a read-only stream into its own output,
+    whichever thread claims it."""
+    segs, index, table, tables = stacked_tables(BATCH_SHAPES, K.DEC_COLUMNS, K.DEC_SEG, K.DEC_NSEG)
+    sizes = np.array([t[2] for t in tables], np.int64)
+    stream = np.zeros(sizes.sum() + 5, np.uint8)  # 5 bytes before the first tensor (a header)
+    starts = 5 + np.cumsum(sizes) - sizes
+    luts, lut16, lut8 = fp8_luts()
+    for i, ((tab, idx, n, _), shape, start) in enumerate(zip(tables, BATCH_SHAPES, starts)):
+        x = kernel_input(with_extremes(student_t(shape, seed=20 + i, scale=30.0)), "bf16")[0]
+        K.encode_segments(x, tab, idx, stream[start : start + n], np.zeros(n * 8, np.uint8), True, lut8, nf_table())
+    stream.flags.writeable = False
+    outs = [out_array(shape, kind) for shape in BATCH_SHAPES]
+    want = [out_array(shape, kind) for shape in BATCH_SHAPES]
+    want_crcs = [K.decode_tensor(stream[a : a + n], tab, idx, luts, lut16, np.zeros(n * 8, np.uint8), w, kind, nf_table())
+                 for (tab, idx, n, _), a, w in zip(tables, starts, want)]
+    table[:, K.DEC_IN], table[:, K.DEC_LEN] = starts, sizes
+    table[:, K.DEC_B : K.DEC_D + 1] = BATCH_SHAPES
+    table[:, K.DEC_OUT] = [o.ctypes.data for o in outs]
+    table[:, K.DEC_KIND] = kind
+    crcs, counter = np.zeros(len(outs), np.int64), np.zeros(1, np.int64)
+    run_threads(threads, lambda: K.decode_batch(stream, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8),
+                                                nf_table(), crcs, counter))
+    assert crcs.tolist() == want_crcs and all(np.array_equal(o, w) for o, w in zip(outs, want))
+
+
+@covers("crc32_concat")
+def test_crc32_concat_is_the_crc_of_the_concatenation():
+    rng = np.random.default_rng(5)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (0, 1, 17, 4096, 0, 3)]
+    head = b"KVTN header"
+    crcs = np.array([zlib.crc32(p) for p in parts], np.int64)
+    lengths = np.array([len(p) for p in parts], np.int64)
+    assert K.crc32_concat(zlib.crc32(head), crcs, lengths) == zlib.crc32(head + b"".join(parts))
+    assert K.crc32_concat(0, crcs[:0], lengths[:0]) == 0
+
+
 # ----------------------------------------------------------------------------- CRC32
 
 

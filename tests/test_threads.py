@@ -70,11 +70,11 @@ def test_set_num_threads_refuses_what_is_no_thread_count(n, error):
 
 
 def test_concurrent_encodes_and_decodes_from_several_threads_give_the_serial_streams():
-    """``encode_kv`` writes bit-packed sections into a buffer of its calling thread, reused by
-    that thread's next call (``fastpath.encode_tensors(reuse_buffers=True)``), and ``decode_kv``
-    checks the stream CRC from per-tensor CRCs: four threads encoding and decoding different
-    caches at once, through the shared codec pool, get exactly the streams and tensors of a
-    serial run."""
+    """``encode_kv`` of a bit-packed policy writes every tensor straight into its stream from
+    one kernel call per codec thread (the threads share a counter per call), ``decode_kv``
+    decodes the same way and checks the stream CRC from per-tensor CRCs: four threads encoding
+    and decoding different caches at once, through the shared codec pool, get exactly the
+    streams and tensors of a serial run."""
     import torch
 
     from kvtune.codecs import PolicyConfig, decode_kv, encode_kv

@@ -866,6 +866,10 @@ class Codec(Component):
     """C: lossless packing of integer symbols into bytes."""
 
     kind: ClassVar[str] = "codec"
+    bounds_by_length: ClassVar[bool] = False
+    """Whether :meth:`max_symbols` reads nothing of a payload but its length; the decoder then
+    checks the sizes a stream header claims once per distinct header
+    (:func:`kvtune.codecs.policy.check_claimed_sizes`)."""
 
     def supports(self, bits: int) -> bool:
         """Whether the codec can pack symbols of this width."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -145,6 +146,8 @@ class BitPack(Codec):
     CacheGen, Liu et al., SIGCOMM'24). Widths 1..8 are bit-packed (uint8 symbols); width 16
     (uint16 symbols, the ``none`` quantizer) is stored as raw little-endian 16-bit words.
     """
+
+    bounds_by_length: ClassVar[bool] = True
 
     def supports(self, bits: int) -> bool:
         """Widths 1..8 and 16."""

@@ -48,7 +48,7 @@ import functools
 import math
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -64,14 +64,14 @@ from kvtune.codecs.base import (
 )
 from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, DPAlloc
 from kvtune.codecs.bitpack import BitPack
-from kvtune.codecs.checksum import crc32, crc32_combine
+from kvtune.codecs.checksum import crc32
 from kvtune.codecs.codebook import CodebookQuantizer, check_levels, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.pca import PCA
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.select import is_selecting
-from kvtune.codecs.stream import check_checksum
+from kvtune.codecs.stream import check_checksum, section_views
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
 from kvtune.codecs.transforms import Affine, Delta, Hadamard, block_scales, power_of_two_blocks
 from kvtune.core.errors import CorruptStreamError, KVInputError
@@ -371,6 +371,8 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
 
 _MAX_PLANS = 1024
 """Plans cached per policy (each is linear in the tensor's heads and tokens)."""
+_MAX_BATCHES = 64
+"""Batch plans cached per policy (cache shapes to encode, stream headers to decode)."""
 
 
 class _Compiled:
@@ -379,6 +381,7 @@ class _Compiled:
     def __init__(self, config) -> None:
         self.config = config
         self.plans: dict[tuple, _Plan] = {}
+        self.batches: dict[tuple, BatchPlan | None] = {}
         self.bitpack = type(config.codec) is BitPack
 
     def plan(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan:
@@ -389,6 +392,16 @@ class _Compiled:
                 self.plans.clear()
             p = self.plans[key] = self._build(kind, shape, layer)  # a race only builds it twice
         return p
+
+    def batch(self, key: tuple, build) -> BatchPlan | None:
+        """The batch plan cached under ``key`` (``build()`` makes it the first time; ``None``:
+        the batch route does not apply)."""
+        if key in self.batches:
+            return self.batches[key]
+        if len(self.batches) >= _MAX_BATCHES:
+            self.batches.clear()
+        b = self.batches[key] = build()
+        return b
 
     def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan | _ComponentPlan:
         cfg = self.config
@@ -524,31 +537,40 @@ def _work(shape: tuple[int, ...]) -> np.ndarray:
     return buf[:n].reshape(shape)
 
 
-def _encode_bitpacked(x: np.ndarray, plan: _Plan, kind: str, layer: int, index: int,
-                      out: np.ndarray | None = None) -> tuple[list, int, int]:
+def _encode_bitpacked(x: np.ndarray, plan: _Plan, kind: str, layer: int, index: int) -> tuple[list, int, int]:
     """:func:`_encode_one` of a ``bitpack`` policy without transforms: the input check, every
-    segment and the CRC in one kernel call (:func:`kvtune.codecs.kernels.encode_tensor`) into
-    ``out`` (``plan.nbytes`` bytes; a new buffer when ``None``); the checks and errors of the
-    general route, in its order."""
-    if out is None:
-        out = _empty(plan.nbytes, np.uint8)
-    args = (plan.segs, plan.idx, out, _scratch(plan.max_numel), _fp8_luts()[2], nf_table())
-    bits, seen, crc = K.encode_tensor(x, plan.value_limit, *args)
-    if seen < 0:  # a NaN / inf, or a magnitude that needs the per-segment range check
-        finite, amax = _magnitude_of(x.dtype, bits)
-        if not finite:
-            raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
-        _check_value_range(x, amax, plan, layer, kind)
-        bits, seen, crc = K.encode_tensor(x, math.inf, *args)
+    segment and the CRC in one kernel call (:func:`kvtune.codecs.kernels.encode_tensor`) into a
+    new buffer; the checks and errors of the general route, in its order."""
+    out = _empty(plan.nbytes, np.uint8)
+    bits, seen, crc = K.encode_tensor(x, plan.value_limit, plan.segs, plan.idx, out, _scratch(plan.max_numel),
+                                      _fp8_luts()[2], nf_table())
+    if seen < 0:
+        bits, seen, crc = _encode_checked(x, bits, plan, kind, layer, index, out)
     if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
         raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
     view = memoryview(out)
     return [view[a:b] for a, b in plan.bounds], int(crc), out.size
 
 
+def _encode_checked(x: np.ndarray, bits: int, plan: _Plan, kind: str, layer: int, index: int, out: np.ndarray):
+    """After :func:`kvtune.codecs.kernels.encode_tensor` wrote nothing (its magnitude ``bits``
+    were a NaN / inf or beyond ``plan.value_limit``): raise for a NaN / inf or a value beyond a
+    segment's range, as the general route does, else encode with no limit. Returns the
+    kernel's ``(magnitude, seen, crc)``.
+
+    Raises:
+        KVInputError: ``kv[index]``'s K or V has a NaN / inf, or a value out of range.
+    """
+    finite, amax = _magnitude_of(x.dtype, int(bits))
+    if not finite:
+        raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
+    _check_value_range(x, amax, plan, layer, kind)
+    return K.encode_tensor(x, math.inf, plan.segs, plan.idx, out, _scratch(plan.max_numel), _fp8_luts()[2], nf_table())
+
+
 def _encode_one(task) -> tuple[list, int, int]:
     """One K or V tensor -> ``(sections, crc32 of their concatenation, total bytes)``."""
-    t, comp, kind, layer, index, positions, out = task
+    t, comp, kind, layer, index, positions = task
     x = _input_array(t)
     if comp.bitpack and not comp.config.transforms:  # a common case in one kernel call (GIL: once)
         try:
@@ -556,7 +578,7 @@ def _encode_one(task) -> tuple[list, int, int]:
         except Exception:  # report a NaN / inf first, as below
             plan = None
         if isinstance(plan, _Plan) and not plan.whole_bf16:
-            return _encode_bitpacked(x, plan, kind, layer, index, out)
+            return _encode_bitpacked(x, plan, kind, layer, index)
     finite, amax = _magnitude(x)
     if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
@@ -597,22 +619,12 @@ def _encode_one(task) -> tuple[list, int, int]:
     return sections, crc, n
 
 
-def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tensor] | None = None, *,
-                   reuse_buffers: bool = False) -> tuple[list, list]:
+def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tensor] | None = None) -> tuple[list, list]:
     """Sections of every tensor of ``kv``, with their CRCs.
 
     ``positions``: per layer, the int64 ``(batch, kv_heads, tokens)`` positions of the rows (the
     kept tokens after ``keep``, :class:`kvtune.codecs.select.Selection`), for the transforms that
     use them (``pca`` with pre-RoPE keys); ``None``: ``0 .. tokens - 1``.
-
-    ``reuse_buffers``: the ``bitpack`` tensors encoded in one kernel call write their sections
-    into one buffer of the calling thread that its next call overwrites (the caller copies the
-    sections out first: :func:`kvtune.codecs.encode_kv` joins them into the stream). Fresh
-    buffers cost page faults whenever the allocator cannot hand back the last call's memory:
-    ``encode_kv`` of ``kivi-2`` on 1,024 tokens, in a loop that keeps the last 3 streams alive
-    (a sender with transfers in flight; 2-vCPU AMD EPYC, 2026-12-03), took 2.96-3.04 ms with the
-    reused buffer against 3.20-3.45 ms with fresh ones (2 threads; 4.77-4.85 against 4.85-5.15
-    ms with one).
 
     Each task first checks its tensor for NaN / inf and finds its largest magnitude (for the
     value limits) with one vectorized integer pass over its bits
@@ -629,45 +641,223 @@ def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tens
     tasks = []
     for i, (k, v) in enumerate(kv):
         pos = None if positions is None else positions[i]
-        tasks.append((k, comp, "key", layer_offset + i, i, pos, None))
-        tasks.append((v, comp, "value", layer_offset + i, i, pos, None))
-    if reuse_buffers:
-        tasks = _with_arena(tasks, comp)
+        tasks.append((k, comp, "key", layer_offset + i, i, pos))
+        tasks.append((v, comp, "value", layer_offset + i, i, pos))
     results = parallel_map(_encode_one, tasks)
     sections = [(results[2 * i][0], results[2 * i + 1][0]) for i in range(len(kv))]
     crcs = [((results[2 * i][1], results[2 * i][2]), (results[2 * i + 1][1], results[2 * i + 1][2])) for i in range(len(kv))]
     return sections, crcs
 
 
-_ARENA_MAX = 1 << 28
-"""Largest output (bytes) encoded into the calling thread's reused buffer (larger ones get
-fresh buffers, and no buffer of that size is kept)."""
+# ----------------------------------------------------------------------------- batches
+#
+# A bit-packed policy without transforms codes every tensor with one kernel call whose output
+# sizes follow from the plan alone; the batch route runs all of a cache's tensors in one kernel
+# call per codec thread (:mod:`kvtune.codecs.kernels.batch`): encoding straight into the stream
+# (its section lengths are known before any data is coded), decoding straight into the output
+# tensors. Per cache shape (encode) or stream header (decode) the plans, their stacked segment
+# tables and the row table are built once.
 
 
-def _with_arena(tasks: list, comp: _Compiled) -> list:
-    """``tasks`` with each ``bitpack`` one-call tensor's output carved from the calling thread's
-    reused buffer (:func:`encode_tensors` with ``reuse_buffers``); unchanged when a plan cannot
-    be built here (its task reports the error) or the total exceeds :data:`_ARENA_MAX`."""
-    if not (comp.bitpack and not comp.config.transforms):
-        return tasks
-    sizes = []
-    for t, _, kind, layer, _, _, _ in tasks:
-        try:
-            plan = comp.plan(kind, tuple(t.shape), layer)
-        except Exception:
-            return tasks
-        sizes.append(plan.nbytes if isinstance(plan, _Plan) and not plan.whole_bf16 else 0)
-    total = sum(sizes)
-    if not total or total > _ARENA_MAX:
-        return tasks
-    arena = getattr(_local, "arena", None)
-    if arena is None or arena.size < total:
-        arena = _local.arena = np.empty(total, np.uint8)
-    out, pos = [], 0
-    for task, n in zip(tasks, sizes):
-        out.append((*task[:-1], arena[pos : pos + n] if n else None))
-        pos += n
-    return out
+@dataclass
+class BatchPlan:
+    """The plans of every tensor of one cache, stacked for the batch kernels.
+
+    Attributes:
+        plans: per tensor (layer order, K before V) its :class:`_Plan`.
+        table: int64 row table (:data:`kvtune.codecs.kernels.ENC_COLUMNS` or ``DEC_COLUMNS``)
+            with everything but the tensors' addresses filled in.
+        segs, idx: the plans' segment tables stacked (index offsets rebased) and their indices.
+        nbytes: int64 ``(N,)`` bytes of each tensor's sections.
+        max_numel: elements of the largest segment (the symbol scratch).
+        lengths: per layer ``(K lengths, V lengths)``, each ``[state, meta_0, payload_0, ...]``.
+        layer_offset: absolute index of the first layer.
+        checked: the encoder has checked these lengths against what a decoder accepts (once).
+        heads: stream headers made for this batch, by ``(policy id, dtype)`` (the encoder's).
+    """
+
+    plans: tuple[_Plan, ...]
+    table: np.ndarray
+    segs: np.ndarray
+    idx: np.ndarray
+    nbytes: np.ndarray
+    max_numel: int
+    lengths: list
+    layer_offset: int
+    checked: bool = False
+    heads: dict = field(default_factory=dict)
+
+
+def _stack(plans: Sequence[_Plan], layer_offset: int, columns: int, seg_col: int, nseg_col: int) -> BatchPlan:
+    """A :class:`BatchPlan` of ``plans`` with the segment rows filled in its table."""
+    segs, idx, pos = [], [], 0
+    table = np.zeros((len(plans), columns), np.int64)
+    for i, plan in enumerate(plans):
+        rows = plan.segs.copy()
+        rows[:, K.SEG_HEADS] += pos
+        rows[:, K.SEG_TOKENS] += pos
+        table[i, seg_col] = sum(len(r) for r in segs)
+        table[i, nseg_col] = len(rows)
+        segs.append(rows)
+        idx.append(plan.idx)
+        pos += len(plan.idx)
+    lengths = [(_lengths(plans[i]), _lengths(plans[i + 1])) for i in range(0, len(plans), 2)]
+    return BatchPlan(tuple(plans), table, np.concatenate(segs) if segs else np.zeros((0, K.SEG_COLUMNS), np.int64),
+                     np.concatenate(idx) if idx else np.zeros(0, np.int64),
+                     np.array([p.nbytes for p in plans], np.int64), max((p.max_numel for p in plans), default=0), lengths,
+                     layer_offset)
+
+
+def _lengths(plan: _Plan) -> list[int]:
+    return [b - a for a, b in plan.bounds]
+
+
+def _batchable(plan) -> bool:
+    """A plan the batch kernels code: block quantizers, no transforms, sections in one piece."""
+    return isinstance(plan, _Plan) and not plan.transforms and all(
+        a == b for (_, a), (b, _) in zip(plan.bounds, plan.bounds[1:])) and plan.bounds[-1][1] == plan.nbytes
+
+
+def encode_plan(config, shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], layer_offset: int) -> BatchPlan | None:
+    """The batch plan to encode a cache of ``shapes`` (per layer ``(K shape, V shape)``) with a
+    ``bitpack`` policy without transforms (:func:`encode_into`), or ``None`` when the batch
+    route does not apply (another codec, a transform, KVTC-like, the kernels unavailable, or a
+    plan that cannot be built: the per-tensor route then reports why)."""
+    comp = _compiled(config)
+    if not (available() and comp.bitpack and not config.transforms and not _is_kvtc(config)):
+        return None
+    key = ("encode", tuple(shapes), layer_offset)
+    return comp.batch(key, lambda: _encode_plan(comp, shapes, layer_offset))
+
+
+def _encode_plan(comp: _Compiled, shapes, layer_offset: int) -> BatchPlan | None:
+    try:
+        plans = [comp.plan(kind, tuple(shape), layer_offset + i)
+                 for i, pair in enumerate(shapes) for kind, shape in zip(("key", "value"), pair)]
+    except Exception:
+        return None
+    if not all(_batchable(p) for p in plans):
+        return None
+    batch = _stack(plans, layer_offset, K.ENC_COLUMNS, K.ENC_SEG, K.ENC_NSEG)
+    t = batch.table
+    t[:, K.ENC_B : K.ENC_D + 1] = [p.shape for p in plans] if plans else 0
+    t[:, K.ENC_LEN] = batch.nbytes
+    t[:, K.ENC_OUT] = np.cumsum(batch.nbytes) - batch.nbytes
+    return batch
+
+
+def encode_into(kv, batch: BatchPlan, buf: np.ndarray) -> int:
+    """Encode every tensor of ``kv`` (CPU tensors of the shapes ``batch`` was planned for) into
+    ``buf`` (uint8, ``batch.nbytes.sum()`` bytes: their sections in stream order), one kernel
+    call per codec thread (:func:`kvtune.codecs.kernels.encode_batch`).
+
+    The same checks and errors as :func:`encode_tensors`, in the same order: a tensor with a
+    NaN / inf, or beyond its plan's value range, raises (the first in layer order, K before V).
+
+    Returns:
+        The CRC-32 of ``buf``.
+
+    Raises:
+        KVInputError: a NaN / inf or an out-of-range value.
+    """
+    flat = [t for pair in kv for t in pair]
+    arrays = [t if t.device.type == "cpu" and t.is_contiguous() and t.dtype in _BATCH_INPUTS else _input_array(t)
+              for t in flat]  # kept alive until the kernels are done
+    table = batch.table.copy()
+    table[:, K.ENC_X] = [a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data for a in arrays]
+    table[:, K.ENC_FLOAT32] = [a.dtype in (torch.float32, np.float32) for a in arrays]
+    limits = np.array([p.value_limit for p in batch.plans], np.float64)
+    results = np.empty((len(flat), 3), np.int64)
+    counter = np.zeros(1, np.int64)
+    lut8, books = _fp8_luts()[2], nf_table()
+
+    def work(_) -> None:
+        K.encode_batch(table, limits, batch.segs, batch.idx, buf, _scratch(batch.max_numel), lut8, books, results, counter)
+
+    parallel_map(work, range(min(num_threads(), len(flat))))
+    for i in np.flatnonzero(results[:, 1] < 0).tolist():  # a NaN / inf, or a magnitude to check per segment
+        out = buf[table[i, K.ENC_OUT] : table[i, K.ENC_OUT] + table[i, K.ENC_LEN]]
+        results[i] = _encode_checked(_input_array(flat[i]), results[i, 0], batch.plans[i], ("key", "value")[i % 2],
+                                     batch.layer_offset + i // 2, i // 2, out)
+    if any(seen >> plan.max_bits for seen, plan in zip(results[:, 1].tolist(), batch.plans)):
+        raise AssertionError("kernel emitted a symbol wider than its segment's bits")  # cannot happen: they clamp
+    return int(K.crc32_concat(0, results[:, 2], batch.nbytes))
+
+
+_BATCH_INPUTS = (torch.bfloat16, torch.float32)
+
+
+def decode_plan(config, header, dtype: torch.dtype) -> BatchPlan | None:
+    """The batch plan to decode a stream with this ``header`` (of a ``bitpack`` policy without
+    transforms, into ``dtype`` float32 or bfloat16; :func:`decode_into`), or ``None`` when the
+    batch route does not apply (also: an empty tensor, a fitted codebook to check, section
+    lengths that disagree with the plans; the per-tensor route then reports any error).
+    Cached per header text (:attr:`kvtune.codecs.stream.StreamHeader.text`)."""
+    comp = _compiled(config)
+    if not (header.text and dtype in _BATCH_KINDS and available() and comp.bitpack and not config.transforms
+            and not _is_kvtc(config)):
+        return None
+    return comp.batch(("decode", header.text), lambda: _decode_plan(comp, header))
+
+
+def _decode_plan(comp: _Compiled, header) -> BatchPlan | None:
+    plans, starts, pos = [], [], header.header_nbytes
+    for i, (shapes, lengths) in enumerate(zip(header.shapes, header.sections)):
+        for kind, shape, lens in zip(("key", "value"), shapes, lengths):
+            if not math.prod(shape):
+                return None
+            try:
+                plan = comp.plan(kind, tuple(shape), header.layer_offset + i)
+            except Exception:
+                return None
+            if not _batchable(plan) or lens.flat() != _lengths(plan) or any(
+                    type(seg.coder) is CodebookQuantizer and seg.coder.levels == "lloyd" for seg in plan.segments):
+                return None
+            plans.append(plan)
+            starts.append(pos)
+            pos += plan.nbytes
+    if not plans:
+        return None
+    batch = _stack(plans, header.layer_offset, K.DEC_COLUMNS, K.DEC_SEG, K.DEC_NSEG)
+    t = batch.table
+    t[:, K.DEC_B : K.DEC_D + 1] = [p.shape for p in plans]
+    t[:, K.DEC_IN] = starts
+    t[:, K.DEC_LEN] = batch.nbytes
+    return batch
+
+
+_BATCH_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None) -> tuple[list, np.ndarray]:
+    """Decode every tensor of a stream (``buf``, its uint8 bytes, whose header ``batch`` was
+    planned for) into ``out`` (per layer ``(K, V)`` contiguous CPU tensors of ``dtype``, already
+    checked) or new tensors, one kernel call per codec thread
+    (:func:`kvtune.codecs.kernels.decode_batch`).
+
+    Returns:
+        ``(tensors, crcs)``: per layer ``(K, V)``, and int64 ``(N,)`` the CRC-32 of each
+        tensor's sections (layer order, K before V).
+
+    Raises:
+        Whatever a kernel raises (the caller re-decodes on the per-tensor route, which names the
+        layer).
+    """
+    if out is None:
+        out = [(torch.empty(batch.plans[2 * i].shape, dtype=dtype), torch.empty(batch.plans[2 * i + 1].shape, dtype=dtype))
+               for i in range(len(batch.plans) // 2)]
+    table = batch.table.copy()
+    table[:, K.DEC_OUT] = [t.data_ptr() for pair in out for t in pair]
+    table[:, K.DEC_KIND] = _BATCH_KINDS[dtype]
+    crcs = np.empty(len(table), np.int64)
+    counter = np.zeros(1, np.int64)
+    luts, books = _fp8_luts(), nf_table()
+
+    def work(_) -> None:
+        K.decode_batch(buf, table, batch.segs, batch.idx, luts[0], luts[1], _scratch(batch.max_numel), books, crcs, counter)
+
+    parallel_map(work, range(min(num_threads(), len(table))))
+    return out, crcs
 
 
 # ----------------------------------------------------------------------------- decode
@@ -830,7 +1020,11 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
                    check_crc: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Decode every tensor of a validated stream (see :func:`kvtune.codecs.decode_kv`), into
     the tensors of ``out`` when given (already checked by the caller); ``positions`` as in
-    :func:`encode_tensors` (from the stream's selection masks).
+    :func:`encode_tensors` (from the stream's selection masks); ``sections`` from
+    :func:`kvtune.codecs.stream.read_stream`, or ``None`` (made here when a route needs them).
+
+    A ``bitpack`` policy without transforms decodes in one kernel call per codec thread
+    (:func:`decode_into`); anything else, or a batch that fails, tensor by tensor.
 
     ``check_crc``: also verify the stream's final CRC-32 (:func:`kvtune.codecs.stream.check_checksum`)
     from the CRCs the tasks take of their tensors' sections while they decode them, combined
@@ -845,6 +1039,19 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
     comp = _compiled(config)
     dtype = NAME_DTYPES[header.dtype]
     buf = np.frombuffer(stream, dtype=np.uint8)
+    batch = decode_plan(config, header, dtype)
+    if batch is not None:
+        try:
+            decoded, crcs = decode_into(buf, batch, dtype, out)
+        except Exception:  # the per-tensor route below decodes again and names the layer
+            batch = None
+    if batch is not None:
+        if check_crc:
+            end = header.header_nbytes + int(batch.nbytes.sum())
+            check_checksum(buf, header, _combined_crc(buf, header, end, crcs, batch.nbytes))
+        return decoded
+    if sections is None:
+        sections = section_views(stream, header)
     tasks = []
     pos = header.header_nbytes
     for i, ((kshape, vshape), (ks, vs), (kl, vl)) in enumerate(zip(header.shapes, sections, header.sections)):
@@ -879,9 +1086,7 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
 def _combined_crc(buf: np.ndarray, header, end: int, crcs: list[int], lengths: list[int]) -> int:
     """CRC-32 of ``buf[:total - 4]`` from the tensors' CRCs: the header's, each tensor's
     combined in stream order, then the selection masks' (``buf[end:total - 4]``)."""
-    crc = crc32(buf[: header.header_nbytes])
-    for c, n in zip(crcs, lengths):
-        crc = crc32_combine(crc, c, n)
+    crc = int(K.crc32_concat(crc32(buf[: header.header_nbytes]), np.asarray(crcs, np.int64), np.asarray(lengths, np.int64)))
     return crc32(buf[end : header.total_nbytes - header.checksum_nbytes], crc)
 
 

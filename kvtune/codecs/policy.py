@@ -79,10 +79,13 @@ from kvtune.codecs.stream import (
     StreamHeader,
     TensorSections,
     check_checksum,
-    read_stream,
+    read_header,
+    section_views,
     selection_views,
     shape_problem,
+    stream_head,
     write_stream,
+    write_stream_in_place,
 )
 from kvtune.core.ids import config_policy_id
 from kvtune.core.jsonio import canonical_json
@@ -236,10 +239,11 @@ class PolicyConfig:
         """Canonical JSON of :meth:`to_dict` (sorted keys, no whitespace)."""
         return canonical_json(self.to_dict())
 
-    @property
+    @functools.cached_property
     def policy_id(self) -> str:
         """First 12 hex characters of the SHA-256 of :meth:`to_json`
-        (:func:`kvtune.core.ids.config_policy_id` of :meth:`to_dict`); stable across runs."""
+        (:func:`kvtune.core.ids.config_policy_id` of :meth:`to_dict`); stable across runs.
+        Computed once per policy object (it is immutable)."""
         return config_policy_id(self.to_dict())
 
     @property
@@ -352,6 +356,11 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
+_shape_problem = functools.lru_cache(maxsize=1024)(shape_problem)
+""":func:`kvtune.codecs.stream.shape_problem` of a tuple of ints, remembered (a cache repeats a
+few shapes across its layers and requests)."""
+
+
 def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
     """Validate a KV cache's structure, shapes (:func:`kvtune.codecs.stream.shape_problem`),
     dtypes and device and, with ``check_finite``, that no value is NaN or inf; return the
@@ -372,10 +381,10 @@ def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
         for name, t in zip("KV", pair):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise KVInputError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
-            problem = shape_problem(tuple(t.shape))
+            problem = _shape_problem(tuple(t.shape))
             if problem is not None:
                 raise KVInputError(f"kv[{i}] {name} of shape {tuple(t.shape)} {problem}")
-            if t.device.type == "meta":
+            if t.is_meta:
                 raise KVInputError(f"kv[{i}] {name} is a meta tensor (no data)")
             if t.dtype not in DTYPE_NAMES:
                 raise KVInputError(f"kv[{i}] {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
@@ -566,12 +575,29 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     if keep is not None:  # the rest of the policy runs on the kept tokens
         kv, selection = select_kv(kv, keep)
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
+    stream_fields = dict(policy=config.to_dict(), policy_id=config.policy_id, layer_offset=layer_offset,
+                         dtype=DTYPE_NAMES[dtype], shapes=shapes,
+                         source_tokens=None if selection is None else selection.source_tokens,
+                         masks=None if selection is None else selection.masks)
+    batch = fastpath.encode_plan(inner, shapes, layer_offset) if fast and not on_device else None
+    if batch is not None:  # bit-packed, no transforms: every tensor straight into the stream
+        if not batch.checked:  # the lengths are the plans': check them once per cache shape
+            _check_encoded_sections(shapes, _zero_sections(batch.lengths), inner, layer_offset)
+            batch.checked = True
+        key = (config.policy_id, dtype)  # the header is a function of the batch's shapes and these
+        head = batch.heads.get(key) if selection is None else None
+        if head is None:
+            head = stream_head(**stream_fields, lengths=batch.lengths)
+            if selection is None:
+                batch.heads[key] = head
+        return write_stream_in_place(head=head, nbytes=int(batch.nbytes.sum()), masks=stream_fields["masks"],
+                                     write_sections=lambda buf: fastpath.encode_into(kv, batch, buf))
     crcs = None
     if on_device:
         sections = torchpath.encode_tensors(kv, inner, layer_offset)
     elif fast:
         positions = None if selection is None else selection.positions
-        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, positions, reuse_buffers=True)
+        sections, crcs = fastpath.encode_tensors(kv, inner, layer_offset, positions)
     else:
         sections = []
         for i, (k, v) in enumerate(kv):
@@ -579,23 +605,32 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
             pos = None if selection is None else selection.positions[i]
             sections.append((_encode_tensor(k, inner, inner.key, layer, "key", pos),
                              _encode_tensor(v, inner, inner.value, layer, "value", pos)))
+    _check_encoded_sections(shapes, [tuple(TensorSections.from_flat(flat) for flat in pair) for pair in sections], inner,
+                            layer_offset)
+    return write_stream(**stream_fields, sections=sections, crcs=crcs)
+
+
+def _check_encoded_sections(shapes, sections, config: PolicyConfig, layer_offset: int) -> None:
+    """Refuse to return a stream the decoder would refuse (:func:`sections_problem` of every
+    tensor; ``sections`` per layer ``(K, V)`` :class:`TensorSections`).
+
+    Raises:
+        KVInputError: naming the first such tensor.
+    """
     for i, (shape_pair, pair) in enumerate(zip(shapes, sections)):
-        for name, shape, flat, quant, kind in zip("KV", shape_pair, pair, (inner.key, inner.value), KINDS):
+        for name, shape, secs, quant, kind in zip("KV", shape_pair, pair, (config.key, config.value), KINDS):
             per_symbol = quant.elements_per_symbol(shape, layer=layer_offset + i, kind=kind)
-            problem = sections_problem(shape, TensorSections.from_flat(flat), config.codec, per_symbol)
+            problem = sections_problem(shape, secs, config.codec, per_symbol)
             if problem is not None:
                 raise KVInputError(f"kv[{i}] {name} of shape {shape} {problem}: the decoder would refuse the stream")
-    return write_stream(
-        policy=config.to_dict(),
-        policy_id=config.policy_id,
-        layer_offset=layer_offset,
-        dtype=DTYPE_NAMES[dtype],
-        shapes=shapes,
-        sections=sections,
-        crcs=crcs,
-        source_tokens=None if selection is None else selection.source_tokens,
-        masks=None if selection is None else selection.masks,
-    )
+
+
+def _zero_sections(lengths) -> list[tuple[TensorSections, TensorSections]]:
+    """Sections of the given lengths (per layer ``(K lengths, V lengths)``) over zero bytes:
+    what :func:`sections_problem` reads of ``bitpack`` payloads, whose symbol bound is their
+    length (:meth:`~kvtune.codecs.base.Codec.max_symbols`)."""
+    zero = memoryview(bytes(max((n for pair in lengths for x in pair for n in x), default=0)))
+    return [tuple(TensorSections.from_flat([zero[:n] for n in x]) for x in pair) for pair in lengths]
 
 
 def decode_kv(
@@ -651,21 +686,16 @@ def decode_kv(
         raise TypeError(f"expect must be a PolicyConfig or None, got {type(expect).__name__}")
     # the final checksum is verified below (the fast path takes it while decoding); any error
     # found first is reported as a checksum mismatch when the stream is damaged, as if checked first
-    header, sections = read_stream(stream, verify_checksum=False)
+    header = read_header(stream, verify_checksum=False)
     try:
-        return _decode_read(stream, header, sections, expect, impl, out, device)
+        return _decode_read(stream, header, expect, impl, out, device)
     except Exception:
         check_checksum(stream, header)
         raise
 
 
-def _decode_read(stream, header: StreamHeader, sections, expect: PolicyConfig | None, impl: str, out, device) -> KVLayers:
-    """:func:`decode_kv` after :func:`kvtune.codecs.stream.read_stream` (without its checksum,
-    which every route below verifies before it returns or, but for the fast path, before it
-    decodes)."""
-    if expect is not None and header.policy_id != expect.policy_id:
-        raise PolicyMismatchError(f"KV stream was encoded with policy {header.policy_id}, caller expects "
-                                  f"{expect.policy_id}")
+def _header_policy(header: StreamHeader) -> PolicyConfig:
+    """The policy a stream header carries, checked against the id it records."""
     try:
         config = PolicyConfig.from_dict(header.policy)
     except (ConfigError, TypeError, ValueError) as exc:
@@ -673,11 +703,46 @@ def _decode_read(stream, header: StreamHeader, sections, expect: PolicyConfig | 
     if config.policy_id != header.policy_id:  # the id is the hash of the policy: they must agree
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "
                                  f"{config.policy_id!r} of the policy it carries")
+    return config
+
+
+_HEADER_FACTS: dict[tuple[bytes, Any], Any] = {}
+_MAX_HEADER_FACTS = 256
+
+
+def _remembered(header: StreamHeader, fact: Any, compute):
+    """``compute()``, remembered per header text and ``fact`` (a hashable name) when the header
+    was read from a stream (:attr:`StreamHeader.text`): a serving engine's fixed-size chunks of
+    one policy repeat their header byte for byte, and the checks and objects that follow from
+    the header alone cost ~0.5 ms per 30-layer stream. A failure raises every time (exceptions
+    are not remembered)."""
+    if not header.text:
+        return compute()
+    key = (header.text, fact)
+    try:
+        return _HEADER_FACTS[key]
+    except KeyError:
+        pass
+    value = compute()
+    if len(_HEADER_FACTS) >= _MAX_HEADER_FACTS:
+        _HEADER_FACTS.clear()
+    _HEADER_FACTS[key] = value
+    return value
+
+
+def _decode_read(stream, header: StreamHeader, expect: PolicyConfig | None, impl: str, out, device) -> KVLayers:
+    """:func:`decode_kv` after :func:`kvtune.codecs.stream.read_header` (without its checksum,
+    which every route below verifies before it returns or, but for the fast path, before it
+    decodes)."""
+    if expect is not None and header.policy_id != expect.policy_id:
+        raise PolicyMismatchError(f"KV stream was encoded with policy {header.policy_id}, caller expects "
+                                  f"{expect.policy_id}")
+    config = _remembered(header, "policy", lambda: _header_policy(header))
     dtype = NAME_DTYPES[header.dtype]
     bits = check_selection(header, selection_views(stream, header), selecting_transform(config))
     positions = mask_positions(header, bits) if bits else None
     config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
-    check_claimed_sizes(header, sections, config)
+    check_claimed_sizes(header, None if config.codec.bounds_by_length else section_views(stream, header), config)
     check_finite_metadata(stream, header)
     device = decode_device(device)
     if out is not None:
@@ -689,12 +754,12 @@ def _decode_read(stream, header: StreamHeader, sections, expect: PolicyConfig | 
         if impl == "auto":  # the fast path, given the positions, or the reference
             impl = "fast" if fastpath.supports(config) else "reference"
     fast = device.type == "cpu" and not _use_torch(impl, config, False) and _use_fast(impl, config) \
-        and fastpath.sizes_plausible(header, config)
+        and _remembered(header, ("plausible sizes", config.policy_id), lambda: fastpath.sizes_plausible(header, config))
     if not fast:
         check_checksum(stream, header)
     if _use_torch(impl, config, device.type != "cpu"):
         try:
-            return torchpath.decode_tensors(stream, header, sections, config, device, out)
+            return torchpath.decode_tensors(stream, header, section_views(stream, header), config, device, out)
         except fastpath.LayerDecodeError as err:
             _raise_decode_error(header.policy_id, err.layer, err.exc)
     if device.type != "cpu":  # no device path for this policy: decode on the CPU, then move
@@ -707,11 +772,11 @@ def _decode_read(stream, header: StreamHeader, sections, expect: PolicyConfig | 
         return out
     if fast:
         try:
-            return fastpath.decode_tensors(stream, header, sections, config, out, positions, check_crc=True)
+            return fastpath.decode_tensors(stream, header, None, config, out, positions, check_crc=True)
         except fastpath.LayerDecodeError as err:
             _raise_decode_error(header.policy_id, err.layer, err.exc)
     result: KVLayers = []
-    for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, sections)):
+    for i, ((kshape, vshape), (ks, vs)) in enumerate(zip(header.shapes, section_views(stream, header))):
         layer = header.layer_offset + i
         try:
             pos = None if positions is None else positions[i]
@@ -801,7 +866,7 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
     Raises:
         CorruptStreamError: naming the first such section's layer, K or V, and kind.
     """
-    starts, ends, where = _float16_ranges(header.header_nbytes, header.sections)
+    starts, ends, where = _remembered(header, "float16 ranges", lambda: _float16_ranges(header.header_nbytes, header.sections))
     bad = fastpath.first_nonfinite_f16(np.frombuffer(stream, dtype=np.uint8), starts, ends)
     if bad >= 0:
         i, name, what = where[bad]
@@ -809,12 +874,11 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
                                  f"in its {what} (an encoder writes only finite ones)")
 
 
-@functools.lru_cache(maxsize=64)
 def _float16_ranges(header_nbytes: int, sections: tuple) -> tuple[np.ndarray, np.ndarray, tuple]:
     """Byte ranges of every float16 section of a stream (transform state and metadata, wire
     order) as int64 ``(starts, ends)``, and per range ``(layer, "K"/"V", kind)``; a function of
-    the header's section lengths alone, so remembered for repeated headers (fixed-size chunks
-    of one policy). The arrays are never handed out: callers only read them."""
+    the header's section lengths alone, so remembered per header (:func:`_remembered`). The
+    arrays are never handed out: callers only read them."""
     starts, ends, where = [], [], []
     pos = header_nbytes
     for i, lengths in enumerate(sections):
@@ -847,14 +911,29 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
 
     Args:
         header: the stream header (:func:`kvtune.codecs.stream.read_stream`).
-        sections: per layer the ``(K, V)`` sections as memoryviews, from the same call.
+        sections: per layer the ``(K, V)`` sections as memoryviews, from the same call; or
+            ``None`` with a codec whose bounds are the payloads' lengths
+            (:attr:`~kvtune.codecs.base.Codec.bounds_by_length`: the header's lengths suffice,
+            and the check runs once per distinct header).
         config: the policy the header carries.
 
     Raises:
         CorruptStreamError: the first tensor (layer order, K before V) that breaks a rule.
         KVStreamError: a quantizer that cannot plan the tensor (a ``dp-alloc`` basis not loaded,
             or of another geometry), as decoding the layer would say.
+        ValueError: ``sections`` is ``None`` with a codec that reads its payloads to bound them.
     """
+    if config.codec.bounds_by_length:  # a function of the header alone: checked once per header
+        if sections is None:
+            sections = _zero_sections([(k.flat(), v.flat()) for k, v in header.sections])
+        _remembered(header, ("claimed sizes", config.policy_id), lambda: _check_claimed_sizes(header, sections, config))
+    elif sections is None:
+        raise ValueError(f"codec {config.codec.name!r} reads its payloads to bound them: pass the stream's sections")
+    else:
+        _check_claimed_sizes(header, sections, config)
+
+
+def _check_claimed_sizes(header: StreamHeader, sections, config: PolicyConfig) -> bool:
     quants = (config.key, config.value)
     for i, (shapes, tensors, lengths) in enumerate(zip(header.shapes, sections, header.sections)):
         for name, shape, secs, lens, quant, kind in zip("KV", shapes, tensors, lengths, quants, KINDS):
@@ -877,6 +956,7 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
                 problem = f"has a payload whose size declaration is malformed ({exc})"
             if problem is not None:
                 raise CorruptStreamError(f"{where} {problem}")
+    return True
 
 
 def decode_device(device: torch.device | str | int | None) -> torch.device:

@@ -94,11 +94,12 @@ import json
 import math
 import re
 import struct
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from kvtune.codecs.checksum import crc32_combine, crc32_threaded
+from kvtune.codecs.newbytes import filled_bytes
 from kvtune.core.jsonio import canonical_json
 from kvtune.core.errors import CorruptStreamError, KVStreamError, PolicyMismatchError, StreamVersionError, TruncatedStreamError
 
@@ -115,8 +116,11 @@ __all__ = [
     "StreamHeader",
     "TensorSections",
     "write_stream",
+    "write_stream_in_place",
+    "stream_head",
     "read_stream",
     "read_header",
+    "section_views",
     "check_checksum",
     "stream_checksum",
     "selection_views",
@@ -193,6 +197,10 @@ class StreamHeader:
         header_nbytes: bytes before the first section (prefix + JSON + header checksum).
         source_tokens: per layer the original token count of a token-selecting policy's stream
             (the ``shapes`` then hold the kept counts), else ``None``.
+        text: the header's JSON bytes as read (empty for a header built otherwise). Every
+            field above is a function of them, and :func:`read_stream` hands out the same
+            object for a repeated header, so a cache of facts derived from the header alone
+            (plans, size checks) keys on it and hashes it once.
     """
 
     version: int
@@ -206,6 +214,7 @@ class StreamHeader:
 
     checksum_nbytes: int = _CRC.size
     source_tokens: tuple[int, ...] | None = None
+    text: bytes = dataclasses.field(default=b"", compare=False, repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -288,30 +297,18 @@ def write_stream(
 
     Returns:
         The stream bytes.
+
+    Raises:
+        ValueError: an unknown ``dtype``, sections not ``(K parts, V parts)`` of odd length per
+            layer, or ``source_tokens`` and ``masks`` that do not go together.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if len(shapes) != len(sections) or any(
         len(pair) != 2 or any(len(parts) % 2 != 1 for parts in pair) for pair in sections
     ):
         raise ValueError("need per layer (K parts, V parts), each [state, meta_0, payload_0, ...]")
-    if (source_tokens is None) != (masks is None) or (masks is not None and not (
-            len(masks) == len(source_tokens) == len(shapes)
-            and all(len(m) == mask_nbytes(k, t) for m, (k, _), t in zip(masks, shapes, source_tokens)))):
-        raise ValueError("need source_tokens and one bitmask of batch x kv_heads x ceil(tokens / 8) bytes per layer, or neither")
-    header = {
-        "policy": policy,
-        "policy_id": policy_id,
-        "layer_offset": int(layer_offset),
-        "dtype": dtype,
-        "shapes": [[list(map(int, k)), list(map(int, v))] for k, v in shapes],
-        "sections": [[[len(b) for b in parts] for parts in pair] for pair in sections],
-    }
-    if source_tokens is not None:
-        header["source_tokens"] = [int(t) for t in source_tokens]
-    hjson = canonical_json(header).encode("ascii")
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hjson)) + hjson
-    head += _header_digest(head)
+    lengths = [[[len(b) for b in parts] for parts in pair] for pair in sections]
+    head = stream_head(policy=policy, policy_id=policy_id, layer_offset=layer_offset, dtype=dtype, shapes=shapes,
+                       lengths=lengths, source_tokens=source_tokens, masks=masks)
     parts = [head, *(b for pair in sections for tensor in pair for b in tensor)]
     tail = list(masks or ())
     if crcs is None:
@@ -326,6 +323,88 @@ def write_stream(
         for m in tail:
             crc = crc32_threaded(m, crc)
     return b"".join(parts + tail + [_CRC.pack(crc)])
+
+
+def write_stream_in_place(
+    *,
+    head: bytes,
+    nbytes: int,
+    write_sections: Callable[[np.ndarray], int],
+    masks: Sequence[bytes] | None = None,
+) -> bytes:
+    """:func:`write_stream` for a producer that writes the sections where they end up
+    (:func:`kvtune.codecs.newbytes.filled_bytes`: the stream is never copied).
+
+    Args:
+        head: the stream's prefix, header and header checksum (:func:`stream_head`, whose
+            ``lengths`` add up to ``nbytes`` and whose ``source_tokens`` go with ``masks``).
+        nbytes: bytes of all the sections.
+        write_sections: called once with a writable uint8 array of ``nbytes`` bytes (valid only
+            during the call); writes every section in wire order and returns the CRC-32 of them
+            all.
+        masks: as :func:`write_stream`.
+
+    Returns:
+        The stream bytes, as :func:`write_stream` would assemble them from the same sections.
+
+    Raises:
+        Whatever ``write_sections`` raises.
+    """
+    tail = list(masks or ())
+    start, end = len(head), len(head) + nbytes
+
+    def fill(buf: np.ndarray) -> None:
+        buf[:start] = np.frombuffer(head, np.uint8)
+        crc = crc32_combine(crc32_threaded(head), write_sections(buf[start:end]), nbytes)
+        pos = end
+        for m in tail:
+            buf[pos : pos + len(m)] = np.frombuffer(m, np.uint8)
+            crc = crc32_threaded(m, crc)
+            pos += len(m)
+        buf[pos:] = np.frombuffer(_CRC.pack(crc), np.uint8)
+
+    return filled_bytes(end + sum(map(len, tail)) + _CRC.size, fill)
+
+
+def stream_head(
+    *,
+    policy: dict[str, Any],
+    policy_id: str,
+    layer_offset: int,
+    dtype: str,
+    shapes: Sequence[tuple[Sequence[int], Sequence[int]]],
+    lengths: Sequence[Sequence[Sequence[int]]],
+    source_tokens: Sequence[int] | None = None,
+    masks: Sequence[bytes] | None = None,
+) -> bytes:
+    """The prefix, JSON header and header checksum of a stream (everything before its
+    sections). Arguments as :func:`write_stream`, but ``lengths``: per layer ``(K lengths, V
+    lengths)``, each ``[state, meta_0, payload_0, ...]`` (byte lengths); ``masks`` are only
+    checked here.
+
+    Raises:
+        ValueError: an unknown ``dtype``, or ``source_tokens`` and ``masks`` that do not go
+            together (one bitmask of :func:`mask_nbytes` bytes per layer, or neither).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if (source_tokens is None) != (masks is None) or (masks is not None and not (
+            len(masks) == len(source_tokens) == len(shapes)
+            and all(len(m) == mask_nbytes(k, t) for m, (k, _), t in zip(masks, shapes, source_tokens)))):
+        raise ValueError("need source_tokens and one bitmask of batch x kv_heads x ceil(tokens / 8) bytes per layer, or neither")
+    header = {
+        "policy": policy,
+        "policy_id": policy_id,
+        "layer_offset": int(layer_offset),
+        "dtype": dtype,
+        "shapes": [[list(map(int, k)), list(map(int, v))] for k, v in shapes],
+        "sections": [[[int(n) for n in x] for x in pair] for pair in lengths],
+    }
+    if source_tokens is not None:
+        header["source_tokens"] = [int(t) for t in source_tokens]
+    hjson = canonical_json(header).encode("ascii")
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hjson)) + hjson
+    return head + _header_digest(head)
 
 
 def _bad(msg: str) -> CorruptStreamError:
@@ -453,6 +532,7 @@ def _parse_header(hjson: bytes, header_nbytes: int, version: int) -> StreamHeade
         sections=tuple(out_sections),  # type: ignore[arg-type]
         header_nbytes=header_nbytes,
         source_tokens=source_tokens,
+        text=hjson,
     )
 
 
@@ -536,6 +616,12 @@ def read_stream(
         KVStreamError: ``data`` is not a contiguous bytes-like buffer (:func:`byte_view`).
     """
     mv = byte_view(data)
+    header = _checked_header(mv, expect_policy_id, verify_checksum)
+    return header, section_views(mv, header)
+
+
+def _checked_header(mv: memoryview, expect_policy_id: str | None, verify_checksum: bool) -> StreamHeader:
+    """Every check of :func:`read_stream` on the flat byte view ``mv``; the header."""
     n = len(mv)
     if n < _PREFIX.size:
         if bytes(mv[: len(MAGIC)]) != MAGIC[: min(n, len(MAGIC))]:
@@ -566,8 +652,22 @@ def read_stream(
         raise PolicyMismatchError(
             f"KV stream was encoded with policy {header.policy_id}, caller expects {expect_policy_id}"
         )
+    return header
+
+
+def section_views(data: bytes | bytearray | memoryview, header: StreamHeader) -> list[tuple[TensorSections, TensorSections]]:
+    """The sections of a stream that :func:`read_stream` / :func:`read_header` accepted with
+    ``header``: per layer ``(K, V)`` :class:`TensorSections` of zero-copy memoryviews into ``data``.
+
+    Raises:
+        TruncatedStreamError: ``data`` is shorter than ``header`` says (another stream's header).
+    """
+    mv = byte_view(data)
+    if len(mv) < header.total_nbytes:
+        raise TruncatedStreamError(f"KV stream truncated: {len(mv)} bytes, header and section lengths say "
+                                   f"{header.total_nbytes}")
     sections = []
-    pos = header_nbytes
+    pos = header.header_nbytes
     for pair in header.sections:
         tensors = []
         for lengths in pair:
@@ -577,7 +677,7 @@ def read_stream(
                 pos += length
             tensors.append(TensorSections.from_flat(views))
         sections.append((tensors[0], tensors[1]))
-    return header, sections
+    return sections
 
 
 def stream_checksum(data: bytes | bytearray | memoryview, header: StreamHeader) -> int:
@@ -626,10 +726,14 @@ def selection_views(data: bytes | bytearray | memoryview, header: StreamHeader) 
     return out
 
 
-def read_header(data: bytes | bytearray | memoryview) -> StreamHeader:
-    """Validate a stream (all checks of :func:`read_stream`) and return its header.
+def read_header(data: bytes | bytearray | memoryview, *, verify_checksum: bool = True) -> StreamHeader:
+    """Validate a stream (all checks of :func:`read_stream`, ``verify_checksum`` as there) and
+    return its header, without the section views (:func:`section_views`).
 
     Useful for byte accounting: ``len(data) == h.header_nbytes + h.state_nbytes +
     h.meta_nbytes + h.payload_nbytes + h.checksum_nbytes``.
+
+    Raises:
+        As :func:`read_stream`.
     """
-    return read_stream(data)[0]
+    return _checked_header(byte_view(data), None, verify_checksum)

@@ -11,7 +11,9 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
 * :mod:`.bitpack`: bit packing of symbols (the ``bitpack`` codec);
 * :mod:`.components`: per-component quantization of ``dp-alloc`` (KVTC-like presets);
 * :mod:`.rans`: interleaved rANS coding and its integer tables (the ``rans`` codec);
-* :mod:`.segments`: every segment of one K or V tensor in one call (the fast path's entry);
+* :mod:`.segments`: every segment of one K or V tensor in one call;
+* :mod:`.batch`: every tensor of a cache in one call per codec thread (the fast path's entry for
+  bit-packed policies without transforms);
 * :mod:`.finite`: finiteness and largest-magnitude checks of the inputs; :mod:`.crc`: CRC-32 of stream sections;
 * :mod:`.convert`: float16 / bfloat16 conversions and row access in the tensor dtypes;
 * :mod:`.lowlevel`: compile options, constants, bit casts and vector intrinsics they share;
@@ -66,6 +68,33 @@ from __future__ import annotations
 from .cachedir import kernel_cache_dir
 
 with kernel_cache_dir():  # every kernel module is compiled/cached under one source digest
+    from .batch import (
+        DEC_COLUMNS,
+        DEC_B,
+        DEC_D,
+        DEC_H,
+        DEC_IN,
+        DEC_KIND,
+        DEC_LEN,
+        DEC_NSEG,
+        DEC_OUT,
+        DEC_SEG,
+        DEC_T,
+        ENC_B,
+        ENC_COLUMNS,
+        ENC_D,
+        ENC_FLOAT32,
+        ENC_H,
+        ENC_LEN,
+        ENC_NSEG,
+        ENC_OUT,
+        ENC_SEG,
+        ENC_T,
+        ENC_X,
+        crc32_concat,
+        decode_batch,
+        encode_batch,
+    )
     from .bf16 import gather_bf16, scatter_bf16
     from .bitpack import pack_bits, unpack_bits
     from .convert import (
@@ -174,6 +203,9 @@ __all__ = [
     "encode_tensor",
     "decode_segments",
     "decode_tensor",
+    "encode_batch",
+    "decode_batch",
+    "crc32_concat",
     "crc32_update",
     "crc32_combine",
     "CRC32_CLMUL",
@@ -200,4 +232,26 @@ __all__ = [
     "CB_MINMAX",
     "CB_LLOYD",
     "GRID_CODES",
+    "ENC_X",
+    "ENC_FLOAT32",
+    "ENC_B",
+    "ENC_H",
+    "ENC_T",
+    "ENC_D",
+    "ENC_SEG",
+    "ENC_NSEG",
+    "ENC_OUT",
+    "ENC_LEN",
+    "ENC_COLUMNS",
+    "DEC_IN",
+    "DEC_LEN",
+    "DEC_B",
+    "DEC_H",
+    "DEC_T",
+    "DEC_D",
+    "DEC_SEG",
+    "DEC_NSEG",
+    "DEC_OUT",
+    "DEC_KIND",
+    "DEC_COLUMNS",
 ]

@@ -1,7 +1,7 @@
 """Low-level building blocks shared by the kernel modules of :mod:`kvtune.codecs.kernels`.
 
-Compile options, numeric constants, float32 <-> integer bit casts, a pointer to 8 float32 lanes
-and 8-lane vector min/max reductions, as numba intrinsics (LLVM IR written directly where
+Compile options, numeric constants, float32 <-> integer bit casts, a pointer to 8 float32 lanes,
+8-lane vector min/max reductions, raw addresses and an atomic counter, as numba intrinsics (LLVM IR written directly where
 numba's loop vectorizer does not produce it). None of them is a kernel of its own (the package does
 not re-export them): each is exercised through the kernels that use it
 (``tests/test_kernels.py`` compares those with their references).
@@ -46,6 +46,8 @@ __all__ = [
     "vminmax_groups8",
     "vminmax_rows8",
     "absmax",
+    "address_as_voidptr",
+    "fetch_add",
 ]
 
 # numba's internal SSA check warns on the inlined bf16 helpers (a pedantic notice about its own
@@ -295,3 +297,38 @@ def v8_ptr(context, builder, signature, args):
     ary = context.make_array(signature.args[0])(context, builder, args[0])
     i = context.cast(builder, args[1], signature.args[1], types.int64)
     return builder.bitcast(builder.gep(ary.data, [i]), ir.VectorType(ir.FloatType(), 8).as_pointer())
+
+
+# ----------------------------------------------------------------------------- addresses and atomics
+
+
+@intrinsic
+def address_as_voidptr(typingctx, addr):
+    """An integer memory address (``Tensor.data_ptr()``, ``ndarray.ctypes.data``) as a ``void*``
+    for ``numba.carray``: the batch kernels reach the K / V tensors of a whole cache, each its
+    own allocation, through one int64 table. The caller keeps the memory alive and sized."""
+    if not isinstance(addr, types.Integer):
+        return None
+    sig = types.voidptr(addr)
+
+    def codegen(context, builder, signature, args):
+        v = context.cast(builder, args[0], signature.args[0], types.int64)
+        return builder.inttoptr(v, cgutils.voidptr_t)
+
+    return sig, codegen
+
+
+@intrinsic
+def fetch_add(typingctx, counter, n):
+    """Atomically add ``n`` to ``counter[0]`` (a C-contiguous int64 array) and return its old
+    value: the threads of one batch call claim the next tensor from a shared counter."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64 and isinstance(n, types.Integer)):
+        return None
+    sig = types.int64(counter, n)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        v = context.cast(builder, args[1], signature.args[1], types.int64)
+        return builder.atomic_rmw("add", ary.data, v, "seq_cst")
+
+    return sig, codegen
