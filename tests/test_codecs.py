@@ -1627,3 +1627,94 @@ def test_out_tensors_in_the_streams_own_buffer_are_refused_and_out_is_returned(i
         decode_kv(stream, impl=impl, out=[(alias, torch.empty(1, 2, 8, 16, dtype=torch.bfloat16))])
     out = [(torch.empty(1, 2, 8, 16, dtype=torch.bfloat16), torch.empty(1, 2, 8, 16, dtype=torch.bfloat16))]
     assert decode_kv(bytes(stream), impl=impl, out=out) is out
+
+
+# ----------------------------------------------------------------------------- the batch route
+# (bit-packed policies without transforms: one kernel call per codec thread, straight into the
+# stream bytes and the output tensors; kvtune.codecs.fastpath.encode_plan / decode_plan)
+
+
+def test_batch_route_takes_strided_and_float16_inputs_and_gives_the_reference_bytes():
+    from kvtune.codecs import fastpath
+    from kvtune.codecs.stream import read_header
+
+    cfg = PolicyConfig.kivi(2)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        kv = make_kv(MATRIX_SHAPES[:3], dtype=dtype)
+        wide = kv[1][0].transpose(2, 3).contiguous().transpose(2, 3)  # the same values, strided
+        kv[1] = (wide, kv[1][1])
+        assert not kv[1][0].is_contiguous()
+        shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
+        assert fastpath.encode_plan(cfg, shapes, 3) is not None  # the batch route, not the per-tensor one
+        stream = encode_kv(kv, cfg, layer_offset=3, impl="fast")
+        assert stream == encode_kv(kv, cfg, layer_offset=3, impl="reference")
+        header = read_header(stream)
+        if dtype != torch.float16:  # float16 output saturates: decoded tensor by tensor
+            assert fastpath.decode_plan(cfg, header, dtype) is not None
+        for pair, ref in zip(decode_kv(stream, impl="fast"), decode_kv(stream, impl="reference")):
+            assert all(torch.equal(a, b) for a, b in zip(pair, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_route_reports_the_first_bad_tensor_in_layer_order(dtype):
+    """A NaN in layer 2's V and a value beyond float16 scales in layer 1's K: the batch route
+    names layer 1's K, the first bad tensor (the reference checks every tensor's finiteness
+    before it codes any); with only the NaN left, both name layer 2's V."""
+    cfg = PolicyConfig.kivi(2)
+    kv = make_kv(MATRIX_SHAPES[:3], dtype=dtype)
+    kv[2][1][0, 0, 0, 1] = float("nan")
+    if dtype == torch.float32:
+        kv[1][0][1, 0, 2, 3] = 1e30
+        with pytest.raises(KVInputError, match=r"layer 4 key: a value of magnitude 1e\+30"):
+            encode_kv(kv, cfg, layer_offset=3, impl="fast")
+        kv[1][0][1, 0, 2, 3] = 0.0
+    for impl in ("fast", "reference"):
+        with pytest.raises(KVInputError, match=r"kv\[2\] V has non-finite values"):
+            encode_kv(kv, cfg, layer_offset=3, impl=impl)
+
+
+def test_the_in_place_stream_writer_gives_the_joined_stream():
+    """write_stream_in_place (sections written where they end up) == write_stream (sections
+    joined), with and without the selection block; a failing producer leaves nothing behind."""
+    import zlib
+
+    from kvtune.codecs.stream import stream_head, write_stream, write_stream_in_place
+
+    rng = np.random.default_rng(3)
+    shapes = [((1, 2, 9, 4), (1, 2, 9, 4)), ((1, 2, 5, 4), (1, 2, 5, 4))]
+    sections = [tuple([rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lens] for lens in ([0, 6, 3], [2, 1, 4, 5, 0]))
+                for _ in shapes]
+    fields = dict(policy=PolicyConfig.kivi(2).to_dict(), policy_id=PolicyConfig.kivi(2).policy_id, layer_offset=2,
+                  dtype="bfloat16", shapes=shapes)
+    lengths = [[[len(b) for b in parts] for parts in pair] for pair in sections]
+    body = b"".join(b for pair in sections for parts in pair for b in parts)
+
+    def write(buf):
+        buf[:] = np.frombuffer(body, np.uint8)
+        return zlib.crc32(body)
+
+    for selection in ({}, dict(source_tokens=[12, 9], masks=[bytes([0xFF, 0x01] * 2), bytes([0x1F, 0] * 2)])):
+        want = write_stream(**fields, sections=sections, **selection)
+        head = stream_head(**fields, lengths=lengths, **selection)
+        got = write_stream_in_place(head=head, nbytes=len(body), write_sections=write, masks=selection.get("masks"))
+        assert type(got) is bytes and got == want
+
+    def fail(buf):
+        raise KVInputError("producer failed")
+
+    with pytest.raises(KVInputError, match="producer failed"):
+        write_stream_in_place(head=stream_head(**fields, lengths=lengths), nbytes=len(body), write_sections=fail)
+
+
+def test_filled_bytes_is_a_new_bytes_object_with_what_fill_wrote():
+    from kvtune.codecs.newbytes import IN_PLACE, filled_bytes
+
+    assert IN_PLACE  # CPython: no copy
+    a = filled_bytes(5, lambda v: v.__setitem__(slice(None), [1, 2, 3, 4, 5]))
+    b = filled_bytes(5, lambda v: v.__setitem__(slice(None), [1, 2, 3, 4, 5]))
+    assert type(a) is bytes and a == bytes([1, 2, 3, 4, 5]) and a is not b and hash(a) == hash(b"\1\2\3\4\5")
+    assert filled_bytes(0, lambda v: None) == b""
+    with pytest.raises(ValueError, match="cannot have -1 bytes"):
+        filled_bytes(-1, lambda v: None)
+    with pytest.raises(ZeroDivisionError):
+        filled_bytes(3, lambda v: 1 / 0)

@@ -388,3 +388,24 @@ def test_unconfirmed_plans_are_bounded_alike_on_encode_and_decode(monkeypatch):
             decode_kv(stream, impl=impl)
     monkeypatch.setattr(policy_module, "MAX_UNCONFIRMED_PLAN", 4097)
     assert len(decode_kv(stream)) == 1 and encode_kv(kv, cfg) == stream
+
+
+def test_header_facts_are_remembered_per_header_text_and_failures_are_not():
+    """A repeated header reuses its checks (one header object per repeated header text); a
+    forged header of the same policy claiming more elements than its payloads hold is refused
+    every time, also after a valid stream of that policy decoded."""
+    kv = [(torch.randn(1, 2, 40, 16).to(torch.bfloat16), torch.randn(1, 2, 40, 16).to(torch.bfloat16)) for _ in range(2)]
+    stream = encode_kv(kv, PolicyConfig.kivi(2))
+    for _ in range(2):
+        for pair, ref in zip(decode_kv(stream), decode_kv(stream, impl="reference")):
+            assert all(torch.equal(a, b) for a, b in zip(pair, ref))
+    assert read_header(stream).text is read_header(stream).text
+
+    def claim_more(h):
+        h["shapes"][0][0][2] *= 64  # layer 0 K claims 64x its tokens
+        return h
+
+    forged = forge(stream, claim_more)
+    for _ in range(2):
+        with pytest.raises(CorruptStreamError, match="layer 0 K"):
+            decode_kv(forged)
