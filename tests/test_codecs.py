@@ -976,20 +976,18 @@ def test_truncated_stream(good_stream):
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])
-def test_header_policy_must_hash_to_the_recorded_policy_id(monkeypatch, impl):
-    """A header whose policy was swapped (checksums recomputed) must not decode with the wrong policy."""
-    import kvtune.codecs.stream as stream_module
+def test_header_policy_must_hash_to_the_recorded_policy_id(impl):
+    """A header whose policy was swapped (checksums recomputed: the stream writer itself
+    assembles it from a real stream's sections) must not decode with the wrong policy."""
+    from kvtune.codecs.stream import read_stream, write_stream
 
-    real_head = stream_module.stream_head  # the header of both stream writers
-    swapped = PolicyConfig.from_dict({**PolicyConfig.kivi(2).to_dict(), "transforms": [{"name": "hadamard"}]})
-
-    def forged_head(**kw):
-        return real_head(**{**kw, "policy": swapped.to_dict()})  # keeps KIVI-2's policy id
-
-    monkeypatch.setattr(stream_module, "stream_head", forged_head)
-    stream = encode_kv(make_kv(MATRIX_SHAPES[:1]), PolicyConfig.kivi(2), impl=impl)
-    monkeypatch.undo()
-    for expect in (None, PolicyConfig.kivi(2)):
+    kivi = PolicyConfig.kivi(2)
+    swapped = PolicyConfig.from_dict({**kivi.to_dict(), "transforms": [{"name": "hadamard"}]})
+    header, sections = read_stream(encode_kv(make_kv(MATRIX_SHAPES[:1]), kivi, impl=impl))
+    stream = write_stream(policy=swapped.to_dict(), policy_id=kivi.policy_id, layer_offset=header.layer_offset,
+                          dtype=header.dtype, shapes=header.shapes,
+                          sections=[tuple(t.flat() for t in pair) for pair in sections])
+    for expect in (None, kivi):
         with pytest.raises(CorruptStreamError, match="policy id"):
             decode_kv(stream, expect=expect, impl=impl)
 
