@@ -523,16 +523,19 @@ def test_first_nonfinite_f16_finds_the_first_range_with_a_nan_or_inf():
 
 
 def test_crc32_folds_with_clmul_on_x86_hosts_that_have_it():
-    """The fast CRC is not silently off on the development machines (x86-64 with pclmul)."""
+    """The fast CRC is not silently off on the development machines (x86-64 with pclmul; the
+    512-bit fold with vpclmulqdq and AVX-512)."""
     import platform
 
     import llvmlite.binding as llvm
 
-    host = platform.machine().lower() in ("x86_64", "amd64") and llvm.get_host_cpu_features().get("pclmul", False)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    features = llvm.get_host_cpu_features() if x86 else {}
     from numba.core import config
 
     if config.CPU_NAME is None and config.CPU_FEATURES is None:
-        assert K.CRC32_CLMUL == bool(host)
+        assert K.CRC32_CLMUL == bool(features.get("pclmul", False))
+        assert K.CRC32_VPCLMUL == bool(K.CRC32_CLMUL and features.get("vpclmulqdq", False) and features.get("avx512f", False))
 
 
 @covers("max_magnitude_bf16", "max_magnitude_f32")
@@ -1225,10 +1228,12 @@ def test_quantize_components_matches_component_quantizer(shape, first, grid, ste
 
 
 @covers("crc32_update", "crc32_combine")
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 63, 64, 65, 79, 80, 127, 128, 129, 191, 192, 1000, 4099, 1 << 17])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 63, 64, 65, 79, 80, 127, 128, 129, 191, 192, 255, 256, 257, 271,
+                               272, 511, 512, 513, 767, 768, 1000, 4099, 1 << 17])
 def test_crc32_matches_zlib(n):
-    """Around the carry-less folding's boundaries (64 bytes to start, 64-byte steps, 16-byte
-    blocks, then a byte tail), on writable and read-only arrays and slices at odd offsets."""
+    """Around the carry-less folding's boundaries (64 bytes to start the 128-bit fold, 64-byte
+    steps; 256 bytes and 256-byte steps for the 512-bit one; 16-byte blocks, then a byte tail),
+    on writable and read-only arrays and slices at odd offsets."""
     rng = np.random.default_rng(n)
     a = rng.integers(0, 256, size=n).astype(np.uint8)
     b = rng.integers(0, 256, size=(n * 7) % 61).astype(np.uint8)

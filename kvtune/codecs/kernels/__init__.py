@@ -109,7 +109,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     )
     from .components import GRID_CODES, dequantize_components, quantize_components
     from .codebook import codebook_dequantize, codebook_quantize
-    from .crc import CRC32_CLMUL, crc32_combine, crc32_update
+    from .crc import CRC32_CLMUL, CRC32_VPCLMUL, crc32_combine, crc32_update
     from .finite import all_finite_bf16, all_finite_f32, first_nonfinite_f16, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
     from .rans import (
@@ -209,6 +209,7 @@ __all__ = [
     "crc32_update",
     "crc32_combine",
     "CRC32_CLMUL",
+    "CRC32_VPCLMUL",
     "warm_up",
     "SEG_KIND",
     "SEG_BITS",
