@@ -899,7 +899,8 @@ def test_encode_batch_is_encode_tensor_per_row(dtype, threads):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     """Every row = ``decode_tensor`` of its range of a read-only stream into its own output,
-    whichever thread claims it."""
+    whichever thread claims it, and the finiteness of its float16 metadata
+    (``first_nonfinite_f16`` over its metadata sections)."""
     segs, index, table, tables = stacked_tables(BATCH_SHAPES, K.DEC_COLUMNS, K.DEC_SEG, K.DEC_NSEG)
     sizes = np.array([t[2] for t in tables], np.int64)
     stream = np.zeros(sizes.sum() + 5, np.uint8)  # 5 bytes before the first tensor (a header)
@@ -917,10 +918,20 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     table[:, K.DEC_B : K.DEC_D + 1] = BATCH_SHAPES
     table[:, K.DEC_OUT] = [o.ctypes.data for o in outs]
     table[:, K.DEC_KIND] = kind
-    crcs, counter = np.zeros(len(outs), np.int64), np.zeros(1, np.int64)
+    crcs, finite, counter = np.zeros(len(outs), np.int64), np.zeros(len(outs), np.uint8), np.zeros(1, np.int64)
     run_threads(threads, lambda: K.decode_batch(stream, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8),
-                                                nf_table(), crcs, counter))
+                                                nf_table(), crcs, finite, counter))
     assert crcs.tolist() == want_crcs and all(np.array_equal(o, w) for o, w in zip(outs, want))
+    assert finite.tolist() == [1, 1, 1, 1]
+    # a NaN scale in row 2's last metadata section (float16 0x7E00, little-endian): only row 2 is flagged
+    forged = stream.copy()
+    tab = tables[2][0]
+    at = starts[2] + tab[-1, K.SEG_META] + tab[-1, K.SEG_META_LEN] - 2
+    forged[at : at + 2] = (0x00, 0x7E)
+    counter[0] = 0
+    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, finite,
+                   counter)
+    assert finite.tolist() == [1, 1, 0, 1]
 
 
 @covers("crc32_concat")

@@ -88,7 +88,13 @@ __all__ = [
     "set_num_threads",
     "encode_tensors",
     "decode_tensors",
+    "BatchPlan",
+    "encode_plan",
+    "encode_into",
+    "decode_plan",
+    "decode_into",
     "sizes_plausible",
+    "nonfinite_float16_error",
     "first_nonfinite_f16",
     "LayerDecodeError",
 ]
@@ -836,8 +842,9 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
     (:func:`kvtune.codecs.kernels.decode_batch`).
 
     Returns:
-        ``(tensors, crcs)``: per layer ``(K, V)``, and int64 ``(N,)`` the CRC-32 of each
-        tensor's sections (layer order, K before V).
+        ``(tensors, crcs, finite)``: per layer ``(K, V)``; int64 ``(N,)`` the CRC-32 of each
+        tensor's sections and uint8 ``(N,)`` whether its float16 metadata is all finite
+        (layer order, K before V).
 
     Raises:
         Whatever a kernel raises (the caller re-decodes on the per-tensor route, which names the
@@ -850,14 +857,16 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
     table[:, K.DEC_OUT] = [t.data_ptr() for pair in out for t in pair]
     table[:, K.DEC_KIND] = _BATCH_KINDS[dtype]
     crcs = np.empty(len(table), np.int64)
+    finite = np.empty(len(table), np.uint8)
     counter = np.zeros(1, np.int64)
     luts, books = _fp8_luts(), nf_table()
 
     def work(_) -> None:
-        K.decode_batch(buf, table, batch.segs, batch.idx, luts[0], luts[1], _scratch(batch.max_numel), books, crcs, counter)
+        K.decode_batch(buf, table, batch.segs, batch.idx, luts[0], luts[1], _scratch(batch.max_numel), books, crcs,
+                       finite, counter)
 
     parallel_map(work, range(min(num_threads(), len(table))))
-    return out, crcs
+    return out, crcs, finite
 
 
 # ----------------------------------------------------------------------------- decode
@@ -1004,6 +1013,13 @@ def sizes_plausible(header, config=None) -> bool:
     return True
 
 
+def nonfinite_float16_error(layer: int, name: str, what: str) -> CorruptStreamError:
+    """The error for a NaN / inf float16 in ``layer``'s K or V (``name``) ``what`` (its
+    ``"metadata"`` or ``"transform state"``): an encoder writes only finite ones."""
+    return CorruptStreamError(f"corrupt KV stream: layer {layer} {name} has a NaN or inf float16 in its {what} "
+                              "(an encoder writes only finite ones)")
+
+
 def first_nonfinite_f16(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
     """Index of the first byte range ``buf[starts[r]:ends[r]]`` of little-endian float16 values
     holding a NaN or inf, or -1 (:func:`kvtune.codecs.kernels.first_nonfinite_f16`; numpy when
@@ -1024,7 +1040,9 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
     :func:`kvtune.codecs.stream.read_stream`, or ``None`` (made here when a route needs them).
 
     A ``bitpack`` policy without transforms decodes in one kernel call per codec thread
-    (:func:`decode_into`); anything else, or a batch that fails, tensor by tensor.
+    (:func:`decode_into`), which also checks that its float16 metadata is finite (the caller
+    skips its own pass, :func:`kvtune.codecs.policy.check_finite_metadata`, when
+    :func:`decode_plan` gives a batch); anything else tensor by tensor.
 
     ``check_crc``: also verify the stream's final CRC-32 (:func:`kvtune.codecs.stream.check_checksum`)
     from the CRCs the tasks take of their tensors' sections while they decode them, combined
@@ -1034,21 +1052,22 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
     returned.
 
     Raises the first error in layer order (K before V), as the reference path does, wrapped in
-    :class:`LayerDecodeError`; CorruptStreamError on a checksum mismatch (``check_crc``).
+    :class:`LayerDecodeError`; CorruptStreamError on a checksum mismatch (``check_crc``), then
+    (batch route) on a NaN / inf float16 in the metadata, as
+    :func:`kvtune.codecs.policy.check_finite_metadata` words it.
     """
     comp = _compiled(config)
     dtype = NAME_DTYPES[header.dtype]
     buf = np.frombuffer(stream, dtype=np.uint8)
     batch = decode_plan(config, header, dtype)
     if batch is not None:
-        try:
-            decoded, crcs = decode_into(buf, batch, dtype, out)
-        except Exception:  # the per-tensor route below decodes again and names the layer
-            batch = None
-    if batch is not None:
+        decoded, crcs, finite = decode_into(buf, batch, dtype, out)
         if check_crc:
             end = header.header_nbytes + int(batch.nbytes.sum())
             check_checksum(buf, header, _combined_crc(buf, header, end, crcs, batch.nbytes))
+        if not finite.all():  # the first such tensor (no transform state on this route: metadata)
+            i = int(np.argmin(finite))
+            raise nonfinite_float16_error(header.layer_offset + i // 2, "KV"[i % 2], "metadata")
         return decoded
     if sections is None:
         sections = section_views(stream, header)

@@ -743,7 +743,6 @@ def _decode_read(stream, header: StreamHeader, expect: PolicyConfig | None, impl
     positions = mask_positions(header, bits) if bits else None
     config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
     check_claimed_sizes(header, None if config.codec.bounds_by_length else section_views(stream, header), config)
-    check_finite_metadata(stream, header)
     device = decode_device(device)
     if out is not None:
         _check_out(out, header.shapes, dtype, device, stream if device.type == "cpu" else None)
@@ -757,6 +756,8 @@ def _decode_read(stream, header: StreamHeader, expect: PolicyConfig | None, impl
         and _remembered(header, ("plausible sizes", config.policy_id), lambda: fastpath.sizes_plausible(header, config))
     if not fast:
         check_checksum(stream, header)
+    if not (fast and fastpath.decode_plan(config, header, dtype) is not None):  # the batch kernels check it
+        check_finite_metadata(stream, header)
     if _use_torch(impl, config, device.type != "cpu"):
         try:
             return torchpath.decode_tensors(stream, header, section_views(stream, header), config, device, out)
@@ -857,7 +858,9 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
     ``affine``'s statistics). A forged stream with a NaN scale and a recomputed CRC used to decode
     to NaN tensors on every path; one pass over those sections
     (:func:`kvtune.codecs.fastpath.first_nonfinite_f16`; measured 0.25 ms for the 1.29 MB of
-    metadata of a 6.8 MB ``kivi-2`` stream, about 2 % of its decode) refuses it.
+    metadata of a 6.8 MB ``kivi-2`` stream, about 2 % of its decode) refuses it. The fast path's
+    batch route (:func:`kvtune.codecs.fastpath.decode_plan`) does the same check inside its
+    decode kernels instead, while each tensor's metadata is in cache, and raises the same error.
 
     Args:
         stream: the stream bytes; header: its header (:func:`kvtune.codecs.stream.read_stream`,
@@ -870,8 +873,7 @@ def check_finite_metadata(stream: bytes | bytearray | memoryview, header: Stream
     bad = fastpath.first_nonfinite_f16(np.frombuffer(stream, dtype=np.uint8), starts, ends)
     if bad >= 0:
         i, name, what = where[bad]
-        raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {name} has a NaN or inf float16 "
-                                 f"in its {what} (an encoder writes only finite ones)")
+        raise fastpath.nonfinite_float16_error(header.layer_offset + i, name, what)
 
 
 def _float16_ranges(header_nbytes: int, sections: tuple) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -924,9 +926,9 @@ def check_claimed_sizes(header: StreamHeader, sections: list[tuple[TensorSection
         ValueError: ``sections`` is ``None`` with a codec that reads its payloads to bound them.
     """
     if config.codec.bounds_by_length:  # a function of the header alone: checked once per header
-        if sections is None:
-            sections = _zero_sections([(k.flat(), v.flat()) for k, v in header.sections])
-        _remembered(header, ("claimed sizes", config.policy_id), lambda: _check_claimed_sizes(header, sections, config))
+        _remembered(header, ("claimed sizes", config.policy_id), lambda: _check_claimed_sizes(
+            header, sections if sections is not None else _zero_sections([(k.flat(), v.flat()) for k, v in header.sections]),
+            config))
     elif sections is None:
         raise ValueError(f"codec {config.codec.name!r} reads its payloads to bound them: pass the stream's sections")
     else:
@@ -987,24 +989,27 @@ def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device, 
     if not isinstance(out, (list, tuple)) or len(out) != len(shapes):
         raise KVInputError(f"out must be a list of {len(shapes)} (K, V) pairs")
     spans = []
+    on_cpu = device.type == "cpu"
     for i, (pair, kv_shapes) in enumerate(zip(out, shapes)):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise KVInputError(f"out[{i}] must be a (K, V) pair")
         for name, t, shape in zip("KV", pair, kv_shapes):
-            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape) and t.dtype == dtype
-                    and t.device.type == device.type and device.index in (None, t.device.index) and t.is_contiguous()):
+            if not (isinstance(t, torch.Tensor) and t.shape == tuple(shape) and t.dtype == dtype and t.is_contiguous()
+                    and (t.is_cpu if on_cpu else (t.device.type == device.type and device.index in (None, t.device.index)))):
                 raise KVInputError(f"out[{i}] {name} must be a contiguous {dtype} tensor on {device} of shape {tuple(shape)}")
             if t.requires_grad:
                 raise KVInputError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
             if t.numel():
-                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), f"out[{i}] {name}"))
+                start = t.data_ptr()
+                spans.append((start, start + t.nbytes, i, name))
     if stream is not None and len(stream):
-        start = np.frombuffer(stream, np.uint8).ctypes.data
-        spans.append((start, start + len(np.frombuffer(stream, np.uint8)), "the stream's buffer"))
+        view = np.frombuffer(stream, np.uint8)
+        spans.append((view.ctypes.data, view.ctypes.data + view.size, -1, ""))
     spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+    for (_, end, *a), (start, _, *b) in zip(spans, spans[1:]):
         if start < end:
-            raise KVInputError(f"{a} and {b} overlap in memory; each decoded tensor needs its own buffer")
+            what = [f"out[{i}] {name}" if i >= 0 else "the stream's buffer" for i, name in (a, b)]
+            raise KVInputError(f"{what[0]} and {what[1]} overlap in memory; each decoded tensor needs its own buffer")
 
 
 def _raise_decode_error(policy_id: str, layer: int, exc: BaseException):

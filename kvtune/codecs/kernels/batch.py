@@ -20,8 +20,9 @@ import numpy as np
 from numba import njit
 
 from .crc import crc32_combine
+from .finite import first_nonfinite_f16
 from .lowlevel import JIT, address_as_voidptr, fetch_add
-from .segments import decode_tensor, encode_tensor
+from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor
 
 ENC_X, ENC_FLOAT32, ENC_B, ENC_H, ENC_T, ENC_D, ENC_SEG, ENC_NSEG, ENC_OUT, ENC_LEN = range(10)
 ENC_COLUMNS = 10
@@ -75,12 +76,14 @@ def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, co
 
 
 @njit(**JIT)
-def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, counter):
+def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, finite, counter):
     """:func:`decode_tensor` (bit-packed sections) of every row of ``table`` not yet claimed
-    from ``counter``.
+    from ``counter``, and the check that its float16 metadata is finite.
 
     Reference: for each row ``i``, ``crcs[i] = decode_tensor(buf[in_i : in_i + len_i],
-    segs[rows_i], idx, luts, lut16, symbuf, y_i, kind_i, books)``.
+    segs[rows_i], idx, luts, lut16, symbuf, y_i, kind_i, books)`` and ``finite[i] =
+    first_nonfinite_f16(data_i, meta starts, meta ends) < 0`` over its segments' metadata
+    sections (``SEG_META``, ``SEG_META_LEN`` of its rows, in ``data_i``).
 
     Args:
         buf: uint8 stream (read-only is fine); every row's section lengths already checked
@@ -90,6 +93,8 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, counte
         segs, idx: as :func:`encode_batch`.
         luts, lut16, books: as :func:`decode_tensor`; symbuf: as :func:`encode_batch`.
         crcs: int64 ``(N,)``: the CRC-32 of each row's sections.
+        finite: uint8 ``(N,)``: 1 when every float16 of the row's metadata is finite, else 0
+            (its output then holds whatever the NaN / inf scales made of it).
         counter: as :func:`encode_batch`.
     """
     n = table.shape[0]
@@ -100,6 +105,8 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, counte
         shape = (table[i, DEC_B], table[i, DEC_H], table[i, DEC_T], table[i, DEC_D])
         rows = segs[table[i, DEC_SEG] : table[i, DEC_SEG] + table[i, DEC_NSEG]]
         data = buf[table[i, DEC_IN] : table[i, DEC_IN] + table[i, DEC_LEN]]
+        starts = rows[:, SEG_META]
+        finite[i] = first_nonfinite_f16(data, starts, starts + rows[:, SEG_META_LEN]) < 0
         if table[i, DEC_KIND] == 0:
             y32 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.float32)
             crcs[i] = decode_tensor(data, rows, idx, luts, lut16, symbuf, y32, 0, books)
