@@ -17,6 +17,15 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
   :func:`kvtune.codecs.kernels.encode_tensor`, input check, segments, CRC; to decode:
   :func:`kvtune.codecs.kernels.decode_tensor`, CRC, segments), so a codec thread takes the GIL
   back once per tensor: with two threads, each re-take can wait for the other thread's Python,
+* a ``bitpack`` policy without transforms (KIVI, ``fp8``, ``none``, MixHQ, codebooks) goes one
+  step further, the *batch route*: its section lengths follow from the plans alone, so the
+  stream header is written first and every tensor is encoded straight into the stream's
+  ``bytes`` (:func:`kvtune.codecs.newbytes.filled_bytes`, no join) and decoded straight into
+  the output tensors, all tensors of the cache in one kernel call per codec thread, the threads
+  claiming tensors from a shared atomic counter (:func:`encode_plan` / :func:`encode_into`,
+  :func:`decode_plan` / :func:`decode_into`; :mod:`kvtune.codecs.kernels.batch`). The plans
+  are stacked once per cache shape (encode) or stream header (decode); the decode kernels also
+  check the float16 metadata while it is in cache,
 * metadata and payload are written straight into numpy buffers whose bytes are the sections.
 
 Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block quantizers
