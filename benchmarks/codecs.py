@@ -343,7 +343,7 @@ class Result:
         return "ok" if self.enc_pct >= 100 * t[0] and self.into_pct >= 100 * t[1] else "MISSED"
 
 
-def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, check: bool) -> Result:
+def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, check: bool, burst: int = BURST) -> Result:
     cfg = case.config.with_head_scores(scores) if case.config.needs_head_scores else case.config
     nbytes = original_nbytes(kv)
     t0 = time.perf_counter()
@@ -363,25 +363,25 @@ def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, 
         for gbps, rel, run in ((res.enc_gbps, res.enc_rel, lambda: encode_kv(kv, cfg)),
                                (res.dec_gbps, res.dec_rel, lambda: decode_kv(stream)),
                                (res.into_gbps, res.into_rel, lambda: decode_kv(stream, out=into))):
-            mc = memcpy.sample(BURST)[2]
-            t = _burst(run, device)
+            mc = memcpy.sample(burst)[2]
+            t = _burst(run, device, burst)
             gbps.append(nbytes / t / 1e9)
             rel.append(nbytes / t / 1e9 / mc)
     return res
 
 
 BURST = 3
-"""Back-to-back runs per sample, of the memcpy reference and of a codec alike (the median is
-the sample). Both are measured in the state their own previous run leaves behind: a codec run
+"""Back-to-back runs per sample (``--burst``), of the memcpy reference and of a codec alike (the
+median is the sample). Both are measured in the state their own previous run leaves behind: a codec run
 right after 47 MB of memcpy traffic (its dirty cache lines, torch's spinning OpenMP workers)
 was much slower than the next one (``kivi-2`` encode 4.4-4.9 ms, then 2.6-2.8 ms; 2-vCPU AMD
 EPYC, 2026-12-03), a cost the memcpy reference never pays."""
 
 
-def _burst(fn, device: str) -> float:
-    """Median seconds of :data:`BURST` back-to-back calls of ``fn``."""
+def _burst(fn, device: str, n: int) -> float:
+    """Median seconds of ``n`` back-to-back calls of ``fn``."""
     times = []
-    for _ in range(BURST):
+    for _ in range(n):
         _sync(device)
         t0 = time.perf_counter()
         fn()
@@ -487,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--burst", type=int, default=BURST, help=f"back-to-back runs per sample (default {BURST}; 1: the "
+                    "codec runs right after the memcpy sample, as before 2026-12-03)")
     ap.add_argument("--threads", type=int, default=2, help="torch and codec threads (default 2)")
     ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     ap.add_argument("--kv", type=Path, default=None, help="cache file for the captured KV and head scores")
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     mc_samples = []
     for case in cases:
-        r = run_case(case, kv, scores, memcpy, args.repeats, device, args.check)
+        r = run_case(case, kv, scores, memcpy, args.repeats, device, args.check, args.burst)
         results.append(r)
         mc_samples.append(memcpy.sample())
         print(f"{case.group:9s} {case.name:40s} enc {r.enc:6.3f} GB/s {r.enc_pct:5.1f}%  dec {r.dec:6.3f} GB/s "
@@ -551,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{mc1:.2f} GB/s with 1 thread, {mcn:.2f} GB/s with {args.threads}; the faster is used per sample. "
         f"float32 copy of the same tensors: {fp32:.2f} GB/s (of float32 bytes)",
         f"- kernels ready in {warm:.1f} s (compile on first use after an edit, else loaded from the numba cache)",
-        f"- {args.repeats} repeats after one warm-up call per case; GB/s of original bf16 KV, medians; "
+        f"- {args.repeats} repeats after one warm-up call per case, each the median of {args.burst} back-to-back runs "
+        "(the memcpy samples too); GB/s of original bf16 KV, medians; "
         "% memcpy = median over repeats of codec GB/s / adjacent memcpy GB/s; decode allocates fresh output tensors, "
         "decode into preallocated fills tensors allocated once (decode_kv(out=...), as a serving engine fills its KV "
         "blocks and as the memcpy reference copies)",

@@ -1265,7 +1265,8 @@ def test_warm_up_compiles_the_fast_path_kernels():
     seconds = K.warm_up()
     assert 0.0 <= seconds < 3600.0
     for fn in (K.encode_segments, K.decode_segments, K.to_float32, K.store_output, K.hadamard_rows, K.delta_rows,
-               K.affine_fit, K.affine_rows, K.crc32_combine, K.quantize_components, K.dequantize_components):
+               K.affine_fit, K.affine_rows, K.crc32_combine, K.quantize_components, K.dequantize_components,
+               K.encode_batch, K.decode_batch, K.crc32_concat):
         assert fn.signatures, fn.__name__
     assert len(K.crc32_update.signatures) >= 2  # writable sections and read-only streams
     assert len(K.encode_segments.signatures) >= 2  # float32 and bfloat16-bits inputs
