@@ -343,6 +343,14 @@ class Result:
         return "ok" if self.enc_pct >= 100 * t[0] and self.into_pct >= 100 * t[1] else "MISSED"
 
 
+BURST = 3
+"""Back-to-back runs per sample (``--burst``), of the memcpy reference and of a codec alike (the
+median is the sample). Both are measured in the state their own previous run leaves behind: a codec run
+right after 47 MB of memcpy traffic (its dirty cache lines, torch's spinning OpenMP workers)
+was much slower than the next one (``kivi-2`` encode 4.4-4.9 ms, then 2.6-2.8 ms; 2-vCPU AMD
+EPYC, 2026-12-03), a cost the memcpy reference never pays."""
+
+
 def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, check: bool, burst: int = BURST) -> Result:
     cfg = case.config.with_head_scores(scores) if case.config.needs_head_scores else case.config
     nbytes = original_nbytes(kv)
@@ -368,14 +376,6 @@ def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, 
             gbps.append(nbytes / t / 1e9)
             rel.append(nbytes / t / 1e9 / mc)
     return res
-
-
-BURST = 3
-"""Back-to-back runs per sample (``--burst``), of the memcpy reference and of a codec alike (the
-median is the sample). Both are measured in the state their own previous run leaves behind: a codec run
-right after 47 MB of memcpy traffic (its dirty cache lines, torch's spinning OpenMP workers)
-was much slower than the next one (``kivi-2`` encode 4.4-4.9 ms, then 2.6-2.8 ms; 2-vCPU AMD
-EPYC, 2026-12-03), a cost the memcpy reference never pays."""
 
 
 def _burst(fn, device: str, n: int) -> float:
