@@ -1716,3 +1716,28 @@ def test_filled_bytes_is_a_new_bytes_object_with_what_fill_wrote():
         filled_bytes(-1, lambda v: None)
     with pytest.raises(ZeroDivisionError):
         filled_bytes(3, lambda v: 1 / 0)
+
+
+def test_lazy_negation_views_encode_their_values_and_are_refused_as_out():
+    """A tensor with the negative bit set (``torch._neg_view``: its memory holds ``-x``) encodes
+    as ``x`` on every path; as an ``out=`` tensor it is refused (decode would write into its
+    memory)."""
+    cfg = PolicyConfig.kivi(2)
+    for dtype in (torch.bfloat16, torch.float32):
+        kv = make_kv(MATRIX_SHAPES[:2], dtype=dtype)
+        lazy = [(torch._neg_view(-k), v) for k, v in kv]
+        assert lazy[0][0].is_neg() and lazy[0][0].is_contiguous()
+        want = encode_kv(kv, cfg, impl="reference")
+        for impl in ("fast", "reference"):
+            assert encode_kv(lazy, cfg, impl=impl) == want
+        out = [(torch._neg_view(torch.empty_like(k)), torch.empty_like(v)) for k, v in decode_kv(want)]
+        for impl in ("fast", "reference"):
+            with pytest.raises(KVInputError, match=r"out\[0\] K is a lazy negation view"):
+                decode_kv(want, out=out, impl=impl)
+
+
+def test_sparse_kv_is_refused_with_a_typed_error():
+    k = make_kv(MATRIX_SHAPES[:1])[0][0]
+    for impl in ("fast", "reference"):
+        with pytest.raises(KVInputError, match=r"kv\[0\] K has layout torch.sparse_coo"):
+            encode_kv([(k.to_sparse(), k)], PolicyConfig.kivi(2), impl=impl)

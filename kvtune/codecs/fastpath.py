@@ -388,6 +388,11 @@ _MAX_PLANS = 1024
 """Plans cached per policy (each is linear in the tensor's heads and tokens)."""
 _MAX_BATCHES = 64
 """Batch plans cached per policy (cache shapes to encode, stream headers to decode)."""
+_MAX_BATCH_TENSORS = 4096
+"""Tensors of the batch plans cached per policy, all plans together (a plan keeps ~1-10 KB per
+tensor: segment rows and head / token indices): streams of thousands of layers, or many
+distinct headers, do not pile up memory."""
+_MISSING = object()
 
 
 class _Compiled:
@@ -397,6 +402,7 @@ class _Compiled:
         self.config = config
         self.plans: dict[tuple, _Plan] = {}
         self.batches: dict[tuple, BatchPlan | None] = {}
+        self.batch_tensors = 0
         self.bitpack = type(config.codec) is BitPack
 
     def plan(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan:
@@ -410,12 +416,19 @@ class _Compiled:
 
     def batch(self, key: tuple, build) -> BatchPlan | None:
         """The batch plan cached under ``key`` (``build()`` makes it the first time; ``None``:
-        the batch route does not apply)."""
-        if key in self.batches:
-            return self.batches[key]
-        if len(self.batches) >= _MAX_BATCHES:
-            self.batches.clear()
-        b = self.batches[key] = build()
+        the batch route does not apply). At most :data:`_MAX_BATCHES` plans and
+        :data:`_MAX_BATCH_TENSORS` tensors are kept per policy (a larger plan is used once)."""
+        b = self.batches.get(key, _MISSING)
+        if b is not _MISSING:
+            return b
+        b = build()
+        n = 0 if b is None else len(b.plans)
+        if n <= _MAX_BATCH_TENSORS:
+            if len(self.batches) >= _MAX_BATCHES or self.batch_tensors + n > _MAX_BATCH_TENSORS:
+                self.batches.clear()
+                self.batch_tensors = 0
+            self.batches[key] = b
+            self.batch_tensors += n
         return b
 
     def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan | _ComponentPlan:
@@ -460,8 +473,11 @@ def _compiled(config) -> _Compiled:
 
 def _input_array(t: torch.Tensor) -> np.ndarray:
     """A C-contiguous numpy view of ``t``: bfloat16 as its uint16 bits, float32 as is, float16
-    converted to float32 (exact)."""
+    converted to float32 (exact); a copy when ``t`` is off the CPU, strided or a lazy negation
+    view (``Tensor.is_neg``)."""
     t = t.detach()
+    if t.is_neg():  # a lazy negation view: its memory holds -t
+        t = t.resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():
@@ -705,17 +721,18 @@ class BatchPlan:
 
 def _stack(plans: Sequence[_Plan], layer_offset: int, columns: int, seg_col: int, nseg_col: int) -> BatchPlan:
     """A :class:`BatchPlan` of ``plans`` with the segment rows filled in its table."""
-    segs, idx, pos = [], [], 0
+    segs, idx, pos, row = [], [], 0, 0
     table = np.zeros((len(plans), columns), np.int64)
     for i, plan in enumerate(plans):
         rows = plan.segs.copy()
         rows[:, K.SEG_HEADS] += pos
         rows[:, K.SEG_TOKENS] += pos
-        table[i, seg_col] = sum(len(r) for r in segs)
+        table[i, seg_col] = row
         table[i, nseg_col] = len(rows)
         segs.append(rows)
         idx.append(plan.idx)
         pos += len(plan.idx)
+        row += len(rows)
     lengths = [(_lengths(plans[i]), _lengths(plans[i + 1])) for i in range(0, len(plans), 2)]
     return BatchPlan(tuple(plans), table, np.concatenate(segs) if segs else np.zeros((0, K.SEG_COLUMNS), np.int64),
                      np.concatenate(idx) if idx else np.zeros(0, np.int64),
@@ -776,8 +793,8 @@ def encode_into(kv, batch: BatchPlan, buf: np.ndarray) -> int:
         KVInputError: a NaN / inf or an out-of-range value.
     """
     flat = [t for pair in kv for t in pair]
-    arrays = [t if t.device.type == "cpu" and t.is_contiguous() and t.dtype in _BATCH_INPUTS else _input_array(t)
-              for t in flat]  # kept alive until the kernels are done
+    arrays = [t if t.device.type == "cpu" and t.is_contiguous() and t.dtype in _BATCH_INPUTS and not t.is_neg()
+              else _input_array(t) for t in flat]  # kept alive until the kernels are done
     table = batch.table.copy()
     table[:, K.ENC_X] = [a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data for a in arrays]
     table[:, K.ENC_FLOAT32] = [a.dtype in (torch.float32, np.float32) for a in arrays]

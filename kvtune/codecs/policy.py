@@ -368,8 +368,8 @@ def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
 
     Raises:
         KVInputTypeError: not a list/tuple of ``(K, V)`` pairs (a ``TypeError`` as well).
-        KVInputError: a tensor that is not 4-D ``(batch, kv_heads, tokens, head_dim)``, of a
-            degenerate shape, on the meta device, of a dtype other than float32 / bfloat16 /
+        KVInputError: a tensor that is not 4-D ``(batch, kv_heads, tokens, head_dim)``, not dense
+            (sparse, mkldnn), of a degenerate shape, on the meta device, of a dtype other than float32 / bfloat16 /
             float16, with NaN / inf (``check_finite``), or dtypes that differ between tensors.
     """
     if not isinstance(kv, (list, tuple)):
@@ -381,6 +381,8 @@ def check_kv(kv: KVLayers, *, check_finite: bool = True) -> torch.dtype:
         for name, t in zip("KV", pair):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise KVInputError(f"kv[{i}] {name} must be a (batch, kv_heads, tokens, head_dim) tensor")
+            if t.layout != torch.strided:
+                raise KVInputError(f"kv[{i}] {name} has layout {t.layout}; a KV cache is a dense (strided) tensor")
             problem = _shape_problem(tuple(t.shape))
             if problem is not None:
                 raise KVInputError(f"kv[{i}] {name} of shape {tuple(t.shape)} {problem}")
@@ -679,7 +681,8 @@ def decode_kv(
             positions (``pca`` with pre-RoPE keys: the fast and reference paths only), or
             ``"fast"`` for a policy the kernels do not run.
         KVInputError (a ``ValueError``): ``out`` does not match the stream (shapes, dtype,
-            device, contiguity), requires grad or has tensors that overlap in memory; or
+            device, contiguity), requires grad, is a lazy negation view (``Tensor.is_neg``) or has
+            tensors that overlap in memory; or
             ``device`` is not a usable device (:func:`decode_device`).
     """
     if expect is not None and not isinstance(expect, PolicyConfig):
@@ -708,6 +711,9 @@ def _header_policy(header: StreamHeader) -> PolicyConfig:
 
 _HEADER_FACTS: dict[tuple[bytes, Any], Any] = {}
 _MAX_HEADER_FACTS = 256
+_MAX_REMEMBERED_HEADER = 1 << 16
+"""Longest header text (bytes) whose facts are remembered (~700 layers): the facts grow with
+the layers, and a stream of thousands of layers amortizes its checks anyway."""
 
 
 def _remembered(header: StreamHeader, fact: Any, compute):
@@ -716,7 +722,7 @@ def _remembered(header: StreamHeader, fact: Any, compute):
     one policy repeat their header byte for byte, and the checks and objects that follow from
     the header alone cost ~0.5 ms per 30-layer stream. A failure raises every time (exceptions
     are not remembered)."""
-    if not header.text:
+    if not header.text or len(header.text) > _MAX_REMEMBERED_HEADER:
         return compute()
     key = (header.text, fact)
     try:
@@ -999,6 +1005,9 @@ def _check_out(out: KVLayers, shapes, dtype: torch.dtype, device: torch.device, 
                 raise KVInputError(f"out[{i}] {name} must be a contiguous {dtype} tensor on {device} of shape {tuple(shape)}")
             if t.requires_grad:
                 raise KVInputError(f"out[{i}] {name} requires grad; decode writes in place, pass a tensor without autograd")
+            if t.is_neg():
+                raise KVInputError(f"out[{i}] {name} is a lazy negation view (Tensor.is_neg): its memory would hold the "
+                                   "negated values; pass a tensor that owns its values")
             if t.numel():
                 start = t.data_ptr()
                 spans.append((start, start + t.nbytes, i, name))
