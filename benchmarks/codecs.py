@@ -346,9 +346,9 @@ class Result:
 BURST = 3
 """Back-to-back runs per sample (``--burst``), of the memcpy reference and of a codec alike (the
 median is the sample). Both are measured in the state their own previous run leaves behind: a codec run
-right after 47 MB of memcpy traffic (its dirty cache lines, torch's spinning OpenMP workers)
-was much slower than the next one (``kivi-2`` encode 4.4-4.9 ms, then 2.6-2.8 ms; 2-vCPU AMD
-EPYC, 2026-12-03), a cost the memcpy reference never pays."""
+right after a memcpy sample (47 MB of copy traffic, torch's OpenMP workers still spinning) was
+much slower than the next one (``kivi-2`` encode 4.4-4.9 ms, then 2.6-3.0 ms; 2-vCPU AMD EPYC,
+2026-12-03), a cost the memcpy reference, run back to back, never pays."""
 
 
 def run_case(case: Case, kv, scores, memcpy: Memcpy, repeats: int, device: str, check: bool, burst: int = BURST) -> Result:
