@@ -13,19 +13,20 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
   while they are in cache, and the stream writer combines them
   (:func:`kvtune.codecs.kernels.crc32_combine`) instead of reading the stream again; the
   decoder does the same to verify the stream's checksum (``decode_tensors(check_crc=True)``),
-* a ``bitpack`` tensor is one kernel call (to encode without transforms:
-  :func:`kvtune.codecs.kernels.encode_tensor`, input check, segments, CRC; to decode:
-  :func:`kvtune.codecs.kernels.decode_tensor`, CRC, segments), so a codec thread takes the GIL
-  back once per tensor: with two threads, each re-take can wait for the other thread's Python,
-* a ``bitpack`` policy without transforms (KIVI, ``fp8``, ``none``, MixHQ, codebooks) goes one
-  step further, the *batch route*: its section lengths follow from the plans alone, so the
+* a ``bitpack`` tensor decodes in one kernel call (:func:`kvtune.codecs.kernels.decode_tensor`,
+  CRC, segments), so a codec thread takes the GIL back once per tensor: with two threads, each
+  re-take can wait for the other thread's Python,
+* a ``bitpack`` policy without transforms (KIVI, ``fp8``, ``none``, MixHQ, codebooks) goes
+  further, the *batch route*: its section lengths follow from the plans alone, so the
   stream header is written first and every tensor is encoded straight into the stream's
   ``bytes`` (:func:`kvtune.codecs.newbytes.filled_bytes`, no join) and decoded straight into
   the output tensors, all tensors of the cache in one kernel call per codec thread, the threads
   claiming tensors from a shared atomic counter (:func:`encode_plan` / :func:`encode_into`,
   :func:`decode_plan` / :func:`decode_into`; :mod:`kvtune.codecs.kernels.batch`). The plans
   are stacked once per cache shape (encode) or stream header (decode); the decode kernels also
-  check the float16 metadata while it is in cache,
+  check the float16 metadata while it is in cache (per tensor:
+  :func:`kvtune.codecs.kernels.encode_tensor`, input check, segments, CRC, and
+  :func:`~kvtune.codecs.kernels.decode_tensor`),
 * metadata and payload are written straight into numpy buffers whose bytes are the sections.
 
 Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block quantizers
@@ -568,26 +569,11 @@ def _work(shape: tuple[int, ...]) -> np.ndarray:
     return buf[:n].reshape(shape)
 
 
-def _encode_bitpacked(x: np.ndarray, plan: _Plan, kind: str, layer: int, index: int) -> tuple[list, int, int]:
-    """:func:`_encode_one` of a ``bitpack`` policy without transforms: the input check, every
-    segment and the CRC in one kernel call (:func:`kvtune.codecs.kernels.encode_tensor`) into a
-    new buffer; the checks and errors of the general route, in its order."""
-    out = _empty(plan.nbytes, np.uint8)
-    bits, seen, crc = K.encode_tensor(x, plan.value_limit, plan.segs, plan.idx, out, _scratch(plan.max_numel),
-                                      _fp8_luts()[2], nf_table())
-    if seen < 0:
-        bits, seen, crc = _encode_checked(x, bits, plan, kind, layer, index, out)
-    if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
-        raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
-    view = memoryview(out)
-    return [view[a:b] for a, b in plan.bounds], int(crc), out.size
-
-
 def _encode_checked(x: np.ndarray, bits: int, plan: _Plan, kind: str, layer: int, index: int, out: np.ndarray):
     """After :func:`kvtune.codecs.kernels.encode_tensor` wrote nothing (its magnitude ``bits``
-    were a NaN / inf or beyond ``plan.value_limit``): raise for a NaN / inf or a value beyond a
-    segment's range, as the general route does, else encode with no limit. Returns the
-    kernel's ``(magnitude, seen, crc)``.
+    were a NaN / inf or beyond ``plan.value_limit``; :func:`encode_into`): raise for a NaN / inf
+    or a value beyond a segment's range, as the per-tensor route does, else encode with no
+    limit. Returns the kernel's ``(magnitude, seen, crc)``.
 
     Raises:
         KVInputError: ``kv[index]``'s K or V has a NaN / inf, or a value out of range.
@@ -603,13 +589,6 @@ def _encode_one(task) -> tuple[list, int, int]:
     """One K or V tensor -> ``(sections, crc32 of their concatenation, total bytes)``."""
     t, comp, kind, layer, index, positions = task
     x = _input_array(t)
-    if comp.bitpack and not comp.config.transforms:  # a common case in one kernel call (GIL: once)
-        try:
-            plan = comp.plan(kind, x.shape, layer)
-        except Exception:  # report a NaN / inf first, as below
-            plan = None
-        if isinstance(plan, _Plan) and not plan.whole_bf16:
-            return _encode_bitpacked(x, plan, kind, layer, index)
     finite, amax = _magnitude(x)
     if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
