@@ -1671,6 +1671,32 @@ def test_batch_route_reports_the_first_bad_tensor_in_layer_order(dtype):
             encode_kv(kv, cfg, layer_offset=3, impl=impl)
 
 
+@pytest.mark.parametrize("transforms", [["hadamard"], ["delta", "hadamard"], [{"name": "affine", "shift": True}]])
+def test_batch_route_with_transforms_raises_as_the_reference(transforms):
+    """With transforms on the batch route the range check sees the transformed tensor: a value
+    beyond float16 scales after the transforms, or a NaN, raises the reference's error; with
+    both (in different tensors) the first bad tensor in layer order is named, as on the
+    per-tensor fast route."""
+    cfg = PolicyConfig.from_dict(dict(transforms=transforms, key=dict(name="uniform", bits=2, granularity="per_channel"),
+                                      value=dict(name="uniform", bits=2), codec="bitpack"))
+    assert fastpath.encode_plan(cfg, MATRIX_SHAPES[:3], 3) is not None
+    kv = make_kv(MATRIX_SHAPES[:3], dtype=torch.float32)
+    assert encode_kv(kv, cfg, layer_offset=3, impl="fast") == encode_kv(kv, cfg, layer_offset=3, impl="reference")
+
+    def error(impl):
+        with pytest.raises(KVInputError) as info:
+            encode_kv(kv, cfg, layer_offset=3, impl=impl)
+        return str(info.value)
+
+    kv[1][0][0, 0, 2, 3] = 1e38
+    huge = error("reference")
+    assert error("fast") == huge and "layer 4 key: a value of magnitude" in huge
+    kv[2][1][0, 0, 0, 1] = float("nan")
+    assert error("fast") == huge
+    kv[1][0][0, 0, 2, 3] = 0.0
+    assert error("fast") == error("reference") and "kv[2] V has non-finite values" in error("fast")
+
+
 def test_the_in_place_stream_writer_gives_the_joined_stream():
     """write_stream_in_place (sections written where they end up) == write_stream (sections
     joined), with and without the selection block; a failing producer leaves nothing behind."""

@@ -590,9 +590,10 @@ def test_store_output_matches_torch(n):
 
 
 @covers("hadamard_rows")
-@pytest.mark.parametrize("d", [8, 13, 64, 96, 128, 256, 512, 1])
+@pytest.mark.parametrize("d", [8, 13, 16, 48, 64, 96, 128, 256, 512, 1])
 def test_hadamard_rows_matches_rotate(d):
-    """head_dim 64/96/128/256: every block in registers; 13 (8 + 4 + 1), 512, 1: the loop path."""
+    """head_dim 8..256 (16 = one 16-lane vector, 48 = 32 + 16, 96 = 64 + 32): every block in
+    registers; 13 (8 + 4 + 1), 512, 1: the loop path."""
     x = with_extremes(student_t((2, 3, 5, d), seed=d))
     signs = random_signs(0, 2, "key", 3, d)
     blocks, scales = idx(power_of_two_blocks(d)), np.array(block_scales(d), np.float32)
@@ -605,6 +606,29 @@ def test_hadamard_rows_matches_rotate(d):
     assert np.array_equal(inv.view(np.uint32), unrotate(torch.from_numpy(ref), signs).numpy().view(np.uint32))
     empty = np.zeros((1, 3, 0, d), np.float32)
     K.hadamard_rows(empty, signs.numpy(), blocks, scales, False)
+
+
+@covers("hadamard_load", "hadamard_store")
+@pytest.mark.parametrize("d", [8, 64, 96, 13])
+@pytest.mark.parametrize("t", [0, 1, 31, 32, 77])
+def test_hadamard_load_and_store_match_convert_then_rotate(d, t):
+    """Row chunks of 32 tokens (t = 31, 32, 77 cross chunk and head boundaries); 13: the loop path."""
+    x = with_extremes(student_t((2, 3, t, d), seed=d + t))
+    signs = random_signs(1, 3, "value", 3, d)
+    blocks, scales = idx(power_of_two_blocks(d)), np.array(block_scales(d), np.float32)
+    ref = rotate(x.to(torch.bfloat16).float(), signs).numpy()
+    for src in (bits16(x.to(torch.bfloat16)), x.to(torch.bfloat16).float().numpy()):
+        y = np.full(x.shape, np.nan, np.float32)
+        K.hadamard_load(src, y, signs.numpy(), blocks, scales)
+        assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
+    back = unrotate(torch.from_numpy(ref), signs)
+    for kind, dtype in ((1, torch.bfloat16), (2, torch.float16)):
+        out = np.zeros(x.shape, np.uint16)
+        K.hadamard_store(ref.copy(), signs.numpy(), blocks, scales, kind, out)
+        assert np.array_equal(out, bits16(back.to(dtype)))
+    out32 = np.zeros(x.shape, np.float32)
+    K.hadamard_store(ref.copy(), signs.numpy(), blocks, scales, 0, out32)
+    assert np.array_equal(out32.view(np.uint32), back.numpy().view(np.uint32))
 
 
 @covers("delta_rows")
@@ -855,6 +879,13 @@ def stacked_tables(shapes, columns: int, seg_col: int, nseg_col: int):
 BATCH_SHAPES = [(2, 3, 26, 16), (1, 3, 26, 8), (2, 3, 26, 24), (1, 3, 26, 16)]
 
 
+def no_transforms(n: int) -> tuple:
+    """The transform arguments of ``encode_batch`` / ``decode_batch`` for ``n`` rows without
+    transforms (programs of length 0; one-element scratch)."""
+    return (np.zeros((n, 0, K.TR_COLUMNS), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
+            np.zeros(0, np.float32), np.zeros(1, np.float32), np.zeros(1, np.uint16))
+
+
 def run_threads(n: int, fn) -> None:
     """``fn()`` in ``n`` Python threads at once (the kernels release the GIL)."""
     import threading
@@ -889,7 +920,7 @@ def test_encode_batch_is_encode_tensor_per_row(dtype, threads):
     assert want_results[2][1] == -1
     buf, results, counter = np.zeros(sizes.sum(), np.uint8), np.zeros((len(xs), 3), np.int64), np.zeros(1, np.int64)
     run_threads(threads, lambda: K.encode_batch(table, limits, segs, index, buf, np.zeros(sizes.max() * 8, np.uint8),
-                                                lut8, nf_table(), results, counter))
+                                                lut8, nf_table(), results, counter, *no_transforms(len(xs))))
     assert np.array_equal(buf, want) and results.tolist() == [list(map(int, r)) for r in want_results]
     assert counter[0] >= len(xs)  # every thread left after the last row
 
@@ -900,7 +931,7 @@ def test_encode_batch_is_encode_tensor_per_row(dtype, threads):
 def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     """Every row = ``decode_tensor`` of its range of a read-only stream into its own output,
     whichever thread claims it, and the finiteness of its float16 metadata
-    (``first_nonfinite_f16`` over its metadata sections)."""
+    (``first_nonfinite_f16`` over its metadata sections: ``BAD_META`` when not)."""
     segs, index, table, tables = stacked_tables(BATCH_SHAPES, K.DEC_COLUMNS, K.DEC_SEG, K.DEC_NSEG)
     sizes = np.array([t[2] for t in tables], np.int64)
     stream = np.zeros(sizes.sum() + 5, np.uint8)  # 5 bytes before the first tensor (a header)
@@ -918,20 +949,119 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     table[:, K.DEC_B : K.DEC_D + 1] = BATCH_SHAPES
     table[:, K.DEC_OUT] = [o.ctypes.data for o in outs]
     table[:, K.DEC_KIND] = kind
-    crcs, finite, counter = np.zeros(len(outs), np.int64), np.zeros(len(outs), np.uint8), np.zeros(1, np.int64)
+    crcs, bad, counter = np.zeros(len(outs), np.int64), np.full(len(outs), 9, np.uint8), np.zeros(1, np.int64)
     run_threads(threads, lambda: K.decode_batch(stream, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8),
-                                                nf_table(), crcs, finite, counter))
+                                                nf_table(), crcs, bad, counter, *no_transforms(len(outs))))
     assert crcs.tolist() == want_crcs and all(np.array_equal(o, w) for o, w in zip(outs, want))
-    assert finite.tolist() == [1, 1, 1, 1]
+    assert bad.tolist() == [0, 0, 0, 0]
     # a NaN scale in row 2's last metadata section (float16 0x7E00, little-endian): only row 2 is flagged
     forged = stream.copy()
     tab = tables[2][0]
     at = starts[2] + tab[-1, K.SEG_META] + tab[-1, K.SEG_META_LEN] - 2
     forged[at : at + 2] = (0x00, 0x7E)
     counter[0] = 0
-    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, finite,
-                   counter)
-    assert finite.tolist() == [1, 1, 0, 1]
+    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad,
+                   counter, *no_transforms(len(outs)))
+    assert bad.tolist() == [0, 0, K.BAD_META, 0]
+
+
+def transform_programs(shapes, state: list[int]):
+    """Per tensor the program ``hadamard``, ``delta`` (groups of 5 tokens), ``affine`` (RMS with
+    a shift, its state at byte 0), as the batch kernels take it, and each tensor's signs."""
+    ops = np.zeros((len(shapes), 3, K.TR_COLUMNS), np.int64)
+    signs, blocks, scales = [], [], []
+    for i, shape in enumerate(shapes):
+        h, d = shape[1], shape[3]
+        ops[i, 0] = (K.TR_HADAMARD, sum(s.size for s in signs), sum(len(b) for b in blocks), len(power_of_two_blocks(d)))
+        ops[i, 1] = (K.TR_DELTA, 5, 0, 0)
+        ops[i, 2] = (K.TR_AFFINE, 1, 1, 0)
+        signs.append(random_signs(i, 3, "key", h, d).numpy())
+        blocks.append(idx(power_of_two_blocks(d)))
+        scales.append(np.array(block_scales(d), np.float32))
+        state.append(2 * h * d * 2)
+    return ops, signs, np.concatenate([s.reshape(-1) for s in signs]), np.concatenate(blocks), np.concatenate(scales)
+
+
+@covers("encode_batch", "decode_batch")
+@pytest.mark.parametrize("kind", [0, 1])
+def test_batch_kernels_run_transform_programs(kind):
+    """With a transform program, encode = transforms on a float32 copy (the affine state written
+    first in the tensor's sections), then ``encode_tensor``; decode = ``decode_tensor`` into
+    float32, the transforms undone last first, then the output conversion; a NaN in a
+    tensor's transform state gives ``BAD_STATE``."""
+    state = []
+    ops, signs, flat_signs, blocks, scales = transform_programs(BATCH_SHAPES, state)
+    segs, index, enc, tables = stacked_tables(BATCH_SHAPES, K.ENC_COLUMNS, K.ENC_SEG, K.ENC_NSEG)
+    starts = np.array([0] + [len(t[0]) for t in tables]).cumsum()[:-1]
+    for i, (a, n) in enumerate(zip(starts, [len(t[0]) for t in tables])):  # sections move past the state
+        segs[a : a + n, K.SEG_META] += state[i]
+        segs[a : a + n, K.SEG_PAYLOAD] += state[i]
+    sizes = np.array([t[2] + st for t, st in zip(tables, state)], np.int64)
+    xs = [kernel_input(student_t(shape, seed=30 + i, scale=3.0), "bf16")[0] for i, shape in enumerate(BATCH_SHAPES)]
+    enc[:, K.ENC_X] = [x.ctypes.data for x in xs]
+    enc[:, K.ENC_B : K.ENC_D + 1] = BATCH_SHAPES
+    enc[:, K.ENC_OUT], enc[:, K.ENC_LEN] = np.cumsum(sizes) - sizes, sizes
+    luts, lut16, lut8 = fp8_luts()
+    want = np.zeros(sizes.sum(), np.uint8)
+    for i, ((tab, ix, n, _), x, start) in enumerate(zip(tables, xs, enc[:, K.ENC_OUT])):
+        h, d = x.shape[1], x.shape[3]
+        y = np.zeros(x.shape, np.float32)
+        K.to_float32(x, y)
+        K.hadamard_rows(y, signs[i], blocks[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]],
+                        scales[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]], False)
+        K.delta_rows(y, 5, False)
+        sc, sh = np.zeros((h, d), np.uint16), np.zeros((h, d), np.uint16)
+        K.affine_fit(y, True, True, sc, sh)
+        K.affine_rows(y, sc, sh, True, False)
+        out = want[start : start + n + state[i]]
+        out[: state[i]] = np.concatenate([sc.reshape(-1), sh.reshape(-1)]).view(np.uint8)
+        t = tab.copy()
+        t[:, K.SEG_META] += state[i]
+        t[:, K.SEG_PAYLOAD] += state[i]
+        K.encode_tensor(y, math.inf, t, ix, out, np.zeros(n * 8, np.uint8), lut8, nf_table())
+    buf, results, counter = np.zeros(sizes.sum(), np.uint8), np.zeros((len(xs), 3), np.int64), np.zeros(1, np.int64)
+    work = np.zeros(max(math.prod(s) for s in BATCH_SHAPES), np.float32)
+    args = (ops, flat_signs, blocks, scales, work, np.zeros(2 * max(s[1] * s[3] for s in BATCH_SHAPES), np.uint16))
+    K.encode_batch(enc, np.full(len(xs), math.inf), segs, index, buf, np.zeros(sizes.max() * 8, np.uint8), lut8, nf_table(),
+                   results, counter, *args)
+    assert np.array_equal(buf, want) and results[:, 2].tolist() == [
+        zlib.crc32(want[a : a + n].tobytes()) for a, n in zip(enc[:, K.ENC_OUT], sizes)]
+    # decode it back
+    dec = np.zeros((len(xs), K.DEC_COLUMNS), np.int64)
+    dec[:, K.DEC_SEG : K.DEC_NSEG + 1] = enc[:, K.ENC_SEG : K.ENC_NSEG + 1]
+    dec[:, K.DEC_IN], dec[:, K.DEC_LEN] = enc[:, K.ENC_OUT], sizes
+    dec[:, K.DEC_B : K.DEC_D + 1] = BATCH_SHAPES
+    outs = [out_array(shape, kind) for shape in BATCH_SHAPES]
+    dec[:, K.DEC_OUT] = [o.ctypes.data for o in outs]
+    dec[:, K.DEC_KIND] = kind
+    crcs, bad, counter = np.zeros(len(outs), np.int64), np.full(len(outs), 9, np.uint8), np.zeros(1, np.int64)
+    K.decode_batch(want, dec, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad, counter,
+                   *args)
+    for i, ((tab, ix, n, _), start, got) in enumerate(zip(tables, enc[:, K.ENC_OUT], outs)):
+        h, d = got.shape[1], got.shape[3]
+        data = want[start : start + n + state[i]]
+        t = tab.copy()
+        t[:, K.SEG_META] += state[i]
+        t[:, K.SEG_PAYLOAD] += state[i]
+        y = np.zeros(got.shape, np.float32)
+        K.decode_tensor(data, t, ix, luts, lut16, np.zeros(n * 8, np.uint8), y, 0, nf_table())
+        st = data[: state[i]].view(np.uint16).reshape(2, h, d)
+        K.affine_rows(y, st[0], st[1], True, True)
+        K.delta_rows(y, 5, True)
+        K.hadamard_rows(y, signs[i], blocks[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]],
+                        scales[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]], True)
+        expect = out_array(got.shape, kind)
+        K.store_output(y, kind, expect)
+        covered = np.ones(got.shape, bool)
+        covered[:, 1, 17:20] = False  # no segment of segment_plan codes these rows (not delta anchors either)
+        assert np.array_equal(got[covered], expect[covered]), i
+    assert bad.tolist() == [0, 0, 0, 0]
+    forged = want.copy()
+    forged[enc[1, K.ENC_OUT] + 1] = 0x7C  # the first float16 of tensor 1's state: +inf
+    counter[0] = 0
+    K.decode_batch(forged, dec, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad, counter,
+                   *args)
+    assert bad.tolist() == [0, K.BAD_STATE, 0, 0]
 
 
 @covers("crc32_concat")

@@ -16,15 +16,17 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
 * a ``bitpack`` tensor decodes in one kernel call (:func:`kvtune.codecs.kernels.decode_tensor`,
   CRC, segments), so a codec thread takes the GIL back once per tensor: with two threads, each
   re-take can wait for the other thread's Python,
-* a ``bitpack`` policy without transforms (KIVI, ``fp8``, ``none``, MixHQ, codebooks) goes
-  further, the *batch route*: its section lengths follow from the plans alone, so the
+* a ``bitpack`` policy of block quantizers (KIVI, ``fp8``, ``none``, MixHQ, codebooks, with
+  or without ``hadamard`` / ``delta`` / ``affine`` transforms: QuaRot, CacheGen's deltas)
+  goes further, the *batch route*: its section lengths follow from the plans alone, so the
   stream header is written first and every tensor is encoded straight into the stream's
   ``bytes`` (:func:`kvtune.codecs.newbytes.filled_bytes`, no join) and decoded straight into
   the output tensors, all tensors of the cache in one kernel call per codec thread, the threads
   claiming tensors from a shared atomic counter (:func:`encode_plan` / :func:`encode_into`,
-  :func:`decode_plan` / :func:`decode_into`; :mod:`kvtune.codecs.kernels.batch`). The plans
-  are stacked once per cache shape (encode) or stream header (decode); the decode kernels also
-  check the float16 metadata while it is in cache (per tensor:
+  :func:`decode_plan` / :func:`decode_into`; :mod:`kvtune.codecs.kernels.batch`; transforms
+  run inside the same calls, on a per-thread float32 work array). The plans are stacked once
+  per cache shape (encode) or stream header (decode); the decode kernels also check the
+  float16 transform state and metadata while they are in cache (per tensor:
   :func:`kvtune.codecs.kernels.encode_tensor`, input check, segments, CRC, and
   :func:`~kvtune.codecs.kernels.decode_tensor`),
 * metadata and payload are written straight into numpy buffers whose bytes are the sections.
@@ -560,6 +562,14 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf
 
 
+def _state_scratch(n: int) -> np.ndarray:
+    """A per-thread uint16 scratch of at least ``n`` elements (``affine`` state, reused)."""
+    buf = getattr(_local, "state", None)
+    if buf is None or buf.size < n:
+        buf = _local.state = np.empty(max(n, 1 << 10), np.uint16)
+    return buf
+
+
 def _work(shape: tuple[int, ...]) -> np.ndarray:
     """A per-thread float32 working array of ``shape`` (the transforms' buffer, reused)."""
     n = math.prod(shape)
@@ -661,8 +671,8 @@ def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tens
 
 # ----------------------------------------------------------------------------- batches
 #
-# A bit-packed policy without transforms codes every tensor with one kernel call whose output
-# sizes follow from the plan alone; the batch route runs all of a cache's tensors in one kernel
+# A bit-packed policy of block quantizers (and row transforms) codes every tensor with one
+# kernel call whose output sizes follow from the plan alone; the batch route runs all of a cache's tensors in one kernel
 # call per codec thread (:mod:`kvtune.codecs.kernels.batch`): encoding straight into the stream
 # (its section lengths are known before any data is coded), decoding straight into the output
 # tensors. Per cache shape (encode) or stream header (decode) the plans, their stacked segment
@@ -682,6 +692,12 @@ class BatchPlan:
         max_numel: elements of the largest segment (the symbol scratch).
         lengths: per layer ``(K lengths, V lengths)``, each ``[state, meta_0, payload_0, ...]``.
         layer_offset: absolute index of the first layer.
+        ops, signs, blocks, scales: the transform programs (int64 ``(N, transforms,
+            TR_COLUMNS)``, :data:`kvtune.codecs.kernels.TR_COLUMNS`) and the stacked float32
+            Hadamard signs, int64 block sizes and float32 block scales they point into.
+        work_numel: elements of the largest tensor with transforms (the float32 work array).
+        comp: the policy's compiled plans (the per-tensor route's, for a tensor whose checks
+            fail on the batch route).
         checked: the encoder has checked these lengths against what a decoder accepts (once).
         heads: stream headers made for this batch, by ``(policy id, dtype)`` (the encoder's).
     """
@@ -694,12 +710,24 @@ class BatchPlan:
     max_numel: int
     lengths: list
     layer_offset: int
+    ops: np.ndarray
+    signs: np.ndarray
+    blocks: np.ndarray
+    scales: np.ndarray
+    work_numel: int
+    comp: "_Compiled | None" = None
     checked: bool = False
     heads: dict = field(default_factory=dict)
 
+    def kernel_args(self) -> tuple:
+        """The transform arguments of :func:`kvtune.codecs.kernels.encode_batch` /
+        ``decode_batch``, with this thread's float32 work array and float16 state scratch."""
+        state = 2 * max((p.shape[1] * p.shape[3] for p in self.plans), default=1)
+        return self.ops, self.signs, self.blocks, self.scales, _work((max(self.work_numel, 1),)), _state_scratch(state)
+
 
 def _stack(plans: Sequence[_Plan], layer_offset: int, columns: int, seg_col: int, nseg_col: int) -> BatchPlan:
-    """A :class:`BatchPlan` of ``plans`` with the segment rows filled in its table."""
+    """A :class:`BatchPlan` of ``plans`` with the segment rows and transform programs filled in."""
     segs, idx, pos, row = [], [], 0, 0
     table = np.zeros((len(plans), columns), np.int64)
     for i, plan in enumerate(plans):
@@ -713,10 +741,42 @@ def _stack(plans: Sequence[_Plan], layer_offset: int, columns: int, seg_col: int
         pos += len(plan.idx)
         row += len(rows)
     lengths = [(_lengths(plans[i]), _lengths(plans[i + 1])) for i in range(0, len(plans), 2)]
+    ops, signs, blocks, scales = _programs(plans)
     return BatchPlan(tuple(plans), table, np.concatenate(segs) if segs else np.zeros((0, K.SEG_COLUMNS), np.int64),
                      np.concatenate(idx) if idx else np.zeros(0, np.int64),
                      np.array([p.nbytes for p in plans], np.int64), max((p.max_numel for p in plans), default=0), lengths,
-                     layer_offset)
+                     layer_offset, ops, signs, blocks, scales,
+                     max((math.prod(p.shape) for p in plans if p.transforms), default=0))
+
+
+def _programs(plans: Sequence[_Plan]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The plans' transforms as kernel programs: ``(ops, signs, blocks, scales)`` of
+    :class:`BatchPlan` (every plan of a policy has the same transforms)."""
+    nops = max((len(p.transforms) for p in plans), default=0)
+    ops = np.zeros((len(plans), nops, K.TR_COLUMNS), np.int64)
+    signs, blocks, scales = [], [], []
+    nsigns = nblocks = 0
+    for i, plan in enumerate(plans):
+        h, d = plan.shape[1], plan.shape[3]
+        state = 0
+        for k, op in enumerate(plan.transforms):
+            if op[0] == "hadamard":
+                ops[i, k] = (K.TR_HADAMARD, nsigns, nblocks, len(op[2]))
+                signs.append(op[1].reshape(-1))
+                blocks.append(op[2])
+                scales.append(op[3])
+                nsigns += op[1].size
+                nblocks += len(op[2])
+            elif op[0] == "delta":
+                ops[i, k] = (K.TR_DELTA, op[1], 0, 0)
+            else:  # affine: (rms, shift), its state at this offset of the tensor's sections
+                ops[i, k] = (K.TR_AFFINE, op[1], op[2], state)
+                state += (2 if op[2] else 1) * h * d * 2
+
+    def cat(parts, dtype):
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+    return ops, cat(signs, np.float32), cat(blocks, np.int64), cat(scales, np.float32)
 
 
 def _lengths(plan: _Plan) -> list[int]:
@@ -724,21 +784,31 @@ def _lengths(plan: _Plan) -> list[int]:
 
 
 def _batchable(plan) -> bool:
-    """A plan the batch kernels code: block quantizers, no transforms, sections in one piece."""
-    return isinstance(plan, _Plan) and not plan.transforms and all(
+    """A plan the batch kernels code: block quantizers, sections in one piece, and no
+    transforms or transforms on a tensor that is not empty."""
+    return isinstance(plan, _Plan) and (not plan.transforms or math.prod(plan.shape) > 0) and all(
         a == b for (_, a), (b, _) in zip(plan.bounds, plan.bounds[1:])) and plan.bounds[-1][1] == plan.nbytes
 
 
 def encode_plan(config, shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], layer_offset: int) -> BatchPlan | None:
     """The batch plan to encode a cache of ``shapes`` (per layer ``(K shape, V shape)``) with a
-    ``bitpack`` policy without transforms (:func:`encode_into`), or ``None`` when the batch
-    route does not apply (another codec, a transform, KVTC-like, the kernels unavailable, or a
-    plan that cannot be built: the per-tensor route then reports why)."""
+    ``bitpack`` policy of block quantizers (:func:`encode_into`), or ``None`` when the batch
+    route does not apply (another codec, a transform other than ``hadamard``, ``delta`` and
+    ``affine``, KVTC-like, the kernels unavailable, an empty tensor with transforms, or a plan
+    that cannot be built: the per-tensor route then reports why)."""
     comp = _compiled(config)
-    if not (available() and comp.bitpack and not config.transforms and not _is_kvtc(config)):
+    if not _batch_policy(comp):
         return None
     key = ("encode", tuple(shapes), layer_offset)
     return comp.batch(key, lambda: _encode_plan(comp, shapes, layer_offset))
+
+
+def _batch_policy(comp: _Compiled) -> bool:
+    """A policy the batch kernels can run: ``bitpack``, block quantizers, and ``hadamard``,
+    ``delta`` or ``affine`` transforms only (exact types)."""
+    config = comp.config
+    return (available() and comp.bitpack and not _is_kvtc(config)
+            and all(type(t) in (Hadamard, Delta, Affine) for t in config.transforms))
 
 
 def _encode_plan(comp: _Compiled, shapes, layer_offset: int) -> BatchPlan | None:
@@ -750,6 +820,7 @@ def _encode_plan(comp: _Compiled, shapes, layer_offset: int) -> BatchPlan | None
     if not all(_batchable(p) for p in plans):
         return None
     batch = _stack(plans, layer_offset, K.ENC_COLUMNS, K.ENC_SEG, K.ENC_NSEG)
+    batch.comp = comp
     t = batch.table
     t[:, K.ENC_B : K.ENC_D + 1] = [p.shape for p in plans] if plans else 0
     t[:, K.ENC_LEN] = batch.nbytes
@@ -763,7 +834,8 @@ def encode_into(kv, batch: BatchPlan, buf: np.ndarray) -> int:
     call per codec thread (:func:`kvtune.codecs.kernels.encode_batch`).
 
     The same checks and errors as :func:`encode_tensors`, in the same order: a tensor with a
-    NaN / inf, or beyond its plan's value range, raises (the first in layer order, K before V).
+    NaN / inf, or beyond its plan's value range (after its transforms), raises (the first in
+    layer order, K before V).
 
     Returns:
         The CRC-32 of ``buf``.
@@ -783,13 +855,19 @@ def encode_into(kv, batch: BatchPlan, buf: np.ndarray) -> int:
     lut8, books = _fp8_luts()[2], nf_table()
 
     def work(_) -> None:
-        K.encode_batch(table, limits, batch.segs, batch.idx, buf, _scratch(batch.max_numel), lut8, books, results, counter)
+        K.encode_batch(table, limits, batch.segs, batch.idx, buf, _scratch(batch.max_numel), lut8, books, results, counter,
+                       *batch.kernel_args())
 
     parallel_map(work, range(min(num_threads(), len(flat))))
     for i in np.flatnonzero(results[:, 1] < 0).tolist():  # a NaN / inf, or a magnitude to check per segment
         out = buf[table[i, K.ENC_OUT] : table[i, K.ENC_OUT] + table[i, K.ENC_LEN]]
-        results[i] = _encode_checked(_input_array(flat[i]), results[i, 0], batch.plans[i], ("key", "value")[i % 2],
-                                     batch.layer_offset + i // 2, i // 2, out)
+        kind, layer, plan = ("key", "value")[i % 2], batch.layer_offset + i // 2, batch.plans[i]
+        if plan.transforms:  # the per-tensor route checks the input, then the transformed range
+            sections, crc, _ = _encode_one((flat[i], batch.comp, kind, layer, i // 2, None))
+            out[:] = np.frombuffer(b"".join(sections), np.uint8)
+            results[i, 1:] = (0, crc)
+        else:
+            results[i] = _encode_checked(_input_array(flat[i]), results[i, 0], plan, kind, layer, i // 2, out)
     if any(seen >> plan.max_bits for seen, plan in zip(results[:, 1].tolist(), batch.plans)):
         raise AssertionError("kernel emitted a symbol wider than its segment's bits")  # cannot happen: they clamp
     return int(K.crc32_concat(0, results[:, 2], batch.nbytes))
@@ -805,8 +883,7 @@ def decode_plan(config, header, dtype: torch.dtype) -> BatchPlan | None:
     lengths that disagree with the plans; the per-tensor route then reports any error).
     Cached per header text (:attr:`kvtune.codecs.stream.StreamHeader.text`)."""
     comp = _compiled(config)
-    if not (header.text and dtype in _BATCH_KINDS and available() and comp.bitpack and not config.transforms
-            and not _is_kvtc(config)):
+    if not (header.text and dtype in _BATCH_KINDS and _batch_policy(comp)):
         return None
     return comp.batch(("decode", header.text), lambda: _decode_plan(comp, header))
 
@@ -847,9 +924,10 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
     (:func:`kvtune.codecs.kernels.decode_batch`).
 
     Returns:
-        ``(tensors, crcs, finite)``: per layer ``(K, V)``; int64 ``(N,)`` the CRC-32 of each
-        tensor's sections and uint8 ``(N,)`` whether its float16 metadata is all finite
-        (layer order, K before V).
+        ``(tensors, crcs, bad)``: per layer ``(K, V)``; int64 ``(N,)`` the CRC-32 of each
+        tensor's sections and uint8 ``(N,)`` 0, or :data:`kvtune.codecs.kernels.BAD_STATE` /
+        ``BAD_META`` when its float16 transform state / metadata holds a NaN or inf (layer
+        order, K before V).
 
     Raises:
         Whatever a kernel raises (the caller re-decodes on the per-tensor route, which names the
@@ -862,16 +940,16 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
     table[:, K.DEC_OUT] = [t.data_ptr() for pair in out for t in pair]
     table[:, K.DEC_KIND] = _BATCH_KINDS[dtype]
     crcs = np.empty(len(table), np.int64)
-    finite = np.empty(len(table), np.uint8)
+    bad = np.empty(len(table), np.uint8)
     counter = np.zeros(1, np.int64)
     luts, books = _fp8_luts(), nf_table()
 
     def work(_) -> None:
         K.decode_batch(buf, table, batch.segs, batch.idx, luts[0], luts[1], _scratch(batch.max_numel), books, crcs,
-                       finite, counter)
+                       bad, counter, *batch.kernel_args())
 
     parallel_map(work, range(min(num_threads(), len(table))))
-    return out, crcs, finite
+    return out, crcs, bad
 
 
 # ----------------------------------------------------------------------------- decode
@@ -1044,8 +1122,9 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
     :func:`encode_tensors` (from the stream's selection masks); ``sections`` from
     :func:`kvtune.codecs.stream.read_stream`, or ``None`` (made here when a route needs them).
 
-    A ``bitpack`` policy without transforms decodes in one kernel call per codec thread
-    (:func:`decode_into`), which also checks that its float16 metadata is finite (the caller
+    A policy of the batch route (:func:`decode_plan`) decodes in one kernel call per codec
+    thread (:func:`decode_into`), which also checks that its float16 transform state and
+    metadata are finite (the caller
     skips its own pass, :func:`kvtune.codecs.policy.check_finite_metadata`, when
     :func:`decode_plan` gives a batch); anything else tensor by tensor.
 
@@ -1066,13 +1145,14 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
     buf = np.frombuffer(stream, dtype=np.uint8)
     batch = decode_plan(config, header, dtype)
     if batch is not None:
-        decoded, crcs, finite = decode_into(buf, batch, dtype, out)
+        decoded, crcs, bad = decode_into(buf, batch, dtype, out)
         if check_crc:
             end = header.header_nbytes + int(batch.nbytes.sum())
             check_checksum(buf, header, _combined_crc(buf, header, end, crcs, batch.nbytes))
-        if not finite.all():  # the first such tensor (no transform state on this route: metadata)
-            i = int(np.argmin(finite))
-            raise nonfinite_float16_error(header.layer_offset + i // 2, "KV"[i % 2], "metadata")
+        if bad.any():  # the first such tensor, its state before its metadata (wire order)
+            i = int(np.flatnonzero(bad)[0])
+            what = "transform state" if bad[i] == K.BAD_STATE else "metadata"
+            raise nonfinite_float16_error(header.layer_offset + i // 2, "KV"[i % 2], what)
         return decoded
     if sections is None:
         sections = section_views(stream, header)

@@ -582,7 +582,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
                          source_tokens=None if selection is None else selection.source_tokens,
                          masks=None if selection is None else selection.masks)
     batch = fastpath.encode_plan(inner, shapes, layer_offset) if fast and not on_device else None
-    if batch is not None:  # bit-packed, no transforms: every tensor straight into the stream
+    if batch is not None:  # bit-packed block quantizers: every tensor straight into the stream
         if not batch.checked:  # the lengths are the plans': check them once per cache shape
             _check_encoded_sections(shapes, _zero_sections(batch.lengths), inner, layer_offset)
             batch.checked = True

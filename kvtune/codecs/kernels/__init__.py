@@ -91,6 +91,16 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         ENC_SEG,
         ENC_T,
         ENC_X,
+        BAD_META,
+        BAD_STATE,
+        TR_A,
+        TR_AFFINE,
+        TR_B,
+        TR_C,
+        TR_COLUMNS,
+        TR_DELTA,
+        TR_HADAMARD,
+        TR_KIND,
         crc32_concat,
         decode_batch,
         encode_batch,
@@ -153,7 +163,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         encode_segments,
         encode_tensor,
     )
-    from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
+    from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store
     from .warmup import warm_up
 
 __all__ = [
@@ -181,6 +191,8 @@ __all__ = [
     "to_float32",
     "store_output",
     "hadamard_rows",
+    "hadamard_load",
+    "hadamard_store",
     "delta_rows",
     "affine_fit",
     "affine_rows",
@@ -255,4 +267,14 @@ __all__ = [
     "DEC_OUT",
     "DEC_KIND",
     "DEC_COLUMNS",
+    "TR_KIND",
+    "TR_A",
+    "TR_B",
+    "TR_C",
+    "TR_COLUMNS",
+    "TR_HADAMARD",
+    "TR_DELTA",
+    "TR_AFFINE",
+    "BAD_STATE",
+    "BAD_META",
 ]

@@ -11,6 +11,13 @@ engine's KV blocks), reached through their addresses in the table
 (:func:`~.lowlevel.address_as_voidptr`); the stream is one uint8 buffer, addressed by offsets.
 
 Tables are int64, one row per tensor, columns named by the ``ENC_*`` / ``DEC_*`` constants.
+
+Transforms (``hadamard``, ``delta``, ``affine``; :mod:`.transforms`) run inside the same call: a
+tensor is converted into the thread's float32 work array, transformed there in place (its
+``affine`` state written into its state section) and encoded from it; a decoded tensor is
+dequantized into the work array, transformed back and converted into its output. Each tensor's
+transforms are rows of an int64 ``(N, transforms, TR_COLUMNS)`` program, named by the ``TR_*``
+constants.
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import numba
 import numpy as np
 from numba import njit
 
+from .convert import store_output, to_float32
 from .crc import crc32_combine
 from .finite import first_nonfinite_f16
-from .lowlevel import JIT, address_as_voidptr, fetch_add
+from .lowlevel import INLINE, JIT, U1, U2, address_as_voidptr, fetch_add
 from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor
+from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store
 
 ENC_X, ENC_FLOAT32, ENC_B, ENC_H, ENC_T, ENC_D, ENC_SEG, ENC_NSEG, ENC_OUT, ENC_LEN = range(10)
 ENC_COLUMNS = 10
@@ -34,14 +43,103 @@ DEC_COLUMNS = 10
 """Decode table columns: the byte offset and length of the tensor's sections in the stream, its
 shape ``(B, H, T, D)``, its first row and row count in the segment table, the address of its
 C-contiguous output and the output kind (0 float32, 1 bfloat16 bits)."""
+TR_KIND, TR_A, TR_B, TR_C = range(4)
+TR_COLUMNS = 4
+"""Transform program columns: the kind and three parameters. ``hadamard``: the offset of the
+tensor's ``(H, D)`` signs in the stacked float32 signs, the offset and count of its blocks in
+the stacked int64 block sizes (and float32 block scales); ``delta``: the group size;
+``affine``: 1 for an RMS statistic (else absmax), 1 with a shift, the byte offset of its state
+in the tensor's sections."""
+TR_HADAMARD, TR_DELTA, TR_AFFINE = 0, 1, 2
+BAD_STATE, BAD_META = 1, 2
+"""Codes of :func:`decode_batch`'s ``bad``: a NaN / inf float16 in a tensor's transform state,
+or in its metadata."""
+
+
+@njit(**INLINE)
+def _affine_state(st16, h, d):
+    """``(scale, shift)`` uint16 ``(H, D)`` views of the thread's float16 state scratch."""
+    n = h * d
+    return st16[:n].reshape((h, d)), st16[n : 2 * n].reshape((h, d))
 
 
 @njit(**JIT)
-def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, counter):
-    """:func:`encode_tensor` of every row of ``table`` not yet claimed from ``counter``.
+def _forward(x, w, ops, signs, blocks, scales, out, st16):
+    """Convert ``x`` into its float32 work array ``w`` and apply its transform program ``ops``
+    in order, writing each ``affine`` state (scale, then shift: little-endian float16) into
+    ``out`` (a leading ``hadamard`` rotates each row as it is converted,
+    :func:`~.transforms.hadamard_load`). Reference: :func:`kvtune.codecs.fastpath`
+    ``_apply_transforms``."""
+    h, d = w.shape[1], w.shape[3]
+    first = 0
+    if ops[0, TR_KIND] == TR_HADAMARD:
+        so, bo, nb = ops[0, TR_A], ops[0, TR_B], ops[0, TR_C]
+        hadamard_load(x, w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb])
+        first = 1
+    else:
+        to_float32(x, w)
+    for k in range(first, ops.shape[0]):
+        kind = ops[k, TR_KIND]
+        if kind == TR_HADAMARD:
+            so, bo, nb = ops[k, TR_A], ops[k, TR_B], ops[k, TR_C]
+            hadamard_rows(w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb], False)
+        elif kind == TR_DELTA:
+            delta_rows(w, ops[k, TR_A], False)
+        else:
+            shift = ops[k, TR_B] != 0
+            sc, sh = _affine_state(st16, h, d)
+            affine_fit(w, ops[k, TR_A] != 0, shift, sc, sh)
+            affine_rows(w, sc, sh, shift, False)
+            o = ops[k, TR_C]
+            for j in range(((2 if shift else 1) * h * d)):
+                v = st16[j]
+                out[o + U2 * j] = np.uint8(v & 0xFF)
+                out[o + U2 * j + U1] = np.uint8(v >> 8)
+
+
+@njit(**JIT)
+def _inverse(w, ops, signs, blocks, scales, data, st16, y, kind):
+    """Undo a tensor's transform program ``ops`` (last first) on its float32 decode ``w``, each
+    ``affine`` reading its state from ``data``, and convert it into ``y`` (float32, or uint16
+    bits of ``kind``; a leading ``hadamard`` rotates each row back as it is stored,
+    :func:`~.transforms.hadamard_store`). Reference: :func:`kvtune.codecs.fastpath`
+    ``_invert_transforms``, then the conversion."""
+    h, d = w.shape[1], w.shape[3]
+    last = 1 if ops[0, TR_KIND] == TR_HADAMARD else 0
+    for k in range(ops.shape[0] - 1, last - 1, -1):
+        op = ops[k, TR_KIND]
+        if op == TR_HADAMARD:
+            so, bo, nb = ops[k, TR_A], ops[k, TR_B], ops[k, TR_C]
+            hadamard_rows(w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb], True)
+        elif op == TR_DELTA:
+            delta_rows(w, ops[k, TR_A], True)
+        else:
+            shift = ops[k, TR_B] != 0
+            o = ops[k, TR_C]
+            for j in range(((2 if shift else 1) * h * d)):
+                st16[j] = np.uint16(data[o + U2 * j]) | (np.uint16(data[o + U2 * j + U1]) << np.uint16(8))
+            sc, sh = _affine_state(st16, h, d)
+            affine_rows(w, sc, sh if shift else sc, shift, True)
+    if last:
+        so, bo, nb = ops[0, TR_A], ops[0, TR_B], ops[0, TR_C]
+        hadamard_store(w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb], kind, y)
+    else:
+        store_output(w, kind, y)
+
+
+@njit(**JIT)
+def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, counter, ops, signs, blocks, scales,
+                 work, st16):
+    """:func:`encode_tensor` of every row of ``table`` not yet claimed from ``counter``, after
+    its transforms.
 
     Reference: for each row ``i``, ``encode_tensor(x_i, limits[i], segs[rows_i], idx,
-    buf[out_i : out_i + len_i], symbuf, lut8, books)``.
+    buf[out_i : out_i + len_i], symbuf, lut8, books)``; with transforms (``ops[i]`` not empty),
+    ``x_i`` is first converted to float32 and transformed in order
+    (:func:`~.transforms.hadamard_rows`, :func:`~.transforms.delta_rows`,
+    :func:`~.transforms.affine_fit` then :func:`~.transforms.affine_rows`, whose state is
+    written into the tensor's sections before its CRC is taken), as the fast path's per-tensor
+    route does.
 
     Args:
         table: int64 ``(N, ENC_COLUMNS)``; every input stays alive and unchanged during the call.
@@ -55,6 +153,14 @@ def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, co
             :func:`encode_tensor`.
         counter: int64 ``(1,)``, 0 before the first thread of the batch starts; threads calling
             with the same counter share the rows.
+        ops: int64 ``(N, transforms, TR_COLUMNS)`` transform programs (``(N, 0, TR_COLUMNS)``:
+            none); signs: float32 stacked Hadamard signs; blocks: int64 stacked block sizes;
+            scales: float32 their scales.
+        work: float32 scratch of at least the largest transformed tensor's element count, and
+            st16: uint16 scratch of ``2 H D`` elements, both this thread's own.
+
+    With transforms, ``magnitude`` (and the limit check) is that of the transformed tensor: a
+    NaN / inf input makes it non-finite too.
     """
     n = table.shape[0]
     while True:
@@ -64,7 +170,16 @@ def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, co
         shape = (table[i, ENC_B], table[i, ENC_H], table[i, ENC_T], table[i, ENC_D])
         rows = segs[table[i, ENC_SEG] : table[i, ENC_SEG] + table[i, ENC_NSEG]]
         out = buf[table[i, ENC_OUT] : table[i, ENC_OUT] + table[i, ENC_LEN]]
-        if table[i, ENC_FLOAT32]:
+        if ops.shape[1]:
+            w = work[: shape[0] * shape[1] * shape[2] * shape[3]].reshape(shape)
+            if table[i, ENC_FLOAT32]:
+                _forward(numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.float32), w, ops[i], signs, blocks,
+                         scales, out, st16)
+            else:
+                _forward(numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.uint16), w, ops[i], signs, blocks,
+                         scales, out, st16)
+            bits, seen, crc = encode_tensor(w, limits[i], rows, idx, out, symbuf, lut8, books)
+        elif table[i, ENC_FLOAT32]:
             x32 = numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.float32)
             bits, seen, crc = encode_tensor(x32, limits[i], rows, idx, out, symbuf, lut8, books)
         else:
@@ -76,14 +191,19 @@ def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, co
 
 
 @njit(**JIT)
-def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, finite, counter):
+def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, counter, ops, signs, blocks, scales,
+                 work, st16):
     """:func:`decode_tensor` (bit-packed sections) of every row of ``table`` not yet claimed
-    from ``counter``, and the check that its float16 metadata is finite.
+    from ``counter``, its transforms undone, and the check that its float16 transform state
+    and metadata are finite.
 
     Reference: for each row ``i``, ``crcs[i] = decode_tensor(buf[in_i : in_i + len_i],
-    segs[rows_i], idx, luts, lut16, symbuf, y_i, kind_i, books)`` and ``finite[i] =
-    first_nonfinite_f16(data_i, meta starts, meta ends) < 0`` over its segments' metadata
-    sections (``SEG_META``, ``SEG_META_LEN`` of its rows, in ``data_i``).
+    segs[rows_i], idx, luts, lut16, symbuf, y_i, kind_i, books)``; with transforms, decoded
+    into float32, the transforms undone last first, then converted into ``y_i``
+    (:func:`~.convert.store_output`), as the fast path's per-tensor route does. ``bad[i]``:
+    :data:`BAD_STATE` when ``first_nonfinite_f16`` finds a NaN / inf in its transform state
+    (the first ``state_len`` bytes of ``data_i``), else :data:`BAD_META` when it finds one in
+    its segments' metadata sections (``SEG_META``, ``SEG_META_LEN`` of its rows), else 0.
 
     Args:
         buf: uint8 stream (read-only is fine); every row's section lengths already checked
@@ -93,9 +213,9 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, finite
         segs, idx: as :func:`encode_batch`.
         luts, lut16, books: as :func:`decode_tensor`; symbuf: as :func:`encode_batch`.
         crcs: int64 ``(N,)``: the CRC-32 of each row's sections.
-        finite: uint8 ``(N,)``: 1 when every float16 of the row's metadata is finite, else 0
-            (its output then holds whatever the NaN / inf scales made of it).
-        counter: as :func:`encode_batch`.
+        bad: uint8 ``(N,)``, as above (a bad row's output holds whatever the NaN / inf made of
+            it).
+        counter, ops, signs, blocks, scales, work, st16: as :func:`encode_batch`.
     """
     n = table.shape[0]
     while True:
@@ -106,8 +226,19 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, finite
         rows = segs[table[i, DEC_SEG] : table[i, DEC_SEG] + table[i, DEC_NSEG]]
         data = buf[table[i, DEC_IN] : table[i, DEC_IN] + table[i, DEC_LEN]]
         starts = rows[:, SEG_META]
-        finite[i] = first_nonfinite_f16(data, starts, starts + rows[:, SEG_META_LEN]) < 0
-        if table[i, DEC_KIND] == 0:
+        bad[i] = BAD_META if first_nonfinite_f16(data, starts, starts + rows[:, SEG_META_LEN]) >= 0 else 0
+        if ops.shape[1]:
+            if first_nonfinite_f16(data, starts[:1] * 0, starts[:1]) >= 0:  # the state: up to the first metadata
+                bad[i] = BAD_STATE
+            w = work[: shape[0] * shape[1] * shape[2] * shape[3]].reshape(shape)
+            crcs[i] = decode_tensor(data, rows, idx, luts, lut16, symbuf, w, 0, books)
+            if table[i, DEC_KIND] == 0:
+                _inverse(w, ops[i], signs, blocks, scales, data, st16,
+                         numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.float32), 0)
+            else:
+                _inverse(w, ops[i], signs, blocks, scales, data, st16,
+                         numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.uint16), table[i, DEC_KIND])
+        elif table[i, DEC_KIND] == 0:
             y32 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.float32)
             crcs[i] = decode_tensor(data, rows, idx, luts, lut16, symbuf, y32, 0, books)
         else:

@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, uintp
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
-from .lowlevel import HALF, INLINE, JIT, ONE, ZERO, absmax, vminmax
+from .lowlevel import HALF, INLINE, JIT, ONE, ZERO, absmax, vminmax, vminmax_groups8
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
@@ -63,6 +63,42 @@ def _normalise_run(u, a, b, minmax, sf, zf, m):
         u[i] = _norm(u[i], s, z, minmax)
 
 
+_GROUPS = 64  # groups per block of _normalise_tiled
+
+
+@njit(**INLINE)
+def _normalise_tiled(u, ngroups, g, minmax, sf, zf):
+    """Normalise ``ngroups`` back-to-back groups of ``g`` values (a multiple of 8) of ``u`` in
+    place, group ``m`` getting metadata index ``m`` (per-token groups that tile the rows).
+
+    Blocks of :data:`_GROUPS` groups: min and max of 8 groups at a time
+    (:func:`~.lowlevel.vminmax_groups8`; an absmax is ``max(|min|, |max|)``), the parameters
+    group by group, then each group's values in one branch-free loop. The same values as
+    :func:`_normalise_run` on every group (finite inputs: the caller checked them)."""
+    lo = np.empty(_GROUPS, np.float32)
+    hi = np.empty(_GROUPS, np.float32)
+    ug = _u(g)
+    for m0 in range(0, ngroups, _GROUPS):
+        k = min(_GROUPS, ngroups - m0)
+        k8 = k // 8 * 8
+        for i in range(0, k8, 8):
+            vminmax_groups8(u, (m0 + i) * g, g, lo, hi, i)
+        for i in range(k8, k):
+            lo[i], hi[i] = vminmax(u, _u((m0 + i) * g), _u((m0 + i) * g + g))
+        for i in range(k):
+            a = _u((m0 + i) * g)
+            if minmax:
+                s, z = _params(lo[i], hi[i], True, sf, zf, m0 + i)
+            else:
+                s, z = _params(ZERO, max(abs(lo[i]), abs(hi[i])), False, sf, zf, m0 + i)
+            if s > ZERO:
+                for j in range(a, a + ug):
+                    u[j] = (u[j] - z) / s
+            else:
+                for j in range(a, a + ug):
+                    u[j] = ZERO
+
+
 @njit(**INLINE)
 def _normalise_columns(u, base, n, d_n, minmax, sf, zf, m, lo, hi, ss, zz):
     """Normalise ``n`` rows of ``d_n`` channels from ``u[base]`` in place, one group per
@@ -91,16 +127,36 @@ def _normalise_columns(u, base, n, d_n, minmax, sf, zf, m, lo, hi, ss, zz):
 
 
 @njit(**INLINE)
+def _below(b, mid):
+    """Whether bin ``b``'s centre ``(2b + 1 - NB) / NB`` (float64) is ``<= mid``."""
+    return np.float64(2 * b + 1 - _NB) / _NB <= mid
+
+
+@njit(**INLINE)
+def _first_above(mid):
+    """The first bin whose centre is above ``mid`` (``NB`` when none is): the centre formula
+    inverted, then corrected by the exact float64 comparison (a bin or two at most). Reference:
+    the scan ``while b < NB and centre(b) <= mid: b += 1`` (centres increase with ``b``)."""
+    c = (mid * _NB + _NB - 1.0) / 2.0 + 1.0
+    b = np.int64(min(max(c, 0.0), np.float64(_NB))) if c == c else np.int64(0)
+    while b > 0 and not _below(b - 1, mid):
+        b -= 1
+    while b < _NB and _below(b, mid):
+        b += 1
+    return b
+
+
+@njit(**INLINE)
 def _lloyd(u, n, init, out16):
     """Lloyd-Max levels of ``u[:n]`` from ``init`` (float64) as float16 bits in ``out16``.
 
     Reference: :func:`kvtune.codecs.codebook.fit_lloyd` (histogram, exact prefix sums, one
     float64 division per level, float64 -> float32 -> float16)."""
-    hist = np.zeros(_NB, np.int64)
     half_bins = np.float32(_NB // 2)
     top = np.float32(_NB - 1)
+    hist = np.zeros(_NB, np.int64)
     for i in range(_u(n)):  # truncation of the clamped value: floor, then clamp (as the reference)
-        hist[np.int64(min(max((u[i] + ONE) * half_bins, ZERO), top))] += 1
+        hist[_u(min(max((u[i] + ONE) * half_bins, ZERO), top))] += 1  # unsigned: no wraparound test
     cw = np.zeros(_NB + 1, np.int64)
     cs = np.zeros(_NB + 1, np.int64)
     for b in range(_NB):
@@ -113,10 +169,7 @@ def _lloyd(u, n, init, out16):
         lo = 0
         for i in range(nl):
             if i < nl - 1:
-                mid = (lev[i] + lev[i + 1]) / 2.0
-                hi = lo
-                while hi < _NB and np.float64(2 * hi + 1 - _NB) / _NB <= mid:
-                    hi += 1
+                hi = max(lo, _first_above(np.float64((lev[i] + lev[i + 1]) / 2.0)))
             else:
                 hi = _NB
             w = cw[hi] - cw[lo]
@@ -197,7 +250,9 @@ def codebook_quantize(x, heads, tokens, per_token, g, minmax, lloyd, init, sym, 
             for ti in range(ts):
                 load_row(xf, _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n), u, _u(r * d_n), dn)
                 r += 1
-    if per_token:
+    if per_token and g % 8 == 0 and d_n % g == 0:  # whole groups of 8k values tile the rows
+        _normalise_tiled(u, nb * hs * ts * (d_n // g), g, minmax, sf, zf)
+    elif per_token:
         ng = (d_n + g - 1) // g
         for r in range(nb * hs * ts):
             o = r * d_n

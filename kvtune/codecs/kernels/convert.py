@@ -216,7 +216,8 @@ def to_float32(x, out):
 
 @njit(**JIT)
 def store_output(y, kind, out):
-    """Convert float32 ``y`` (any shape, C order) into ``out`` (bits of ``kind``: 1 bfloat16,
-    2 float16), rounding to nearest even as ``torch.Tensor.to``."""
+    """Convert float32 ``y`` (any shape, C order) into ``out``: uint16 bits of ``kind`` (1
+    bfloat16, 2 float16), rounding to nearest even as ``torch.Tensor.to``, or a copy into
+    float32 ``out`` (``kind`` ignored)."""
     a, o = y.reshape(-1), out.reshape(-1)
     store_row(o, _u(0), a, _u(a.shape[0]), kind)

@@ -4,7 +4,7 @@ Accelerates :mod:`kvtune.codecs.transforms`:
 
 * :func:`hadamard_rows`: the randomized block Walsh-Hadamard rotation that spreads outlier
   channels before quantization, as QuaRot ("QuaRot: Outlier-Free 4-Bit Inference in Rotated
-  LLMs", arXiv 2404.00456, sec. 3), with the butterflies unrolled in 8-lane vector registers;
+  LLMs", arXiv 2404.00456, sec. 3), with the butterflies unrolled in 16-lane vector registers;
 * :func:`delta_rows`: delta coding of tokens against the anchor token of their group, as
   CacheGen ("CacheGen: KV Cache Compression and Streaming for Fast Large Language Model
   Serving", arXiv 2310.07240, sec. 5.1);
@@ -19,9 +19,10 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, types, uintp
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .convert import f16_bits_to_f32, f32_to_f16_bits
+from .convert import f16_bits_to_f32, f32_to_f16_bits, load_row, store_row
 from .lowlevel import FP16_MAX, INLINE, JIT, U1, U8, ZERO, v8_ptr
 
 _u = uintp
@@ -72,44 +73,55 @@ def _wht_pair8(typingctx, arr, p, q):
     return sig, codegen
 
 
-def _make_wht(n: int):
-    """An intrinsic ``_wht(arr, off, signs, soff, c, inverse)``: the whole randomized Hadamard
-    block of size ``n`` (8..256) on ``arr[off:off + n]`` held in ``n / 8`` vector registers --
-    forward ``x * signs``, butterflies, ``* c``; inverse butterflies, ``* c``, ``* signs`` --
-    the exact operation sequence of the reference, with no loop control."""
-    nv = n // 8
+def _make_wht(n: int, inverse: bool):
+    """An intrinsic ``_wht(arr, off, signs, soff, c)``: the whole randomized Hadamard block of
+    size ``n`` (8..256) on ``arr[off:off + n]`` held in vector registers of
+    ``L = min(n, 16)`` lanes -- forward ``x * signs``, butterflies, ``* c``; ``inverse``:
+    butterflies, ``* c``, ``* signs`` -- the exact operation sequence of the reference, with no
+    loop control.
+
+    A butterfly stage inside a vector (strides 1, 2, 4, 8) is one shuffle (lane ``i`` takes lane
+    ``i ^ stride``) and one ``llvm.fma(v, m, swapped)`` with ``m`` = +1 in the low lane of each
+    pair (``a + b``) and -1 in the high one (``a - b``): a product with +-1 is exact, so the
+    fused multiply-add rounds once, exactly as the reference's add or subtract. Stages across
+    vectors (strides 16, 32, ...) are a plain add and subtract."""
+    lanes = min(n, 16)
+    nv = n // lanes
 
     @intrinsic
-    def _wht(typingctx, arr, off, signs, soff, c, inverse):
+    def _wht(typingctx, arr, off, signs, soff, c):
         if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
             return None
-        sig = types.void(arr, off, signs, soff, c, inverse)
+        sig = types.void(arr, off, signs, soff, c)
 
         def codegen(context, builder, signature, args):
             sa = signature.args
-            i32, i64 = ir.IntType(32), ir.IntType(64)
-            v8 = ir.VectorType(ir.FloatType(), 8)
-            base = v8_ptr(context, builder, types.void(sa[0], sa[1]), [args[0], args[1]])
-            sbase = v8_ptr(context, builder, types.void(sa[2], sa[3]), [args[2], args[3]])
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+            vt = ir.VectorType(f32, lanes)
+
+            def ptr(i, j):
+                ary = context.make_array(sa[i])(context, builder, args[i])
+                k = context.cast(builder, args[j], sa[j], types.int64)
+                return builder.bitcast(builder.gep(ary.data, [k]), vt.as_pointer())
+
+            base, sbase = ptr(0, 1), ptr(2, 3)
             ptrs = [builder.gep(base, [ir.Constant(i64, k)]) for k in range(nv)]
             sptrs = [builder.gep(sbase, [ir.Constant(i64, k)]) for k in range(nv)]
             cf = context.cast(builder, args[4], sa[4], types.float32)
-            cv = builder.shuffle_vector(builder.insert_element(ir.Constant(v8, ir.Undefined), cf, ir.Constant(i32, 0)),
-                                        ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), [0] * 8))
-            inv = context.cast(builder, args[5], sa[5], types.boolean)
+            cv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), cf, ir.Constant(i32, 0)),
+                                        ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{lanes}f32")
             vs = [builder.load(p, align=4) for p in ptrs]
-            signed = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
-            vs = [builder.select(inv, v, sv) for v, sv in zip(vs, signed)]
-            for stride in (1, 2, 4):  # inside each vector
-                perm = ir.Constant(ir.VectorType(i32, 8), [ir.Constant(i32, i ^ stride) for i in range(8)])
-                low = ir.Constant(ir.VectorType(ir.IntType(1), 8), [ir.Constant(ir.IntType(1), not (i & stride)) for i in range(8)])
-                out = []
-                for v in vs:
-                    sw = builder.shuffle_vector(v, v, perm)
-                    out.append(builder.select(low, builder.fadd(v, sw), builder.fsub(sw, v)))
-                vs = out
+            if not inverse:
+                vs = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
+            stride = 1
+            while stride < lanes:  # inside each vector
+                perm = ir.Constant(ir.VectorType(i32, lanes), [ir.Constant(i32, i ^ stride) for i in range(lanes)])
+                pm = ir.Constant(vt, [-1.0 if i & stride else 1.0 for i in range(lanes)])
+                vs = [builder.call(fma, [v, pm, builder.shuffle_vector(v, v, perm)]) for v in vs]
+                stride *= 2
             step = 1
-            while step < nv:  # across vectors (strides 8, 16, ...)
+            while step < nv:  # across vectors
                 out = list(vs)
                 for i in range(nv):
                     if not i & step:
@@ -118,9 +130,8 @@ def _make_wht(n: int):
                 vs = out
                 step *= 2
             vs = [builder.fmul(v, cv) for v in vs]
-            unsigned = vs
-            signed = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
-            vs = [builder.select(inv, sv, v) for v, sv in zip(unsigned, signed)]
+            if inverse:
+                vs = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
             for v, p in zip(vs, ptrs):
                 builder.store(v, p, align=4)
             return context.get_dummy_value()
@@ -130,24 +141,57 @@ def _make_wht(n: int):
     return _wht
 
 
-_wht8v, _wht16v, _wht32v, _wht64v, _wht128v, _wht256v = (_make_wht(n) for n in (8, 16, 32, 64, 128, 256))
+_SIZES = (8, 16, 32, 64, 128, 256)
+(_f8, _f16, _f32, _f64, _f128, _f256), (_i8, _i16, _i32, _i64, _i128, _i256) = (
+    tuple(_make_wht(n, inv) for n in _SIZES) for inv in (False, True))
 
 
 @njit(**INLINE)
 def _wht_block(xf, off, n, sg, so, c, inverse):
     """Dispatch one power-of-two block of size ``n`` in 8..256 to its unrolled intrinsic."""
-    if n == 64:
-        _wht64v(xf, off, sg, so, c, inverse)
+    if inverse:
+        if n == 64:
+            _i64(xf, off, sg, so, c)
+        elif n == 128:
+            _i128(xf, off, sg, so, c)
+        elif n == 256:
+            _i256(xf, off, sg, so, c)
+        elif n == 32:
+            _i32(xf, off, sg, so, c)
+        elif n == 16:
+            _i16(xf, off, sg, so, c)
+        else:
+            _i8(xf, off, sg, so, c)
+    elif n == 64:
+        _f64(xf, off, sg, so, c)
     elif n == 128:
-        _wht128v(xf, off, sg, so, c, inverse)
+        _f128(xf, off, sg, so, c)
     elif n == 256:
-        _wht256v(xf, off, sg, so, c, inverse)
+        _f256(xf, off, sg, so, c)
     elif n == 32:
-        _wht32v(xf, off, sg, so, c, inverse)
+        _f32(xf, off, sg, so, c)
     elif n == 16:
-        _wht16v(xf, off, sg, so, c, inverse)
+        _f16(xf, off, sg, so, c)
     else:
-        _wht8v(xf, off, sg, so, c, inverse)
+        _f8(xf, off, sg, so, c)
+
+
+@njit(**INLINE)
+def _unrolled(blocks):
+    """Whether every block size is in 8..256 (each block held in registers)."""
+    ok = True
+    for k in range(blocks.shape[0]):
+        ok = ok and 8 <= blocks[k] <= 256
+    return ok
+
+
+@njit(**INLINE)
+def _rotate_row(xf, o, sg, so, blocks, scales, inverse):
+    """The rotation of the row ``xf[o:o + D]`` in place, block by block (signs ``sg[so:]``)."""
+    off = _u(0)
+    for k in range(blocks.shape[0]):
+        _wht_block(xf, o + off, blocks[k], sg, so + off, scales[k], inverse)
+        off += _u(blocks[k])
 
 
 @njit(**JIT)
@@ -168,18 +212,11 @@ def hadamard_rows(x, signs, blocks, scales, inverse):
     nb, nh, nt, d_n = x.shape
     xf, sg = x.reshape(-1), signs.reshape(-1)
     dn = _u(d_n)
-    unrolled = True
-    for k in range(blocks.shape[0]):
-        unrolled = unrolled and 8 <= blocks[k] <= 256
-    if unrolled:  # every block in registers (head_dim 64, 96 = 64 + 32, 128, 256, ...)
+    if _unrolled(blocks):  # every block in registers (head_dim 64, 96 = 64 + 32, 128, 256, ...)
         for b in range(nb):
             for h in range(nh):
                 for t in range(nt):
-                    o = _u(((b * nh + h) * nt + t) * d_n)
-                    off = _u(0)
-                    for k in range(blocks.shape[0]):
-                        _wht_block(xf, o + off, blocks[k], sg, _u(h * d_n) + off, scales[k], inverse)
-                        off += _u(blocks[k])
+                    _rotate_row(xf, _u(((b * nh + h) * nt + t) * d_n), sg, _u(h * d_n), blocks, scales, inverse)
         return
     for b in range(nb):
         for h in range(nh):
@@ -218,6 +255,64 @@ def hadamard_rows(x, signs, blocks, scales, inverse):
                 if inverse:
                     for d in range(dn):
                         xf[o + d] = xf[o + d] * sg[so + d]
+
+
+_CHUNK = 32  # rows converted (rotated) per pass of hadamard_load (hadamard_store): 8 KiB at head_dim 64
+
+
+@njit(**JIT)
+def hadamard_load(x, y, signs, blocks, scales):
+    """``y = float32(x)`` rotated forward as :func:`hadamard_rows`, :data:`_CHUNK` rows at a
+    time: the rows are rotated right after their conversion, while they are in L1 (one pass
+    over ``y`` instead of two). Reference: :func:`~kvtune.codecs.kernels.to_float32` then :func:`hadamard_rows`.
+
+    Args:
+        x: ``(B, H, T, D)`` float32 or uint16 (bfloat16 bits), C-contiguous.
+        y: float32 of the same shape, C-contiguous (not ``x``).
+        signs, blocks, scales: as :func:`hadamard_rows`.
+    """
+    nb, nh, nt, d_n = x.shape
+    xf, yf, sg = x.reshape(-1), y.reshape(-1), signs.reshape(-1)
+    if not _unrolled(blocks):
+        load_row(xf, _u(0), yf, _u(0), _u(xf.shape[0]))
+        hadamard_rows(y, signs, blocks, scales, False)
+        return
+    for bh in range(nb * nh):
+        so = _u(bh % nh * d_n)
+        for r0 in range(bh * nt, bh * nt + nt, _CHUNK):
+            r1 = min(r0 + _CHUNK, bh * nt + nt)
+            load_row(xf, _u(r0 * d_n), yf, _u(r0 * d_n), _u((r1 - r0) * d_n))
+            for r in range(r0, r1):
+                _rotate_row(yf, _u(r * d_n), sg, so, blocks, scales, False)
+
+
+@njit(**JIT)
+def hadamard_store(y, signs, blocks, scales, kind, out):
+    """Rotate float32 ``y`` back in place as :func:`hadamard_rows` (``inverse``) and convert it
+    into ``out``, :data:`_CHUNK` rows at a time (stored right after their rotation, while they
+    are in L1). Reference: :func:`hadamard_rows` then ``out[...] = y`` (float32 ``out``) or
+    :func:`~kvtune.codecs.kernels.store_output` (uint16 ``out`` of ``kind`` 1 bfloat16 or 2
+    float16 bits).
+
+    Args:
+        y: float32 ``(B, H, T, D)``, C-contiguous, modified.
+        signs, blocks, scales: as :func:`hadamard_rows`.
+        kind: the output kind (ignored for float32 ``out``).
+        out: float32 or uint16 of ``y``'s shape, C-contiguous (not ``y``).
+    """
+    nb, nh, nt, d_n = y.shape
+    yf, of, sg = y.reshape(-1), out.reshape(-1), signs.reshape(-1)
+    if not _unrolled(blocks):
+        hadamard_rows(y, signs, blocks, scales, True)
+        store_row(of, _u(0), yf, _u(yf.shape[0]), kind)
+        return
+    for bh in range(nb * nh):
+        so = _u(bh % nh * d_n)
+        for r0 in range(bh * nt, bh * nt + nt, _CHUNK):
+            r1 = min(r0 + _CHUNK, bh * nt + nt)
+            for r in range(r0, r1):
+                _rotate_row(yf, _u(r * d_n), sg, so, blocks, scales, True)
+            store_row(of, _u(r0 * d_n), yf[r0 * d_n : r1 * d_n], _u((r1 - r0) * d_n), kind)
 
 
 @njit(**JIT)

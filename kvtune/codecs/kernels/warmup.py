@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batch import DEC_COLUMNS, ENC_COLUMNS, crc32_concat, decode_batch, encode_batch
+from .batch import DEC_COLUMNS, ENC_COLUMNS, TR_COLUMNS, crc32_concat, decode_batch, encode_batch
 from .components import dequantize_components, quantize_components
 from .convert import store_output, to_float32
 from .crc import crc32_combine, crc32_update
@@ -43,11 +43,13 @@ def warm_up() -> float:
             decode_segments(data, seg, idx, luts, np.zeros((2, 256), np.uint16), sym, True, y, kind, books)
     # the batch route (one call per codec thread): an empty table compiles the kernels
     none = np.zeros((0, ENC_COLUMNS), np.int64)
+    ops = (np.zeros((0, 0, TR_COLUMNS), np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.float32),
+           np.zeros(1, np.float32), np.zeros(1, np.uint16))
     encode_batch(none, np.zeros(0), seg, idx, out, sym, np.zeros((2, 65536), np.uint8), books, np.zeros((0, 3), np.int64),
-                 np.zeros(1, np.int64))
+                 np.zeros(1, np.int64), *ops)
     for data in (out, ro):
         decode_batch(data, np.zeros((0, DEC_COLUMNS), np.int64), seg, idx, luts, np.zeros((2, 256), np.uint16), sym, books,
-                     np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+                     np.zeros(0, np.int64), np.zeros(0, np.uint8), np.zeros(1, np.int64), *ops)
     crc32_concat(0, np.zeros(1, np.int64), np.zeros(1, np.int64))
     y = np.ones(shape, np.float32)
     to_float32(np.full(shape, 0x3F80, np.uint16), y)
