@@ -762,8 +762,30 @@ def build_table(shape, plan):
 
 
 @covers("encode_segments", "decode_segments")
+def test_unscaled_e4m3_segments_cast_every_bfloat16_and_every_float8_as_torch():
+    """The 16-lane e4m3 conversions (bfloat16 input, bfloat16 output) on every finite bfloat16
+    pattern (saturating beyond +-448) and every float8 pattern (NaNs included), against
+    torch's casts; 80 channels: five vectors per row, no table tail."""
+    bits = np.arange(65536, dtype=np.uint16)
+    finite = bits[(bits & 0x7F80) != 0x7F80]
+    x = np.resize(finite, 4 * 80 * 205).reshape(1, 4, 205, 80)  # every pattern, the rest repeats
+    seg = [(FP8Quantizer(format="e4m3"), 8, [0, 1, 2, 3], list(range(205)), [K.KIND_FP8, 8, 0, 0, 0])]
+    segs, index, nbytes, _ = build_table(x.shape, seg)
+    luts, lut16, lut8 = fp8_luts()
+    out = np.zeros(nbytes, np.uint8)
+    K.encode_segments(x, segs, index, out, np.zeros(x.size, np.uint8), True, lut8, nf_table())
+    want = fp8_encode(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float(), "e4m3")
+    assert np.array_equal(out, want.numpy().reshape(-1))
+    codes = np.resize(np.arange(256, dtype=np.uint8), nbytes)
+    y = np.zeros(x.shape, np.uint16)
+    K.decode_segments(codes, segs, index, luts, lut16, np.zeros(x.size, np.uint8), True, y, 1, nf_table())
+    cast = torch.from_numpy(codes).view(FP8_DTYPES["e4m3"]).to(torch.float32).to(torch.bfloat16)  # as dequantize_block
+    assert np.array_equal(y.reshape(-1), bits16(cast))
+
+
+@covers("encode_segments", "decode_segments")
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("d", [16, 13, 0])
+@pytest.mark.parametrize("d", [16, 13, 40, 0])
 def test_encode_decode_segments_match_the_reference_segments(dtype, d):
     """A tensor split into nine segments (per-token and per-channel uniform, bfloat16, scaled
     e5m2, unscaled e4m3, an empty one, per-channel Lloyd / min-max and per-token NF codebooks):

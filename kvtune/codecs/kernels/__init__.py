@@ -12,8 +12,8 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
 * :mod:`.components`: per-component quantization of ``dp-alloc`` (KVTC-like presets);
 * :mod:`.rans`: interleaved rANS coding and its integer tables (the ``rans`` codec);
 * :mod:`.segments`: every segment of one K or V tensor in one call;
-* :mod:`.batch`: every tensor of a cache in one call per codec thread (the fast path's entry for
-  bit-packed policies without transforms);
+* :mod:`.batch`: every tensor of a cache in one call per codec thread, transforms included (the
+  fast path's entry for bit-packed policies of block quantizers);
 * :mod:`.finite`: finiteness and largest-magnitude checks of the inputs; :mod:`.crc`: CRC-32 of stream sections;
 * :mod:`.convert`: float16 / bfloat16 conversions and row access in the tensor dtypes;
 * :mod:`.lowlevel`: compile options, constants, bit casts and vector intrinsics they share;

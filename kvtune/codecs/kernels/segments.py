@@ -23,7 +23,8 @@ from .codebook import codebook_dequantize, codebook_quantize
 from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, store_row
 from .crc import crc32_update
 from .finite import max_masked
-from .fp8 import fp8_dequantize, fp8_quantize
+from .fp8 import LANES as FP8_LANES
+from .fp8 import bf16_from_e4m3_16, e4m3_from_bf16_16, fp8_dequantize, fp8_quantize
 from .lowlevel import INLINE, JIT, U1, U2, u32_as_f32
 from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 
@@ -181,9 +182,10 @@ def _fp8_encode(x, heads, tokens, e5m2, scaled, sym, sc, lut8):  # pragma: no co
 
 @overload(_fp8_encode, inline="always")
 def _fp8_encode_impl(x, heads, tokens, e5m2, scaled, sym, sc, lut8):
-    """float8 symbols of a segment. Unscaled bfloat16 input: a lookup in ``lut8`` (the symbol of
-    every bfloat16 pattern, made by torch's own cast, so exact); otherwise
-    :func:`~kvtune.codecs.kernels.fp8_quantize`."""
+    """float8 symbols of a segment. Unscaled bfloat16 input: e4m3 16 lanes at a time
+    (:func:`~.fp8.e4m3_from_bf16_16`, the c10 conversion), e5m2 and the last ``D mod 16``
+    channels by a lookup in ``lut8`` (the symbol of every bfloat16 pattern, made by torch's own
+    cast, so exact); otherwise :func:`~kvtune.codecs.kernels.fp8_quantize`."""
     if x.dtype == types.uint16:
 
         def impl(x, heads, tokens, e5m2, scaled, sym, sc, lut8):
@@ -194,12 +196,15 @@ def _fp8_encode_impl(x, heads, tokens, e5m2, scaled, sym, sc, lut8):
             nb, nh, nt, d_n = x.shape
             xf, sf = x.reshape(-1), sym.reshape(-1)
             dn = _u(d_n)
+            dv = _u(0 if e5m2 else d_n // FP8_LANES * FP8_LANES)  # e4m3: 16 lanes at a time, then the table
             o = _u(0)
             for b in range(nb):
                 for hi in range(heads.shape[0]):
                     for ti in range(tokens.shape[0]):
                         src = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
-                        for d in range(dn):
+                        for d in range(_u(0), dv, _u(FP8_LANES)):
+                            e4m3_from_bf16_16(xf, src + d, sf, o + d)
+                        for d in range(dv, dn):
                             sf[o + d] = lut[xf[src + d]]
                         o += dn
 
@@ -217,9 +222,10 @@ def _fp8_decode(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):  
 
 @overload(_fp8_decode, inline="always")
 def _fp8_decode_impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):
-    """Reconstruction of a float8 segment. Unscaled into bfloat16 output: a lookup in ``lut16``
-    (the bfloat16 bits of every float8 value, made by torch); otherwise
-    :func:`~kvtune.codecs.kernels.fp8_dequantize`."""
+    """Reconstruction of a float8 segment. Unscaled into bfloat16 output: e4m3 16 lanes at a
+    time (:func:`~.fp8.bf16_from_e4m3_16`, its NaN bits from ``lut16``), e5m2 and the last
+    ``D mod 16`` channels by a lookup in ``lut16`` (the bfloat16 bits of every float8 value,
+    made by torch); otherwise :func:`~kvtune.codecs.kernels.fp8_dequantize`."""
     if out.dtype == types.uint16:
 
         def impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind):
@@ -231,12 +237,16 @@ def _fp8_decode_impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kin
             nh, nt = out.shape[1], out.shape[2]
             sf, of = sym.reshape(-1), out.reshape(-1)
             dn = _u(d_n)
+            dv = _u(0 if e5m2 else d_n // FP8_LANES * FP8_LANES)  # e4m3: 16 lanes at a time, then the table
+            nan_pos, nan_neg = lut[0x7F], lut[0xFF]
             o = _u(0)
             for b in range(nb):
                 for hi in range(hs):
                     for ti in range(ts):
                         dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
-                        for d in range(dn):
+                        for d in range(_u(0), dv, _u(FP8_LANES)):
+                            bf16_from_e4m3_16(sf, o + d, nan_pos, nan_neg, of, dst + d)
+                        for d in range(dv, dn):
                             of[dst + d] = lut[sf[o + d]]
                         o += dn
 
