@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, uintp
 
-from .convert import store_output, to_float32
+from .convert import get_u16, put_u16, store_output, to_float32
 from .crc import crc32_combine
 from .finite import first_nonfinite_f16
-from .lowlevel import INLINE, JIT, U1, U2, address_as_voidptr, fetch_add
+from .lowlevel import INLINE, JIT, address_as_voidptr, fetch_add
 from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor
 from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store
+
+_u = uintp
 
 ENC_X, ENC_FLOAT32, ENC_B, ENC_H, ENC_T, ENC_D, ENC_SEG, ENC_NSEG, ENC_OUT, ENC_LEN = range(10)
 ENC_COLUMNS = 10
@@ -63,6 +65,13 @@ def _affine_state(st16, h, d):
     return st16[:n].reshape((h, d)), st16[n : 2 * n].reshape((h, d))
 
 
+@njit(**INLINE)
+def _rotation(op, signs, blocks, scales, h, d):
+    """A ``hadamard`` row's ``(signs (H, D), block sizes, block scales)`` in the stacked arrays."""
+    so, bo, nb = op[TR_A], op[TR_B], op[TR_C]
+    return signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb]
+
+
 @njit(**JIT)
 def _forward(x, w, ops, signs, blocks, scales, out, st16):
     """Convert ``x`` into its float32 work array ``w`` and apply its transform program ``ops``
@@ -73,16 +82,16 @@ def _forward(x, w, ops, signs, blocks, scales, out, st16):
     h, d = w.shape[1], w.shape[3]
     first = 0
     if ops[0, TR_KIND] == TR_HADAMARD:
-        so, bo, nb = ops[0, TR_A], ops[0, TR_B], ops[0, TR_C]
-        hadamard_load(x, w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb])
+        sg, bl, sc = _rotation(ops[0], signs, blocks, scales, h, d)
+        hadamard_load(x, w, sg, bl, sc)
         first = 1
     else:
         to_float32(x, w)
     for k in range(first, ops.shape[0]):
         kind = ops[k, TR_KIND]
         if kind == TR_HADAMARD:
-            so, bo, nb = ops[k, TR_A], ops[k, TR_B], ops[k, TR_C]
-            hadamard_rows(w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb], False)
+            sg, bl, sc = _rotation(ops[k], signs, blocks, scales, h, d)
+            hadamard_rows(w, sg, bl, sc, False)
         elif kind == TR_DELTA:
             delta_rows(w, ops[k, TR_A], False)
         else:
@@ -90,11 +99,7 @@ def _forward(x, w, ops, signs, blocks, scales, out, st16):
             sc, sh = _affine_state(st16, h, d)
             affine_fit(w, ops[k, TR_A] != 0, shift, sc, sh)
             affine_rows(w, sc, sh, shift, False)
-            o = ops[k, TR_C]
-            for j in range(((2 if shift else 1) * h * d)):
-                v = st16[j]
-                out[o + U2 * j] = np.uint8(v & 0xFF)
-                out[o + U2 * j + U1] = np.uint8(v >> 8)
+            put_u16(st16, (2 if shift else 1) * h * d, out, _u(ops[k, TR_C]))
 
 
 @njit(**JIT)
@@ -109,20 +114,18 @@ def _inverse(w, ops, signs, blocks, scales, data, st16, y, kind):
     for k in range(ops.shape[0] - 1, last - 1, -1):
         op = ops[k, TR_KIND]
         if op == TR_HADAMARD:
-            so, bo, nb = ops[k, TR_A], ops[k, TR_B], ops[k, TR_C]
-            hadamard_rows(w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb], True)
+            sg, bl, sc = _rotation(ops[k], signs, blocks, scales, h, d)
+            hadamard_rows(w, sg, bl, sc, True)
         elif op == TR_DELTA:
             delta_rows(w, ops[k, TR_A], True)
         else:
             shift = ops[k, TR_B] != 0
-            o = ops[k, TR_C]
-            for j in range(((2 if shift else 1) * h * d)):
-                st16[j] = np.uint16(data[o + U2 * j]) | (np.uint16(data[o + U2 * j + U1]) << np.uint16(8))
+            get_u16(data, _u(ops[k, TR_C]), (2 if shift else 1) * h * d, st16)
             sc, sh = _affine_state(st16, h, d)
             affine_rows(w, sc, sh if shift else sc, shift, True)
     if last:
-        so, bo, nb = ops[0, TR_A], ops[0, TR_B], ops[0, TR_C]
-        hadamard_store(w, signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb], kind, y)
+        sg, bl, sc = _rotation(ops[0], signs, blocks, scales, h, d)
+        hadamard_store(w, sg, bl, sc, kind, y)
     else:
         store_output(w, kind, y)
 

@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types, uintp
 from numba.extending import intrinsic, overload
 
-from .lowlevel import FP16_MAX, HALF, INLINE, JIT, f32_as_u32, u32_as_f32
+from .lowlevel import FP16_MAX, HALF, INLINE, JIT, U1, U2, f32_as_u32, u32_as_f32
 
 _u = uintp
 
@@ -146,6 +146,22 @@ def fp16_round_up_bits(x):
     up = np.int64(1) if (h & 0x7FFF) == 0 else (h - 1 if h & 0x8000 else h + 1)
     h = up if f16_bits_to_f32(h) < x else h
     return np.int64(0) if h == 0x8000 else h
+
+
+@njit(**INLINE)
+def put_u16(vals, n, out, off):
+    """Little-endian bytes of ``vals[:n]`` (uint16) into ``out[off:off + 2n]``."""
+    for i in range(_u(n)):
+        v = vals[i]
+        out[off + U2 * i] = np.uint8(v & 0xFF)
+        out[off + U2 * i + U1] = np.uint8(v >> 8)
+
+
+@njit(**INLINE)
+def get_u16(data, off, n, vals):
+    """``vals[:n]`` = little-endian uint16 from ``data[off:off + 2n]``."""
+    for i in range(_u(n)):
+        vals[i] = np.uint16(data[off + U2 * i]) | (np.uint16(data[off + U2 * i + U1]) << np.uint16(8))
 
 
 def load_row(xf, off, row, roff, n):  # pragma: no cover - replaced by the overload below

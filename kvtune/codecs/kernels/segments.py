@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from .bitpack import pack_bits, unpack_bits
 from .codebook import codebook_dequantize, codebook_quantize
-from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, store_row
+from .convert import bf16_bits_to_f32, f16_bits_to_f32, f32_to_bf16_bits, get_u16, put_u16, store_row
 from .crc import crc32_update
 from .finite import max_masked
 from .fp8 import LANES as FP8_LANES
@@ -56,22 +56,6 @@ def _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits):
     half = rest // 2 if flags & CB_MINMAX else rest
     shape = (nb, hs, ts, (d_n + g - 1) // g) if per_token else (nb, hs, (ts + g - 1) // g, d_n)
     return meta[:nl], meta[nl : nl + half].reshape(shape), meta[m - half : m].reshape(shape)
-
-
-@njit(**INLINE)
-def _put_u16(vals, n, out, off):
-    """Little-endian bytes of ``vals[:n]`` (uint16) into ``out[off:off + 2n]``."""
-    for i in range(_u(n)):
-        v = vals[i]
-        out[off + U2 * i] = np.uint8(v & 0xFF)
-        out[off + U2 * i + U1] = np.uint8(v >> 8)
-
-
-@njit(**INLINE)
-def _get_u16(data, off, n, vals):
-    """``vals[:n]`` = little-endian uint16 from ``data[off:off + 2n]``."""
-    for i in range(_u(n)):
-        vals[i] = np.uint16(data[off + U2 * i]) | (np.uint16(data[off + U2 * i + U1]) << np.uint16(8))
 
 
 @njit(**INLINE)
@@ -323,7 +307,7 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
             _fp8_encode(x, heads, tokens, e5m2, scaled, sym, sc, lut8)
-        _put_u16(meta, m, out, _u(segs[s, SEG_META]))
+        put_u16(meta, m, out, _u(segs[s, SEG_META]))
         if pack:
             po = segs[s, SEG_PAYLOAD]
             seen |= pack_bits(sym.reshape(-1), bits, out[po : po + segs[s, SEG_PAYLOAD_LEN]])
@@ -371,7 +355,7 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             unpack_bits(data[po : po + segs[s, SEG_PAYLOAD_LEN]], bits, sym)
         sym4 = sym.reshape((nb, hs, ts, d_n))
         m = segs[s, SEG_META_LEN] // 2
-        _get_u16(data, _u(segs[s, SEG_META]), m, meta)
+        get_u16(data, _u(segs[s, SEG_META]), m, meta)
         if sk == KIND_UNIFORM:
             g, symmetric = segs[s, SEG_G], segs[s, SEG_B] != 0
             half = m if symmetric else m // 2
