@@ -696,6 +696,7 @@ class BatchPlan:
             TR_COLUMNS)``, :data:`kvtune.codecs.kernels.TR_COLUMNS`) and the stacked float32
             Hadamard signs, int64 block sizes and float32 block scales they point into.
         work_numel: elements of the largest tensor with transforms (the float32 work array).
+        state_numel: float16 values of the largest ``affine`` state (``2 H D``; its scratch).
         comp: the policy's compiled plans (the per-tensor route's, for a tensor whose checks
             fail on the batch route).
         checked: the encoder has checked these lengths against what a decoder accepts (once).
@@ -715,6 +716,7 @@ class BatchPlan:
     blocks: np.ndarray
     scales: np.ndarray
     work_numel: int
+    state_numel: int
     comp: "_Compiled | None" = None
     checked: bool = False
     heads: dict = field(default_factory=dict)
@@ -722,8 +724,8 @@ class BatchPlan:
     def kernel_args(self) -> tuple:
         """The transform arguments of :func:`kvtune.codecs.kernels.encode_batch` /
         ``decode_batch``, with this thread's float32 work array and float16 state scratch."""
-        state = 2 * max((p.shape[1] * p.shape[3] for p in self.plans), default=1)
-        return self.ops, self.signs, self.blocks, self.scales, _work((max(self.work_numel, 1),)), _state_scratch(state)
+        return (self.ops, self.signs, self.blocks, self.scales, _work((max(self.work_numel, 1),)),
+                _state_scratch(self.state_numel))
 
 
 def _stack(plans: Sequence[_Plan], layer_offset: int, columns: int, seg_col: int, nseg_col: int) -> BatchPlan:
@@ -746,7 +748,8 @@ def _stack(plans: Sequence[_Plan], layer_offset: int, columns: int, seg_col: int
                      np.concatenate(idx) if idx else np.zeros(0, np.int64),
                      np.array([p.nbytes for p in plans], np.int64), max((p.max_numel for p in plans), default=0), lengths,
                      layer_offset, ops, signs, blocks, scales,
-                     max((math.prod(p.shape) for p in plans if p.transforms), default=0))
+                     max((math.prod(p.shape) for p in plans if p.transforms), default=0),
+                     2 * max((p.shape[1] * p.shape[3] for p in plans if p.transforms), default=0))
 
 
 def _programs(plans: Sequence[_Plan]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
