@@ -80,7 +80,7 @@ def coder_loops(symbols: list[np.ndarray], bits: int):
         counts = K.rans_count_groups(flat, *lay.count_args(), lay.groups, 1 << bits)
         div, mod, comp = lay.coder_args(False)
         freq, cum = K.rans_fused_tables(level_to_weights(count_levels(counts, TABLE_STEPS[2]), TABLE_STEPS[2]), comp, bits, prec)
-        out = np.empty(flat.size // lay.m + 2 * K.rans.LANES, np.uint16)
+        out = np.empty(flat.size // lay.m + 2 * K.rans.MAX_LANES, np.uint16)
         words = out[K.rans_encode(flat, bits, lay.m, div, mod, freq, cum, prec, out):].copy()
         jobs.append((flat, lay.m, div, mod, freq, cum, out, words, np.empty_like(flat)))
 
@@ -90,7 +90,7 @@ def coder_loops(symbols: list[np.ndarray], bits: int):
 
     def decode():
         for flat, m, div, mod, freq, cum, _, words, dst in jobs:
-            slots = np.empty(freq.shape[0] << prec, np.uint8)
+            slots = np.zeros((freq.shape[0] << prec) + 4, np.uint8)  # padded: the vector loop
             fc = K.rans_decoder_tables(freq, cum, prec, slots)
             assert K.rans_decode(words, bits, m, div, mod, fc, slots, prec, dst) == words.size
 

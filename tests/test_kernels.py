@@ -1141,48 +1141,56 @@ def ref_tables(weights: np.ndarray, comp: np.ndarray, bits: int, prec: int):
     return freqs
 
 
-def ref_encode(sym, bits, m, div, mod, freqs, prec) -> list[int]:
-    """Pure-python interleaved rANS (exact integer division): the coded u16 words."""
+def ref_encode(sym, bits, m, div, mod, freqs, prec, wide=True) -> list[int]:
+    """Pure-python interleaved rANS (exact integer division): the coded u16 words (``wide``:
+    32 lanes for a run of ``LANE_RUN`` super-symbols or more, else 4 lanes always)."""
     cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
     n = len(sym) // m
-    states = [KR.RANS_L] * KR.LANES
+    lanes = 32 if wide and n >= KR.LANE_RUN else 4  # the lanes of a run of n super-symbols
+    states = [KR.RANS_L] * lanes
     stack = []
     for i in range(n - 1, -1, -1):
         s = sum(int(sym[i * m + j]) << (bits * j) for j in range(m))
         q = (i // div) % mod
         f, c = freqs[q][s], cums[q][s]
-        x = states[i % KR.LANES]
+        x = states[i % lanes]
         if x >= f << (32 - prec):
             stack.append(x & 0xFFFF)
             x >>= 16
-        states[i % KR.LANES] = ((x // f) << prec) + x % f + c
+        states[i % lanes] = ((x // f) << prec) + x % f + c
     for x in reversed(states):
         stack += [x & 0xFFFF, x >> 16]
     return stack[::-1]
 
 
-def ref_decode(words, n, bits, m, div, mod, freqs, prec) -> list[int]:
+def ref_decode(words, n, bits, m, div, mod, freqs, prec, wide=True) -> list[int]:
     cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
-    states = [(words[2 * j] << 16) | words[2 * j + 1] for j in range(KR.LANES)]
-    pos, out = 2 * KR.LANES, []
+    lanes = 32 if wide and n >= KR.LANE_RUN else 4
+    states = [(words[2 * j] << 16) | words[2 * j + 1] for j in range(lanes)]
+    pos, out = 2 * lanes, []
     for i in range(n):
         q = (i // div) % mod
-        x = states[i % KR.LANES]
+        x = states[i % lanes]
         slot = x & ((1 << prec) - 1)
         s = max(t for t in range(len(freqs[q])) if freqs[q][t] and cums[q][t] <= slot)
         x = freqs[q][s] * (x >> prec) + slot - cums[q][s]
         if x < KR.RANS_L:
             x = (x << 16) | words[pos]
             pos += 1
-        states[i % KR.LANES] = x
+        states[i % lanes] = x
         out += [(s >> (bits * j)) & ((1 << bits) - 1) for j in range(m)]
-    assert states == [KR.RANS_L] * KR.LANES and pos == len(words)
+    assert states == [KR.RANS_L] * lanes and pos == len(words)
     return out
 
 
 @covers("rans_normalize", "rans_fused_tables", "rans_decoder_tables", "rans_encode", "rans_decode")
 @pytest.mark.parametrize("bits, m, mod, div, n", [(4, 2, 3, 1, 37), (2, 4, 2, 5, 40), (1, 8, 1, 1, 64), (8, 1, 2, 1, 9), (3, 1, 1, 1, 1),
-                                                  (2, 3, 2, 1, 11), (1, 5, 1, 2, 12)])
+                                                  (2, 3, 2, 1, 11), (1, 5, 1, 2, 12),
+                                                  # 32 lanes (n >= LANE_RUN), in vectors: models that step by less
+                                                  # than, exactly and more than a group; a partial last group
+                                                  (2, 4, 16, 1, 1 << 15), (4, 2, 3, 1, (1 << 15) + 5),
+                                                  (2, 4, 5, 7, (1 << 15) + 13), (8, 1, 2, 40, (1 << 15) + 16),
+                                                  (1, 8, 1, 1, (1 << 15) + 31), (2, 4, 32, 1, (1 << 15) + 32)])
 def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
     rng = np.random.default_rng(bits)
     k = 1 << bits
@@ -1201,19 +1209,26 @@ def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
         s = int(rng.choice(np.flatnonzero(freq[q])))
         for j in range(m):
             sym[i * m + j] = (s >> (bits * j)) & (k - 1)
-    out = np.empty(n + 2 * KR.LANES, np.uint16)
+    out = np.empty(n + 2 * KR.MAX_LANES, np.uint16)
     start = K.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out)
     words = out[start:]
     assert words.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION)  # byte-identical
     assert ref_decode(words.tolist(), n, bits, m, div, mod, ref, KR.PRECISION) == sym.tolist()
-    slots = np.empty(mod << KR.PRECISION, np.uint8)
+    slots = np.zeros((mod << KR.PRECISION) + 4, np.uint8)  # padded for the vector loop
     fc = K.rans_decoder_tables(freq, cum, KR.PRECISION, slots)
     assert [[int(slots[(q << KR.PRECISION) + j]) for j in range(1 << KR.PRECISION)] for q in range(mod)] == [
         [s for s, f in enumerate(row) for _ in range(f)] for row in ref]  # the symbol of every slot
     assert (fc >> 16).tolist() == freq.reshape(-1).tolist() and (fc & 0xFFFF).tolist() == cum[:, :-1].reshape(-1).tolist()
-    dec = np.empty(n * m, np.uint8)
-    assert K.rans_decode(words, bits, m, div, mod, fc, slots, KR.PRECISION, dec) == words.size
-    assert np.array_equal(dec, sym)
+    for table in (slots, slots[: mod << KR.PRECISION].copy()):  # unpadded: the scalar loop
+        dec = np.empty(n * m, np.uint8)
+        assert K.rans_decode(words, bits, m, div, mod, fc, table, KR.PRECISION, dec) == words.size
+        assert np.array_equal(dec, sym)
+    if n >= KR.LANE_RUN:  # the previous format: 4 lanes for every run
+        start = K.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out, False)
+        narrow = out[start:].copy()
+        assert narrow.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION, wide=False)
+        assert K.rans_decode(narrow, bits, m, div, mod, fc, slots, KR.PRECISION, dec, False) == narrow.size
+        assert np.array_equal(dec, sym)
 
 
 def numpy_form_bits(counts, steps, pooled):

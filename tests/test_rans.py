@@ -16,6 +16,7 @@ from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.codecs.rans import (
     KIND_RANS,
     KIND_RANS_V1,
+    KIND_RANS_V2,
     MAX_SYMBOLS_PER_BYTE,
     RansCodec,
     empirical_entropy_bits,
@@ -80,13 +81,14 @@ def test_fusion_follows_the_run_length():
 
 def test_size_close_to_entropy_on_a_skewed_distribution():
     """p = (0.7, 0.2, 0.07, 0.03) over 2-bit symbols: H = 1.2449 bits; 200,000 symbols code
-    within 0.5 % of their empirical entropy (tables, header and states included)."""
+    within 0.8 % of their empirical entropy (31.1 KB): tables, header and the 32 lane states of a
+    run of 50,000 super-symbols (128 bytes, 0.41 %) included."""
     rng = np.random.default_rng(1)
     x = rng.choice(4, p=[0.7, 0.2, 0.07, 0.03], size=(1, 1, 3125, 64)).astype(np.uint8)
     data = RansCodec(model="global").pack(x, 2)
     h = empirical_entropy_bits(x, 2, "global")
     assert abs(h / x.size - 1.2449) < 0.005
-    assert h <= 8 * len(data) < 1.005 * h, 8 * len(data) / h
+    assert h <= 8 * len(data) < 1.008 * h, 8 * len(data) / h
 
 
 def test_constant_tensor_is_padded_to_bound_its_symbols():
@@ -202,6 +204,21 @@ def test_end_to_end_through_policy_and_stream(bits):
         assert len(stream) < len(encode_kv(kv, base))
         for (k, v), (k2, v2) in zip(decode_kv(stream), ref):
             assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_payloads_of_the_previous_4_lane_format_still_decode(model):
+    """Kind 4 (4 lanes for every run, before 2026-12-03) decodes as before; kind 5 codes the
+    runs of 32,768 super-symbols or more on 32 lanes, so the two differ on a long run, by the
+    56 more state words of each long run at most."""
+    x = laplace((1, 3, 2048, 64), 2, seed=5)  # 98,304 super-symbols of 4 fused 2-bit symbols
+    new, old = encode_rans(x, 2, model), encode_rans(x, 2, model, kind=KIND_RANS_V2)
+    assert (new[0], old[0]) == (KIND_RANS, KIND_RANS_V2) and new[1:] != old[1:]
+    assert 0 < len(new) - len(old) <= 2 * 56
+    for data in (new, old):
+        assert np.array_equal(RansCodec(model=model).unpack(data, 2, x.size, shape=x.shape), x.reshape(-1))
+    with pytest.raises(ValueError, match="writes kind"):
+        encode_rans(x, 2, model, kind=KIND_RANS_V1)
 
 
 def test_payloads_of_the_15_bit_format_are_refused_with_a_version_error():

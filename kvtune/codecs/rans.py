@@ -4,9 +4,10 @@ The same models as the ``range`` codec (CacheGen, Liu et al., arXiv 2310.07240, 
 order-0 distributions per (layer, K/V, group), estimated from the data and sent in the stream;
 :mod:`kvtune.codecs.range_coder` describes the groups ``per_channel`` / ``per_head`` /
 ``global`` and the level-code tables), coded with kvtune's own rANS
-(:mod:`kvtune.codecs.kernels.rans`: Duda, arXiv 1311.2540; 4 interleaved 32-bit states after
-Giesen, arXiv 1402.3392; 16-bit words; 13-bit probabilities) instead of constriction's range
-coder, so that coding runs in compiled loops without per-call overhead: one kernel call per
+(:mod:`kvtune.codecs.kernels.rans`: Duda, arXiv 1311.2540; interleaved 32-bit states after
+Giesen, arXiv 1402.3392: 32 for runs of 32,768 super-symbols or more, coded 16 lanes per
+512-bit vector by :mod:`kvtune.codecs.kernels.rans_lanes`, else 4; 16-bit words; 13-bit
+probabilities) instead of constriction's range coder, so that coding runs in compiled loops without per-call overhead: one kernel call per
 tensor each way (:func:`kvtune.codecs.kernels.rans_encode_symbols` /
 :func:`~kvtune.codecs.kernels.rans_decode_symbols`: counts, table choice, tables, words), which
 releases the GIL, so the codec threads of :mod:`kvtune.codecs.fastpath` run in parallel (with
@@ -35,9 +36,10 @@ histogram (u32 counts), as the ``range`` codec does with constriction.
 
 Wire layout of one packed tensor (little-endian)::
 
-    u8      kind: 0 = raw (as the ``bitpack`` codec; 16-bit patterns as <u2), 4 = rANS (3 = the
-                retired 15-bit format, refused with StreamVersionError)
-    kind 4: u8   model (bits 0-1: 0 global, 1 per_head, 2 per_channel) | steps index (bits 2-3,
+    u8      kind: 0 = raw (as the ``bitpack`` codec; 16-bit patterns as <u2), 5 = rANS (4 = the
+                previous format, 4 lanes for every run, still decoded; 3 = the retired
+                15-bit format, refused with StreamVersionError)
+    kind 5: u8   model (bits 0-1: 0 global, 1 per_head, 2 per_channel) | steps index (bits 2-3,
                  into TABLE_STEPS) | pooled (bit 4)
             u8   m: fusion factor
             u32  per_channel: D; per_head: B, H; global: nothing
@@ -80,6 +82,7 @@ from kvtune.core.errors import CorruptStreamError, StreamVersionError
 __all__ = [
     "RansCodec",
     "KIND_RANS",
+    "KIND_RANS_V2",
     "KIND_RANS_V1",
     "MAX_SYMBOLS_PER_BYTE",
     "WEIGHT_BITS",
@@ -90,12 +93,16 @@ __all__ = [
     "empirical_entropy_bits",
 ]
 
-KIND_RANS = 4
-"""Kind byte of rANS-coded payloads (13-bit tables)."""
+KIND_RANS = 5
+"""Kind byte of rANS-coded payloads (13-bit tables; runs of 32,768 super-symbols or more on 32
+lanes, :data:`kvtune.codecs.kernels.rans.LANE_RUN`)."""
+KIND_RANS_V2 = 4
+"""Kind byte of the previous rANS format (4 lanes for every run; written before 2026-12-03),
+still decoded, and written by :func:`encode_rans` on request."""
 KIND_RANS_V1 = 3
 """Kind byte of the retired rANS format with 15-bit tables (refused with StreamVersionError)."""
 MAX_SYMBOLS_PER_BYTE = 1024
-"""A kind-4 payload of ``n`` bytes holds at most ``MAX_SYMBOLS_PER_BYTE * n`` symbols (zero padding)."""
+"""A rANS payload (kind 4 or 5) of ``n`` bytes holds at most ``MAX_SYMBOLS_PER_BYTE * n`` symbols (zero padding)."""
 WEIGHT_BITS = 20
 """Integer weight of level code 1 (the largest): ``2**WEIGHT_BITS``."""
 
@@ -220,10 +227,17 @@ def _header_crc(head: bytes | memoryview, count: int, bits: int) -> int:
     return zlib.crc32(head, zlib.crc32(count.to_bytes(8, "little") + bytes([bits])))
 
 
-def encode_rans(symbols: np.ndarray, bits: int, model: str) -> bytes:
+def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RANS) -> bytes:
     """rANS-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8): the
-    kind-4 encoding of :class:`RansCodec`, without its raw fallback (module doc: wire layout).
-    The coding runs in one kernel call (:func:`kvtune.codecs.kernels.rans_encode_symbols`)."""
+    kind-5 encoding of :class:`RansCodec` (``kind=KIND_RANS_V2``: the previous format, which
+    kvtune versions before 2026-12-03 read), without its raw fallback (module doc: wire layout).
+    The coding runs in one kernel call (:func:`kvtune.codecs.kernels.rans_encode_symbols`).
+
+    Raises:
+        ValueError: nothing to encode, or ``kind`` is not a rANS kind this version writes.
+    """
+    if kind not in (KIND_RANS, KIND_RANS_V2):
+        raise ValueError(f"rans codec: writes kind {KIND_RANS} or {KIND_RANS_V2}, not {kind}")
     lay = layout_for_shape(model, bits, symbols.shape)
     if lay.count == 0:
         raise ValueError("rans codec: nothing to encode")
@@ -231,10 +245,10 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str) -> bytes:
     coder, comp_group, comp_pooled = _coder_plan(lay)
     form, hist, twords, words = KR.rans_encode_symbols(
         flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
-        _NEG_GRID, _GRID16, _FORM_STEPS, _FORM_POOLED, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION)
+        _NEG_GRID, _GRID16, _FORM_STEPS, _FORM_POOLED, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, kind == KIND_RANS)
     si, pooled = _GROUP_FORMS[form]
     head = b"".join([
-        bytes([KIND_RANS, MODELS.index(model) | si << 2 | int(pooled) << 4, lay.m]),
+        bytes([kind, MODELS.index(model) | si << 2 | int(pooled) << 4, lay.m]),
         struct.pack(f"<{len(lay.dims)}I", *lay.dims),
         struct.pack("<H", hist.size - 1), hist.astype("<u4").tobytes(),
         struct.pack("<I", twords.size), twords.astype("<u2").tobytes(),
@@ -280,7 +294,7 @@ def _check_layout(model: str, bits: int, m: int, dims: tuple[int, ...], count: i
 
 
 def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarray:
-    """Decode a kind-4 payload (the kind byte included) to ``count`` flat uint8 symbols.
+    """Decode a kind-5 or kind-4 payload (the kind byte included) to ``count`` flat uint8 symbols.
 
     Raises:
         CorruptStreamError: any inconsistency (see the module doc).
@@ -294,7 +308,7 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     if kind == KIND_RANS_V1:
         raise StreamVersionError("rans codec: payload in the 15-bit table format (written by kvtune before the "
                                  "13-bit tables of 2026-12-02); this version reads the 13-bit format only: re-encode the KV")
-    if kind != KIND_RANS or bits == RAW16 or count == 0:
+    if kind not in (KIND_RANS, KIND_RANS_V2) or bits == RAW16 or count == 0:
         raise _err(f"payload kind {kind} is invalid for {count} symbols of {bits} bits")
     model_id, si, pooled = form & 3, (form >> 2) & 3, bool(form & 16)
     if form >> 5 or model_id >= len(MODELS) or MODELS[model_id] != model:
@@ -326,7 +340,8 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     coder, comp_group, comp_pooled = _coder_plan(lay)
     out = np.empty(count, np.uint8)
     status = KR.rans_decode_symbols(hist, twords, words, bits, m, lay.groups, TABLE_STEPS[si], pooled, coder,
-                                    comp_group, comp_pooled, _GRID16, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, out)
+                                    comp_group, comp_pooled, _GRID16, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, out,
+                                    kind == KIND_RANS)
     if status:
         raise _err(KR.DECODE_ERRORS[status])
     return out
@@ -400,7 +415,7 @@ class RansCodec(Codec):
             return 0
         if payload[0] == KIND_RAW:
             return 8 * (len(payload) - 1)
-        return MAX_SYMBOLS_PER_BYTE * len(payload) if payload[0] in (KIND_RANS, KIND_RANS_V1) else 0
+        return MAX_SYMBOLS_PER_BYTE * len(payload) if payload[0] in (KIND_RANS, KIND_RANS_V2, KIND_RANS_V1) else 0
 
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """rANS-code ``symbols`` (any shape, C order; last axis = channels, axis 1 = heads).

@@ -2,10 +2,11 @@
 
 rANS after J. Duda, "Asymmetric numeral systems: entropy coding combining speed of Huffman
 coding with compression rate of arithmetic coding" (arXiv 1311.2540, sec. 4) and F. Giesen,
-"Interleaved entropy coders" (arXiv 1402.3392): :data:`LANES` 32-bit states
-(``L = 2**16 <= x < 2**32``), 16-bit renormalisation (at most one word per symbol in either
-direction, done without a branch), static frequency tables of :data:`PRECISION` bits. Symbol ``i`` of a run uses lane
-``i mod LANES``; the encoder walks the run backwards and pushes words on a stack, so the
+"Interleaved entropy coders" (arXiv 1402.3392): 32-bit states (``L = 2**16 <= x < 2**32``),
+32 of them for a run of :data:`LANE_RUN` super-symbols or more, coded in vectors by
+:mod:`.rans_lanes`, else :data:`LANES` (4); 16-bit renormalisation (at most one word per symbol
+in either direction, done without a branch), static frequency tables of :data:`PRECISION` bits.
+Symbol ``i`` of a run uses lane ``i mod lanes``; the encoder walks the run backwards and pushes words on a stack, so the
 decoder reads one forward stream: first the lanes' final states (two words each, high first),
 then one word whenever a state drops below ``L``. Every lane starts encoding at ``L``, so a
 decoder that ends with a state other than ``L`` has read a corrupt stream.
@@ -16,16 +17,17 @@ run uses model ``(i // div) % mod`` (per_channel: ``div = 1``, ``mod`` = fused c
 adjacent input symbols of ``bits`` bits are fused into one coded super-symbol
 ``s_0 + s_1 2**bits + ...`` (first symbol least significant).
 
-Division: ``x // f`` for ``x < 2**32`` is computed with a float64 reciprocal and corrected by
-one integer step (the float estimate is off by at most one), so results are exact integers on
-every machine. The decoder finds a slot's symbol in one lookup (a ``2**PRECISION``-entry
+Division: ``x // f`` for ``x < 2**32`` is computed with a float64 reciprocal (float32 division
+in the vector loops, :mod:`.rans_lanes`) and corrected by one integer step (the float estimate
+is off by at most one), so results are exact integers on every machine. The decoder finds a slot's symbol in one lookup (a ``2**PRECISION``-entry
 table per model, see :data:`PRECISION`). Indices are unsigned (``uintp``): numba checks signed indices for
 negative wrap-around on every access.
 
 Speed (``benchmarks/rans_kernels.py``, real KIVI symbols of the default model, one thread,
-``benchmarks/results/rans_kernels.md``): the coder loops take about 5-7 ns per coded
-super-symbol each way, the whole codec (counts, tables, checks) 6-13 ns. The first version
-took 14-23 ns to encode and 23-36 ns to decode in its loops alone (a bucketed symbol search,
+``benchmarks/results/rans_kernels.md``, the 2-core Zen 5): the vector loops take 0.9-1.0 ns per
+coded super-symbol to encode and 1.4-1.5 ns to decode (4 scalar lanes: 2.6-2.9 ns), the whole
+codec (counts, table choice, tables, checks) 1.8-3.8 ns. The first version took 14-23 ns to
+encode and 23-36 ns to decode in its loops alone on an older Xeon (a bucketed symbol search,
 branches on renormalisation, signed indices), measured with a one-off script. Symbols are
 fused into super-symbols before the encoder loop and split after the decoder loop, in
 vectorized passes (:func:`_fuse`, :func:`_unfuse`): a loop over the ``m`` digits per step
@@ -45,6 +47,7 @@ from numba import njit
 
 from .cachedir import kernel_cache_dir
 from .lowlevel import JIT
+from .rans_lanes import GROUP, MAX_PREC, MIN_PREC, VECTOR_LANES, decode_groups, encode_groups
 
 
 PRECISION = 13
@@ -56,13 +59,20 @@ products to ``2**-P`` costs, against the level-coded models' ideal size: 0.47 / 
 0.03 % at 12 / 13 / 14 / 15 bits on skewed synthetic 2-bit symbols fused by 4, 0.04 % or less
 (12 bits) on real KIVI symbols."""
 LANES = 4
-"""Interleaved states."""
+"""Interleaved states of a run shorter than :data:`LANE_RUN` super-symbols."""
+LANE_RUN = 1 << 15
+"""Runs of at least this many super-symbols are coded with :data:`.rans_lanes.GROUP` (32)
+states, two vectors (:mod:`.rans_lanes`), for 56 more state words than 4 lanes (112 bytes, at
+most 0.7 % of a run of 32,768 super-symbols of 4 bits or more)."""
+MAX_LANES = GROUP
+"""The most states of any run (the scratch words a coder needs beyond one per symbol: 2 each)."""
 RANS_L = 1 << 16
 """Lower bound of a normalized state."""
 _U1 = np.uint64(1)
 _U16 = np.uint64(16)
 _LOW16 = np.uint64(0xFFFF)
 _UP1 = np.uintp(1)
+_MEMO = 4096  # counts below this reuse their grid position within rows of one total
 
 with kernel_cache_dir():
 
@@ -126,18 +136,30 @@ with kernel_cache_dir():
         cum = np.zeros((nm, ks + 1), np.int64)
         sh = m * pc - prec
         half = (np.int64(1) << sh) >> 1
-        mask = k - 1
+        prod = np.empty(ks, np.int64)
+        wide = np.empty(ks, np.int64)
+        uk = np.uintp(k)
         for q in range(nm):
+            # the products, one digit at a time from the most significant: index hi * k + lo
+            # appends digit j below the digits so far (vectorized inner loops)
+            prod[:k] = comp_f[comp[q, m - 1]]
+            size = np.uintp(k)
+            for j in range(m - 2, -1, -1):
+                fj = comp_f[comp[q, j]]
+                for hi in range(size):
+                    a = prod[hi]
+                    at = hi * uk
+                    for lo in range(uk):
+                        wide[at + lo] = a * fj[lo]
+                size *= uk
+                prod[:size] = wide[:size]
             row = freq[q]
             got = np.int64(0)
-            for x in range(ks):
-                p = np.int64(1)
-                for j in range(m):
-                    p *= comp_f[comp[q, j], (x >> (bits * j)) & mask]
-                if p > 0:
-                    v = max(np.int64(1), (p + half) >> sh)
-                    row[x] = v
-                    got += v
+            for x in range(np.uintp(ks)):
+                p = prod[x]
+                v = max(np.int64(1), (p + half) >> sh) if p > 0 else np.int64(0)
+                row[x] = v
+                got += v
             _fix_sum(row, (np.int64(1) << prec) - got)
             c = np.int64(0)
             for x in range(ks):
@@ -151,8 +173,9 @@ with kernel_cache_dir():
         """Decoder tables of :func:`rans_fused_tables`' output ``(M, ks)``.
 
         Args:
-            slots: output, uint8 (``ks <= 256``) or uint16 ``(M * 2**prec,)``: the symbol of
-                every slot of every model.
+            slots: output, uint8 (``ks <= 256``) or uint16 ``(M * 2**prec + 4,)``: the symbol of
+                every slot of every model, then 4 elements of padding (the vector decoder reads
+                32 bits per slot; without the padding :func:`rans_decode` takes the scalar loop).
 
         Returns:
             uint32 ``(M * ks,)``: ``freq << 16 | cum`` per model and symbol.
@@ -172,19 +195,66 @@ with kernel_cache_dir():
         return 2 * r if r >= 0 else -2 * r - 1
 
     @njit(**JIT)
-    def _level_row(row, neg_grid, h, max_level, out):
-        """Level codes of one count row (``count_levels`` of :mod:`kvtune.codecs.range_coder`)."""
-        n = np.float64(row.sum())
+    def _grid_positions(counts, neg_grid):
+        """Grid position of every count's frequency: ``searchsorted(neg_grid, -(c / n))`` for the
+        grid of :func:`rans_form_bits`, ``n`` the row's total (0 where ``c == 0``). The level code of every table form follows from it
+        (:func:`_levels_of`), so it is searched once per table choice, not once per form."""
+        g, k = counts.shape
+        size = neg_grid.shape[0]
+        pos = np.zeros((g, k), np.int64)
+        memo = np.empty(_MEMO, np.int64)  # position of count c for the row total memo_n[c]: rows
+        memo_n = np.full(_MEMO, -1, np.int64)  # of one total (per_channel) repeat small counts
+        for i in range(g):
+            total = counts[i].sum()
+            n = np.float64(total)
+            for s in range(k):
+                c = counts[i, s]
+                if c > 0:
+                    if c < _MEMO and memo_n[c] == total:
+                        pos[i, s] = memo[c]
+                        continue
+                    v = -(c / n)
+                    # entry j is -2**(-(j + 1)/16): about floor(-16 log2 p) entries lie below -p;
+                    # then the exact comparisons of a binary search, from that guess
+                    at = min(max(np.int64(-16.0 * math.log2(-v)), np.int64(0)), size)
+                    while at > 0 and not neg_grid[at - 1] < v:
+                        at -= 1
+                    while at < size and neg_grid[at] < v:
+                        at += 1
+                    pos[i, s] = at
+                    if c < _MEMO:
+                        memo[c] = at
+                        memo_n[c] = total
+        return pos
+
+    @njit(**JIT)
+    def _levels_of(row, pos, h, max_level, out):
+        """Level codes of one count row from its grid positions (``count_levels`` of
+        :mod:`kvtune.codecs.range_coder`, ``h = 8 // steps``, a power of two: ``(pos + h) //
+        (2 h)`` is a shift)."""
+        sh = np.int64(0)
+        while (np.int64(1) << sh) < 2 * h:
+            sh += 1
         for s in range(row.shape[0]):
             out[s] = 0
             if row[s] > 0:
-                pos = np.searchsorted(neg_grid, -(row[s] / n))
-                out[s] = min((pos + h) // (2 * h), max_level - 1) + 1
+                out[s] = min((pos[s] + h) >> sh, max_level - 1) + 1
 
     @njit(**JIT)
-    def _row_cost(row, lev, grid16, steps):
+    def _halvings(n):
+        """float64 ``2**-e`` for ``e = 0..n-1`` (exact: halving a normal float64)."""
+        out = np.empty(n, np.float64)
+        v = 1.0
+        for e in range(n):
+            out[e] = v
+            v *= 0.5
+        return out
+
+    @njit(**JIT)
+    def _row_cost(row, lev, grid16, steps, p2):
         """Bits of the symbols of ``row`` under level codes ``lev``: ``sum c (q - 1) / steps +
-        n log2(sum of the weights 2**(-(q - 1) / steps))``."""
+        n log2(sum of the weights 2**(-(q - 1) / steps))``; ``p2``: :func:`_halvings`, enough
+        for ``(q - 1) 16 / steps / 16``."""
         shift = 16 // steps
         num = np.int64(0)
         n = np.int64(0)
@@ -192,10 +262,56 @@ with kernel_cache_dir():
         for s in range(row.shape[0]):
             if lev[s] > 0:
                 u = (lev[s] - 1) * shift
-                w += grid16[u & 15] * 2.0 ** -(u >> 4)
+                w += grid16[u & 15] * p2[u >> 4]
                 num += row[s] * (lev[s] - 1)
                 n += row[s]
         return num / steps + (n * np.log2(w) if n else 0.0)
+
+    @njit(**JIT)
+    def _form_bits(counts, pos, pc, pool_pos, grid16, steps, pooled, max_level):
+        """:func:`rans_form_bits` from the grid positions of ``counts`` (``pos``) and of their
+        pooled row ``pc`` (``pool_pos``)."""
+        g, k = counts.shape
+        h = 8 // steps
+        p2 = _halvings((max_level * 16 // steps >> 4) + 1)
+        pool = np.empty(k, np.int64)
+        _levels_of(pc, pool_pos, h, max_level, pool)
+        hist = np.zeros(2 * max_level + 2, np.int64)
+        prev = np.int64(0)
+        for s in range(k):
+            hist[_zig(pool[s] - prev)] += 1
+            prev = pool[s]
+        if pooled:
+            bits = _row_cost(pc, pool, grid16, steps, p2)
+        else:  # every group: its level codes, their cost (_row_cost) and residuals, in one pass
+            bits = 0.0
+            sh = np.int64(0)
+            while (np.int64(1) << sh) < 2 * h:
+                sh += 1
+            shift = 16 // steps
+            for i in range(g):
+                num = np.int64(0)
+                n = np.int64(0)
+                w = 0.0
+                for s in range(k):
+                    c = counts[i, s]
+                    lev = np.int64(0)
+                    if c > 0:
+                        lev = min((pos[i, s] + h) >> sh, max_level - 1) + 1
+                        u = (lev - 1) * shift
+                        w += grid16[u & 15] * p2[u >> 4]
+                        num += c * (lev - 1)
+                        n += c
+                    if pool[s] > 0:
+                        hist[_zig(lev - pool[s])] += 1
+                bits += num / steps + (n * np.log2(w) if n else 0.0)
+        total = hist.sum()
+        size = 0
+        for j in range(hist.shape[0]):
+            if hist[j] > 0:
+                bits += hist[j] * np.log2(total / hist[j])
+                size = j + 1
+        return bits + 32 * size
 
     @njit(**JIT)
     def rans_form_bits(counts, neg_grid, grid16, steps, pooled, max_level):
@@ -208,34 +324,9 @@ with kernel_cache_dir():
             neg_grid: float64 ``-2**(-u/16)``, ``u = 1, 2, ...`` (increasing); ``grid16``:
                 float64 ``2**(-j/16)``, ``j = 0..15``; ``max_level``: the largest level code.
         """
-        g, k = counts.shape
-        h = 8 // steps
-        pc = counts.sum(axis=0)
-        pool = np.empty(k, np.int64)
-        _level_row(pc, neg_grid, h, max_level, pool)
-        hist = np.zeros(2 * max_level + 2, np.int64)
-        prev = np.int64(0)
-        for s in range(k):
-            hist[_zig(pool[s] - prev)] += 1
-            prev = pool[s]
-        if pooled:
-            bits = _row_cost(pc, pool, grid16, steps)
-        else:
-            bits = 0.0
-            lev = np.empty(k, np.int64)
-            for i in range(g):
-                _level_row(counts[i], neg_grid, h, max_level, lev)
-                bits += _row_cost(counts[i], lev, grid16, steps)
-                for s in range(k):
-                    if pool[s] > 0:
-                        hist[_zig(lev[s] - pool[s])] += 1
-        total = hist.sum()
-        size = 0
-        for j in range(hist.shape[0]):
-            if hist[j] > 0:
-                bits += hist[j] * np.log2(total / hist[j])
-                size = j + 1
-        return bits + 32 * size
+        pc = counts.sum(axis=0).reshape(1, -1)
+        return _form_bits(counts, _grid_positions(counts, neg_grid), pc[0], _grid_positions(pc, neg_grid)[0],
+                          grid16, steps, pooled, max_level)
 
     @njit(**JIT)
     def rans_choose_table(counts, neg_grid, grid16, form_steps, form_pooled, max_level):
@@ -255,16 +346,20 @@ with kernel_cache_dir():
             symbols as zigzagged differences to the pooled code.
         """
         g, k = counts.shape
+        pcs = counts.sum(axis=0).reshape(1, -1)
+        pc = pcs[0]
+        pos = _grid_positions(counts, neg_grid)
+        pool_pos = _grid_positions(pcs, neg_grid)[0]
         best, best_bits = -1, np.inf
         for f in range(form_steps.shape[0]):
             if g == 1 and not form_pooled[f]:
                 continue
-            bits = rans_form_bits(counts, neg_grid, grid16, form_steps[f], form_pooled[f] != 0, max_level)
+            bits = _form_bits(counts, pos, pc, pool_pos, grid16, form_steps[f], form_pooled[f] != 0, max_level)
             if bits < best_bits:
                 best, best_bits = f, bits
         h = 8 // form_steps[best]
         pool = np.empty(k, np.int64)
-        _level_row(counts.sum(axis=0), neg_grid, h, max_level, pool)
+        _levels_of(pc, pool_pos, h, max_level, pool)
         present = 0
         for s in range(k):
             present += pool[s] > 0
@@ -280,7 +375,7 @@ with kernel_cache_dir():
             return best, levels, res
         j = k
         for i in range(g):
-            _level_row(counts[i], neg_grid, h, max_level, levels[i])
+            _levels_of(counts[i], pos[i], h, max_level, levels[i])
             for s in range(k):
                 if pool[s] > 0:
                     res[j] = _zig(levels[i, s] - pool[s])
@@ -319,6 +414,29 @@ with kernel_cache_dir():
             q = b % mod
             for v in range(k):
                 out[q, v] += part[0, v] + part[1, v] + part[2, v] + part[3, v]
+        return out
+
+    @njit(**JIT)
+    def _digit_counts(fused, comp, bits, groups):
+        """Group counts int64 ``(groups, 2**bits)`` from counts of super-symbols per fused model
+        (int64 ``(M, 2**(bits m))``): digit ``j`` of model ``q``'s super-symbols is a symbol of
+        group ``comp[q, j]`` (:func:`rans_fused_tables`)."""
+        nm, ks = fused.shape
+        m = comp.shape[1]
+        k = np.uintp(1 << bits)
+        out = np.zeros((groups, 1 << bits), np.int64)
+        for q in range(nm):
+            row = fused[q]
+            for j in range(m):  # digit j of x = hi k**(j+1) + d k**j + lo
+                low = np.uintp(1) << np.uintp(bits * j)
+                dst = out[comp[q, j]]
+                for hi in range(np.uintp(ks) // (low * k)):
+                    for d in range(k):
+                        at = (hi * k + d) * low
+                        acc = np.int64(0)
+                        for lo in range(low):
+                            acc += row[at + lo]
+                        dst[d] += acc
         return out
 
     @njit(**JIT)
@@ -406,7 +524,7 @@ with kernel_cache_dir():
         return q, c - _U1
 
     @njit(**JIT)
-    def rans_encode(sym, bits, m, div, mod, freq, cum, prec, out):
+    def rans_encode(sym, bits, m, div, mod, freq, cum, prec, out, wide=True):
         """rANS-encode flat ``sym`` (``n * m`` symbols, fused ``m`` at a time) into ``out``.
 
         Args:
@@ -414,79 +532,85 @@ with kernel_cache_dir():
             div, mod: model of super-symbol ``i`` is ``(i // div) % mod`` (see the module doc).
             freq, cum: tables of :func:`rans_fused_tables`; every coded super-symbol must have
                 ``freq > 0`` (the caller builds the tables from the symbols' own counts).
-            prec: probability bits of the tables.
-            out: uint16 scratch of at least ``n + 2 * LANES`` words.
+            prec: probability bits of the tables (at most :data:`.rans_lanes.MAX_PREC`: a
+                frequency fills 16 bits of a table entry).
+            out: uint16 scratch of at least ``n + 2 * MAX_LANES`` words.
+            wide: the lanes of the run by its length (:func:`_lanes_of`); ``False``: 4 lanes
+                for every run (the format of the codec's kind-4 payloads).
 
         Returns:
             ``start``: the coded words are ``out[start:]`` (lane states first).
+
+        Raises:
+            ValueError: ``out`` is shorter than ``n`` plus 2 words per lane, or ``prec > 15``.
         """
+        n = sym.shape[0] // m
+        if out.shape[0] < n + 2 * _lanes_of(n, wide):
+            raise ValueError("rans_encode: out has fewer than n + 2 * lanes words")
+        if prec > MAX_PREC:
+            raise ValueError("rans_encode: prec above 15 (a frequency fills 16 bits of a table entry)")
         if m == 1:
-            return _encode_loop(sym, div, mod, freq, cum, prec, out)
-        fz = np.empty(sym.shape[0] // m, np.uint16)
+            return _encode_loop(sym, div, mod, freq, cum, prec, out, wide)
+        fz = np.empty(n, np.uint16)
         _fuse(sym, bits, m, fz)
-        return _encode_loop(fz, div, mod, freq, cum, prec, out)
+        return _encode_loop(fz, div, mod, freq, cum, prec, out, wide)
+
+    @njit(inline="always")
+    def _lanes_of(n, wide):
+        """Interleaved states of a run of ``n`` super-symbols: 32 from :data:`LANE_RUN` on (``wide``,
+        the current format), else 4 (every run of the previous format)."""
+        return GROUP if wide and n >= LANE_RUN else LANES
 
     @njit(**JIT)
-    def _encode_loop(fz, div, mod, freq, cum, prec, out):
+    def _vector_plan(g, div, mod, ks, prec):
+        """``(qc, params)`` of :func:`.rans_lanes.encode_groups` / ``decode_groups`` for group ``g``."""
+        qc = np.empty(2 * GROUP, np.int32)
+        for lane in range(GROUP):
+            i = GROUP * g + lane
+            at = 2 * VECTOR_LANES * (lane // VECTOR_LANES) + lane % VECTOR_LANES
+            qc[at] = (i // div) % mod
+            qc[at + VECTOR_LANES] = i % div
+        params = np.array([(GROUP // div) % mod, GROUP % div, div, mod, ks, prec], np.int64)
+        return qc, params
+
+    @njit(**JIT)
+    def _encode_loop(fz, div, mod, freq, cum, prec, out, wide):
         """The coder loop of :func:`rans_encode` on the super-symbols ``fz``."""
         nm, ks = freq.shape
-        tf = np.empty(nm * ks, np.uint64)
-        tc = np.empty(nm * ks, np.uint64)
-        tx = np.empty(nm * ks, np.uint64)
-        ti = np.empty(nm * ks, np.float64)
+        n = fz.shape[0]
+        lanes = _lanes_of(n, wide)
+        ulanes = np.uint64(lanes)
+        fc = np.empty(nm * ks, np.uint32)  # freq << 16 | cum: one table for the vector and the scalar steps
         for q in range(nm):
             for x in range(ks):
-                f = freq[q, x]
-                tf[q * ks + x] = f
-                tc[q * ks + x] = cum[q, x]
-                tx[q * ks + x] = np.uint64(f) << np.uint64(32 - prec)
-                ti[q * ks + x] = 1.0 / np.float64(max(f, 1))
-        n = fz.shape[0]
+                fc[q * ks + x] = (freq[q, x] << 16) | cum[q, x]
         up, uks, udiv, umod = np.uint64(prec), np.uint64(ks), np.uint64(div), np.uint64(mod)
+        xs = np.uint64(32 - prec)
         pos = np.uint64(out.shape[0])
-        x0 = x1 = x2 = x3 = np.uint64(RANS_L)
+        st = np.full(lanes, RANS_L, np.uint64)
         q = np.uint64(((n - 1) // div) % mod if n else 0)
         c = np.uint64((n - 1) % div if n else 0)
         i = np.uint64(n)
-        while i & np.uint64(3):  # the tail: lanes (n - 1) & 3 .. 0 of the last partial block
+        vector = lanes == GROUP and MIN_PREC <= prec <= MAX_PREC
+        while i and (i % ulanes or not vector):  # the last partial group (every group without vectors)
             i -= _U1
-            t = q * uks + np.uint64(fz[i])
-            lane = i & np.uint64(3)
-            if lane == 2:
-                x2, w, b = _enc1(x2, tf[t], tc[t], ti[t], tx[t], up)
-            elif lane == 1:
-                x1, w, b = _enc1(x1, tf[t], tc[t], ti[t], tx[t], up)
-            else:
-                x0, w, b = _enc1(x0, tf[t], tc[t], ti[t], tx[t], up)
+            e = np.uint64(fc[q * uks + np.uint64(fz[i])])
+            f = e >> _U16
+            lane = i % ulanes
+            st[lane], w, b = _enc1(st[lane], f, e & _LOW16, 1.0 / np.float64(f), f << xs, up)
             out[pos - _U1] = w  # written always, kept when b: no branch on renormalisation
             pos -= b
             q, c = _prev_model(q, c, udiv, umod)
-        while i:  # whole blocks of 4: lanes 3, 2, 1, 0
-            i -= np.uint64(4)
-            t = q * uks + np.uint64(fz[i + np.uint64(3)])
-            x3, w, b = _enc1(x3, tf[t], tc[t], ti[t], tx[t], up)
-            out[pos - _U1] = w
-            pos -= b
-            q, c = _prev_model(q, c, udiv, umod)
-            t = q * uks + np.uint64(fz[i + np.uint64(2)])
-            x2, w, b = _enc1(x2, tf[t], tc[t], ti[t], tx[t], up)
-            out[pos - _U1] = w
-            pos -= b
-            q, c = _prev_model(q, c, udiv, umod)
-            t = q * uks + np.uint64(fz[i + _U1])
-            x1, w, b = _enc1(x1, tf[t], tc[t], ti[t], tx[t], up)
-            out[pos - _U1] = w
-            pos -= b
-            q, c = _prev_model(q, c, udiv, umod)
-            t = q * uks + np.uint64(fz[i])
-            x0, w, b = _enc1(x0, tf[t], tc[t], ti[t], tx[t], up)
-            out[pos - _U1] = w
-            pos -= b
-            q, c = _prev_model(q, c, udiv, umod)
-        for x in (x3, x2, x1, x0):
+        if i:  # whole groups, backwards, in vectors
+            g = np.int64(i) // GROUP
+            qc, params = _vector_plan(g - 1, div, mod, ks, prec)
+            st32 = st.astype(np.uint32)
+            pos = np.uint64(encode_groups(fz, g, st32, qc, params, fc, out, np.int64(pos)))
+            st[:] = st32
+        for lane in range(lanes - 1, -1, -1):
             pos -= np.uint64(2)
-            out[pos] = x >> _U16
-            out[pos + _U1] = x & _LOW16
+            out[pos] = st[lane] >> _U16
+            out[pos + _U1] = st[lane] & _LOW16
         return np.int64(pos)
 
     @njit(inline="always")
@@ -511,65 +635,56 @@ with kernel_cache_dir():
         return q, c
 
     @njit(**JIT)
-    def _decode_loop(words, div, mod, fc, slots, prec, out):
+    def _decode_loop(words, div, mod, fc, slots, prec, out, wide):
         """The coder loop of :func:`rans_decode`: super-symbol ``i`` into ``out[i]``."""
         nw = words.shape[0]
-        if nw < 2 * LANES:
+        n = out.shape[0]
+        lanes = _lanes_of(n, wide)
+        if nw < 2 * lanes:
             return -1
-        st = np.empty(LANES, np.uint64)
-        for lane in range(LANES):
+        st = np.empty(lanes, np.uint64)
+        for lane in range(lanes):
             st[lane] = (np.uint64(words[2 * lane]) << _U16) | np.uint64(words[2 * lane + 1])
             if st[lane] < RANS_L:
                 return -1
-        x0, x1, x2, x3 = st[0], st[1], st[2], st[3]
-        pos = np.uint64(2 * LANES)
+        pos = np.uint64(2 * lanes)
         last = np.uint64(nw - 1)
-        n = np.uint64(out.shape[0])
         uks = np.uint64(fc.shape[0] // mod)
         ns = _U1 << np.uint64(prec)
         pmask = ns - _U1
         up = np.uint64(prec)
-        q = 0
-        c = 0
+        ulanes = np.uint64(lanes)
         i = np.uint64(0)
-        while i + np.uint64(4) <= n:
+        padded = slots.shape[0] >= (mod << prec) + 4  # the vector loop's 32-bit slot reads stay inside
+        if lanes == GROUP and MIN_PREC <= prec <= MAX_PREC and n >= GROUP and padded:
+            qc, params = _vector_plan(0, div, mod, fc.shape[0] // mod, prec)
+            io = np.array([2 * lanes, nw], np.int64)
+            st32 = st.astype(np.uint32)
+            done = decode_groups(words, io, st32, qc, params, fc, slots, out, 0, n // GROUP)
+            st[:] = st32
+            pos = np.uint64(io[0])
+            i = np.uint64(done * GROUP)
+        q = np.int64((i // np.uint64(div)) % np.uint64(mod))
+        c = np.int64(i % np.uint64(div))
+        un = np.uint64(n)
+        while i < un:  # after the vectors (or without them): one symbol at a time
             uq = np.uint64(q)
-            x0, s, pos = _dec1(x0, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
-            out[i] = s
-            q, c = _next_model(q, c, div, mod)
-            uq = np.uint64(q)
-            x1, s, pos = _dec1(x1, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
-            out[i + _U1] = s
-            q, c = _next_model(q, c, div, mod)
-            uq = np.uint64(q)
-            x2, s, pos = _dec1(x2, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
-            out[i + np.uint64(2)] = s
-            q, c = _next_model(q, c, div, mod)
-            uq = np.uint64(q)
-            x3, s, pos = _dec1(x3, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
-            out[i + np.uint64(3)] = s
-            q, c = _next_model(q, c, div, mod)
-            i += np.uint64(4)
-        while i < n:
-            uq = np.uint64(q)
-            lane = i & np.uint64(3)
-            if lane == 0:
-                x0, s, pos = _dec1(x0, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
-            elif lane == 1:
-                x1, s, pos = _dec1(x1, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
-            else:
-                x2, s, pos = _dec1(x2, fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
+            lane = i % ulanes
+            st[lane], s, pos = _dec1(st[lane], fc, uq * uks, slots, uq * ns, pmask, up, words, pos, last)
             out[i] = s
             q, c = _next_model(q, c, div, mod)
             i += _U1
-        if pos > np.uint64(nw) or x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
+        if pos > np.uint64(nw):
             return -1
+        for lane in range(lanes):
+            if st[lane] != RANS_L:
+                return -1
         return np.int64(pos)
 
     @njit(**JIT)
-    def rans_decode(words, bits, m, div, mod, fc, slots, prec, out):
+    def rans_decode(words, bits, m, div, mod, fc, slots, prec, out, wide=True):
         """Inverse of :func:`rans_encode`: fill ``out`` (``n * m`` symbols) from uint16 ``words``;
-        ``fc``/``slots``: :func:`rans_decoder_tables`.
+        ``fc``/``slots``: :func:`rans_decoder_tables`; ``wide``: as :func:`rans_encode`.
 
         The coder loop stores one super-symbol per step and :func:`_unfuse` splits them after it
         (vectorized), rather than ``m`` shifted stores inside the loop.
@@ -580,9 +695,9 @@ with kernel_cache_dir():
             garbage and must be discarded.
         """
         if m == 1:
-            return _decode_loop(words, div, mod, fc, slots, prec, out)
+            return _decode_loop(words, div, mod, fc, slots, prec, out, wide)
         fz = np.empty(out.shape[0] // m, np.uint16)
-        used = _decode_loop(words, div, mod, fc, slots, prec, fz)
+        used = _decode_loop(words, div, mod, fc, slots, prec, fz, wide)
         if used >= 0:
             _unfuse(fz, bits, m, out)
         return used
@@ -624,7 +739,7 @@ with kernel_cache_dir():
 
     @njit(**JIT)
     def rans_encode_symbols(flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled,
-                            neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec):
+                            neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec, wide=True):
         """The whole rANS coding of one tensor's symbols, in one call without the GIL: group
         counts (:func:`rans_count_groups`), the table form (:func:`rans_choose_table`), the
         residuals' histogram and words, the super-symbols (:func:`_fuse`) and their words.
@@ -636,11 +751,18 @@ with kernel_cache_dir():
                 pooled; ``comp_group`` / ``comp_pooled``: their ``comp`` (:func:`rans_fused_tables`).
             neg_grid, grid16, form_steps, form_pooled, max_level: as :func:`rans_choose_table`.
             weight_bits: integer weight of level code 1 is ``2**weight_bits``.
+            wide: as :func:`rans_encode` (both runs: the table residuals and the symbols).
 
         Returns:
             ``(form, hist, table words, words)``: int64 histogram of the residuals, uint16 words.
         """
-        counts = rans_count_groups(flat, count_div, count_mod, groups, 1 << bits)
+        fz = np.empty(flat.shape[0] // m if m > 1 else 0, np.uint16)
+        if m == 1:
+            counts = rans_count_groups(flat, count_div, count_mod, groups, 1 << bits)
+        else:  # half or a quarter of the increments: count super-symbols, then split their digits
+            _fuse(flat, bits, m, fz)
+            fused = rans_count_groups(fz, coder[0], coder[1], coder[1], 1 << (bits * m))
+            counts = _digit_counts(fused, comp_group, bits, groups)
         form, levels, res = rans_choose_table(counts, neg_grid, grid16, form_steps, form_pooled, max_level)
         nh = 0
         for r in res:
@@ -649,29 +771,32 @@ with kernel_cache_dir():
         for r in res:
             hist[r] += 1
         tbits, tfreq, tcum = _residual_model(hist, prec)
-        tout = np.empty(res.shape[0] + 2 * LANES, np.uint16)
-        tstart = rans_encode(res, tbits, 1, 1, 1, tfreq, tcum, prec, tout)
+        tout = np.empty(res.shape[0] + 2 * MAX_LANES, np.uint16)
+        tstart = rans_encode(res, tbits, 1, 1, 1, tfreq, tcum, prec, tout, wide)
         pooled = form_pooled[form] != 0
         weights = rans_level_weights(levels, form_steps[form], grid16, weight_bits)
         comp = comp_pooled if pooled else comp_group
         div = coder[2] if pooled else coder[0]
         mod = coder[3] if pooled else coder[1]
         freq, cum = rans_fused_tables(weights, comp, bits, prec)
-        out = np.empty(flat.shape[0] // m + 2 * LANES, np.uint16)
-        start = rans_encode(flat, bits, m, div, mod, freq, cum, prec, out)
+        out = np.empty(flat.shape[0] // m + 2 * MAX_LANES, np.uint16)
+        if m == 1:
+            start = _encode_loop(flat, div, mod, freq, cum, prec, out, wide)
+        else:
+            start = _encode_loop(fz, div, mod, freq, cum, prec, out, wide)
         return form, hist, tout[tstart:], out[start:]
 
     @njit(**JIT)
-    def _unrans_into(words, bits, m, div, mod, freq, cum, prec, out):
+    def _unrans_into(words, bits, m, div, mod, freq, cum, prec, out, wide):
         """Decode into ``out``: words consumed, or -1 (see :func:`rans_decode`)."""
         nm, ks = freq.shape
         if ks <= 256:
-            slots8 = np.empty(nm << prec, np.uint8)
+            slots8 = np.zeros((nm << prec) + 4, np.uint8)  # padded: the vector loop reads 32 bits per slot
             fc = rans_decoder_tables(freq, cum, prec, slots8)
-            return rans_decode(words, bits, m, div, mod, fc, slots8, prec, out)
-        slots16 = np.empty(nm << prec, np.uint16)
+            return rans_decode(words, bits, m, div, mod, fc, slots8, prec, out, wide)
+        slots16 = np.zeros((nm << prec) + 4, np.uint16)
         fc = rans_decoder_tables(freq, cum, prec, slots16)
-        return rans_decode(words, bits, m, div, mod, fc, slots16, prec, out)
+        return rans_decode(words, bits, m, div, mod, fc, slots16, prec, out, wide)
 
     DECODE_ERRORS = (
         "",
@@ -689,7 +814,7 @@ with kernel_cache_dir():
 
     @njit(**JIT)
     def rans_decode_symbols(hist, twords, words, bits, m, groups, steps, pooled, coder, comp_group, comp_pooled,
-                            grid16, max_level, weight_bits, prec, out):
+                            grid16, max_level, weight_bits, prec, out, wide=True):
         """Inverse of :func:`rans_encode_symbols` after the caller has read and checked the
         header (its checksum, and the histogram's total between ``2**bits`` and
         ``2**bits * (groups + 1)``, which bounds what this allocates): the level codes from the
@@ -700,6 +825,7 @@ with kernel_cache_dir():
             hist: int64 residual histogram; ``twords`` / ``words``: uint16 table and coder words.
             groups: groups of the layout; ``steps``: levels per octave; ``pooled``: the form.
             out: uint8 ``(count,)``, filled with the symbols.
+            wide: as :func:`rans_encode`.
 
         Returns:
             0, or the index of the failed check in :data:`DECODE_ERRORS` (``out`` is then garbage).
@@ -710,7 +836,7 @@ with kernel_cache_dir():
             total += v
         tbits, tfreq, tcum = _residual_model(hist, prec)
         z = np.empty(total, np.uint16)
-        used = _unrans_into(twords, tbits, 1, 1, 1, tfreq, tcum, prec, z)
+        used = _unrans_into(twords, tbits, 1, 1, 1, tfreq, tcum, prec, z, wide)
         if used < 0:
             return 1
         if used != twords.shape[0]:
@@ -763,7 +889,7 @@ with kernel_cache_dir():
         div = coder[2] if pooled else coder[0]
         mod = coder[3] if pooled else coder[1]
         freq, cum = rans_fused_tables(weights, comp, bits, prec)
-        used = _unrans_into(words, bits, m, div, mod, freq, cum, prec, out)
+        used = _unrans_into(words, bits, m, div, mod, freq, cum, prec, out, wide)
         if used < 0:
             return 8
         for j in range(used, words.shape[0]):
