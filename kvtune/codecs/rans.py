@@ -256,7 +256,7 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     head += struct.pack("<I", _header_crc(head, lay.count, bits))
     size = len(head) + 4 + 2 * words.size
     pad = max(0, -(-(-(-lay.count // MAX_SYMBOLS_PER_BYTE) - size) // 2))
-    return b"".join([head, struct.pack("<I", words.size + pad), words.astype("<u2").tobytes(), bytes(2 * pad)])
+    return b"".join([head, struct.pack("<I", words.size + pad), words.astype("<u2", copy=False), bytes(2 * pad)])
 
 
 # ----------------------------------------------------------------------------- decode
