@@ -182,7 +182,13 @@ def layout_for_shape(model: str, bits: int, shape: Sequence[int]) -> RansLayout:
     """
     if model not in MODELS:
         raise ValueError(f"rans codec: model must be one of {MODELS}, got {model!r}")
-    shape = tuple(int(s) for s in shape)
+    return _layout(model, bits, tuple(int(s) for s in shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(model: str, bits: int, shape: tuple[int, ...]) -> RansLayout:
+    """:func:`layout_for_shape` of a checked model and a tuple shape (one per tensor shape of a
+    policy; cached: it ran for every tensor each way)."""
     count = math.prod(shape)
     heads = (shape[0], shape[1]) if len(shape) >= 3 else (1, 1)  # fewer than 3 axes: one head group
     dims = {"per_channel": (shape[-1] if shape else 1,), "per_head": heads, "global": ()}[model]
