@@ -18,6 +18,7 @@ from kvtune.codecs.rans import (
     KIND_RANS_V1,
     KIND_RANS_V2,
     MAX_SYMBOLS_PER_BYTE,
+    MAX_TABLE_MODELS,
     RansCodec,
     empirical_entropy_bits,
     encode_rans,
@@ -219,6 +220,43 @@ def test_payloads_of_the_previous_4_lane_format_still_decode(model):
         assert np.array_equal(RansCodec(model=model).unpack(data, 2, x.size, shape=x.shape), x.reshape(-1))
     with pytest.raises(ValueError, match="writes kind"):
         encode_rans(x, 2, model, kind=KIND_RANS_V1)
+
+
+def test_a_changed_coder_word_of_kind_5_fails_its_checksum():
+    """Kind 5 ends with the CRC32 of its coder words: a flipped bit anywhere in them (or in the
+    CRC) raises, where rANS alone often decodes a few wrong symbols with every lane ending well."""
+    x = np.random.default_rng(4).choice(4, p=[0.7, 0.2, 0.07, 0.03], size=(1, 3, 2048, 64)).astype(np.uint8)
+    data = RansCodec().pack(x, 2)
+    assert data[0] == KIND_RANS
+    for at in range(len(data) - 2000, len(data), 37):
+        forged = bytearray(data)
+        forged[at] ^= 1 << (at % 8)
+        with pytest.raises(CorruptStreamError, match="coder words checksum mismatch"):
+            RansCodec().unpack(bytes(forged), 2, x.size, shape=x.shape)
+    with pytest.raises(CorruptStreamError, match="ends inside the coder words checksum"):
+        RansCodec().unpack(data[:-2], 2, x.size, shape=x.shape)
+
+
+def test_per_group_tables_are_bounded_before_the_decoder_builds_them():
+    """A layout of more than MAX_TABLE_MODELS fused models (here 5,000 heads) is coded with the
+    pooled table; a header that claims per-group tables for it (header CRC recomputed) is
+    refused before 5,000 x 8 KiB of decoder tables are allocated."""
+    import struct
+    import zlib
+
+    x = np.random.default_rng(5).choice(4, p=[0.6, 0.3, 0.05, 0.05], size=(1, MAX_TABLE_MODELS + 904, 4, 8)).astype(np.uint8)
+    data = encode_rans(x, 2, "per_head")
+    assert data[1] & 16  # pooled
+    assert np.array_equal(RansCodec(model="per_head").unpack(data, 2, x.size, shape=x.shape), x.reshape(-1))
+    nhist = struct.unpack_from("<H", data, 11)[0] + 1
+    nt = struct.unpack_from("<I", data, 13 + 4 * nhist)[0]
+    crc_at = 17 + 4 * nhist + 2 * nt
+    head = bytearray(data[:crc_at])
+    head[1] &= ~16  # claim per-group tables
+    crc = zlib.crc32(bytes(head), zlib.crc32(x.size.to_bytes(8, "little") + bytes([2])))
+    forged = bytes(head) + struct.pack("<I", crc) + data[crc_at + 4 :]
+    with pytest.raises(CorruptStreamError, match=f"per-group table of {x.shape[1]} fused models exceeds {MAX_TABLE_MODELS}"):
+        RansCodec(model="per_head").unpack(forged, 2, x.size, shape=x.shape)
 
 
 def test_payloads_of_the_15_bit_format_are_refused_with_a_version_error():

@@ -73,6 +73,7 @@ _U16 = np.uint64(16)
 _LOW16 = np.uint64(0xFFFF)
 _UP1 = np.uintp(1)
 _MEMO = 4096  # counts below this reuse their grid position within rows of one total
+_I32_LIMIT = 1 << 31  # table indices of the vector loops are int32 lanes
 
 with kernel_cache_dir():
 
@@ -591,7 +592,8 @@ with kernel_cache_dir():
         q = np.uint64(((n - 1) // div) % mod if n else 0)
         c = np.uint64((n - 1) % div if n else 0)
         i = np.uint64(n)
-        vector = lanes == GROUP and MIN_PREC <= prec <= MAX_PREC
+        # the vector loop indexes the table with int32 lanes
+        vector = lanes == GROUP and MIN_PREC <= prec <= MAX_PREC and nm * ks < _I32_LIMIT
         while i and (i % ulanes or not vector):  # the last partial group (every group without vectors)
             i -= _U1
             e = np.uint64(fc[q * uks + np.uint64(fz[i])])
@@ -656,7 +658,8 @@ with kernel_cache_dir():
         ulanes = np.uint64(lanes)
         i = np.uint64(0)
         padded = slots.shape[0] >= (mod << prec) + 4  # the vector loop's 32-bit slot reads stay inside
-        if lanes == GROUP and MIN_PREC <= prec <= MAX_PREC and n >= GROUP and padded:
+        small = (mod << prec) + 4 < _I32_LIMIT // 2  # and its int32 lane indices (2-byte slots: x2) do not wrap
+        if lanes == GROUP and MIN_PREC <= prec <= MAX_PREC and n >= GROUP and padded and small:
             qc, params = _vector_plan(0, div, mod, fc.shape[0] // mod, prec)
             io = np.array([2 * lanes, nw], np.int64)
             st32 = st.astype(np.uint32)
