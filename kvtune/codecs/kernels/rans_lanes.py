@@ -73,18 +73,16 @@ def _fn(builder, name, ret, argtys):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
 
 
-def _gather(builder, base, index, elem, byte_base=None):
-    """``base[index[l]]`` for the 16 lanes (``elem`` i32 or float); with ``byte_base`` (an
-    ``i8*``), the 4 bytes at ``byte_base + index[l]`` instead (unaligned: a narrower table
-    read through 32-bit loads, the caller masks and pads it)."""
+def _gather(builder, base, index, byte_base=None):
+    """The uint32 ``base[index[l]]`` of the 16 lanes; with ``byte_base`` (an ``i8*``), the 4
+    bytes at ``byte_base + index[l]`` instead (unaligned: a narrower table read through 32-bit
+    loads, which the caller masks and pads)."""
     src = byte_base if byte_base is not None else base
     ptrs = builder.gep(src, [index], source_etype=src.type.pointee)
-    ptrs.type = ir.VectorType(elem.as_pointer(), VECTOR_LANES)  # a vector of pointers (llvmlite has no vector GEP)
-    vty = ir.VectorType(elem, VECTOR_LANES)
-    fn = _fn(builder, f"llvm.masked.gather.v16{'f32' if elem == _F32 else 'i32'}.v16p0", vty,
-             [ptrs.type, _I32, _VM, vty])
+    ptrs.type = ir.VectorType(_I32.as_pointer(), VECTOR_LANES)  # a vector of pointers (llvmlite has no vector GEP)
+    fn = _fn(builder, "llvm.masked.gather.v16i32.v16p0", _VI, [ptrs.type, _I32, _VM, _VI])
     return builder.call(fn, [ptrs, ir.Constant(_I32, 1 if byte_base is not None else 4),
-                             ir.Constant(_VM, [1] * VECTOR_LANES), ir.Constant(vty, ir.Undefined)])
+                             ir.Constant(_VM, [1] * VECTOR_LANES), ir.Constant(_VI, ir.Undefined)])
 
 
 def _popcount(builder, mask):
@@ -171,7 +169,7 @@ def encode_groups(typingctx, fz, g_hi, states, qc, params, fc, out, pos):
                 at = builder.add(builder.mul(g, ir.Constant(_I64, GROUP)), ir.Constant(_I64, VECTOR_LANES * k))
                 sym = _load_lanes(builder, fzp, at, width)
                 t = builder.add(builder.mul(q, ks), sym)
-                e = _gather(builder, fcp, t, _I32)
+                e = _gather(builder, fcp, t)
                 f = builder.lshr(e, _const(16))
                 big = builder.icmp_unsigned(">=", builder.lshr(x, builder.sub(_const(32), prec)), f)
                 pos = builder.sub(builder.load(posv), _popcount(builder, big))
@@ -260,8 +258,8 @@ def decode_groups(typingctx, words, io, states, qc, params, fc, slots, out, g_lo
             si = builder.add(builder.shl(q, prec), slot)
             if sw == 16:
                 si = builder.shl(si, _const(1))
-            s = builder.and_(_gather(builder, None, si, _I32, byte_base=slotp), emask)
-            e = _gather(builder, fcp, builder.add(builder.mul(q, ks), s), _I32)
+            s = builder.and_(_gather(builder, None, si, byte_base=slotp), emask)
+            e = _gather(builder, fcp, builder.add(builder.mul(q, ks), s))
             x = builder.sub(builder.add(builder.mul(builder.lshr(e, _const(16)), builder.lshr(x, prec)), slot),
                             builder.and_(e, _const(0xFFFF)))
             small = builder.icmp_unsigned("<", x, _const(1 << 16))
