@@ -228,14 +228,20 @@ with kernel_cache_dir():
                         memo_n[c] = total
         return pos
 
+    @njit(inline="always")
+    def _log2(v):
+        """``log2`` of a power of two ``v >= 1``, as int64."""
+        sh = np.int64(0)
+        while (np.int64(1) << sh) < v:
+            sh += 1
+        return sh
+
     @njit(**JIT)
     def _levels_of(row, pos, h, max_level, out):
         """Level codes of one count row from its grid positions (``count_levels`` of
         :mod:`kvtune.codecs.range_coder`, ``h = 8 // steps``, a power of two: ``(pos + h) //
         (2 h)`` is a shift)."""
-        sh = np.int64(0)
-        while (np.int64(1) << sh) < 2 * h:
-            sh += 1
+        sh = _log2(2 * h)
         for s in range(row.shape[0]):
             out[s] = 0
             if row[s] > 0:
@@ -286,9 +292,7 @@ with kernel_cache_dir():
             bits = _row_cost(pc, pool, grid16, steps, p2)
         else:  # every group: its level codes, their cost (_row_cost) and residuals, in one pass
             bits = 0.0
-            sh = np.int64(0)
-            while (np.int64(1) << sh) < 2 * h:
-                sh += 1
+            sh = _log2(2 * h)
             shift = 16 // steps
             for i in range(g):
                 num = np.int64(0)
