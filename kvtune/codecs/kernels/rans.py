@@ -747,9 +747,11 @@ with kernel_cache_dir():
     @njit(**JIT)
     def rans_encode_symbols(flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled,
                             neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec, wide=True):
-        """The whole rANS coding of one tensor's symbols, in one call without the GIL: group
-        counts (:func:`rans_count_groups`), the table form (:func:`rans_choose_table`), the
-        residuals' histogram and words, the super-symbols (:func:`_fuse`) and their words.
+        """The whole rANS coding of one tensor's symbols, in one call without the GIL: the
+        super-symbols (:func:`_fuse`), group counts (:func:`rans_count_groups` of the
+        super-symbols, split into digits by :func:`_digit_counts`; of the symbols when ``m = 1``),
+        the table form (:func:`rans_choose_table`), the residuals' histogram and words, and the
+        super-symbols' words.
 
         Args:
             flat: uint8 symbols ``< 2**bits``; ``m``: fusion.
