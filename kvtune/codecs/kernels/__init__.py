@@ -11,6 +11,7 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
 * :mod:`.bitpack`: bit packing of symbols (the ``bitpack`` codec);
 * :mod:`.components`: per-component quantization of ``dp-alloc`` (KVTC-like presets);
 * :mod:`.rans`: interleaved rANS coding and its integer tables (the ``rans`` codec);
+  :mod:`.rans_lanes`: its coder loops on 512-bit vectors (32 lanes, long runs);
 * :mod:`.segments`: every segment of one K or V tensor in one call;
 * :mod:`.batch`: every tensor of a cache in one call per codec thread, transforms included (the
   fast path's entry for bit-packed policies of block quantizers);
