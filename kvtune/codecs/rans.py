@@ -62,8 +62,8 @@ exactly to their histogram (codes in ``0..255``, every group with a present symb
 symbols: every lane must end in the encoder's initial state and the padding must be zero. Any
 failure raises :class:`~kvtune.core.errors.CorruptStreamError`. Without the words' CRC (kind 4),
 a changed coder word often decodes to a few wrong symbols with every lane still ending in its
-initial state (rANS carries no redundancy): 3-8 % of single-bit flips did on KIVI-like symbols,
-in a fuzz run of 2026-12-03; a kvtune stream's own CRC catches them either way.
+initial state (rANS carries no redundancy): 3-8 % of single-bit flips did on skewed synthetic
+4- and 8-bit payloads in a fuzz run of 2026-12-03; a kvtune stream's own CRC catches them either way.
 """
 
 from __future__ import annotations
