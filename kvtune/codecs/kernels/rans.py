@@ -290,26 +290,15 @@ with kernel_cache_dir():
             prev = pool[s]
         if pooled:
             bits = _row_cost(pc, pool, grid16, steps, p2)
-        else:  # every group: its level codes, their cost (_row_cost) and residuals, in one pass
+        else:
             bits = 0.0
-            sh = _log2(2 * h)
-            shift = 16 // steps
+            lev = np.empty(k, np.int64)
             for i in range(g):
-                num = np.int64(0)
-                n = np.int64(0)
-                w = 0.0
+                _levels_of(counts[i], pos[i], h, max_level, lev)
+                bits += _row_cost(counts[i], lev, grid16, steps, p2)
                 for s in range(k):
-                    c = counts[i, s]
-                    lev = np.int64(0)
-                    if c > 0:
-                        lev = min((pos[i, s] + h) >> sh, max_level - 1) + 1
-                        u = (lev - 1) * shift
-                        w += grid16[u & 15] * p2[u >> 4]
-                        num += c * (lev - 1)
-                        n += c
                     if pool[s] > 0:
-                        hist[_zig(lev - pool[s])] += 1
-                bits += num / steps + (n * np.log2(w) if n else 0.0)
+                        hist[_zig(lev[s] - pool[s])] += 1
         total = hist.sum()
         size = 0
         for j in range(hist.shape[0]):
