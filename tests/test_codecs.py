@@ -48,6 +48,7 @@ from kvtune.codecs.mixhq import MixHQ, rank_heads
 from kvtune.codecs.pca import PCA, RopeSpec, fit_pca_basis, register_basis
 from kvtune.codecs.rans import RansCodec
 from kvtune.codecs.policy import apply_transforms, invert_transforms, transform_min_bits
+from kvtune.codecs.presets import load_presets
 from kvtune.codecs.select import Keep, select_kv, selecting_transform
 from kvtune.codecs.stream import check_checksum, read_stream, stream_checksum, write_stream
 from kvtune.codecs.transforms import (
@@ -298,6 +299,10 @@ POLICIES = (
         PolicyConfig.kivi(2),
         KIVI2_RECENT,
         PolicyConfig(transforms=(Hadamard(seed=1), Hadamard(seed=2)), key=UNIFORM[4], value=NoQuantizer()),
+        # a lone rotation before per-token keys and values (QuaRot): fused into the kernels' row
+        # loads, in 16-lane groups (the blocks of rows) and in groups of 24 (one row at a time)
+        PolicyConfig(transforms=(Hadamard(seed=3),), key=UNIFORM[0], value=UNIFORM[6]),
+        PolicyConfig(transforms=(Hadamard(),), key=UNIFORM[5], value=UNIFORM[8]),
         PolicyConfig(transforms=(Affine(), Hadamard()), key=UNIFORM[2], value=UNIFORM[5]),
         PolicyConfig(transforms=(Affine(shift=True), Delta(group_size=8, anchor_bits=BF16_BITS), Hadamard()),
                      key=UNIFORM[11], value=QUANTIZER_EXAMPLES["mixhq"][0]),
@@ -1695,6 +1700,44 @@ def test_batch_route_with_transforms_raises_as_the_reference(transforms):
     assert error("fast") == huge
     kv[1][0][0, 0, 2, 3] = 0.0
     assert error("fast") == error("reference") and "kv[2] V has non-finite values" in error("fast")
+
+
+QUAROT_LIKE = [p for p in POLICIES if len(p.transforms) == 1 and isinstance(p.transforms[0], Hadamard)
+               and all(isinstance(q, UniformQuantizer) and q.granularity == "per_token" and not (q.sink_tokens or q.recent_tokens)
+                       for q in (p.key, p.value))
+               and p.codec == BitPack()]
+"""Policies whose every segment the batch kernels rotate in their row loads (no bfloat16 windows)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cfg", QUAROT_LIKE + [load_presets()["quarot-4"]], ids=_id)
+def test_batch_route_fuses_a_lone_rotation_and_gives_the_reference_bytes(cfg, dtype):
+    """A lone ``hadamard`` before per-token keys and values is fused into the batch kernels'
+    row loads (no float32 work array): the reference's stream, its decode (fresh and into
+    preallocated tensors), and its errors for a value beyond float16 scales after the rotation
+    and for a NaN."""
+    shapes = MATRIX_SHAPES[:3]
+    assert fastpath.encode_plan(cfg, shapes, 3) is not None  # the batch route, not the per-tensor one
+    kv = make_kv(shapes, dtype=dtype, seed=11)
+    stream = encode_kv(kv, cfg, layer_offset=3, impl="fast")
+    assert stream == encode_kv(kv, cfg, layer_offset=3, impl="reference")
+    assert fastpath.decode_plan(cfg, read_header(stream), dtype) is not None
+    ref = decode_kv(stream, impl="reference")
+    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in kv]
+    for got in (decode_kv(stream, impl="fast"), decode_kv(stream, impl="fast", out=out)):
+        assert all(torch.equal(a, b) for pair, rpair in zip(got, ref) for a, b in zip(pair, rpair))
+
+    def error(impl):
+        with pytest.raises(KVInputError) as info:
+            encode_kv(kv, cfg, layer_offset=3, impl=impl)
+        return str(info.value)
+
+    if dtype == torch.float32:
+        kv[1][1][0, 0, 2, 3] = 3e38
+        assert error("fast") == error("reference") and "layer 4 value: a value of magnitude" in error("fast")
+        kv[1][1][0, 0, 2, 3] = 0.0
+    kv[2][0][0, 1, 0, 5] = float("nan")
+    assert error("fast") == error("reference") and "kv[2] K has non-finite values" in error("fast")
 
 
 def test_the_in_place_stream_writer_gives_the_joined_stream():

@@ -24,6 +24,7 @@ from numba import njit
 
 from kvtune.codecs import kernels as K
 from kvtune.codecs.kernels import rans as KR
+from kvtune.codecs.kernels.transforms import rotation_growth
 from kvtune.codecs.base import meta_to_bytes
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
 from kvtune.codecs.codebook import CodebookQuantizer, nf_table
@@ -629,6 +630,115 @@ def test_hadamard_load_and_store_match_convert_then_rotate(d, t):
     out32 = np.zeros(x.shape, np.float32)
     K.hadamard_store(ref.copy(), signs.numpy(), blocks, scales, 0, out32)
     assert np.array_equal(out32.view(np.uint32), back.numpy().view(np.uint32))
+
+
+ROTATED_SHAPES = [(2, 3, 77, 64), (1, 3, 37, 48), (1, 2, 5, 16), (1, 2, 0, 64)]
+"""Shapes whose Hadamard blocks are held in registers (64; 48 = 32 + 16; 16): 77 and 37 tokens
+cross the per-token kernels' blocks of 32 rows and the heads."""
+
+
+def rotation_of(shape, seed: int = 0):
+    """``(signs (H, D), blocks, scales)`` of a randomized Hadamard rotation for ``shape`` and its
+    fused form ``rot`` (signs flattened), as the kernels take them."""
+    signs = random_signs(seed, 1, "key", shape[1], shape[3]).numpy()
+    blocks, scales = idx(power_of_two_blocks(shape[3])), np.array(block_scales(shape[3]), np.float32)
+    return (signs, blocks, scales), (signs.reshape(-1).copy(), blocks, scales)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_a_fused_rotation_quantizes_as_rotate_then_quantize(bits, dtype):
+    """``quantize_per_token(..., rot)`` on ``x`` gives the symbols and metadata of
+    ``quantize_per_token`` on ``hadamard_rows(float32(x))``, for every head and token
+    selection (consecutive tokens take the kernel's one-run blocks, the others its per-row
+    addressing)."""
+    for n, shape in enumerate(ROTATED_SHAPES):
+        (signs, blocks, scales), rot = rotation_of(shape, n)
+        xk, _ = kernel_input(with_extremes(student_t(shape, seed=n, scale=3.0)), dtype)
+        y = np.zeros(shape, np.float32)
+        K.to_float32(xk, y)
+        K.hadamard_rows(y, signs, blocks, scales, False)
+        for sel in (*SELECTIONS, (None, [4, 5, 6, 7]), ([2, 1], None)):
+            heads, tokens = selection(shape, sel)
+            for g, symmetric in ((shape[3], False), (16, True), (8, False)):
+                b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+                mshape = (b, hs, ts, -(-d // g))
+                got = [np.full((b, hs, ts, d), 0xEE, np.uint8), np.zeros(mshape, np.uint16), np.zeros(mshape, np.uint16)]
+                want = [a.copy() for a in got]
+                K.quantize_per_token(xk, heads, tokens, g, bits, symmetric, *got, rot)
+                K.quantize_per_token(y, heads, tokens, g, bits, symmetric, *want)
+                for a, w in zip(got, want):
+                    assert np.array_equal(a, w), (shape, sel, g, symmetric)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_a_fused_rotation_dequantizes_as_dequantize_then_rotate_back(bits):
+    """``dequantize_per_token(..., rot)`` writes what dequantizing into float32, rotating back
+    (``hadamard_rows`` inverse) and converting gives, and leaves other rows alone: groups of
+    16k channels (the blocks of rows) and of 8 (one row at a time), every output kind."""
+    rng = np.random.default_rng(bits)
+    for n, shape in enumerate(ROTATED_SHAPES):
+        (signs, blocks, scales), rot = rotation_of(shape, n + 1)
+        for sel in (*SELECTIONS, (None, [4, 5, 6, 7])):
+            heads, tokens = selection(shape, sel)
+            b, hs, ts, d = shape[0], len(heads), len(tokens), shape[3]
+            for g, symmetric in ((d, False), (16, True), (8, False)):
+                mshape = (b, hs, ts, -(-d // g))
+                sym = rng.integers(0, 1 << bits, size=(b, hs, ts, d)).astype(np.uint8)
+                scale, zero = random_f16_bits(mshape, rng, nonneg=True), random_f16_bits(mshape, rng, nonneg=False)
+                y = np.zeros(shape, np.float32)
+                K.dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, y, 0)
+                K.hadamard_rows(y, signs, blocks, scales, True)
+                rows = torch.from_numpy(y)[:, torch.from_numpy(heads)][:, :, torch.from_numpy(tokens)]
+                for kind, dtype in OUT_KINDS:
+                    out = out_array(shape, kind)
+                    K.dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind, rot)
+                    want = expected_out(shape, kind, dtype, heads, tokens, rows)
+                    assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), (shape, sel, g, kind)
+
+
+def test_rotation_growth_bounds_the_rotated_magnitude():
+    """A row equal to ``amax * signs`` sums to ``sqrt(n) * amax`` in one output of each block:
+    the bound holds with its margin, and is not loose by more than the margin."""
+    for shape in ROTATED_SHAPES[:3]:
+        (signs, blocks, scales), rot = rotation_of(shape)
+        amax = np.float32(3.7)
+        x = np.broadcast_to(signs[None, :, None, :] * amax, shape).astype(np.float32).copy()
+        x[:, :, 1::2] *= student_t(x[:, :, 1::2].shape, seed=1).clamp(-1, 1).numpy()
+        growth = rotation_growth(blocks, scales)
+        K.hadamard_rows(x, signs, blocks, scales, False)
+        peak = float(np.abs(x).max())
+        assert peak <= growth * amax and peak >= growth * amax / (1 + 2.0**-14), shape
+
+
+def test_encode_tensor_with_a_fused_rotation_checks_the_rotated_bound():
+    """With ``rot``, ``limit`` is compared with the input's magnitude times the rotation's
+    growth: just below it nothing is written (``seen`` -1), with no limit the bytes are those of
+    the rotated copy; a per-channel segment with ``rot`` is a ValueError."""
+    shape = (1, 3, 40, 64)
+    (signs, blocks, scales), rot = rotation_of(shape)
+    xk, _ = kernel_input(student_t(shape, seed=3, scale=3.0), "bf16")
+    per_tok = UniformQuantizer(bits=4, granularity="per_token", group_size=0)
+    segs, ix, n, _ = build_table(shape, [(per_tok, 4, [0, 1, 2], list(range(40)), [K.KIND_UNIFORM, 4, 1, 64, 0])])
+    y = np.zeros(shape, np.float32)
+    K.to_float32(xk, y)
+    K.hadamard_rows(y, signs, blocks, scales, False)
+    lut8, books = fp8_luts()[2], nf_table()
+    want, got = np.zeros(n, np.uint8), np.full(n, 0xAB, np.uint8)
+    K.encode_tensor(y, math.inf, segs, ix, want, np.zeros(n * 8, np.uint8), lut8, books)
+    amax = float(torch.from_numpy(xk.view(np.int16)).view(torch.bfloat16).float().abs().max())
+    bound = amax * rotation_growth(blocks, scales)
+    _, seen, _ = K.encode_tensor(xk, np.nextafter(bound, 0.0), segs, ix, got, np.zeros(n * 8, np.uint8), lut8, books, rot)
+    assert seen == -1 and (got == 0xAB).all()
+    _, seen, crc = K.encode_tensor(xk, bound, segs, ix, got, np.zeros(n * 8, np.uint8), lut8, books, rot)
+    assert seen > 0 and np.array_equal(got, want) and crc == zlib.crc32(want.tobytes())
+    per_ch = UniformQuantizer(bits=4, granularity="per_channel", group_size=8)
+    segs2, ix2, n2, _ = build_table(shape, [(per_ch, 4, [0], list(range(40)), [K.KIND_UNIFORM, 4, 0, 8, 0])])
+    with pytest.raises(ValueError, match="per-token"):
+        K.encode_segments(xk, segs2, ix2, np.zeros(n2, np.uint8), np.zeros(n2 * 8, np.uint8), True, lut8, books, rot)
+    with pytest.raises(ValueError, match="per-token"):
+        K.decode_segments(np.zeros(n2, np.uint8), segs2, ix2, *fp8_luts()[:2], np.zeros(n2 * 8, np.uint8), True,
+                          np.zeros(shape, np.uint16), 1, books, rot)
 
 
 @covers("delta_rows")

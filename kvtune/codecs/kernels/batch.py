@@ -15,7 +15,10 @@ Tables are int64, one row per tensor, columns named by the ``ENC_*`` / ``DEC_*``
 Transforms (``hadamard``, ``delta``, ``affine``; :mod:`.transforms`) run inside the same call: a
 tensor is converted into the thread's float32 work array, transformed there in place (its
 ``affine`` state written into its state section) and encoded from it; a decoded tensor is
-dequantized into the work array, transformed back and converted into its output. Each tensor's
+dequantized into the work array, transformed back and converted into its output. A lone
+``hadamard`` before per-token quantization (QuaRot's KV cache) skips the work array: the
+quantizer rotates each block of rows it loads, and the decoder rotates each row back before
+converting it (one pass over the tensor each way instead of two). Each tensor's
 transforms are rows of an int64 ``(N, transforms, TR_COLUMNS)`` program, named by the ``TR_*``
 constants.
 """
@@ -30,8 +33,8 @@ from .convert import get_u16, put_u16, store_output, to_float32
 from .crc import crc32_combine
 from .finite import first_nonfinite_f16
 from .lowlevel import INLINE, JIT, address_as_voidptr, fetch_add
-from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor
-from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store
+from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor, per_token_only
+from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store, unrolled
 
 _u = uintp
 
@@ -70,6 +73,54 @@ def _rotation(op, signs, blocks, scales, h, d):
     """A ``hadamard`` row's ``(signs (H, D), block sizes, block scales)`` in the stacked arrays."""
     so, bo, nb = op[TR_A], op[TR_B], op[TR_C]
     return signs[so : so + h * d].reshape((h, d)), blocks[bo : bo + nb], scales[bo : bo + nb]
+
+
+@njit(**INLINE)
+def _fused_rotation(ops, blocks, rows):
+    """Whether a tensor's transform program ``ops`` is one ``hadamard`` that its per-token
+    segments ``rows`` can apply to each block of rows they load (:func:`encode_tensor`'s
+    ``rot``), so that no float32 work array is written and read back."""
+    if ops.shape[0] != 1 or ops[0, TR_KIND] != TR_HADAMARD:
+        return False
+    return unrolled(blocks[ops[0, TR_B] : ops[0, TR_B] + ops[0, TR_C]]) and per_token_only(rows)
+
+
+@njit(**INLINE)
+def _flat_rotation(op, signs, blocks, scales, n):
+    """A ``hadamard`` row's ``(signs (n = H D,), block sizes, block scales)``, as the kernels'
+    ``rot``."""
+    so, bo, nb = op[TR_A], op[TR_B], op[TR_C]
+    return signs[so : so + n], blocks[bo : bo + nb], scales[bo : bo + nb]
+
+
+@njit(**INLINE)
+def _encode_row(x, limit, rows, idx, out, symbuf, lut8, books, ops, signs, blocks, scales, work, st16):
+    """One tensor of :func:`encode_batch`: as it is, with a fused rotation, or transformed in
+    the float32 work array first. Returns :func:`encode_tensor`'s ``(magnitude, seen, crc)``."""
+    if ops.shape[0] == 0:
+        return encode_tensor(x, limit, rows, idx, out, symbuf, lut8, books)
+    if _fused_rotation(ops, blocks, rows):
+        rot = _flat_rotation(ops[0], signs, blocks, scales, x.shape[1] * x.shape[3])
+        return encode_tensor(x, limit, rows, idx, out, symbuf, lut8, books, rot)
+    w = work[: x.size].reshape(x.shape)
+    _forward(x, w, ops, signs, blocks, scales, out, st16)
+    return encode_tensor(w, limit, rows, idx, out, symbuf, lut8, books)
+
+
+@njit(**INLINE)
+def _decode_row(data, rows, idx, luts, lut16, symbuf, books, y, kind, ops, signs, blocks, scales, work, st16):
+    """One tensor of :func:`decode_batch` into ``y`` (float32, or uint16 bits of ``kind``): as
+    it is, with a fused rotation, or into the float32 work array, its transforms then undone.
+    Returns the CRC-32 of its sections."""
+    if ops.shape[0] == 0:
+        return decode_tensor(data, rows, idx, luts, lut16, symbuf, y, kind, books)
+    if _fused_rotation(ops, blocks, rows):
+        rot = _flat_rotation(ops[0], signs, blocks, scales, y.shape[1] * y.shape[3])
+        return decode_tensor(data, rows, idx, luts, lut16, symbuf, y, kind, books, rot)
+    w = work[: y.size].reshape(y.shape)
+    crc = decode_tensor(data, rows, idx, luts, lut16, symbuf, w, 0, books)
+    _inverse(w, ops, signs, blocks, scales, data, st16, y, kind)
+    return crc
 
 
 @njit(**JIT)
@@ -163,7 +214,10 @@ def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, co
             st16: uint16 scratch of ``2 H D`` elements, both this thread's own.
 
     With transforms, ``magnitude`` (and the limit check) is that of the transformed tensor: a
-    NaN / inf input makes it non-finite too.
+    NaN / inf input makes it non-finite too. A lone ``hadamard`` before per-token segments is
+    fused into their row loads (:func:`_fused_rotation`; the same bytes): ``magnitude`` is
+    then the input's and the limit check that of its bound after the rotation
+    (:func:`encode_tensor`'s ``rot``).
     """
     n = table.shape[0]
     while True:
@@ -173,21 +227,14 @@ def encode_batch(table, limits, segs, idx, buf, symbuf, lut8, books, results, co
         shape = (table[i, ENC_B], table[i, ENC_H], table[i, ENC_T], table[i, ENC_D])
         rows = segs[table[i, ENC_SEG] : table[i, ENC_SEG] + table[i, ENC_NSEG]]
         out = buf[table[i, ENC_OUT] : table[i, ENC_OUT] + table[i, ENC_LEN]]
-        if ops.shape[1]:
-            w = work[: shape[0] * shape[1] * shape[2] * shape[3]].reshape(shape)
-            if table[i, ENC_FLOAT32]:
-                _forward(numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.float32), w, ops[i], signs, blocks,
-                         scales, out, st16)
-            else:
-                _forward(numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.uint16), w, ops[i], signs, blocks,
-                         scales, out, st16)
-            bits, seen, crc = encode_tensor(w, limits[i], rows, idx, out, symbuf, lut8, books)
-        elif table[i, ENC_FLOAT32]:
+        if table[i, ENC_FLOAT32]:
             x32 = numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.float32)
-            bits, seen, crc = encode_tensor(x32, limits[i], rows, idx, out, symbuf, lut8, books)
+            bits, seen, crc = _encode_row(x32, limits[i], rows, idx, out, symbuf, lut8, books, ops[i], signs, blocks,
+                                          scales, work, st16)
         else:
             x16 = numba.carray(address_as_voidptr(table[i, ENC_X]), shape, np.uint16)
-            bits, seen, crc = encode_tensor(x16, limits[i], rows, idx, out, symbuf, lut8, books)
+            bits, seen, crc = _encode_row(x16, limits[i], rows, idx, out, symbuf, lut8, books, ops[i], signs, blocks,
+                                          scales, work, st16)
         results[i, 0] = bits
         results[i, 1] = seen
         results[i, 2] = crc
@@ -233,20 +280,14 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, c
         if ops.shape[1]:
             if first_nonfinite_f16(data, starts[:1] * 0, starts[:1]) >= 0:  # the state: up to the first metadata
                 bad[i] = BAD_STATE
-            w = work[: shape[0] * shape[1] * shape[2] * shape[3]].reshape(shape)
-            crcs[i] = decode_tensor(data, rows, idx, luts, lut16, symbuf, w, 0, books)
-            if table[i, DEC_KIND] == 0:
-                _inverse(w, ops[i], signs, blocks, scales, data, st16,
-                         numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.float32), 0)
-            else:
-                _inverse(w, ops[i], signs, blocks, scales, data, st16,
-                         numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.uint16), table[i, DEC_KIND])
-        elif table[i, DEC_KIND] == 0:
+        if table[i, DEC_KIND] == 0:
             y32 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.float32)
-            crcs[i] = decode_tensor(data, rows, idx, luts, lut16, symbuf, y32, 0, books)
+            crcs[i] = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y32, 0, ops[i], signs, blocks, scales, work,
+                                  st16)
         else:
             y16 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.uint16)
-            crcs[i] = decode_tensor(data, rows, idx, luts, lut16, symbuf, y16, table[i, DEC_KIND], books)
+            crcs[i] = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y16, table[i, DEC_KIND], ops[i], signs,
+                                  blocks, scales, work, st16)
 
 
 @njit(**JIT)

@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
 from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, vminmax, vminmax_groups8, vminmax_rows8
+from .transforms import rotate_row
 
 _u = uintp
 U16 = np.uint64(16)
@@ -82,7 +83,53 @@ def _quant(v, z, inv, fq):
     return np.uint8(u)
 
 
-_ROWS = 32  # rows per block of the per-token kernel
+_ROWS = 32  # rows per block of the per-token kernels
+
+
+@njit(**INLINE)
+def _consecutive(tokens):
+    """Whether the token indices are consecutive (a block of rows within one head is then one
+    run of rows of the tensor, :func:`_block_rows`)."""
+    run = True
+    for k in range(1, tokens.shape[0]):
+        run &= tokens[k] == tokens[0] + k
+    return run
+
+
+@njit(**INLINE)
+def _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, src, head):
+    """The next ``nr`` rows of a segment (``heads`` x ``tokens`` of a ``(B, nh, nt, d_n)``
+    tensor, batch-major) from ``pos = (b, head index, token index)``: their element offsets
+    into ``src`` and heads into ``head`` (only ``src[0]`` when they are one run of rows, a
+    block within one head of ``run`` tokens: no per-row work). Returns ``(next pos, whether
+    the rows are one run)``."""
+    b, hi, ti = pos
+    hs, ts = heads.shape[0], tokens.shape[0]
+    if run and ti + nr <= ts:
+        src[0] = ((b * nh + heads[hi]) * nt + tokens[ti]) * d_n
+        head[:nr] = heads[hi]
+        contiguous = True
+        ti += nr
+    else:
+        contiguous = True
+        for r in range(nr):
+            src[r] = ((b * nh + heads[hi]) * nt + tokens[ti]) * d_n
+            head[r] = heads[hi]
+            contiguous &= src[r] == src[0] + r * d_n
+            ti += 1
+            if ti == ts:
+                ti = 0
+                hi += 1
+                if hi == hs:
+                    hi = 0
+                    b += 1
+    if ti == ts:
+        ti = 0
+        hi += 1
+        if hi == hs:
+            hi = 0
+            b += 1
+    return (b, hi, ti), contiguous
 
 
 def _vquant(lanes: int, per_lane: bool):
@@ -156,12 +203,18 @@ _vquant16v = _vquant(16, True)
 
 def _deq_store(context, builder, u, s, z, out_ty, out_arg, ooff_ty, ooff):
     """``out[ooff:ooff + 16] = z + float32(u) * s`` (a multiply, then an add: the reference's
-    two roundings) for 16 uint8 lanes ``u`` (``s``, ``z``: 16-lane float32); float32 ``out``,
-    or uint16 ``out`` of bfloat16 bits rounded to nearest even with NaN as 0x7FC0
+    two roundings) for 16 uint8 lanes ``u`` (``s``, ``z``: 16-lane float32), stored as
+    :func:`_store16`."""
+    v = builder.fadd(z, builder.fmul(builder.uitofp(u, ir.VectorType(ir.FloatType(), 16)), s))
+    _store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff)
+
+
+def _store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff):
+    """``out[ooff:ooff + 16] = v`` (16-lane float32): float32 ``out`` as is, or uint16 ``out``
+    of bfloat16 bits rounded to nearest even with NaN as 0x7FC0
     (:func:`~kvtune.codecs.kernels.convert.f32_to_bf16_bits`)."""
     f32, i32, i16 = ir.FloatType(), ir.IntType(32), ir.IntType(16)
     v16 = ir.VectorType(f32, 16)
-    v = builder.fadd(z, builder.fmul(builder.uitofp(u, v16), s))
     ary = context.make_array(out_ty)(context, builder, out_arg)
     o = context.cast(builder, ooff, ooff_ty, types.int64)
     if out_ty.dtype == types.float32:
@@ -234,13 +287,31 @@ def _vdeq16v(typingctx, sym, soff, ss, zz, poff, out, ooff):
     return sig, codegen
 
 
+@intrinsic
+def _vstore16(typingctx, src, soff, out, ooff):
+    """16 float32 lanes ``src[soff:soff + 16]`` written to float32 ``out`` or as bfloat16 bits
+    to uint16 ``out`` (:func:`_store16`)."""
+    if not (isinstance(src, types.Array) and src.dtype == types.float32 and _deq_out_ok(out)):
+        return None
+    sig = types.void(src, soff, out, ooff)
+
+    def codegen(context, builder, signature, args):
+        sa = signature.args
+        v = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.FloatType())
+        _store16(context, builder, v, sa[2], args[2], sa[3], args[3])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(**JIT)
-def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
+def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero, rot=None):
     """Uniform quantization of ``x[:, heads][:, :, tokens]`` in groups of ``g`` channels.
 
     Reference: :meth:`kvtune.codecs.quantizers.UniformQuantizer.quantize_block` with
     ``granularity = "per_token"``. Works on blocks of 32 rows: load (one copy when the rows
-    are consecutive in ``x``), min/max of every group (8 groups at a time,
+    are consecutive in ``x``; with ``rot``, each row then rotated in place while the block is
+    in L1), min/max of every group (8 groups at a time,
     :func:`~kvtune.codecs.kernels.lowlevel.vminmax_groups8`, when groups of 8k values tile the
     rows), the groups' parameters (vectorized), then the symbols (one loop over the block's
     groups when they tile it, 16 lanes at a time when ``g`` is a multiple of 16: no per-row
@@ -254,6 +325,11 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
         symmetric: symmetric grid (``zero`` is left untouched).
         sym: out, uint8 ``(B, len(heads), len(tokens), D)``.
         scale, zero: out, uint16 float16 bits ``(B, len(heads), len(tokens), ceil(D / g))``.
+        rot: ``None``, or the randomized Hadamard rotation ``(signs, blocks, scales)`` to
+            apply to ``x`` first (as :func:`~.transforms.hadamard_rows`, whose arguments they
+            are, with ``signs`` flattened to ``H * D``; blocks that pass
+            :func:`~.transforms.unrolled`): the symbols of the rotated ``x`` without a rotated
+            copy of it.
     """
     nb, nh, nt, d_n = x.shape
     xf, sf, scf, zf = x.reshape(-1), sym.reshape(-1), scale.reshape(-1), zero.reshape(-1)
@@ -264,6 +340,7 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
     dn = _u(d_n)
     blk = np.empty(_ROWS * d_n, np.float32)
     src = np.empty(_ROWS, np.int64)
+    head = np.empty(_ROWS, np.int64)
     lo = np.empty(_ROWS * ng, np.float32)
     hi = np.empty(_ROWS * ng, np.float32)
     s16 = np.empty(_ROWS * ng, np.int32)
@@ -272,25 +349,20 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero):
     invs = np.empty(_ROWS * ng, np.float32)
     tiled = g % 8 == 0 and d_n % g == 0  # KIVI's g = 32, a whole row of 64 or 128: one flat loop
     ug = _u(g)
-    b = hi_ = ti = 0  # (batch, head, token) of the next row to load
+    run = _consecutive(tokens)
+    pos = (0, 0, 0)  # (batch, head index, token index) of the next row to load
     for r0 in range(0, nrows, _ROWS):
         nr = min(_ROWS, nrows - r0)
-        contiguous = True  # the block's rows follow each other in x: one load (no per-row loop set-up)
-        for r in range(nr):
-            src[r] = ((b * nh + heads[hi_]) * nt + tokens[ti]) * d_n
-            contiguous &= src[r] == src[0] + r * d_n
-            ti += 1
-            if ti == ts:
-                ti = 0
-                hi_ += 1
-                if hi_ == hs:
-                    hi_ = 0
-                    b += 1
+        pos, contiguous = _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, src, head)
         if contiguous:
             load_row(xf, _u(src[0]), blk, _u(0), _u(nr * d_n))
         else:
             for r in range(nr):
                 load_row(xf, _u(src[r]), blk, _u(r * d_n), dn)
+        if rot is not None:
+            signs, blocks, bscales = rot
+            for r in range(nr):
+                rotate_row(blk, _u(r * d_n), signs, _u(head[r] * d_n), blocks, bscales, False)
         n8 = 0
         if tiled and not symmetric:  # 8 whole groups at a time, reduced together
             n8 = nr * ng // 8 * 8
@@ -415,8 +487,52 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
                         sf[base + o + d] = _quant(blk[o + d], zs[d], invs[d], fq)
 
 
+@njit(**INLINE)
+def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind, rot):
+    """:func:`dequantize_per_token` with ``rot`` for groups of 16k channels tiling the rows,
+    in blocks of :data:`_ROWS` rows: dequantized into a float32 block, each row rotated back,
+    the block converted into ``out`` (one pass when its rows are one run of ``out``). Rows of
+    a block are independent, so their work overlaps (a single row buffer measured 1.7x slower:
+    each row's rotation waited for the previous row's stores)."""
+    nb, hs, ts, d_n = sym.shape
+    nh, nt = out.shape[1], out.shape[2]
+    sf, scf, zf, of = sym.reshape(-1), scale.reshape(-1), zero.reshape(-1), out.reshape(-1)
+    ng = scale.shape[3]
+    dn, ug = _u(d_n), _u(g)
+    signs, blocks, bscales = rot
+    blk = np.empty(_ROWS * d_n, np.float32)
+    dst = np.empty(_ROWS, np.int64)
+    head = np.empty(_ROWS, np.int64)
+    run = _consecutive(tokens)
+    pos = (0, 0, 0)
+    nrows = nb * hs * ts
+    for r0 in range(0, nrows, _ROWS):
+        nr = min(_ROWS, nrows - r0)
+        pos, contiguous = _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, dst, head)
+        base = _u(r0 * d_n)
+        for i in range(_u(nr * ng)):
+            m = _u(r0 * ng) + i
+            s, z = _sz(scf[m], zf[m] if not symmetric else 0, bits, symmetric)
+            for d in range(i * ug, i * ug + ug, U16):
+                _vdeq16(sf, base + d, s, z, blk, d)
+        for r in range(nr):
+            rotate_row(blk, _u(r * d_n), signs, _u(head[r] * d_n), blocks, bscales, True)
+        if contiguous and kind != 2:
+            for d in range(_u(0), _u(nr * d_n), U16):
+                _vstore16(blk, d, of, _u(dst[0]) + d)
+            continue
+        for r in range(nr):
+            o = _u(r * d_n)
+            dr = _u(dst[0] + r * d_n if contiguous else dst[r])
+            if kind == 2:
+                store_row(of, dr, blk[o : o + dn], dn, kind)
+            else:
+                for d in range(_u(0), dn, U16):
+                    _vstore16(blk, o + d, of, dr + d)
+
+
 @njit(**JIT)
-def dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind):
+def dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind, rot=None):
     """``out[:, heads][:, :, tokens] = zero + sym * scale``, per-token groups.
 
     Reference: :meth:`kvtune.codecs.quantizers.UniformQuantizer.dequantize_block`
@@ -427,6 +543,8 @@ def dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, ou
         sym: uint8 ``(B, Hs, Ts, D)``; scale, zero: uint16 float16 bits ``(B, Hs, Ts, G)``.
         out: ``(B, H, T, D)`` float32, or uint16 bits of ``kind`` (1 bfloat16, 2 float16),
             written at the segment's heads and tokens.
+        rot: ``None``, or a rotation as :func:`quantize_per_token`'s, undone on each float32
+            row (:func:`~.transforms.hadamard_rows` with ``inverse``) before its conversion.
     """
     nb, hs, ts, d_n = sym.shape
     nh, nt = out.shape[1], out.shape[2]
@@ -434,13 +552,17 @@ def dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, ou
     ng = scale.shape[3]
     dn = _u(d_n)
     row = np.empty(d_n, np.float32)
-    vec = kind != 2 and g % 16 == 0 and d_n % g == 0  # whole 16-lane chunks
+    vec = g % 16 == 0 and d_n % g == 0  # whole 16-lane chunks
+    if vec and rot is not None:
+        _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind, rot)
+        return
+    direct = vec and kind != 2  # into out, converted by the vector code
     r = 0
     for b in range(nb):
         for hi in range(hs):
             for ti in range(ts):
                 src = _u(r * d_n)
-                if vec:
+                if direct:
                     dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
                     for gi in range(ng):
                         m = _u(r * ng + gi)
@@ -455,6 +577,9 @@ def dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, ou
                     for d in range(_u(gi * g), _u(min(gi * g + g, d_n))):
                         v = np.float32(sf[src + d]) * s
                         row[d] = z + v
+                if rot is not None:
+                    signs, blocks, bscales = rot
+                    rotate_row(row, _u(0), signs, _u(heads[hi] * d_n), blocks, bscales, True)
                 store_row(of, _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n), row, dn, kind)
                 r += 1
 

@@ -27,6 +27,7 @@ from .fp8 import LANES as FP8_LANES
 from .fp8 import bf16_from_e4m3_16, e4m3_from_bf16_16, fp8_dequantize, fp8_quantize
 from .lowlevel import INLINE, JIT, U1, U2, u32_as_f32
 from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from .transforms import rotation_growth
 
 _u = uintp
 
@@ -242,8 +243,18 @@ def _fp8_decode_impl(sym, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kin
     return impl
 
 
+@njit(**INLINE)
+def per_token_only(segs):
+    """Whether every segment of the table is per-token uniform (a rotation can be fused into
+    its quantizer, :func:`encode_segments`'s ``rot``)."""
+    ok = True
+    for s in range(segs.shape[0]):
+        ok = ok and segs[s, SEG_KIND] == KIND_UNIFORM and segs[s, SEG_A] != 0
+    return ok
+
+
 @njit(**JIT)
-def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
+def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books, rot=None):
     """Quantize every segment of one tensor; write metadata and (if ``pack``) packed payloads.
 
     Reference: per segment, the block quantizer's ``quantize_block`` on
@@ -263,9 +274,15 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
         lut8: uint8 ``(2, 65536)``: the e4m3 and e5m2 symbol of every bfloat16 pattern.
         books: float64 ``(9, 256)``: row ``b`` starts with the ``2**b`` NF levels
             (:func:`kvtune.codecs.codebook.nf_table`).
+        rot: ``None``, or a Hadamard rotation of ``x`` fused into the quantizer's row loads
+            (:func:`~.quantize.quantize_per_token`): the same bytes as rotating ``x`` first.
+            Only for tables of per-token uniform segments (:func:`per_token_only`).
 
     Returns:
         The OR of every symbol of widths 1..8 (the caller checks that they fit).
+
+    Raises:
+        ValueError: ``rot`` with a segment that is not per-token uniform.
     """
     nb, nh, nt, d_n = x.shape
     meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
@@ -277,6 +294,8 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
         tokens = idx[segs[s, SEG_TOKENS] : segs[s, SEG_TOKENS] + ts]
         n = nb * hs * ts * d_n
         so = 0 if pack else segs[s, SEG_SYM]
+        if rot is not None and not (kind == KIND_UNIFORM and segs[s, SEG_A]):
+            raise ValueError("a fused rotation needs per-token uniform segments")
         if kind == KIND_BF16:
             if pack:
                 _put_bf16(x, heads, tokens, out, segs[s, SEG_PAYLOAD])
@@ -292,7 +311,7 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
                 ng = (d_n + g - 1) // g
                 sc = meta[:half].reshape((nb, hs, ts, ng))
                 ze = meta[m - half : m].reshape((nb, hs, ts, ng))
-                quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, sc, ze)
+                quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, sc, ze, rot)
             else:
                 ng = (ts + g - 1) // g
                 sc = meta[:half].reshape((nb, hs, ng, d_n))
@@ -315,7 +334,7 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books):
 
 
 @njit(**JIT)
-def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, books):
+def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, books, rot=None):
     """Inverse of :func:`encode_segments`: reconstruct every segment of one tensor into ``out``.
 
     Reference: per segment, :func:`kvtune.codecs.bitpack.unpack_bits`,
@@ -333,6 +352,11 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
         out: ``(B, H, T, D)`` float32, or uint16 bits of ``kind`` (1 bfloat16, 2 float16).
         books: the NF levels, as :func:`encode_segments`. Fitted codebooks are taken as they
             are: the caller validates them (:func:`kvtune.codecs.codebook.check_levels`).
+        rot: ``None``, or the rotation to undo on each row before its conversion
+            (:func:`~.quantize.dequantize_per_token`), as :func:`encode_segments`'s.
+
+    Raises:
+        ValueError: ``rot`` with a segment that is not per-token uniform.
     """
     nb, nh, nt, d_n = out.shape
     meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
@@ -343,6 +367,8 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
         tokens = idx[segs[s, SEG_TOKENS] : segs[s, SEG_TOKENS] + ts]
         n = nb * hs * ts * d_n
         so = 0 if packed else segs[s, SEG_SYM]
+        if rot is not None and not (sk == KIND_UNIFORM and segs[s, SEG_A]):
+            raise ValueError("a fused rotation needs per-token uniform segments")
         if sk == KIND_BF16:
             if packed:
                 _get_bf16(data, segs[s, SEG_PAYLOAD], heads, tokens, out, kind)
@@ -363,7 +389,7 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
                 ng = (d_n + g - 1) // g
                 sc = meta[:half].reshape((nb, hs, ts, ng))
                 ze = meta[m - half : m].reshape((nb, hs, ts, ng))
-                dequantize_per_token(sym4, sc, ze, g, bits, symmetric, heads, tokens, out, kind)
+                dequantize_per_token(sym4, sc, ze, g, bits, symmetric, heads, tokens, out, kind, rot)
             else:
                 ng = (ts + g - 1) // g
                 sc = meta[:half].reshape((nb, hs, ng, d_n))
@@ -409,8 +435,9 @@ def _magnitude_impl(x):
 
 
 @njit(**JIT)
-def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books):
-    """The whole ``bitpack`` encode of one K or V tensor without transforms, in one call: the
+def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books, rot=None):
+    """The whole ``bitpack`` encode of one K or V tensor (without transforms, or with a fused
+    rotation ``rot``) in one call: the
     input check, :func:`encode_segments` and the CRC-32 of the sections (a codec thread then
     releases and re-takes the GIL once per tensor, not once per step: with two threads each
     re-take may wait for the other thread's Python).
@@ -422,7 +449,9 @@ def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books):
     Args:
         x: ``(B, H, T, D)`` uint16 (bfloat16 bits) or float32; limit: the largest magnitude the
             plan's blocks take without a per-segment check (float64; ``inf`` to skip it).
-        segs, idx, out, symbuf, lut8, books: as :func:`encode_segments` (``pack`` is true).
+        segs, idx, out, symbuf, lut8, books, rot: as :func:`encode_segments` (``pack`` is
+            true). With ``rot``, ``limit`` applies to the rotated values: ``x``'s magnitude
+            times :func:`~.transforms.rotation_growth` (a bound) is checked against it.
 
     Returns:
         ``(magnitude, seen, crc)``: ``magnitude`` the largest ``|x|`` as bits (as
@@ -432,14 +461,17 @@ def encode_tensor(x, limit, segs, idx, out, symbuf, lut8, books):
         ``out``.
     """
     bits, value, finite = _magnitude(x)
-    if not (finite and np.float64(value) <= limit):
+    bound = np.float64(value)
+    if rot is not None:
+        bound *= rotation_growth(rot[1], rot[2])
+    if not (finite and bound <= limit):
         return bits, np.int64(-1), np.int64(0)
-    seen = encode_segments(x, segs, idx, out, symbuf, True, lut8, books)
+    seen = encode_segments(x, segs, idx, out, symbuf, True, lut8, books, rot)
     return bits, seen, crc32_update(0, out)
 
 
 @njit(**JIT)
-def decode_tensor(data, segs, idx, luts, lut16, symbuf, out, kind, books):
+def decode_tensor(data, segs, idx, luts, lut16, symbuf, out, kind, books, rot=None):
     """The whole ``bitpack`` decode of one K or V tensor in one call: the CRC-32 of its sections
     ``data`` (while they are read anyway; the caller combines the tensors' CRCs into the
     stream's, :func:`crc32_combine`), then :func:`decode_segments` with ``packed``.
@@ -448,5 +480,5 @@ def decode_tensor(data, segs, idx, luts, lut16, symbuf, out, kind, books):
     Arguments as :func:`decode_segments`. Returns the CRC-32 of ``data``.
     """
     crc = crc32_update(0, data)
-    decode_segments(data, segs, idx, luts, lut16, symbuf, True, out, kind, books)
+    decode_segments(data, segs, idx, luts, lut16, symbuf, True, out, kind, books, rot)
     return crc

@@ -177,8 +177,8 @@ def _wht_block(xf, off, n, sg, so, c, inverse):
 
 
 @njit(**INLINE)
-def _unrolled(blocks):
-    """Whether every block size is in 8..256 (each block held in registers)."""
+def unrolled(blocks):
+    """Whether every block size is in 8..256 (each block held in registers, :func:`rotate_row`)."""
     ok = True
     for k in range(blocks.shape[0]):
         ok = ok and 8 <= blocks[k] <= 256
@@ -186,8 +186,23 @@ def _unrolled(blocks):
 
 
 @njit(**INLINE)
-def _rotate_row(xf, o, sg, so, blocks, scales, inverse):
-    """The rotation of the row ``xf[o:o + D]`` in place, block by block (signs ``sg[so:]``)."""
+def rotation_growth(blocks, scales):
+    """An upper bound on ``max|rotated x| / max|x|`` for :func:`rotate_row`: a block of ``n``
+    sums ``n`` values of magnitude at most ``max|x|``, then scales by ``1/sqrt(n)``, so
+    ``max(n * scale)`` over the blocks, with a margin for the float32 roundings of the
+    butterflies (at most 9 for a block of 256, each within ``2**-24`` of the sum's magnitude).
+    """
+    gr = 0.0
+    for k in range(blocks.shape[0]):
+        gr = max(gr, np.float64(blocks[k]) * np.float64(scales[k]))
+    return gr * (1.0 + 2.0**-16)
+
+
+@njit(**INLINE)
+def rotate_row(xf, o, sg, so, blocks, scales, inverse):
+    """The rotation of the float32 row ``xf[o:o + D]`` in place, block by block (signs
+    ``sg[so:]``), as :func:`hadamard_rows` rotates each row: only for blocks that pass
+    :func:`unrolled`. Offsets ``uintp``; in compiled code (an inlined function)."""
     off = _u(0)
     for k in range(blocks.shape[0]):
         _wht_block(xf, o + off, blocks[k], sg, so + off, scales[k], inverse)
@@ -212,11 +227,11 @@ def hadamard_rows(x, signs, blocks, scales, inverse):
     nb, nh, nt, d_n = x.shape
     xf, sg = x.reshape(-1), signs.reshape(-1)
     dn = _u(d_n)
-    if _unrolled(blocks):  # every block in registers (head_dim 64, 96 = 64 + 32, 128, 256, ...)
+    if unrolled(blocks):  # every block in registers (head_dim 64, 96 = 64 + 32, 128, 256, ...)
         for b in range(nb):
             for h in range(nh):
                 for t in range(nt):
-                    _rotate_row(xf, _u(((b * nh + h) * nt + t) * d_n), sg, _u(h * d_n), blocks, scales, inverse)
+                    rotate_row(xf, _u(((b * nh + h) * nt + t) * d_n), sg, _u(h * d_n), blocks, scales, inverse)
         return
     for b in range(nb):
         for h in range(nh):
@@ -273,7 +288,7 @@ def hadamard_load(x, y, signs, blocks, scales):
     """
     nb, nh, nt, d_n = x.shape
     xf, yf, sg = x.reshape(-1), y.reshape(-1), signs.reshape(-1)
-    if not _unrolled(blocks):
+    if not unrolled(blocks):
         load_row(xf, _u(0), yf, _u(0), _u(xf.shape[0]))
         hadamard_rows(y, signs, blocks, scales, False)
         return
@@ -283,7 +298,7 @@ def hadamard_load(x, y, signs, blocks, scales):
             r1 = min(r0 + _CHUNK, bh * nt + nt)
             load_row(xf, _u(r0 * d_n), yf, _u(r0 * d_n), _u((r1 - r0) * d_n))
             for r in range(r0, r1):
-                _rotate_row(yf, _u(r * d_n), sg, so, blocks, scales, False)
+                rotate_row(yf, _u(r * d_n), sg, so, blocks, scales, False)
 
 
 @njit(**JIT)
@@ -302,7 +317,7 @@ def hadamard_store(y, signs, blocks, scales, kind, out):
     """
     nb, nh, nt, d_n = y.shape
     yf, of, sg = y.reshape(-1), out.reshape(-1), signs.reshape(-1)
-    if not _unrolled(blocks):
+    if not unrolled(blocks):
         hadamard_rows(y, signs, blocks, scales, True)
         store_row(of, _u(0), yf, _u(yf.shape[0]), kind)
         return
@@ -311,7 +326,7 @@ def hadamard_store(y, signs, blocks, scales, kind, out):
         for r0 in range(bh * nt, bh * nt + nt, _CHUNK):
             r1 = min(r0 + _CHUNK, bh * nt + nt)
             for r in range(r0, r1):
-                _rotate_row(yf, _u(r * d_n), sg, so, blocks, scales, True)
+                rotate_row(yf, _u(r * d_n), sg, so, blocks, scales, True)
             store_row(of, _u(r0 * d_n), yf[r0 * d_n : r1 * d_n], _u((r1 - r0) * d_n), kind)
 
 
