@@ -519,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = [w for w in args.only.split(",") if w]
         cases = [c for c in cases if any(w in c.name for w in wanted)]
+        if not cases:
+            raise SystemExit(f"--only {args.only!r} matches no case name (e.g. 'kivi-4', 'quarot-4', 'KIVI-2 | rans')")
     results = []
     mc_samples = []
     for case in cases:
