@@ -24,7 +24,8 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
   the output tensors, all tensors of the cache in one kernel call per codec thread, the threads
   claiming tensors from a shared atomic counter (:func:`encode_plan` / :func:`encode_into`,
   :func:`decode_plan` / :func:`decode_into`; :mod:`kvtune.codecs.kernels.batch`; transforms
-  run inside the same calls, on a per-thread float32 work array). The plans are stacked once
+  run inside the same calls, on a per-thread float32 work array, except a lone ``hadamard``
+  before per-token quantization, which the quantizer applies to the rows it loads). The plans are stacked once
   per cache shape (encode) or stream header (decode); the decode kernels also check the
   float16 transform state and metadata while they are in cache (per tensor:
   :func:`kvtune.codecs.kernels.encode_tensor`, input check, segments, CRC, and
