@@ -97,6 +97,19 @@ def _consecutive(tokens):
 
 
 @njit(**INLINE)
+def _wrap(b, hi, ti, hs, ts):
+    """``(b, hi, ti)`` with a token index one past the last token moved to the next head (and
+    the next batch row after the last head)."""
+    if ti == ts:
+        ti = 0
+        hi += 1
+        if hi == hs:
+            hi = 0
+            b += 1
+    return b, hi, ti
+
+
+@njit(**INLINE)
 def _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, src, head):
     """The next ``nr`` rows of a segment (``heads`` x ``tokens`` of a ``(B, nh, nt, d_n)``
     tensor, batch-major) from ``pos = (b, head index, token index)``: their element offsets
@@ -105,30 +118,16 @@ def _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, src, head):
     the rows are one run)``."""
     b, hi, ti = pos
     hs, ts = heads.shape[0], tokens.shape[0]
+    contiguous = True
     if run and ti + nr <= ts:
         src[0] = ((b * nh + heads[hi]) * nt + tokens[ti]) * d_n
         head[:nr] = heads[hi]
-        contiguous = True
-        ti += nr
-    else:
-        contiguous = True
-        for r in range(nr):
-            src[r] = ((b * nh + heads[hi]) * nt + tokens[ti]) * d_n
-            head[r] = heads[hi]
-            contiguous &= src[r] == src[0] + r * d_n
-            ti += 1
-            if ti == ts:
-                ti = 0
-                hi += 1
-                if hi == hs:
-                    hi = 0
-                    b += 1
-    if ti == ts:
-        ti = 0
-        hi += 1
-        if hi == hs:
-            hi = 0
-            b += 1
+        return _wrap(b, hi, ti + nr, hs, ts), contiguous
+    for r in range(nr):
+        src[r] = ((b * nh + heads[hi]) * nt + tokens[ti]) * d_n
+        head[r] = heads[hi]
+        contiguous &= src[r] == src[0] + r * d_n
+        b, hi, ti = _wrap(b, hi, ti + 1, hs, ts)
     return (b, hi, ti), contiguous
 
 
