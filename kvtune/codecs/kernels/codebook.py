@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uintp
 
-from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
+from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row
 from .lowlevel import HALF, INLINE, JIT, ONE, ZERO, absmax, vminmax, vminmax_groups8
-from .quantize import vstore16
+from .quantize import store_rows
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
@@ -345,21 +345,5 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                         for d in range(dn):
                             blk[o + d] = levels[sf[src + d]] * ss[d]
                 if k == _ROWS - 1 or r == nb * hs * ts:
-                    _store_rows(blk, dst, k + 1, d_n, of, kind)
+                    store_rows(blk, dst, k + 1, d_n, False, of, kind)
 
-
-@njit(**INLINE)
-def _store_rows(blk, dst, nr, d_n, of, kind):
-    """Convert the first ``nr`` rows of ``blk`` into ``of`` at the element offsets ``dst``:
-    16 lanes at a time (:func:`~.quantize.vstore16`) unless float16 output or ``D`` is not a
-    multiple of 16. Against a conversion loop per row into the output: 130 -> 114 us per-channel,
-    122 -> 91 us per-token on one default-model tensor (one thread)."""
-    dn = _u(d_n)
-    vec = kind != 2 and d_n % 16 == 0
-    for r in range(nr):
-        o = _u(r * d_n)
-        if vec:
-            for d in range(_u(0), dn, _u(16)):
-                vstore16(blk, o + d, of, _u(dst[r]) + d)
-        else:
-            store_row(of, _u(dst[r]), blk[o : o + dn], dn, kind)

@@ -287,7 +287,7 @@ def _vdeq16v(typingctx, sym, soff, ss, zz, poff, out, ooff):
 
 
 @intrinsic
-def vstore16(typingctx, src, soff, out, ooff):
+def _vstore16(typingctx, src, soff, out, ooff):
     """16 float32 lanes ``src[soff:soff + 16]`` written to float32 ``out`` or as bfloat16 bits
     to uint16 ``out`` (:func:`_store16`: round to nearest even, NaN as 0x7FC0), in compiled
     code (a vector load, the conversion, a vector store)."""
@@ -488,6 +488,31 @@ def quantize_per_channel(x, heads, tokens, g, bits, symmetric, sym, scale, zero)
 
 
 @njit(**INLINE)
+def store_rows(blk, dst, nr, d_n, contiguous, of, kind):
+    """Convert the first ``nr`` rows of the float32 block ``blk`` (``nr * D``) into ``of``
+    (float32, or uint16 bits of ``kind`` as :func:`~.convert.store_row`): row ``r`` at element
+    offset ``dst[r]``, or ``dst[0] + r * D`` when ``contiguous``. 16 lanes at a time
+    (:func:`_vstore16`) unless the output is float16 or ``D`` is not a multiple of 16. A block
+    converted this way, against a conversion loop per row straight into the output: the
+    codebook decoder 130 -> 114 us per-channel, 122 -> 91 us per-token on one default-model
+    tensor (one thread)."""
+    dn = _u(d_n)
+    vec = kind != 2 and d_n % 16 == 0
+    if contiguous and vec:
+        for d in range(_u(0), _u(nr * d_n), U16):
+            _vstore16(blk, d, of, _u(dst[0]) + d)
+        return
+    for r in range(nr):
+        o = _u(r * d_n)
+        dr = _u(dst[0] + r * d_n if contiguous else dst[r])
+        if vec:
+            for d in range(_u(0), dn, U16):
+                _vstore16(blk, o + d, of, dr + d)
+        else:
+            store_row(of, dr, blk[o : o + dn], dn, kind)
+
+
+@njit(**INLINE)
 def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind, rot):
     """:func:`dequantize_per_token` with ``rot`` for groups of 16k channels tiling the rows,
     in blocks of :data:`_ROWS` rows: dequantized into a float32 block, each row rotated back,
@@ -498,7 +523,7 @@ def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out
     nh, nt = out.shape[1], out.shape[2]
     sf, scf, zf, of = sym.reshape(-1), scale.reshape(-1), zero.reshape(-1), out.reshape(-1)
     ng = scale.shape[3]
-    dn, ug = _u(d_n), _u(g)
+    ug = _u(g)
     signs, blocks, bscales = rot
     blk = np.empty(_ROWS * d_n, np.float32)
     dst = np.empty(_ROWS, np.int64)
@@ -517,18 +542,7 @@ def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out
                 _vdeq16(sf, base + d, s, z, blk, d)
         for r in range(nr):
             rotate_row(blk, _u(r * d_n), signs, _u(head[r] * d_n), blocks, bscales, True)
-        if contiguous and kind != 2:
-            for d in range(_u(0), _u(nr * d_n), U16):
-                vstore16(blk, d, of, _u(dst[0]) + d)
-            continue
-        for r in range(nr):
-            o = _u(r * d_n)
-            dr = _u(dst[0] + r * d_n if contiguous else dst[r])
-            if kind == 2:
-                store_row(of, dr, blk[o : o + dn], dn, kind)
-            else:
-                for d in range(_u(0), dn, U16):
-                    vstore16(blk, o + d, of, dr + d)
+        store_rows(blk, dst, nr, d_n, contiguous, of, kind)
 
 
 @njit(**JIT)

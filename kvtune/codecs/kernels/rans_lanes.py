@@ -237,7 +237,6 @@ def decode_groups(typingctx, words, io, states, qc, params, fc, slots, out, g_lo
         glo = context.cast(builder, args[8], sa[8], types.int64)
         ghi = context.cast(builder, args[9], sa[9], types.int64)
         gv = cgutils.alloca_once_value(builder, glo)
-        zero = _const(0)
         pmask = builder.sub(builder.shl(_const(1), prec), _const(1))
         group = ir.Constant(_I64, GROUP)
         emask = _const((1 << sw) - 1)
