@@ -988,9 +988,41 @@ def test_decode_tensor_is_crc_then_packed_segments():
     K.encode_segments(xk, segs, index, data, np.zeros(nbytes * 8, np.uint8), True, lut8, nf_table())
     for kind, _ in OUT_KINDS:
         want, got = out_array(shape, kind), out_array(shape, kind)
-        K.decode_segments(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), True, want, kind, nf_table())
-        crc = K.decode_tensor(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), got, kind, nf_table())
-        assert crc == zlib.crc32(data.tobytes()) and np.array_equal(got, want), kind
+        assert K.decode_segments(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), True, want, kind, nf_table())
+        crc, finite = K.decode_tensor(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), got, kind, nf_table())
+        assert crc == zlib.crc32(data.tobytes()) and finite and np.array_equal(got, want), kind
+
+
+@covers("decode_segments", "decode_tensor")
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_nan_or_inf_in_a_bfloat16_segment_is_reported(packed):
+    """``finite`` is false exactly when a bfloat16 segment holds a NaN or inf pattern (exponent
+    bits all set, either sign), into every output kind; the largest finite value and a NaN
+    pattern in another segment's payload bytes (a 4-bit code, not a bfloat16) are not."""
+    shape = (2, 3, 26, 16)
+    xk, _ = kernel_input(student_t(shape, seed=6, scale=5.0), "bf16")
+    segs, index, nbytes, _ = build_table(shape, segment_plan(shape))
+    luts, lut16, lut8 = fp8_luts()
+    data = np.zeros(nbytes, np.uint8)
+    sym = np.zeros(nbytes * 8, np.uint8)
+    K.encode_segments(xk, segs, index, data, sym, True, lut8, nf_table())
+    if not packed:  # the symbols at their SEG_SYM offsets, as another codec hands them over
+        K.encode_segments(xk, segs, index, np.zeros(nbytes, np.uint8), sym, False, lut8, nf_table())
+    bf16 = int(np.flatnonzero(segs[:, K.SEG_KIND] == K.KIND_BF16)[0])
+    at = segs[bf16, K.SEG_PAYLOAD if packed else K.SEG_SYM] + 2 * 37  # the segment's 38th value
+    cases = {0x7FC0: False, 0x7F80: False, 0xFF80: False, 0xFFC1: False, 0x7F7F: True, 0xFF7F: True}
+    for pattern, finite in cases.items():
+        for kind, _ in OUT_KINDS:
+            d, sb = data.copy(), sym.copy()
+            (d if packed else sb)[at : at + 2] = (pattern & 0xFF, pattern >> 8)
+            got = K.decode_segments(d, segs, index, luts, lut16, sb, packed, out_array(shape, kind), kind, nf_table())
+            assert got == finite, (hex(pattern), kind)
+            if packed:
+                assert K.decode_tensor(d, segs, index, luts, lut16, sb, out_array(shape, kind), kind, nf_table())[1] == finite
+    other = data.copy()  # 0x7FC0 bytes in the first (4-bit uniform) segment's payload: codes, not values
+    po = segs[0, K.SEG_PAYLOAD]
+    other[po : po + 2] = (0xC0, 0x7F)
+    assert K.decode_segments(other, segs, index, luts, lut16, sym, True, out_array(shape, 1), 1, nf_table())
 
 
 def stacked_tables(shapes, columns: int, seg_col: int, nseg_col: int):
@@ -1063,7 +1095,8 @@ def test_encode_batch_is_encode_tensor_per_row(dtype, threads):
 def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     """Every row = ``decode_tensor`` of its range of a read-only stream into its own output,
     whichever thread claims it, and the finiteness of its float16 metadata
-    (``first_nonfinite_f16`` over its metadata sections: ``BAD_META`` when not)."""
+    (``first_nonfinite_f16`` over its metadata sections: ``BAD_META`` when not) and of its
+    bfloat16 payloads (``BAD_PAYLOAD``)."""
     segs, index, table, tables = stacked_tables(BATCH_SHAPES, K.DEC_COLUMNS, K.DEC_SEG, K.DEC_NSEG)
     sizes = np.array([t[2] for t in tables], np.int64)
     stream = np.zeros(sizes.sum() + 5, np.uint8)  # 5 bytes before the first tensor (a header)
@@ -1075,7 +1108,7 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     stream.flags.writeable = False
     outs = [out_array(shape, kind) for shape in BATCH_SHAPES]
     want = [out_array(shape, kind) for shape in BATCH_SHAPES]
-    want_crcs = [K.decode_tensor(stream[a : a + n], tab, idx, luts, lut16, np.zeros(n * 8, np.uint8), w, kind, nf_table())
+    want_crcs = [K.decode_tensor(stream[a : a + n], tab, idx, luts, lut16, np.zeros(n * 8, np.uint8), w, kind, nf_table())[0]
                  for (tab, idx, n, _), a, w in zip(tables, starts, want)]
     table[:, K.DEC_IN], table[:, K.DEC_LEN] = starts, sizes
     table[:, K.DEC_B : K.DEC_D + 1] = BATCH_SHAPES
@@ -1095,6 +1128,14 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad,
                    counter, *no_transforms(len(outs)))
     assert bad.tolist() == [0, 0, K.BAD_META, 0]
+    # and a bfloat16 NaN in row 1's bfloat16 segment (its first value): BAD_PAYLOAD for row 1
+    tab = tables[1][0]
+    at = starts[1] + tab[np.flatnonzero(tab[:, K.SEG_KIND] == K.KIND_BF16)[0], K.SEG_PAYLOAD]
+    forged[at : at + 2] = (0xC0, 0x7F)
+    counter[0] = 0
+    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad,
+                   counter, *no_transforms(len(outs)))
+    assert bad.tolist() == [0, K.BAD_PAYLOAD, K.BAD_META, 0]
 
 
 def transform_programs(shapes, state: list[int]):

@@ -286,6 +286,46 @@ def test_nonfinite_float16_metadata_with_a_valid_crc_is_corrupt(bases, base, imp
         assert {what for _, _, what, _ in sections} == {"transform state", "metadata"}
 
 
+def bfloat16_payloads(stream: bytes) -> list[tuple[int, str, int, int]]:
+    """``(layer, "K" | "V", byte offset, length)`` of every bfloat16 payload of a ``bitpack``
+    stream of :data:`BASES` (the payloads after an empty metadata section: bfloat16 windows and
+    anchors have no metadata, every other segment of these policies has), in wire order."""
+    h = read_header(stream)
+    out, pos = [], h.header_nbytes
+    for i, lengths in enumerate(h.sections):
+        for name, lens in zip("KV", lengths):
+            flat = lens.flat()
+            for j, n in enumerate(flat):  # state, then (metadata, payload) per segment
+                if j and j % 2 == 0 and n and flat[j - 1] == 0:
+                    out.append((i, name, pos, n))
+                pos += n
+    return out
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference", "torch"])
+@pytest.mark.parametrize("base", ["kivi", "segments"])
+@pytest.mark.parametrize("value", [b"\xc0\x7f", b"\x80\x7f", b"\x80\xff", b"\x81\xff"],
+                         ids=["nan", "inf", "-inf", "-nan"])
+def test_nonfinite_bfloat16_payload_with_a_valid_crc_is_corrupt(bases, base, impl, value):
+    """bfloat16 windows and anchors hold finite values in every stream an encoder writes (it
+    refuses NaN / inf input); a forged NaN / inf there (CRC recomputed) used to decode into the
+    output on every path."""
+    stream = bases[base]
+    payloads = bfloat16_payloads(stream)
+    assert len(payloads) >= 4 and {name for _, name, _, _ in payloads} == {"K", "V"}
+    for layer, name, off, n in (payloads[0], payloads[-1]):
+        forged = bytearray(stream)
+        forged[off + n - 2 : off + n] = value  # the payload's last value
+        body = bytes(forged[:-4])
+        with pytest.raises(CorruptStreamError, match=f"layer {layer} ({name} )?.*NaN or inf bfloat16 value in (its|a) payload"):
+            decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
+        largest = bytearray(stream)  # the largest finite bfloat16 (0x7F7F) still decodes
+        largest[off + n - 2 : off + n] = b"\x7f\x7f"
+        body = bytes(largest[:-4])
+        assert all(bool(torch.isfinite(t).all()) for kv in decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
+                   for t in kv) or base == "segments"  # undoing the transforms may overflow a huge value
+
+
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 @pytest.mark.parametrize("base", list(BASES))
 @pytest.mark.parametrize("case", list(CASES))

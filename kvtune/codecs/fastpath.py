@@ -930,8 +930,8 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
     Returns:
         ``(tensors, crcs, bad)``: per layer ``(K, V)``; int64 ``(N,)`` the CRC-32 of each
         tensor's sections and uint8 ``(N,)`` 0, or :data:`kvtune.codecs.kernels.BAD_STATE` /
-        ``BAD_META`` when its float16 transform state / metadata holds a NaN or inf (layer
-        order, K before V).
+        ``BAD_META`` / ``BAD_PAYLOAD`` when its float16 transform state / metadata or a
+        bfloat16 payload holds a NaN or inf (layer order, K before V).
 
     Raises:
         Whatever a kernel raises (the caller re-decodes on the per-tensor route, which names the
@@ -981,11 +981,14 @@ def _decode_one(task) -> tuple[torch.Tensor, int]:
     if isinstance(plan, _ComponentPlan):
         crc = crc32(data)
         return _decode_components(sections, plan, comp, kind, layer, dtype, dest, positions), crc
-    return _decode_planned(sections, data, shape, plan, comp, dtype, dest)
+    return _decode_planned(sections, data, shape, plan, comp, dtype, dest, layer, kind)
 
 
-def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, dest) -> tuple[torch.Tensor, int]:
-    """:func:`_decode_one` of a tensor with a block-quantizer plan (:class:`_Plan`)."""
+def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, dest,
+                    layer: int, kind: str) -> tuple[torch.Tensor, int]:
+    """:func:`_decode_one` of a tensor with a block-quantizer plan (:class:`_Plan`): ``layer``'s
+    K or V (``kind`` ``"key"`` / ``"value"``). Raises CorruptStreamError on a NaN / inf in a
+    bfloat16 payload (:func:`nonfinite_bfloat16_error`)."""
     crc = None
     segs = plan.segs
     if comp.bitpack:
@@ -1026,11 +1029,15 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
         target = _empty(shape, np.float32 if out_kind == 0 else np.uint16, zero=not plan.segments)
     y = target if direct else _work(shape)
     luts = _fp8_luts()
+    finite = True
     if crc is None:  # bitpack: the CRC and every segment in one kernel call
-        crc = K.decode_tensor(data, segs, plan.idx, luts[0], luts[1], symbuf, y, out_kind if direct else 0, nf_table())
+        crc, finite = K.decode_tensor(data, segs, plan.idx, luts[0], luts[1], symbuf, y, out_kind if direct else 0,
+                                      nf_table())
     elif plan.segments:
-        K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, False, y, out_kind if direct else 0,
-                          nf_table())
+        finite = K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, False, y, out_kind if direct else 0,
+                                   nf_table())
+    if not finite:
+        raise nonfinite_bfloat16_error(layer, "K" if kind == "key" else "V")
     if not direct:
         if plan.transforms:
             _invert_transforms(y, plan, sections.state)
@@ -1107,6 +1114,13 @@ def nonfinite_float16_error(layer: int, name: str, what: str) -> CorruptStreamEr
                               "(an encoder writes only finite ones)")
 
 
+def nonfinite_bfloat16_error(layer: int, name: str) -> CorruptStreamError:
+    """The error for a NaN / inf bfloat16 value in a payload of ``layer``'s K or V (``name``):
+    a ``none`` tensor or a bfloat16 window, which an encoder writes only from finite input."""
+    return CorruptStreamError(f"corrupt KV stream: layer {layer} {name} has a NaN or inf bfloat16 value in its payload "
+                              "(an encoder writes only finite ones)")
+
+
 def first_nonfinite_f16(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
     """Index of the first byte range ``buf[starts[r]:ends[r]]`` of little-endian float16 values
     holding a NaN or inf, or -1 (:func:`kvtune.codecs.kernels.first_nonfinite_f16`; numpy when
@@ -1155,8 +1169,10 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
             check_checksum(buf, header, _combined_crc(buf, header, end, crcs, batch.nbytes))
         if bad.any():  # the first such tensor, its state before its metadata (wire order)
             i = int(np.flatnonzero(bad)[0])
-            what = "transform state" if bad[i] == K.BAD_STATE else "metadata"
-            raise nonfinite_float16_error(header.layer_offset + i // 2, "KV"[i % 2], what)
+            layer, name = header.layer_offset + i // 2, "KV"[i % 2]
+            if bad[i] == K.BAD_PAYLOAD:
+                raise nonfinite_bfloat16_error(layer, name)
+            raise nonfinite_float16_error(layer, name, "transform state" if bad[i] == K.BAD_STATE else "metadata")
         return decoded
     if sections is None:
         sections = section_views(stream, header)

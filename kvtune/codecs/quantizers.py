@@ -64,6 +64,8 @@ FP16_MAX = 65504.0
 """Largest finite float16 value: the range of float16 scales and zero points."""
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 """Largest finite bfloat16 value (~3.39e38)."""
+BF16_EXPONENT = 0x7F80
+"""The exponent bits of a bfloat16 pattern: all set in a NaN or inf."""
 
 # ----------------------------------------------------------------------------- pure math
 
@@ -414,8 +416,17 @@ class NoQuantizer(Quantizer):
         return x.to(torch.bfloat16).contiguous().view(torch.uint16), {}
 
     def dequantize_block(self, symbols: torch.Tensor, meta, shape: tuple[int, ...]) -> torch.Tensor:
-        """Float32 values of the bfloat16 patterns, shape ``shape``."""
-        return symbols.reshape(shape).contiguous().view(torch.bfloat16).to(torch.float32)
+        """Float32 values of the bfloat16 patterns, shape ``shape``.
+
+        Raises:
+            ValueError: a NaN or inf pattern (all 8 exponent bits set): an encoder writes only
+                finite values, so the symbols come from a forged stream (the decoder reports
+                it as a corrupt stream of its layer).
+        """
+        bits = symbols.reshape(shape).contiguous().view(torch.int16)
+        if bool(((bits & BF16_EXPONENT) == BF16_EXPONENT).any()):
+            raise ValueError("a NaN or inf bfloat16 value in a payload; an encoder writes only finite ones")
+        return bits.view(torch.bfloat16).to(torch.float32)
 
     def short_label(self) -> str:
         return "bf16"

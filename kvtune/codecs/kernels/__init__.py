@@ -93,6 +93,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         ENC_T,
         ENC_X,
         BAD_META,
+        BAD_PAYLOAD,
         BAD_STATE,
         TR_A,
         TR_AFFINE,
@@ -278,4 +279,5 @@ __all__ = [
     "TR_AFFINE",
     "BAD_STATE",
     "BAD_META",
+    "BAD_PAYLOAD",
 ]

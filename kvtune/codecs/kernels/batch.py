@@ -56,9 +56,9 @@ the stacked int64 block sizes (and float32 block scales); ``delta``: the group s
 ``affine``: 1 for an RMS statistic (else absmax), 1 with a shift, the byte offset of its state
 in the tensor's sections."""
 TR_HADAMARD, TR_DELTA, TR_AFFINE = 0, 1, 2
-BAD_STATE, BAD_META = 1, 2
+BAD_STATE, BAD_META, BAD_PAYLOAD = 1, 2, 3
 """Codes of :func:`decode_batch`'s ``bad``: a NaN / inf float16 in a tensor's transform state,
-or in its metadata."""
+or in its metadata; a NaN / inf bfloat16 in a payload."""
 
 
 @njit(**INLINE)
@@ -111,16 +111,16 @@ def _encode_row(x, limit, rows, idx, out, symbuf, lut8, books, ops, signs, block
 def _decode_row(data, rows, idx, luts, lut16, symbuf, books, y, kind, ops, signs, blocks, scales, work, st16):
     """One tensor of :func:`decode_batch` into ``y`` (float32, or uint16 bits of ``kind``): as
     it is, with a fused rotation, or into the float32 work array, its transforms then undone.
-    Returns the CRC-32 of its sections."""
+    Returns :func:`decode_tensor`'s ``(crc, finite)``."""
     if ops.shape[0] == 0:
         return decode_tensor(data, rows, idx, luts, lut16, symbuf, y, kind, books)
     if _fused_rotation(ops, blocks, rows):
         rot = _flat_rotation(ops[0], signs, blocks, scales, y.shape[1] * y.shape[3])
         return decode_tensor(data, rows, idx, luts, lut16, symbuf, y, kind, books, rot)
     w = work[: y.size].reshape(y.shape)
-    crc = decode_tensor(data, rows, idx, luts, lut16, symbuf, w, 0, books)
+    crc, finite = decode_tensor(data, rows, idx, luts, lut16, symbuf, w, 0, books)
     _inverse(w, ops, signs, blocks, scales, data, st16, y, kind)
-    return crc
+    return crc, finite
 
 
 @njit(**JIT)
@@ -253,7 +253,9 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, c
     (:func:`~.convert.store_output`), as the fast path's per-tensor route does. ``bad[i]``:
     :data:`BAD_STATE` when ``first_nonfinite_f16`` finds a NaN / inf in its transform state
     (the first ``state_len`` bytes of ``data_i``), else :data:`BAD_META` when it finds one in
-    its segments' metadata sections (``SEG_META``, ``SEG_META_LEN`` of its rows), else 0.
+    its segments' metadata sections (``SEG_META``, ``SEG_META_LEN`` of its rows), else
+    :data:`BAD_PAYLOAD` when a bfloat16 segment decodes a NaN / inf (:func:`decode_tensor`'s
+    ``finite``), else 0.
 
     Args:
         buf: uint8 stream (read-only is fine); every row's section lengths already checked
@@ -282,12 +284,14 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, c
                 bad[i] = BAD_STATE
         if table[i, DEC_KIND] == 0:
             y32 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.float32)
-            crcs[i] = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y32, 0, ops[i], signs, blocks, scales, work,
-                                  st16)
+            crcs[i], finite = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y32, 0, ops[i], signs, blocks,
+                                          scales, work, st16)
         else:
             y16 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.uint16)
-            crcs[i] = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y16, table[i, DEC_KIND], ops[i], signs,
-                                  blocks, scales, work, st16)
+            crcs[i], finite = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y16, table[i, DEC_KIND], ops[i],
+                                          signs, blocks, scales, work, st16)
+        if not finite and bad[i] == 0:
+            bad[i] = BAD_PAYLOAD
 
 
 @njit(**JIT)

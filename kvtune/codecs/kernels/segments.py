@@ -111,6 +111,18 @@ def _bf16_bits_of_impl(v):
     return None
 
 
+MAGNITUDE16 = np.uint16(0x7FFF)
+"""The bits of a bfloat16 pattern without its sign."""
+BF16_NONFINITE = np.uint16(0x7F80)
+"""The smallest magnitude pattern of a non-finite bfloat16 (inf; NaNs are above it)."""
+
+
+@njit(**INLINE)
+def _le16(data, o):
+    """The little-endian uint16 at byte offset ``o`` of uint8 ``data``."""
+    return np.uint16(data[o]) | (np.uint16(data[o + U1]) << np.uint16(8))
+
+
 def _get_bf16(data, off, heads, tokens, out, kind):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError
 
@@ -119,7 +131,9 @@ def _get_bf16(data, off, heads, tokens, out, kind):  # pragma: no cover - replac
 def _get_bf16_impl(data, off, heads, tokens, out, kind):
     """Little-endian bfloat16 bits from ``data[off:]`` into ``out[:, heads][:, :, tokens]``: a
     copy into bfloat16 output (uint16 ``out``, ``kind`` 1), else converted as
-    :func:`~kvtune.codecs.kernels.convert.store_row`."""
+    :func:`~kvtune.codecs.kernels.convert.store_row`. Returns the largest magnitude pattern
+    copied (the bits without the sign, as :func:`~.finite.max_magnitude_bf16`: ``>= 0x7F80`` is
+    a NaN or inf), a max reduction in the same loop."""
     if out.dtype == types.uint16:
 
         def impl(data, off, heads, tokens, out, kind):
@@ -128,18 +142,26 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
             dn = _u(d_n)
             o = _u(off)
             row = np.empty(d_n, np.float32)
+            mag = np.uint16(0)
             for b in range(nb):
                 for hi in range(heads.shape[0]):
                     for ti in range(tokens.shape[0]):
                         dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
                         if kind == 1:
                             for d in range(dn):
-                                of[dst + d] = np.uint16(data[o + U2 * d]) | (np.uint16(data[o + U2 * d + U1]) << np.uint16(8))
+                                v = _le16(data, o + U2 * d)
+                                of[dst + d] = v
+                                e = np.uint16(v & MAGNITUDE16)
+                                mag = e if e > mag else mag
                         else:
                             for d in range(dn):
-                                row[d] = bf16_bits_to_f32(np.uint16(data[o + U2 * d]) | (np.uint16(data[o + U2 * d + U1]) << np.uint16(8)))
+                                v = _le16(data, o + U2 * d)
+                                row[d] = bf16_bits_to_f32(v)
+                                e = np.uint16(v & MAGNITUDE16)
+                                mag = e if e > mag else mag
                             store_row(of, dst, row, dn, kind)
                         o += U2 * dn
+            return mag
 
         return impl
     if out.dtype == types.float32:
@@ -149,13 +171,18 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
             of = out.reshape(-1)
             dn = _u(d_n)
             o = _u(off)
+            mag = np.uint16(0)
             for b in range(nb):
                 for hi in range(heads.shape[0]):
                     for ti in range(tokens.shape[0]):
                         dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
                         for d in range(dn):
-                            of[dst + d] = bf16_bits_to_f32(np.uint16(data[o + U2 * d]) | (np.uint16(data[o + U2 * d + U1]) << np.uint16(8)))
+                            v = _le16(data, o + U2 * d)
+                            of[dst + d] = bf16_bits_to_f32(v)
+                            e = np.uint16(v & MAGNITUDE16)
+                            mag = e if e > mag else mag
                         o += U2 * dn
+            return mag
 
         return impl
     return None
@@ -355,11 +382,18 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
         rot: ``None``, or the rotation to undo on each row before its conversion
             (:func:`~.quantize.dequantize_per_token`), as :func:`encode_segments`'s.
 
+    Returns:
+        Whether every bfloat16 segment's values are finite (an encoder writes only finite
+        ones; a NaN or inf there comes from a forged stream, and the caller refuses it). The
+        other kinds cannot make a NaN or inf from finite float16 metadata, which the caller
+        checks.
+
     Raises:
         ValueError: ``rot`` with a segment that is not per-token uniform.
     """
     nb, nh, nt, d_n = out.shape
     meta = np.empty(_meta_scratch(segs, nb, d_n), np.uint16)
+    mag = np.uint16(0)
     for s in range(segs.shape[0]):
         sk, bits = segs[s, SEG_KIND], segs[s, SEG_BITS]
         hs, ts = segs[s, SEG_NHEADS], segs[s, SEG_NTOKENS]
@@ -370,10 +404,9 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
         if rot is not None and not (sk == KIND_UNIFORM and segs[s, SEG_A]):
             raise ValueError("a fused rotation needs per-token uniform segments")
         if sk == KIND_BF16:
-            if packed:
-                _get_bf16(data, segs[s, SEG_PAYLOAD], heads, tokens, out, kind)
-            else:
-                _get_bf16(symbuf, so, heads, tokens, out, kind)
+            src = data if packed else symbuf
+            e = _get_bf16(src, segs[s, SEG_PAYLOAD] if packed else so, heads, tokens, out, kind)
+            mag = e if e > mag else mag
             continue
         sym = symbuf[so : so + n]
         if packed:
@@ -407,6 +440,7 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
             _fp8_decode(sym4, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind)
+    return mag < BF16_NONFINITE
 
 
 def _magnitude(x):  # pragma: no cover - replaced by the overload below
@@ -421,7 +455,7 @@ def _magnitude_impl(x):
 
         def impl(x):
             bits = np.int64(max_masked(x.reshape(-1), np.uint16(0x7FFF)))
-            return bits, u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < 0x7F80
+            return bits, u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < BF16_NONFINITE
 
         return impl
     if x.dtype == types.float32:
@@ -477,8 +511,9 @@ def decode_tensor(data, segs, idx, luts, lut16, symbuf, out, kind, books, rot=No
     stream's, :func:`crc32_combine`), then :func:`decode_segments` with ``packed``.
 
     Reference: :func:`crc32_update` of ``data`` from 0, then :func:`decode_segments`.
-    Arguments as :func:`decode_segments`. Returns the CRC-32 of ``data``.
+    Arguments as :func:`decode_segments`. Returns ``(crc, finite)``: the CRC-32 of ``data`` and
+    :func:`decode_segments`'s answer.
     """
     crc = crc32_update(0, data)
-    decode_segments(data, segs, idx, luts, lut16, symbuf, True, out, kind, books, rot)
-    return crc
+    finite = decode_segments(data, segs, idx, luts, lut16, symbuf, True, out, kind, books, rot)
+    return crc, finite
