@@ -221,32 +221,35 @@ class StreamHeader:
         """Number of layers in the stream."""
         return len(self.shapes)
 
+    # the byte counts below are computed once per header object (cached_property: a frozen
+    # dataclass's fields never change); a decode reads the total several times
+
     def _tensors(self) -> list[TensorSections]:
         return [t for pair in self.sections for t in pair]
 
-    @property
+    @functools.cached_property
     def state_nbytes(self) -> int:
         """Bytes of transform state (e.g. ``affine`` scales) over all tensors."""
         return sum(t.state for t in self._tensors())
 
-    @property
+    @functools.cached_property
     def meta_nbytes(self) -> int:
         """Bytes of quantizer metadata (scales, zero points) over all segments."""
         return sum(sum(t.meta) for t in self._tensors())
 
-    @property
+    @functools.cached_property
     def payload_nbytes(self) -> int:
         """Bytes of packed symbols over all segments."""
         return sum(sum(t.payload) for t in self._tensors())
 
-    @property
+    @functools.cached_property
     def selection_nbytes(self) -> int:
         """Bytes of the kept-token bitmasks (0 without token selection)."""
         if self.source_tokens is None:
             return 0
         return sum(mask_nbytes(k, t) for (k, _), t in zip(self.shapes, self.source_tokens))
 
-    @property
+    @functools.cached_property
     def total_nbytes(self) -> int:
         """Total stream length in bytes: header + state + metadata + payload + selection masks +
         final checksum."""
