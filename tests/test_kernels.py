@@ -24,6 +24,7 @@ from numba import njit
 
 from kvtune.codecs import kernels as K
 from kvtune.codecs.kernels import rans as KR
+from kvtune.codecs.kernels.quantize import store_rows
 from kvtune.codecs.kernels.transforms import rotation_growth
 from kvtune.codecs.base import meta_to_bytes
 from kvtune.codecs.bitpack import pack_bits, unpack_bits
@@ -260,6 +261,35 @@ def test_f32_to_bf16_matches_torch_and_nan_is_canonical():
     res = np.empty(3, np.int64)
     _map_bf16(nan, res)
     assert (res == 0x7FC0).all()
+
+
+@njit(cache=False)
+def _store_rows_bf16(blk, out):
+    dst = np.zeros(1, np.int64)
+    store_rows(blk, dst, blk.size // 16, 16, True, out, 1)
+
+
+def test_the_16_lane_bf16_store_matches_f32_to_bf16_bits():
+    """The decoders' vector store into bfloat16 output (``store_rows`` and the dequantizers'
+    stores, one conversion, ``vcvtneps2bf16`` where the CPU has AVX512-BF16) gives the bits of
+    the scalar reference on every bfloat16 value, its rounding midpoints and neighbours,
+    subnormals and random patterns; a vector holding a NaN or a subnormal among normal values
+    converts as the reference too (NaN as 0x7FC0; the instruction alone would flush subnormals
+    and keep NaN payloads)."""
+    bf = np.arange(65536, dtype=np.uint32) << 16
+    x = np.concatenate([bf, bf + 0x8000, bf + 0x7FFF, bf + 0x8001]).astype(np.uint32).view(np.float32)
+    rnd = np.random.default_rng(7).integers(0, 2**32, size=100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    lone = np.full((4, 16), 1.5, np.float32)  # one odd lane among normal ones
+    lone[0, 3], lone[1, 15] = np.nan, np.float32(1e-39)
+    lone[2, 0] = np.array([0x7F800001], np.uint32).view(np.float32)[0]
+    x = np.concatenate([x, rnd, lone.reshape(-1)])
+    x = np.concatenate([x, np.zeros(-x.size % 16, np.float32)])
+    want = np.empty(x.size, np.int64)
+    _map_bf16(x, want)
+    got = np.empty(x.size, np.uint16)
+    _store_rows_bf16(x, got)
+    assert np.array_equal(got.astype(np.int64), want)
+    assert np.isnan(x).sum() > 1000 and (want[np.isnan(x)] == 0x7FC0).all()
 
 
 @covers("fp16_round_up_bits")
