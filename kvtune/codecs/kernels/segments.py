@@ -111,9 +111,9 @@ def _bf16_bits_of_impl(v):
     return None
 
 
-MAGNITUDE16 = np.uint16(0x7FFF)
+_MAGNITUDE16 = np.uint16(0x7FFF)
 """The bits of a bfloat16 pattern without its sign."""
-BF16_NONFINITE = np.uint16(0x7F80)
+_BF16_NONFINITE = np.uint16(0x7F80)
 """The smallest magnitude pattern of a non-finite bfloat16 (inf; NaNs are above it)."""
 
 
@@ -151,13 +151,13 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
                             for d in range(dn):
                                 v = _le16(data, o + U2 * d)
                                 of[dst + d] = v
-                                e = np.uint16(v & MAGNITUDE16)
+                                e = np.uint16(v & _MAGNITUDE16)
                                 mag = e if e > mag else mag
                         else:
                             for d in range(dn):
                                 v = _le16(data, o + U2 * d)
                                 row[d] = bf16_bits_to_f32(v)
-                                e = np.uint16(v & MAGNITUDE16)
+                                e = np.uint16(v & _MAGNITUDE16)
                                 mag = e if e > mag else mag
                             store_row(of, dst, row, dn, kind)
                         o += U2 * dn
@@ -179,7 +179,7 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
                         for d in range(dn):
                             v = _le16(data, o + U2 * d)
                             of[dst + d] = bf16_bits_to_f32(v)
-                            e = np.uint16(v & MAGNITUDE16)
+                            e = np.uint16(v & _MAGNITUDE16)
                             mag = e if e > mag else mag
                         o += U2 * dn
             return mag
@@ -440,7 +440,7 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
             _fp8_decode(sym4, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind)
-    return mag < BF16_NONFINITE
+    return mag < _BF16_NONFINITE
 
 
 def _magnitude(x):  # pragma: no cover - replaced by the overload below
@@ -455,7 +455,7 @@ def _magnitude_impl(x):
 
         def impl(x):
             bits = np.int64(max_masked(x.reshape(-1), np.uint16(0x7FFF)))
-            return bits, u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < BF16_NONFINITE
+            return bits, u32_as_f32(np.uint32(bits) << np.uint32(16)), bits < _BF16_NONFINITE
 
         return impl
     if x.dtype == types.float32:
