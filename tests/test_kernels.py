@@ -1025,10 +1025,11 @@ def test_decode_tensor_is_crc_then_packed_segments():
 
 @covers("decode_segments", "decode_tensor")
 @pytest.mark.parametrize("packed", [True, False])
-def test_a_nan_or_inf_in_a_bfloat16_segment_is_reported(packed):
+def test_a_nan_or_inf_in_a_bfloat16_or_float8_segment_is_reported(packed):
     """``finite`` is false exactly when a bfloat16 segment holds a NaN or inf pattern (exponent
-    bits all set, either sign), into every output kind; the largest finite value and a NaN
-    pattern in another segment's payload bytes (a 4-bit code, not a bfloat16) are not."""
+    bits all set, either sign) or a float8 segment a NaN or inf symbol, into every output kind;
+    the largest finite values and a NaN pattern in another segment's payload bytes (a 4-bit
+    code, not a bfloat16) are not."""
     shape = (2, 3, 26, 16)
     xk, _ = kernel_input(student_t(shape, seed=6, scale=5.0), "bf16")
     segs, index, nbytes, _ = build_table(shape, segment_plan(shape))
@@ -1053,6 +1054,17 @@ def test_a_nan_or_inf_in_a_bfloat16_segment_is_reported(packed):
     po = segs[0, K.SEG_PAYLOAD]
     other[po : po + 2] = (0xC0, 0x7F)
     assert K.decode_segments(other, segs, index, luts, lut16, sym, True, out_array(shape, 1), 1, nf_table())
+    # float8 symbols: e5m2 inf / NaN (exponent bits all set) and e4m3's NaN are reported,
+    # their largest finite symbols are not
+    for fp8 in np.flatnonzero(segs[:, K.SEG_KIND] == K.KIND_FP8):
+        e5m2 = bool(segs[fp8, K.SEG_A])
+        cases = {0x7C: False, 0xFE: False, 0x7B: True, 0xFB: True} if e5m2 else {0x7F: False, 0xFF: False, 0x7E: True}
+        at = segs[fp8, K.SEG_PAYLOAD if packed else K.SEG_SYM] + 5
+        for symbol, finite in cases.items():
+            d, sb = data.copy(), sym.copy()
+            (d if packed else sb)[at] = symbol
+            got = K.decode_segments(d, segs, index, luts, lut16, sb, packed, out_array(shape, 1), 1, nf_table())
+            assert got == finite, (e5m2, hex(symbol))
 
 
 def stacked_tables(shapes, columns: int, seg_col: int, nseg_col: int):

@@ -725,6 +725,30 @@ def test_dp_alloc_metadata_forged_to_nan_is_corrupt(basis):
             decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
 
 
+def test_dp_alloc_sink_tokens_forged_to_nan_or_inf_are_corrupt(basis):
+    """dp-alloc's bfloat16 sink tokens (no metadata, the tensor's first segment), one value
+    forged to NaN / +-inf with the CRC recomputed, decoded into the output on the fast path;
+    every path refuses them now."""
+    import zlib
+
+    from kvtune.codecs import read_header
+
+    kv = correlated_kv(1, 60, seed=1)
+    stream = encode_kv(kv, pca_policy(basis.digest, {"name": "dp-alloc", "bits": 2, "sink_tokens": 4}))
+    h = read_header(stream)
+    flat = h.sections[0][1].flat()  # V of layer 0: [state, meta_0, payload_0 (the sink), ...]
+    b, heads, _, d = kv[0][1].shape
+    assert flat[1] == 0 and flat[2] == 2 * b * heads * 4 * d  # no metadata, raw bfloat16
+    off = h.header_nbytes + sum(h.sections[0][0].flat()) + flat[0]  # after K: V's sink
+    for pattern in (b"\xc0\x7f", b"\x80\x7f", b"\x80\xff"):
+        forged = bytearray(stream)
+        forged[off + 2 : off + 4] = pattern
+        body = bytes(forged[:-4])
+        for impl in ("fast", "reference"):
+            with pytest.raises(CorruptStreamError, match="layer 0 (V )?.*NaN or inf (bfloat16 )?value in (its|a) payload"):
+                decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
+
+
 def test_keep_per_head_before_pca_across_heads_is_refused(basis):
     """Each head keeping its own tokens would join different tokens' heads in one PCA row."""
     quant = {"name": "dp-alloc", "bits": 2}

@@ -29,6 +29,7 @@ import torch
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, read_header
 from kvtune.codecs import policy as policy_module
 from kvtune.codecs.base import BF16_BITS
+from kvtune.codecs.fp8 import FP8Quantizer
 from kvtune.codecs.mixhq import MixHQ
 from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.codecs.range_coder import RangeCodec
@@ -317,13 +318,37 @@ def test_nonfinite_bfloat16_payload_with_a_valid_crc_is_corrupt(bases, base, imp
         forged = bytearray(stream)
         forged[off + n - 2 : off + n] = value  # the payload's last value
         body = bytes(forged[:-4])
-        with pytest.raises(CorruptStreamError, match=f"layer {layer} ({name} )?.*NaN or inf bfloat16 value in (its|a) payload"):
+        with pytest.raises(CorruptStreamError, match=f"layer {layer} ({name} )?.*NaN or inf (bfloat16 )?value in (its|a) payload"):
             decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
         largest = bytearray(stream)  # the largest finite bfloat16 (0x7F7F) still decodes
         largest[off + n - 2 : off + n] = b"\x7f\x7f"
         body = bytes(largest[:-4])
         assert all(bool(torch.isfinite(t).all()) for kv in decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
                    for t in kv) or base == "segments"  # undoing the transforms may overflow a huge value
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference", "torch"])
+@pytest.mark.parametrize("fmt, scaled, symbols", [("e4m3", False, (0x7F, 0xFF)), ("e5m2", True, (0x7C, 0xFC, 0x7E, 0xFF))])
+def test_nonfinite_float8_symbol_with_a_valid_crc_is_corrupt(fmt, scaled, symbols, impl):
+    """float8 symbols are finite in every stream an encoder writes (values beyond the format's
+    range saturate, NaN / inf input is refused): a forged NaN / inf symbol (CRC recomputed) used
+    to decode into the output on every path. A saturated value still decodes."""
+    fp8 = FP8Quantizer(format=fmt, scaled=scaled)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(SHAPE, generator=g) * 1e3, torch.randn(SHAPE, generator=g)) for _ in range(2)]
+    stream = encode_kv(kv, PolicyConfig(key=fp8, value=fp8))
+    h = read_header(stream)
+    pos = h.header_nbytes + sum(h.sections[0][0].flat())  # layer 0 V: [state, metadata, payload]
+    flat = h.sections[0][1].flat()
+    at = pos + flat[0] + flat[1] + 7  # V's 8th symbol
+    for sym in symbols:
+        forged = bytearray(stream)
+        forged[at] = sym
+        body = bytes(forged[:-4])
+        with pytest.raises(CorruptStreamError, match="layer 0 (V )?.*NaN or inf (float8 [a-z0-9]+ )?value in (its|a) payload"):
+            decode_kv(body + struct.pack("<I", zlib.crc32(body)), impl=impl)
+    k = decode_kv(stream, impl=impl)[0][0]  # unscaled e4m3 keys of ~1e3 saturate at +-448
+    assert bool(torch.isfinite(k).all()) and (scaled or float(k.abs().max()) == 448.0)
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])

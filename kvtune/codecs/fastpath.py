@@ -355,7 +355,8 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
     """Inverse of :func:`_encode_components` (the reference's checks, in its order). Every
     segment is decoded (its codec checking the count against its payload) before anything is
     allocated from the claimed shape, as on the reference path: a stream whose ``dp-alloc``
-    drops most components has many elements per byte, yet decodes here."""
+    drops most components has many elements per byte, yet decodes here. A NaN or inf in the
+    bfloat16 sink tokens raises CorruptStreamError (:func:`nonfinite_payload_error`)."""
     codec = comp.config.codec
     b, h, tokens, d = plan.shape
     nt = tokens - plan.first
@@ -372,6 +373,8 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
     for bits, mbytes, symbols in decoded:
         if bits == BF16_BITS:
             sink[...] = symbols.reshape(sink.shape)
+            if not K.all_finite_bf16(sink):
+                raise nonfinite_payload_error(layer, "K" if kind == "key" else "V")
             continue
         lo, hi = int(plan.start[s]), int(plan.start[s + 1])
         meta[2 * b * lo : 2 * b * hi] = np.frombuffer(mbytes, "<u2")
@@ -988,7 +991,7 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
                     layer: int, kind: str) -> tuple[torch.Tensor, int]:
     """:func:`_decode_one` of a tensor with a block-quantizer plan (:class:`_Plan`): ``layer``'s
     K or V (``kind`` ``"key"`` / ``"value"``). Raises CorruptStreamError on a NaN / inf in a
-    bfloat16 payload (:func:`nonfinite_bfloat16_error`)."""
+    bfloat16 payload or a float8 NaN / inf symbol (:func:`nonfinite_payload_error`)."""
     crc = None
     segs = plan.segs
     if comp.bitpack:
@@ -1037,7 +1040,7 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
         finite = K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, False, y, out_kind if direct else 0,
                                    nf_table())
     if not finite:
-        raise nonfinite_bfloat16_error(layer, "K" if kind == "key" else "V")
+        raise nonfinite_payload_error(layer, "K" if kind == "key" else "V")
     if not direct:
         if plan.transforms:
             _invert_transforms(y, plan, sections.state)
@@ -1114,10 +1117,11 @@ def nonfinite_float16_error(layer: int, name: str, what: str) -> CorruptStreamEr
                               "(an encoder writes only finite ones)")
 
 
-def nonfinite_bfloat16_error(layer: int, name: str) -> CorruptStreamError:
-    """The error for a NaN / inf bfloat16 value in a payload of ``layer``'s K or V (``name``):
-    a ``none`` tensor or a bfloat16 window, which an encoder writes only from finite input."""
-    return CorruptStreamError(f"corrupt KV stream: layer {layer} {name} has a NaN or inf bfloat16 value in its payload "
+def nonfinite_payload_error(layer: int, name: str) -> CorruptStreamError:
+    """The error for a NaN / inf value in a payload of ``layer``'s K or V (``name``): a
+    bfloat16 one (a ``none`` tensor, a window, sink tokens) or a float8 symbol, which an encoder
+    writes only from finite input (float8 saturates)."""
+    return CorruptStreamError(f"corrupt KV stream: layer {layer} {name} has a NaN or inf value in its payload "
                               "(an encoder writes only finite ones)")
 
 
@@ -1171,7 +1175,7 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
             i = int(np.flatnonzero(bad)[0])
             layer, name = header.layer_offset + i // 2, "KV"[i % 2]
             if bad[i] == K.BAD_PAYLOAD:
-                raise nonfinite_bfloat16_error(layer, name)
+                raise nonfinite_payload_error(layer, name)
             raise nonfinite_float16_error(layer, name, "transform state" if bad[i] == K.BAD_STATE else "metadata")
         return decoded
     if sections is None:

@@ -95,7 +95,16 @@ class FP8Quantizer(Quantizer):
         return fp8_encode(y, self.format).contiguous(), {"scale": scale16}
 
     def dequantize_block(self, symbols: torch.Tensor, meta: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        """Float32 values ``fp8(symbols) [* scale]`` of shape ``shape``."""
+        """Float32 values ``fp8(symbols) [* scale]`` of shape ``shape``.
+
+        Raises:
+            ValueError: a NaN or inf symbol (e4m3: ``0x7F`` / ``0xFF``; e5m2: exponent bits all
+                set): an encoder saturates and writes only finite ones, so it comes from a
+                forged stream (the decoder reports it as a corrupt stream of its layer).
+        """
+        low = symbols.reshape(shape) & 0x7F
+        if bool((low >= (0x7C if self.format == "e5m2" else 0x7F)).any()):
+            raise ValueError(f"a NaN or inf float8 {self.format} value in a payload; an encoder writes only finite ones")
         x = fp8_decode(symbols.reshape(shape), self.format)
         if self.scaled:
             x = x * meta["scale"].to(torch.float32).reshape(tuple(shape[:-1])).unsqueeze(-1)

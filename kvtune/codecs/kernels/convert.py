@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, types, uintp
 from numba.extending import intrinsic, overload
 
-from .lowlevel import FP16_MAX, HALF, INLINE, JIT, U1, U2, f32_as_u32, u32_as_f32
+from .lowlevel import FP16_MAX, HALF, INLINE, JIT, U1, U2, f32_as_u32, target_has_features, u32_as_f32
 
 _u = uintp
 
@@ -55,14 +55,14 @@ def _hardware_f16() -> bool:
     others convert natively). Elsewhere LLVM would call a runtime helper, so the integer code
     below is used. tests/test_kernels.py compares both with torch's conversions: float16 -> float32
     on all 65,536 bit patterns, float32 -> float16 on every float16 value, every rounding midpoint
-    and its two float32 neighbours, overflow bounds and random bit patterns."""
+    and its two float32 neighbours, overflow bounds and random bit patterns. On x86, F16C of
+    numba's target CPU (:func:`~.lowlevel.target_has_features`: ``NUMBA_CPU_NAME=generic``
+    has none)."""
     import platform
-
-    import llvmlite.binding as llvm
 
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return True
-    return bool(llvm.get_host_cpu_features().get("f16c", False))
+    return target_has_features("f16c")
 
 
 _HW_F16 = _hardware_f16()

@@ -17,15 +17,13 @@ slicing-by-16 tables, which handle the tail and other hosts. Where the host also
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils, config
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .lowlevel import JIT
+from .lowlevel import JIT, target_has_features
 
 
 def _crc_tables() -> np.ndarray:
@@ -63,24 +61,6 @@ def _fold_constant(n: int) -> int:
 # Barrett's mu (64 -> 32 bits); all mod P, bit-reflected.
 _K3, _K4 = _fold_constant(128 + 32), _fold_constant(128 - 32)
 _K5, _POLY, _MU = _fold_constant(64), 0x01DB710641, 0x01F7011641
-
-
-def _has_features(*features: str) -> bool:
-    """Whether the CRC can use these x86 features: an x86-64 host whose numba target (the host
-    CPU, unless ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` choose another) has them all."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    if config.CPU_FEATURES is not None:
-        return all(f"+{f}" in config.CPU_FEATURES.split(",") for f in features)
-    if config.CPU_NAME not in (None, "host"):  # a portable target: no guarantee
-        return False
-    try:
-        import llvmlite.binding as llvm
-
-        host = llvm.get_host_cpu_features()
-        return all(bool(host.get(f, False)) for f in features)
-    except Exception:  # pragma: no cover - llvmlite without host feature detection
-        return False
 
 
 def _fold_pair(bits: int) -> tuple[int, int]:
@@ -181,10 +161,10 @@ _clmul_fold_narrow = _clmul_fold(4, False)  # 64 bytes a round
 _clmul_fold_wide = _clmul_fold(4, True)  # 256 bytes a round
 
 
-CRC32_CLMUL = _has_features("pclmul")
+CRC32_CLMUL = target_has_features("pclmul")
 """Whether :func:`crc32_update` folds with ``pclmulqdq`` on this host (then it is faster than
 zlib 1.2's tables; otherwise zlib is the faster choice for one long buffer)."""
-CRC32_VPCLMUL = CRC32_CLMUL and _has_features("vpclmulqdq", "avx512f")
+CRC32_VPCLMUL = CRC32_CLMUL and target_has_features("vpclmulqdq", "avx512f")
 """Whether :func:`crc32_update` folds four 128-bit lanes per instruction (512-bit
 ``vpclmulqdq``, e.g. AMD Zen 4 and later, Intel Ice Lake and later): ``pclmulqdq`` issues one
 multiplication every other cycle on AMD EPYC (Zen 5), so the 128-bit fold peaks at ~15 GB/s in

@@ -13,12 +13,13 @@ wrap-around check on a signed computed index blocks vectorization (measured 5x s
 
 from __future__ import annotations
 
+import platform
 import warnings
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic
 
@@ -48,7 +49,30 @@ __all__ = [
     "absmax",
     "address_as_voidptr",
     "fetch_add",
+    "target_has_features",
 ]
+
+def target_has_features(*features: str) -> bool:
+    """Whether numba compiles the kernels for an x86-64 CPU with all these LLVM features (e.g.
+    ``"pclmul"``, ``"avx512bf16"``): the host CPU, unless ``NUMBA_CPU_NAME`` /
+    ``NUMBA_CPU_FEATURES`` choose another target (then only features that target names count;
+    a named CPU without a feature list gives no guarantee). A kernel that emits an instruction
+    of a feature the target lacks would abort the process in LLVM, so every such choice asks
+    here."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if config.CPU_FEATURES is not None:
+        return all(f"+{f}" in config.CPU_FEATURES.split(",") for f in features)
+    if config.CPU_NAME not in (None, "host"):  # a portable target: no guarantee
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        host = llvm.get_host_cpu_features()
+        return all(bool(host.get(f, False)) for f in features)
+    except Exception:  # pragma: no cover - llvmlite without host feature detection
+        return False
+
 
 # numba's internal SSA check warns on the inlined bf16 helpers (a pedantic notice about its own
 # IR, not a problem in the kernels): keep it out of users' logs

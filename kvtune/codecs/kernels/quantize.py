@@ -18,7 +18,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row, store_row
-from .lowlevel import F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, vminmax, vminmax_groups8, vminmax_rows8
+from .lowlevel import (F32_TINY, FP16_MAX, INLINE, JIT, ONE, TWO, U8, ZERO, absmax, target_has_features, vminmax,
+                       vminmax_groups8, vminmax_rows8)
 from .transforms import rotate_row
 
 _u = uintp
@@ -280,18 +281,10 @@ _NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80
 """``vfpclassps`` test bits: quiet NaN, subnormal, signaling NaN."""
 
 
-def _hardware_bf16() -> bool:
-    """Whether this CPU converts float32 to bfloat16 in one instruction (x86 AVX512-BF16:
-    ``vcvtneps2bf16``) and classifies float32 lanes in one (AVX512-DQ: ``vfpclassps``). numba compiles the kernels for the host CPU (and caches them per CPU), so
-    the choice is made once here."""
-    import llvmlite.binding as llvm
-
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("avx512bf16", False) and features.get("avx512dq", False))
-
-
-HW_BF16 = _hardware_bf16()
-"""Whether :func:`_store16` uses ``vcvtneps2bf16``."""
+HW_BF16 = target_has_features("avx512bf16", "avx512dq")
+"""Whether :func:`_store16` converts with ``vcvtneps2bf16`` (AVX512-BF16) and classifies with
+``vfpclassps`` (AVX512-DQ): numba's target CPU has both. numba caches kernels per target CPU,
+so the choice is made once per target."""
 
 
 def _load_lanes(context, builder, ary_ty, ary_arg, off_ty, off, elem, n=16):

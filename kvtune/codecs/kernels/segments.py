@@ -115,6 +115,9 @@ _MAGNITUDE16 = np.uint16(0x7FFF)
 """The bits of a bfloat16 pattern without its sign."""
 _BF16_NONFINITE = np.uint16(0x7F80)
 """The smallest magnitude pattern of a non-finite bfloat16 (inf; NaNs are above it)."""
+_E4M3_NAN, _E5M2_NONFINITE = np.uint8(0x7F), np.uint8(0x7C)
+"""The smallest magnitude pattern of a non-finite float8: e4m3 has no inf (0x7F is its NaN),
+e5m2's inf is 0x7C (its NaNs are above it)."""
 
 
 @njit(**INLINE)
@@ -383,10 +386,10 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             (:func:`~.quantize.dequantize_per_token`), as :func:`encode_segments`'s.
 
     Returns:
-        Whether every bfloat16 segment's values are finite (an encoder writes only finite
-        ones; a NaN or inf there comes from a forged stream, and the caller refuses it). The
-        other kinds cannot make a NaN or inf from finite float16 metadata, which the caller
-        checks.
+        Whether every bfloat16 value and float8 symbol is finite (an encoder writes only finite
+        ones, float8 saturating; a NaN or inf there comes from a forged stream, and the caller
+        refuses it). The uniform and codebook kinds cannot make a NaN or inf from finite float16
+        metadata, which the caller checks.
 
     Raises:
         ValueError: ``rot`` with a segment that is not per-token uniform.
@@ -438,6 +441,8 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             codebook_dequantize(sym4, lev, sc, ze, per_token, g, flags & CB_MINMAX != 0, heads, tokens, out, kind)
         else:
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
+            if max_masked(sym, np.uint8(0x7F)) >= (_E5M2_NONFINITE if e5m2 else _E4M3_NAN):
+                mag = _BF16_NONFINITE  # a NaN / inf symbol: not finite (the caller raises)
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
             _fp8_decode(sym4, sc, luts, lut16, scaled, e5m2, heads, tokens, out, kind)
     return mag < _BF16_NONFINITE
