@@ -74,7 +74,7 @@ from kvtune.codecs.kvtensors import DTYPE_MAX, NAME_DTYPES, NON_FINITE, to_outpu
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.select import is_selecting
 from kvtune.codecs.threads import parallel_map
-from kvtune.codecs.transforms import Affine, Delta, Hadamard, random_signs, rotate, unrotate
+from kvtune.codecs.transforms import Affine, Delta, Hadamard, rotate, unrotate
 from kvtune.core.errors import CorruptStreamError, KVInputError
 
 __all__ = ["supports", "encode_tensors", "decode_tensors", "pack_bits", "unpack_bits"]
