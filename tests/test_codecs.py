@@ -1676,6 +1676,18 @@ def test_batch_route_reports_the_first_bad_tensor_in_layer_order(dtype):
             encode_kv(kv, cfg, layer_offset=3, impl=impl)
 
 
+def test_a_rotation_that_overflows_float32_is_named_in_the_range_error():
+    """Finite input whose rotation overflows float32 (every value the largest bfloat16): the
+    range error says so on both paths, instead of printing a magnitude of nan."""
+    big = torch.finfo(torch.bfloat16).max
+    kv = [(torch.full((1, 2, 40, 32), big, dtype=torch.bfloat16), torch.randn(1, 2, 40, 32).bfloat16())]
+    cfg = PolicyConfig.from_dict(dict(transforms=["hadamard"], key=dict(name="uniform", bits=4),
+                                      value=dict(name="uniform", bits=4)))
+    for impl in ("fast", "reference"):
+        with pytest.raises(KVInputError, match=r"layer 0 key: a value that overflows float32 \(inf / NaN\)"):
+            encode_kv(kv, cfg, impl=impl)
+
+
 @pytest.mark.parametrize("transforms", [["hadamard"], ["delta", "hadamard"], [{"name": "affine", "shift": True}]])
 def test_batch_route_with_transforms_raises_as_the_reference(transforms):
     """With transforms on the batch route the range check sees the transformed tensor: a value

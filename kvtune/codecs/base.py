@@ -599,8 +599,10 @@ def check_value_range(segments: Sequence[Segment], x: torch.Tensor, *, layer: in
         part = seg.take(x)
         amax = float(part.abs().amax()) if part.numel() else 0.0
         if not amax <= limit:  # NaN fails too
+            # the input is finite (checked first): inf / NaN here is a transform's float32 overflow
+            what = f"a value of magnitude {amax:g}" if math.isfinite(amax) else "a value that overflows float32 (inf / NaN)"
             raise KVInputError(
-                f"layer {layer} {kind}: a value of magnitude {amax:g} (after the transforms) exceeds {limit:g}, "
+                f"layer {layer} {kind}: {what} (after the transforms) exceeds {limit:g}, "
                 f"the largest the {seg.coder.short_label()} block represents (beyond it its float16 or bfloat16 "
                 f"numbers would saturate and decode garbage); scale the KV cache or use a policy that represents it "
                 f"(e.g. the 'affine' transform)"
