@@ -934,7 +934,7 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
         ``(tensors, crcs, bad)``: per layer ``(K, V)``; int64 ``(N,)`` the CRC-32 of each
         tensor's sections and uint8 ``(N,)`` 0, or :data:`kvtune.codecs.kernels.BAD_STATE` /
         ``BAD_META`` / ``BAD_PAYLOAD`` when its float16 transform state / metadata or a
-        bfloat16 payload holds a NaN or inf (layer order, K before V).
+        payload (bfloat16 value, float8 symbol) holds a NaN or inf (layer order, K before V).
 
     Raises:
         Whatever a kernel raises (the caller re-decodes on the per-tensor route, which names the

@@ -58,7 +58,7 @@ in the tensor's sections."""
 TR_HADAMARD, TR_DELTA, TR_AFFINE = 0, 1, 2
 BAD_STATE, BAD_META, BAD_PAYLOAD = 1, 2, 3
 """Codes of :func:`decode_batch`'s ``bad``: a NaN / inf float16 in a tensor's transform state,
-or in its metadata; a NaN / inf bfloat16 in a payload."""
+or in its metadata; a NaN / inf bfloat16 value or float8 symbol in a payload."""
 
 
 @njit(**INLINE)
@@ -254,7 +254,7 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, c
     :data:`BAD_STATE` when ``first_nonfinite_f16`` finds a NaN / inf in its transform state
     (the first ``state_len`` bytes of ``data_i``), else :data:`BAD_META` when it finds one in
     its segments' metadata sections (``SEG_META``, ``SEG_META_LEN`` of its rows), else
-    :data:`BAD_PAYLOAD` when a bfloat16 segment decodes a NaN / inf (:func:`decode_tensor`'s
+    :data:`BAD_PAYLOAD` when a bfloat16 or float8 segment decodes a NaN / inf (:func:`decode_tensor`'s
     ``finite``), else 0.
 
     Args:
