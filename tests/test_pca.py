@@ -121,6 +121,25 @@ def test_pre_rope_unrotate_inverts_the_model_rotation_and_rotate_inverts_it():
     assert torch.equal(unrotate_keys(x, partial)[..., 8:], x[..., 8:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rotation_at_kept_positions_reads_the_cached_table_bit_for_bit(dtype, monkeypatch):
+    """Kept positions take their rows of the cached table; the result equals the route that
+    computes the angles of those positions directly (taken for tables too long to cache)."""
+    import kvtune.codecs.pca as pca_module
+
+    spec = RopeSpec(INV_FREQ, 1.3)
+    x = torch.randn(2, HEADS, 7, DIM, dtype=dtype)
+    pos = torch.tensor([0, 3, 4, 9, 20, 21, 40]).expand(2, HEADS, 7).contiguous()
+    pos[1, 0] = torch.tensor([1, 2, 5, 6, 7, 30, 41])
+    got = [(fn(x, spec, pos), fn(x, spec)) for fn in (unrotate_keys, rotate_keys)]
+    monkeypatch.setattr(pca_module, "_ROPE_CACHE_ELEMENTS", 0)  # every table computed directly
+    for (at_pos, default), fn in zip(got, (unrotate_keys, rotate_keys)):
+        assert torch.equal(at_pos, fn(x, spec, pos))
+        assert torch.equal(default, fn(x, spec))
+        assert not torch.equal(at_pos, default)  # the positions matter
+    assert unrotate_keys(x[:, :, :0], spec, pos[:, :, :0]).shape == (2, HEADS, 0, DIM)
+
+
 def test_pre_rope_basis_concentrates_key_energy_better_than_post(basis):
     post = fit_pca_basis([correlated_kv(2, 200, seed=s) for s in range(3)], key_rope="post")
     top = lambda b: float(b.layers[1][0].eigenvalues[:8].sum() / b.layers[1][0].eigenvalues.sum())  # noqa: E731

@@ -558,8 +558,15 @@ def _rotate(x: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | None, inv
     rotation's tables when ``inverse``), written into one new tensor without concatenating."""
     x = x.to(_work_dtype(x))
     tokens, half = int(x.shape[2]), spec.inv_freq.numel()
-    if positions is None and tokens * half <= _ROPE_CACHE_ELEMENTS:
-        cos, sin = _rope_table(tokens, spec, x.dtype, inverse)
+    if positions is None:
+        span, known = tokens, True
+    else:  # a table over 0 .. the last kept position serves the kept ones
+        span = int(positions.max()) + 1 if positions.numel() else 0
+        known = not positions.numel() or int(positions.min()) >= 0
+    if known and span * half <= _ROPE_CACHE_ELEMENTS:
+        cos, sin = _rope_table(span, spec, x.dtype, inverse)
+        if positions is not None:  # the kept tokens' rows of the table (each entry depends on its position only)
+            cos, sin = cos[positions], sin[positions]
     else:
         cos, sin = _rotation(_rope_cos_sin(tokens, spec, positions), x.dtype, inverse)
     out = torch.empty(x.shape, dtype=x.dtype)

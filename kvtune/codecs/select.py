@@ -52,6 +52,7 @@ import torch
 
 from kvtune.codecs.base import Transform, param, register_transform
 from kvtune.codecs.stream import MAX_DIM, StreamHeader, read_stream, selection_views
+from kvtune.codecs.threads import parallel_map
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
 
 __all__ = [
@@ -250,17 +251,18 @@ def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tu
     Raises:
         KVInputError: K and V of a layer differ in batch, heads or tokens.
     """
-    out, tokens, masks, kept = [], [], [], []
     for i, (k, v) in enumerate(kv):
         if k.shape[:3] != v.shape[:3]:
             raise KVInputError(f"kv[{i}]: keep selects K and V together; K {tuple(k.shape)} and V {tuple(v.shape)} "
                                "differ in batch, heads or tokens")
+
+    def layer(pair):
+        k, v = pair
         pos = keep.select(k)
-        out.append((_gather(k, pos), _gather(v, pos)))
-        tokens.append(int(k.shape[2]))
-        masks.append(pack_positions(pos, int(k.shape[2])))
-        kept.append(pos.cpu())
-    return out, Selection(tokens, masks, kept)
+        return (_gather(k, pos), _gather(v, pos)), pack_positions(pos, int(k.shape[2])), pos.cpu()
+
+    done = parallel_map(layer, kv)  # the layers on the codec threads (torch releases the GIL)
+    return [d[0] for d in done], Selection([int(k.shape[2]) for k, _ in kv], [d[1] for d in done], [d[2] for d in done])
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
