@@ -242,8 +242,9 @@ def _print_summary(result) -> None:
     trials, pareto = result.trials, result.pareto
     fidelity = f", {pareto['fidelity'].iloc[0]} fidelity" if "fidelity" in pareto and len(pareto) else ""
     table = Table(title=f"Pareto front ({len(pareto)} of {len(trials)} trials{fidelity})")
-    for col in ("policy", "ratio", "rel. acc. %", "95% CI", "enc GB/s", "dec GB/s"):
-        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    table.add_column("policy", overflow="fold")  # long labels fold onto more lines; the numbers stay whole
+    for col in ("ratio", "rel. acc. %", "95% CI", "enc GB/s", "dec GB/s"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=len(col))
     for _, r in pareto.sort_values("compression_ratio", ascending=False).iterrows():
         table.add_row(
             r["label"], f"{r['compression_ratio']:.2f}x", f"{100 * r['relative_accuracy']:.2f}",
