@@ -231,7 +231,7 @@ def _progress_hooks():
         before = state["done"]
         state["done"] += n
         total = max(state["total"], 1)
-        if info or state["done"] * 10 // total > before * 10 // total:
+        if info or state["done"] * 10 // total > before * 10 // total or before == 0:  # the first: a slow start shows
             elapsed = time.perf_counter() - state["t0"]
             console.print(f"  {state['name']} {state['done']}/{state['total']} {elapsed:.0f}s {info}", markup=False)
 

@@ -152,7 +152,8 @@ class TQCMethod(Method):
                                  pca_ids=wl.pca_calibration_ids)  # windows apart from the evaluated ones
         ratios = None
         if getattr(OPTIMIZERS[settings.optimizer], "needs_ratios", True):  # model-based optimizers use them
-            hooks.on_stage("estimate ratios", len(space))
+            # the first candidates compile the codec kernels they use (minutes, once per kvtune version)
+            hooks.on_stage("estimate ratios (the first ones compile the codec kernels if not cached)", len(space))
             ratios = estimate_ratios([c.config for c in space.candidates], wl.kv_sample(), progress=hooks.on_progress)
         info = {
             "settings": settings.to_dict(),
