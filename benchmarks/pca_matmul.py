@@ -11,7 +11,7 @@ Usage::
 * **Measured**, on ``--threads`` torch threads, min over ``--repeats`` runs of all 60 tensors,
   on the ``(tokens, heads * head_dim)`` float32 rows the transform projects (keys pre-RoPE):
   the projection ``rows @ components.T`` and the reconstruction ``coefficients @ components +
-  mean`` through :func:`kvtune.codecs.pca._linear` (oneDNN where torch has it) and through
+  mean`` through :func:`kvtune.codecs.pca.linear` (oneDNN where torch has it) and through
   ``torch.matmul`` / ``torch.addmm`` (MKL's sgemm on x86 builds), in ms per cache and GFLOP/s,
   next to a float32 copy of the same rows (``Tensor.copy_``). The largest difference between
   the two routes' results is printed too (the codec uses one route on both sides).
@@ -75,19 +75,19 @@ def main() -> None:
             jobs.append((rows, entry.components, entry.mean, torch.empty_like(rows)))
     flop = sum(2 * r.shape[0] * r.shape[1] * c.shape[0] for r, c, _, _ in jobs)
     routes = {
-        "project, oneDNN linear": lambda: [pca._linear(r, c) for r, c, _, _ in jobs],
+        "project, oneDNN linear": lambda: [pca.linear(r, c) for r, c, _, _ in jobs],
         "project, torch.matmul": lambda: [r @ c.T for r, c, _, _ in jobs],
-        "reconstruct, oneDNN linear": lambda: [pca._linear(r, c.T, m) for r, c, m, _ in jobs],
+        "reconstruct, oneDNN linear": lambda: [pca.linear(r, c.T, m) for r, c, m, _ in jobs],
         "reconstruct, torch.addmm": lambda: [torch.addmm(m, r, c) for r, c, m, _ in jobs],
     }
     copy = _best(lambda: [o.copy_(r) for r, _, _, o in jobs], args.repeats)
     print(f"{len(jobs)} tensors of {tuple(jobs[0][0].shape)} float32 rows, {args.threads} thread(s), "
-          f"oneDNN linear available: {pca._ONEDNN_LINEAR}, load average {os.getloadavg()[0]:.2f}")
+          f"oneDNN linear available: {pca.onednn_linear_available()}, load average {os.getloadavg()[0]:.2f}")
     print(f"float32 copy of the rows: {copy * 1e3:.2f} ms")
     for name, fn in routes.items():
         t = _best(fn, args.repeats)
         print(f"{name:28s} {t * 1e3:7.2f} ms  {flop / t / 1e9:6.1f} GFLOP/s  {t / copy:5.1f}x the copy")
-    diff = max(float((pca._linear(r, c) - r @ c.T).abs().max()) for r, c, _, _ in jobs)
+    diff = max(float((pca.linear(r, c) - r @ c.T).abs().max()) for r, c, _, _ in jobs)
     print(f"largest |oneDNN - matmul| of a projected coefficient: {diff:.3g}; load average {os.getloadavg()[0]:.2f}")
 
 

@@ -140,6 +140,34 @@ def test_rotation_at_kept_positions_reads_the_cached_table_bit_for_bit(dtype, mo
     assert unrotate_keys(x[:, :, :0], spec, pos[:, :, :0]).shape == (2, HEADS, 0, DIM)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_matches_matmul_on_both_routes(dtype, monkeypatch):
+    """``linear`` is ``rows @ weight.T (+ bias)`` through oneDNN (float32 on the CPU, where the
+    build has it) or ``matmul`` / ``addmm``; both routes agree to float32 rounding, a transposed
+    weight view works, and float64 takes ``matmul`` exactly."""
+    import kvtune.codecs.pca as pca_module
+
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(37, 24, generator=gen, dtype=dtype)
+    weight = torch.randn(24, 24, generator=gen, dtype=dtype)
+    bias = torch.randn(24, generator=gen, dtype=dtype)
+    fast = (pca_module.linear(rows, weight), pca_module.linear(rows, weight.T, bias))
+    want = (rows @ weight.T, torch.addmm(bias, rows, weight))
+    if dtype == torch.float64:
+        assert all(torch.equal(a, b) for a, b in zip(fast, want))
+    for a, b in zip(fast, want):
+        assert a.dtype == dtype and a.shape == (37, 24)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    pca_module.onednn_linear_available.cache_clear()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    try:
+        assert not pca_module.onednn_linear_available()
+        assert torch.equal(pca_module.linear(rows, weight.T, bias), torch.addmm(bias, rows, weight))
+        assert pca_module.linear(rows[:0], weight).shape == (0, 24)
+    finally:
+        pca_module.onednn_linear_available.cache_clear()
+
+
 def test_pre_rope_basis_concentrates_key_energy_better_than_post(basis):
     post = fit_pca_basis([correlated_kv(2, 200, seed=s) for s in range(3)], key_rope="post")
     top = lambda b: float(b.layers[1][0].eigenvalues[:8].sum() / b.layers[1][0].eigenvalues.sum())  # noqa: E731

@@ -78,6 +78,8 @@ __all__ = [
     "rotate_keys",
     "project",
     "unproject",
+    "linear",
+    "onednn_linear_available",
     "missing_pca_ropes",
     "fill_pca_bases",
     "check_digest",
@@ -613,21 +615,32 @@ def project(x: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     dt = _work_dtype(x)
     b, h, t, d = x.shape
     rows = (_rows(x.to(dt)) - entry.mean.to(dt)).reshape(b * t, h * d)
-    return _unrows(_linear(rows, entry.components.to(dt)).reshape(b, t, h * d), h, d)
+    return _unrows(linear(rows, entry.components.to(dt)).reshape(b, t, h * d), h, d)
 
 
 def unproject(y: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     """Inverse of :func:`project` (the components are orthonormal), same dtype rule."""
     dt = _work_dtype(y)
     b, h, t, d = y.shape
-    x = _linear(_rows(y.to(dt)).reshape(b * t, h * d), entry.components.to(dt).T, entry.mean.to(dt))
+    x = linear(_rows(y.to(dt)).reshape(b * t, h * d), entry.components.to(dt).T, entry.mean.to(dt))
     return _unrows(x.reshape(b, t, h * d), h, d)
 
 
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.cache
+def onednn_linear_available() -> bool:
+    """Whether this torch build runs oneDNN's linear on float32 CPU tensors (the op is
+    registered and a 2 x 2 product through it equals ``matmul``'s); probed once."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(a, a, None, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(got, a @ a.T))
 
 
-def _linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``rows @ weight.T`` (``+ bias``) for ``rows`` ``(n, D)``, ``weight`` ``(D, D)`` (any
     strides), ``bias`` ``(D,)``, all of one dtype; returns ``(n, D)`` in that dtype.
 
@@ -637,9 +650,10 @@ def _linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     project is built on, one thread, a ``(1024 x 192) @ (192 x 192)`` product (one K or V tensor
     of SmolLM2-135M) took 0.34 ms through oneDNN against 0.77 ms through ``matmul``
     (2026-12-03, ``benchmarks/pca_matmul.py``). Encoders and decoders of every path call this
-    function, so they compute the same bits on one machine.
+    function, so they compute the same bits on one machine. Tested in ``tests/test_pca.py``
+    (``test_linear_matches_matmul_on_both_routes``).
     """
-    if _ONEDNN_LINEAR and rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numel():
+    if rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numel() and onednn_linear_available():
         return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
     if bias is None:
         return rows @ weight.T
