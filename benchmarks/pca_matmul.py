@@ -21,33 +21,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 from kvtune.codecs import pca
 
-
-def _bench_codecs():
-    spec = importlib.util.spec_from_file_location("bench_codecs", Path(__file__).with_name("codecs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from bench_common import best_seconds, codecs_script  # noqa: E402  (the folder of this script)
 
 
 def main() -> None:
@@ -60,7 +41,7 @@ def main() -> None:
     if args.repeats < 1 or args.threads < 1:
         ap.error("--repeats and --threads must be >= 1")
     torch.set_num_threads(args.threads)
-    bench = _bench_codecs()
+    bench = codecs_script()
     kv = bench.load_kv("cpu", 1, 1024, args.kv)[0]
     basis = pca.lookup(bench.load_or_fit_basis(args.basis, 1, 1024))
     jobs = []
@@ -80,12 +61,12 @@ def main() -> None:
         "reconstruct, oneDNN linear": lambda: [pca.linear(r, c.T, m) for r, c, m, _ in jobs],
         "reconstruct, torch.addmm": lambda: [torch.addmm(m, r, c) for r, c, m, _ in jobs],
     }
-    copy = _best(lambda: [o.copy_(r) for r, _, _, o in jobs], args.repeats)
+    copy = best_seconds(lambda: [o.copy_(r) for r, _, _, o in jobs], args.repeats)
     print(f"{len(jobs)} tensors of {tuple(jobs[0][0].shape)} float32 rows, {args.threads} thread(s), "
           f"oneDNN linear available: {pca.onednn_linear_available()}, load average {os.getloadavg()[0]:.2f}")
     print(f"float32 copy of the rows: {copy * 1e3:.2f} ms")
     for name, fn in routes.items():
-        t = _best(fn, args.repeats)
+        t = best_seconds(fn, args.repeats)
         print(f"{name:28s} {t * 1e3:7.2f} ms  {flop / t / 1e9:6.1f} GFLOP/s  {t / copy:5.1f}x the copy")
     diff = max(float((pca.linear(r, c) - r @ c.T).abs().max()) for r, c, _, _ in jobs)
     print(f"largest |oneDNN - matmul| of a projected coefficient: {diff:.3g}; load average {os.getloadavg()[0]:.2f}")

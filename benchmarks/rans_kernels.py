@@ -25,10 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +37,12 @@ from kvtune.codecs.rans import RansCodec, empirical_entropy_bits, layout_for_sha
 from kvtune.codecs.range_coder import TABLE_STEPS, count_levels
 from kvtune.core.atomic import atomic_write_text
 
+from bench_common import best_seconds, codecs_script  # noqa: E402  (the folder of this script)
+
 
 def _load_kv(cache: Path | None):
     """The KV of ``benchmarks/codecs.py`` (one 1,024-token context), loaded through that script."""
-    spec = importlib.util.spec_from_file_location("bench_codecs", Path(__file__).with_name("codecs.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod.load_kv("cpu", 1, 1024, cache)[0]
+    return codecs_script().load_kv("cpu", 1, 1024, cache)[0]
 
 
 def kivi_symbols(kv, bits: int) -> list[np.ndarray]:
@@ -58,16 +53,6 @@ def kivi_symbols(kv, bits: int) -> list[np.ndarray]:
             sym, _ = UniformQuantizer(bits=bits, granularity=gran, group_size=32).quantize_block(x.float())
             out.append(sym.to(torch.uint8).numpy())
     return out
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def coder_loops(symbols: list[np.ndarray], bits: int):
@@ -104,11 +89,11 @@ def measure(symbols: list[np.ndarray], bits: int, repeats: int) -> dict[str, flo
         assert np.array_equal(codec.unpack(p, bits, s.size, shape=s.shape), s.reshape(-1))
     steps = sum(s.size // layout_for_shape("per_channel", bits, s.shape).m for s in symbols)
     dst = [np.empty_like(s) for s in symbols]
-    enc = _best(lambda: [codec.pack(s, bits) for s in symbols], repeats)
-    dec = _best(lambda: [codec.unpack(p, bits, s.size, shape=s.shape) for s, p in zip(symbols, packed)], repeats)
-    copy = _best(lambda: [np.copyto(d, s) for d, s in zip(dst, symbols)], repeats)
+    enc = best_seconds(lambda: [codec.pack(s, bits) for s in symbols], repeats)
+    dec = best_seconds(lambda: [codec.unpack(p, bits, s.size, shape=s.shape) for s, p in zip(symbols, packed)], repeats)
+    copy = best_seconds(lambda: [np.copyto(d, s) for d, s in zip(dst, symbols)], repeats)
     loop_enc, loop_dec = coder_loops(symbols, bits)
-    enc_loop, dec_loop = _best(loop_enc, repeats), _best(loop_dec, repeats)
+    enc_loop, dec_loop = best_seconds(loop_enc, repeats), best_seconds(loop_dec, repeats)
     entropy = sum(empirical_entropy_bits(s, bits, "per_channel") for s in symbols) / 8
     return {"symbols": sum(s.size for s in symbols), "steps": steps, "encode_s": enc, "decode_s": dec, "copy_s": copy, "encode_loop_s": enc_loop, "decode_loop_s": dec_loop,
             "bytes": sum(len(p) for p in packed), "entropy_bytes": entropy}
