@@ -367,3 +367,21 @@ def test_real_kv_round_trip(real_capture):
         assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(out, want))
         if pid != "none":
             assert enc.kv_bytes / enc.wire_bytes > 2.5  # compressed (the table's ratios are 3.2-4.6)
+
+
+def test_a_table_rebuilt_in_a_renamed_run_folder_still_finds_its_run_json(tmp_path, monkeypatch):
+    """``kvtune report`` on a copied or renamed run folder names the run as ``run.json`` records
+    it, so serving still takes the model's geometry from there."""
+    import shutil
+
+    from kvtune.methods import METHODS
+    from kvtune.run.runner import finalize_run
+
+    copy = tmp_path / "renamed"
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns(".kvtune.lock"))
+    monkeypatch.chdir(tmp_path)  # the report goes to the run's relative reports folder
+    finalize_run(METHODS["tqc"], copy)
+    table = json.loads((copy / "policy_table.json").read_text())
+    assert table["extra"]["run"] == json.loads((EXAMPLE / "run.json").read_text())["settings"]["run"] != "renamed"
+    geo = ServingPolicy.load(copy / "policy_table.json", q_min=0.97).geometry
+    assert geo is not None and (geo.num_layers, geo.kv_heads, geo.head_dim) == (LAYERS, HEADS, DIM)

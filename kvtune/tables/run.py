@@ -104,11 +104,14 @@ def kv_bytes_per_request(run_info: dict[str, Any]) -> float | None:
 
 
 def run_table_metadata(run_dir: str | os.PathLike[str], run_info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Metadata a run's table should carry: ``run`` (folder name), ``kv_bytes_per_request``
-    and ``context_tokens`` when known."""
+    """Metadata a run's table should carry: ``run`` (the name ``run.json`` records, so that a
+    table rebuilt in a renamed or copied folder still finds its ``run.json``; the folder name
+    when it records none), ``kv_bytes_per_request`` and ``context_tokens`` when known."""
     run_dir = Path(run_dir)
     info = read_run_info(run_dir) if run_info is None else run_info
-    meta: dict[str, Any] = {"run": run_dir.name}
+    settings = info.get("settings") if isinstance(info, dict) else None
+    recorded = settings.get("run") if isinstance(settings, dict) else None
+    meta: dict[str, Any] = {"run": recorded if isinstance(recorded, str) and recorded else run_dir.name}
     kvb = kv_bytes_per_request(info)
     if kvb is not None:
         meta["kv_bytes_per_request"] = kvb
