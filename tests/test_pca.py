@@ -138,6 +138,8 @@ def test_rotation_at_kept_positions_reads_the_cached_table_bit_for_bit(dtype, mo
         assert torch.equal(default, fn(x, spec))
         assert not torch.equal(at_pos, default)  # the positions matter
     assert unrotate_keys(x[:, :, :0], spec, pos[:, :, :0]).shape == (2, HEADS, 0, DIM)
+    for other in (pos.int(), pos.to(torch.uint8), pos.double()):  # other dtypes: the same rotation
+        assert torch.equal(unrotate_keys(x, spec, other), got[0][0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -158,6 +160,11 @@ def test_linear_matches_matmul_on_both_routes(dtype, monkeypatch):
     for a, b in zip(fast, want):
         assert a.dtype == dtype and a.shape == (37, 24)
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    # a strided or expanded bias (a basis mean can be a view): oneDNN reads a bias as packed
+    strided = torch.randn(48, generator=gen, dtype=dtype)[::2]
+    assert torch.allclose(pca_module.linear(rows, weight.T, strided), torch.addmm(strided, rows, weight), rtol=1e-5, atol=1e-5)
+    zeros = torch.zeros(1, dtype=dtype).expand(24)
+    assert torch.allclose(pca_module.linear(rows, weight.T, zeros), rows @ weight, rtol=1e-5, atol=1e-5)
     pca_module.onednn_linear_available.cache_clear()
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     try:

@@ -385,3 +385,9 @@ def test_a_table_rebuilt_in_a_renamed_run_folder_still_finds_its_run_json(tmp_pa
     assert table["extra"]["run"] == json.loads((EXAMPLE / "run.json").read_text())["settings"]["run"] != "renamed"
     geo = ServingPolicy.load(copy / "policy_table.json", q_min=0.97).geometry
     assert geo is not None and (geo.num_layers, geo.kv_heads, geo.head_dim) == (LAYERS, HEADS, DIM)
+    info = json.loads((copy / "run.json").read_text())  # a run.json that records no name: the folder's
+    del info["settings"]["run"]
+    (copy / "run.json").write_text(json.dumps(info))
+    finalize_run(METHODS["tqc"], copy)
+    assert json.loads((copy / "policy_table.json").read_text())["extra"]["run"] == "renamed"
+    assert ServingPolicy.load(copy / "policy_table.json", q_min=0.97).geometry is not None

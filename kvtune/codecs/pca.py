@@ -562,13 +562,15 @@ def _rotate(x: torch.Tensor, spec: RopeSpec, positions: torch.Tensor | None, inv
     tokens, half = int(x.shape[2]), spec.inv_freq.numel()
     if positions is None:
         span, known = tokens, True
-    else:  # a table over 0 .. the last kept position serves the kept ones
-        span = int(positions.max()) + 1 if positions.numel() else 0
-        known = not positions.numel() or int(positions.min()) >= 0
+    else:  # a table over 0 .. the last kept position serves integer positions >= 0
+        integral = not positions.is_floating_point() and not positions.is_complex() and positions.dtype != torch.bool
+        span = int(positions.max()) + 1 if integral and positions.numel() else 0
+        known = integral and (not positions.numel() or int(positions.min()) >= 0)
     if known and span * half <= _ROPE_CACHE_ELEMENTS:
         cos, sin = _rope_table(span, spec, x.dtype, inverse)
         if positions is not None:  # the kept tokens' rows of the table (each entry depends on its position only)
-            cos, sin = cos[positions], sin[positions]
+            at = positions.long()
+            cos, sin = cos[at], sin[at]
     else:
         cos, sin = _rotation(_rope_cos_sin(tokens, spec, positions), x.dtype, inverse)
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -654,7 +656,9 @@ def linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     (``test_linear_matches_matmul_on_both_routes``).
     """
     if rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.numel() and onednn_linear_available():
-        return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+        # oneDNN reads the bias as a packed (D,) array whatever its strides (the weight's it honours)
+        return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, None if bias is None else bias.contiguous(),
+                                                  "none", [], "")
     if bias is None:
         return rows @ weight.T
     return torch.addmm(bias, rows, weight.T)

@@ -37,6 +37,7 @@ from kvtune.codecs.pca import PCA, BasisError, BasisNotLoadedError, lookup
 from kvtune.codecs.select import selecting_transform
 from kvtune.core.errors import ConfigError, KvtuneError, TableError
 from kvtune.tables.policy_table import NONE_POLICY_ID, PolicyTable
+from kvtune.tables.run import run_name
 
 __all__ = [
     "MAX_RUN_FILE_BYTES",
@@ -176,9 +177,7 @@ def _table_and_run_dir(spec: str | os.PathLike[str] | PolicyTable) -> tuple[Poli
     run = table.metadata["extra"].get("run")
     info_path = p.parent / "run.json"
     if run is not None and info_path.is_file():
-        info = _read_small_json(info_path, ModelMismatchError)
-        settings = info.get("settings") if isinstance(info, dict) else None
-        if isinstance(settings, dict) and settings.get("run") == run:
+        if run_name(_read_small_json(info_path, ModelMismatchError), p.parent.name) == run:
             return table, p.parent
     return table, None
 

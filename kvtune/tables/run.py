@@ -31,6 +31,7 @@ __all__ = [
     "read_run_info",
     "resolve_table",
     "run_method",
+    "run_name",
     "run_table_metadata",
     "selection_summary",
     "selection_text",
@@ -103,15 +104,22 @@ def kv_bytes_per_request(run_info: dict[str, Any]) -> float | None:
     return float(2 * layers * kv_heads * head_dim * tokens * 2)
 
 
+def run_name(info: Any, folder: str) -> str:
+    """The name of a run: what its ``run.json`` (``info``) records as ``settings.run``, else
+    (missing, empty or not a string) the name of its ``folder``. Tables carry it, and serving
+    pairs a table file with the ``run.json`` beside it when the two agree."""
+    settings = info.get("settings") if isinstance(info, dict) else None
+    recorded = settings.get("run") if isinstance(settings, dict) else None
+    return recorded if isinstance(recorded, str) and recorded else folder
+
+
 def run_table_metadata(run_dir: str | os.PathLike[str], run_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """Metadata a run's table should carry: ``run`` (the name ``run.json`` records, so that a
     table rebuilt in a renamed or copied folder still finds its ``run.json``; the folder name
     when it records none), ``kv_bytes_per_request`` and ``context_tokens`` when known."""
     run_dir = Path(run_dir)
     info = read_run_info(run_dir) if run_info is None else run_info
-    settings = info.get("settings") if isinstance(info, dict) else None
-    recorded = settings.get("run") if isinstance(settings, dict) else None
-    meta: dict[str, Any] = {"run": recorded if isinstance(recorded, str) and recorded else run_dir.name}
+    meta: dict[str, Any] = {"run": run_name(info, run_dir.name)}
     kvb = kv_bytes_per_request(info)
     if kvb is not None:
         meta["kv_bytes_per_request"] = kvb

@@ -64,6 +64,7 @@ from kvtune.run.settings import RunSettings, check_floors
 from kvtune.run.method import Compiled, Hooks, Method, ProfileRequest, Stage
 from kvtune.run.store import TrialStore
 from kvtune.tables.policy_table import DEFAULT_FLOORS, PolicyTable
+from kvtune.tables.run import run_name
 
 __all__ = ["CODEC_POLICIES", "BiCacheMethod", "BiCacheResult", "BiCacheSettings", "compile_run_table",
            "mark_admissible", "measure_bucket", "run_bicache_profile"]
@@ -323,7 +324,7 @@ class BiCacheMethod(Method):
             "kv_bytes_per_request": float(info["kv_bytes_per_request"]), "method": "bicache",
             "prefix_tokens": int(info["prefix"]["tokens"]),
             "reference_volume": "bf16 bytes of the full-depth prefix state (L layers of K/V + final hidden)",
-            "run": run_dir.name,
+            "run": run_name(info, run_dir.name),
         }
         candidates = mark_admissible(frames["candidates"], frames["quality"], frames["depth_table"], settings.floors)
         lines = candidates[candidates["admissible"]].reset_index(drop=True)
