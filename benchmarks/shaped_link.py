@@ -28,7 +28,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 __all__ = ["LinkError", "ShapedLink", "tbf_burst_bytes"]
