@@ -783,6 +783,30 @@ def test_delta_rows_matches_delta_coding(t, g):
     assert np.array_equal(y.view(np.uint32), delta_decode(ref, g).numpy().view(np.uint32))
 
 
+@covers("delta_load", "delta_store")
+@pytest.mark.parametrize("t, g", [(37, 10), (10, 10), (5, 10), (1, 2), (0, 4), (16, 2)])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_fused_delta_kernels_match_delta_rows_and_the_conversions(t, g, dtype):
+    """``delta_load`` = ``to_float32`` then ``delta_rows``; ``delta_store`` = ``delta_rows``
+    (inverse) then ``store_output``, bit for bit, for every output kind (float16 overflow to inf
+    included), leaving its input as it was."""
+    x, _ = kernel_input(with_extremes(student_t((2, 3, t, 13), seed=t, scale=4e3)), dtype)
+    want = np.zeros(x.shape, np.float32)
+    K.to_float32(x, want)
+    K.delta_rows(want, g, False)
+    got = np.full(x.shape, np.nan, np.float32)
+    K.delta_load(x, got, g)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    inverse = want.copy()
+    K.delta_rows(inverse, g, True)
+    for kind, _ in OUT_KINDS:
+        expect, out = out_array(x.shape, kind), out_array(x.shape, kind)
+        K.store_output(inverse, kind, expect)
+        K.delta_store(got, g, kind, out)
+        assert np.array_equal(out.view(np.uint8), expect.view(np.uint8)), kind
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # the input is untouched
+
+
 @covers("affine_fit")
 @pytest.mark.parametrize("statistic, shift", [("rms", False), ("rms", True), ("absmax", False), ("absmax", True)])
 def test_affine_fit_matches_channel_stats(statistic, shift):
@@ -1180,16 +1204,18 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     assert bad.tolist() == [0, K.BAD_PAYLOAD, K.BAD_META, 0]
 
 
-def transform_programs(shapes, state: list[int]):
-    """Per tensor the program ``hadamard``, ``delta`` (groups of 5 tokens), ``affine`` (RMS with
-    a shift, its state at byte 0), as the batch kernels take it, and each tensor's signs."""
+def transform_programs(shapes, state: list[int], order=("hadamard", "delta", "affine")):
+    """Per tensor the program of ``hadamard``, ``delta`` (groups of 5 tokens) and ``affine``
+    (RMS with a shift, its state at byte 0) in ``order``, as the batch kernels take it, and each
+    tensor's signs."""
     ops = np.zeros((len(shapes), 3, K.TR_COLUMNS), np.int64)
     signs, blocks, scales = [], [], []
     for i, shape in enumerate(shapes):
         h, d = shape[1], shape[3]
-        ops[i, 0] = (K.TR_HADAMARD, sum(s.size for s in signs), sum(len(b) for b in blocks), len(power_of_two_blocks(d)))
-        ops[i, 1] = (K.TR_DELTA, 5, 0, 0)
-        ops[i, 2] = (K.TR_AFFINE, 1, 1, 0)
+        ops[i, order.index("hadamard")] = (K.TR_HADAMARD, sum(s.size for s in signs), sum(len(b) for b in blocks),
+                                           len(power_of_two_blocks(d)))
+        ops[i, order.index("delta")] = (K.TR_DELTA, 5, 0, 0)
+        ops[i, order.index("affine")] = (K.TR_AFFINE, 1, 1, 0)
         signs.append(random_signs(i, 3, "key", h, d).numpy())
         blocks.append(idx(power_of_two_blocks(d)))
         scales.append(np.array(block_scales(d), np.float32))
@@ -1199,13 +1225,20 @@ def transform_programs(shapes, state: list[int]):
 
 @covers("encode_batch", "decode_batch")
 @pytest.mark.parametrize("kind", [0, 1])
-def test_batch_kernels_run_transform_programs(kind):
+@pytest.mark.parametrize("order", [("hadamard", "delta", "affine"), ("delta", "hadamard", "affine")])
+def test_batch_kernels_run_transform_programs(kind, order):
     """With a transform program, encode = transforms on a float32 copy (the affine state written
     first in the tensor's sections), then ``encode_tensor``; decode = ``decode_tensor`` into
     float32, the transforms undone last first, then the output conversion; a NaN in a
-    tensor's transform state gives ``BAD_STATE``."""
+    tensor's transform state gives ``BAD_STATE``. A leading ``hadamard`` or ``delta`` runs fused
+    with the conversions; the reference runs every step on its own."""
     state = []
-    ops, signs, flat_signs, blocks, scales = transform_programs(BATCH_SHAPES, state)
+    ops, signs, flat_signs, blocks, scales = transform_programs(BATCH_SHAPES, state, order)
+    k = order.index("hadamard")
+
+    def rotate(y, i, inverse):
+        K.hadamard_rows(y, signs[i], blocks[ops[i, k, 2] : ops[i, k, 2] + ops[i, k, 3]],
+                        scales[ops[i, k, 2] : ops[i, k, 2] + ops[i, k, 3]], inverse)
     segs, index, enc, tables = stacked_tables(BATCH_SHAPES, K.ENC_COLUMNS, K.ENC_SEG, K.ENC_NSEG)
     starts = np.array([0] + [len(t[0]) for t in tables]).cumsum()[:-1]
     for i, (a, n) in enumerate(zip(starts, [len(t[0]) for t in tables])):  # sections move past the state
@@ -1222,12 +1255,15 @@ def test_batch_kernels_run_transform_programs(kind):
         h, d = x.shape[1], x.shape[3]
         y = np.zeros(x.shape, np.float32)
         K.to_float32(x, y)
-        K.hadamard_rows(y, signs[i], blocks[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]],
-                        scales[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]], False)
-        K.delta_rows(y, 5, False)
         sc, sh = np.zeros((h, d), np.uint16), np.zeros((h, d), np.uint16)
-        K.affine_fit(y, True, True, sc, sh)
-        K.affine_rows(y, sc, sh, True, False)
+        for name in order:
+            if name == "hadamard":
+                rotate(y, i, False)
+            elif name == "delta":
+                K.delta_rows(y, 5, False)
+            else:
+                K.affine_fit(y, True, True, sc, sh)
+                K.affine_rows(y, sc, sh, True, False)
         out = want[start : start + n + state[i]]
         out[: state[i]] = np.concatenate([sc.reshape(-1), sh.reshape(-1)]).view(np.uint8)
         t = tab.copy()
@@ -1261,10 +1297,13 @@ def test_batch_kernels_run_transform_programs(kind):
         y = np.zeros(got.shape, np.float32)
         K.decode_tensor(data, t, ix, luts, lut16, np.zeros(n * 8, np.uint8), y, 0, nf_table())
         st = data[: state[i]].view(np.uint16).reshape(2, h, d)
-        K.affine_rows(y, st[0], st[1], True, True)
-        K.delta_rows(y, 5, True)
-        K.hadamard_rows(y, signs[i], blocks[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]],
-                        scales[ops[i, 0, 2] : ops[i, 0, 2] + ops[i, 0, 3]], True)
+        for name in reversed(order):
+            if name == "hadamard":
+                rotate(y, i, True)
+            elif name == "delta":
+                K.delta_rows(y, 5, True)
+            else:
+                K.affine_rows(y, st[0], st[1], True, True)
         expect = out_array(got.shape, kind)
         K.store_output(y, kind, expect)
         covered = np.ones(got.shape, bool)
@@ -1625,7 +1664,7 @@ def test_warm_up_compiles_the_fast_path_kernels():
     seconds = K.warm_up()
     assert 0.0 <= seconds < 3600.0
     for fn in (K.encode_segments, K.decode_segments, K.to_float32, K.store_output, K.hadamard_rows, K.delta_rows,
-               K.affine_fit, K.affine_rows, K.crc32_combine, K.quantize_components, K.dequantize_components,
+               K.delta_load, K.delta_store, K.affine_fit, K.affine_rows, K.crc32_combine, K.quantize_components, K.dequantize_components,
                K.encode_batch, K.decode_batch, K.crc32_concat):
         assert fn.signatures, fn.__name__
     assert len(K.crc32_update.signatures) >= 2  # writable sections and read-only streams

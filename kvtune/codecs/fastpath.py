@@ -500,10 +500,15 @@ def _apply_transforms(x: np.ndarray, plan: _Plan, out: np.ndarray) -> np.ndarray
     """float32 working copy of ``x`` with the transforms applied; their state is written to
     ``out[:plan.state_nbytes]`` (float16, little-endian, transform order)."""
     y = _work(x.shape)
-    K.to_float32(x, y)
+    ops = plan.transforms
+    if ops[0][0] == "delta":  # converted and delta coded in one pass
+        K.delta_load(x, y, ops[0][1])
+        ops = ops[1:]
+    else:
+        K.to_float32(x, y)
     h, d = x.shape[1], x.shape[3]
     pos = 0
-    for op in plan.transforms:
+    for op in ops:
         name = op[0]
         if name == "hadamard":
             K.hadamard_rows(y, op[1], op[2], op[3], False)
@@ -1041,7 +1046,10 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
                                    nf_table())
     if not finite:
         raise nonfinite_payload_error(layer, "K" if kind == "key" else "V")
-    if not direct:
+    if not direct and plan.transforms[:1] and plan.transforms[0][0] == "delta" and out_kind != _FLOAT16:
+        _invert_transforms(y, plan, sections.state, keep_first=True)
+        K.delta_store(y, plan.transforms[0][1], out_kind, target)  # undone while converted, one pass
+    elif not direct:
         if plan.transforms:
             _invert_transforms(y, plan, sections.state)
         if out_kind == _FLOAT16:
@@ -1066,7 +1074,9 @@ def _check_codebooks(plan: _Plan, metas) -> None:
             check_levels(torch.from_numpy(np.frombuffer(meta, "<f2", count=2**seg.bits).copy()))
 
 
-def _invert_transforms(y: np.ndarray, plan: _Plan, state) -> None:
+def _invert_transforms(y: np.ndarray, plan: _Plan, state, keep_first: bool = False) -> None:
+    """Undo ``plan``'s transforms on ``y`` in place, last first (all but the first one when
+    ``keep_first``); ``affine`` states read from ``state``."""
     h, d = plan.shape[1], plan.shape[3]
     states = []
     pos = 0
@@ -1077,7 +1087,8 @@ def _invert_transforms(y: np.ndarray, plan: _Plan, state) -> None:
             pos += 2 * n
         else:
             states.append(None)
-    for op, st in zip(reversed(plan.transforms), reversed(states)):
+    first = 1 if keep_first else 0
+    for op, st in zip(reversed(plan.transforms[first:]), reversed(states[first:])):
         name = op[0]
         if name == "hadamard":
             K.hadamard_rows(y, op[1], op[2], op[3], True)

@@ -165,7 +165,16 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         encode_segments,
         encode_tensor,
     )
-    from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store
+    from .transforms import (
+        affine_fit,
+        affine_rows,
+        delta_load,
+        delta_rows,
+        delta_store,
+        hadamard_load,
+        hadamard_rows,
+        hadamard_store,
+    )
     from .warmup import warm_up
 
 __all__ = [
@@ -196,6 +205,8 @@ __all__ = [
     "hadamard_load",
     "hadamard_store",
     "delta_rows",
+    "delta_load",
+    "delta_store",
     "affine_fit",
     "affine_rows",
     "quantize_components",

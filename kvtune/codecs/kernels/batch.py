@@ -34,7 +34,8 @@ from .crc import crc32_combine
 from .finite import first_nonfinite_f16
 from .lowlevel import INLINE, JIT, address_as_voidptr, fetch_add
 from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor, per_token_only
-from .transforms import affine_fit, affine_rows, delta_rows, hadamard_load, hadamard_rows, hadamard_store, unrolled
+from .transforms import (affine_fit, affine_rows, delta_load, delta_rows, delta_store, hadamard_load, hadamard_rows,
+                         hadamard_store, unrolled)
 
 _u = uintp
 
@@ -128,15 +129,17 @@ def _forward(x, w, ops, signs, blocks, scales, out, st16):
     """Convert ``x`` into its float32 work array ``w`` and apply its transform program ``ops``
     in order, writing each ``affine`` state (scale, then shift: little-endian float16) into
     ``out`` (a leading ``hadamard`` rotates each row as it is converted,
-    :func:`~.transforms.hadamard_load`). Reference: :func:`kvtune.codecs.fastpath`
+    :func:`~.transforms.hadamard_load`, a leading ``delta`` codes it, :func:`~.transforms.delta_load`). Reference: :func:`kvtune.codecs.fastpath`
     ``_apply_transforms``."""
     h, d = w.shape[1], w.shape[3]
-    first = 0
+    first = 1
     if ops[0, TR_KIND] == TR_HADAMARD:
         sg, bl, sc = _rotation(ops[0], signs, blocks, scales, h, d)
         hadamard_load(x, w, sg, bl, sc)
-        first = 1
+    elif ops[0, TR_KIND] == TR_DELTA:
+        delta_load(x, w, ops[0, TR_A])
     else:
+        first = 0
         to_float32(x, w)
     for k in range(first, ops.shape[0]):
         kind = ops[k, TR_KIND]
@@ -158,10 +161,11 @@ def _inverse(w, ops, signs, blocks, scales, data, st16, y, kind):
     """Undo a tensor's transform program ``ops`` (last first) on its float32 decode ``w``, each
     ``affine`` reading its state from ``data``, and convert it into ``y`` (float32, or uint16
     bits of ``kind``; a leading ``hadamard`` rotates each row back as it is stored,
-    :func:`~.transforms.hadamard_store`). Reference: :func:`kvtune.codecs.fastpath`
+    :func:`~.transforms.hadamard_store`, a leading ``delta`` is undone as it is stored,
+    :func:`~.transforms.delta_store`). Reference: :func:`kvtune.codecs.fastpath`
     ``_invert_transforms``, then the conversion."""
     h, d = w.shape[1], w.shape[3]
-    last = 1 if ops[0, TR_KIND] == TR_HADAMARD else 0
+    last = 1 if ops[0, TR_KIND] == TR_HADAMARD or ops[0, TR_KIND] == TR_DELTA else 0
     for k in range(ops.shape[0] - 1, last - 1, -1):
         op = ops[k, TR_KIND]
         if op == TR_HADAMARD:
@@ -174,9 +178,11 @@ def _inverse(w, ops, signs, blocks, scales, data, st16, y, kind):
             get_u16(data, _u(ops[k, TR_C]), (2 if shift else 1) * h * d, st16)
             sc, sh = _affine_state(st16, h, d)
             affine_rows(w, sc, sh if shift else sc, shift, True)
-    if last:
+    if ops[0, TR_KIND] == TR_HADAMARD:
         sg, bl, sc = _rotation(ops[0], signs, blocks, scales, h, d)
         hadamard_store(w, sg, bl, sc, kind, y)
+    elif ops[0, TR_KIND] == TR_DELTA:
+        delta_store(w, ops[0, TR_A], kind, y)
     else:
         store_output(w, kind, y)
 

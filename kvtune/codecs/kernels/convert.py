@@ -164,6 +164,45 @@ def get_u16(data, off, n, vals):
         vals[i] = np.uint16(data[off + U2 * i]) | (np.uint16(data[off + U2 * i + U1]) << np.uint16(8))
 
 
+def load_value(xf, i):  # pragma: no cover - replaced by the overload below
+    """float32 of ``xf[i]`` for a 1-D float32 or bfloat16-bits (uint16) ``xf``; in compiled code
+    only (an inlined overload: loops over it vectorize)."""
+    raise NotImplementedError
+
+
+@overload(load_value, inline="always")
+def _load_value_impl(xf, i):
+    if xf.dtype == types.uint16:
+        return lambda xf, i: u32_as_f32(np.uint32(xf[i]) << np.uint32(16))
+    if xf.dtype == types.float32:
+        return lambda xf, i: xf[i]
+    return None
+
+
+def store_value(of, i, v, kind):  # pragma: no cover - replaced by the overload below
+    """``of[i] = v`` converted as :func:`store_row` does (float32 ``of`` as is; uint16 ``of``:
+    bfloat16 bits for ``kind`` 1, float16 bits otherwise); in compiled code only (an inlined
+    overload: loops over it vectorize, the ``kind`` test moved out of them)."""
+    raise NotImplementedError
+
+
+@overload(store_value, inline="always")
+def _store_value_impl(of, i, v, kind):
+    if of.dtype == types.float32:
+
+        def impl(of, i, v, kind):
+            of[i] = v
+
+        return impl
+    if of.dtype == types.uint16:
+
+        def impl(of, i, v, kind):
+            of[i] = f32_to_bf16_bits(v) if kind == 1 else f32_to_f16_bits(v)
+
+        return impl
+    return None
+
+
 def load_row(xf, off, row, roff, n):  # pragma: no cover - replaced by the overload below
     """``row[roff:roff + n] = float32(xf[off:off + n])`` for 1-D float32 or bfloat16-bits (uint16)
     ``xf``, offsets ``uintp``; in compiled code only (an inlined overload)."""

@@ -10,7 +10,7 @@ from .convert import store_output, to_float32
 from .crc import crc32_combine, crc32_update
 from .finite import max_magnitude_bf16, max_magnitude_f32
 from .segments import KIND_UNIFORM, SEG_COLUMNS, decode_segments, encode_segments
-from .transforms import affine_fit, affine_rows, delta_rows, hadamard_rows
+from .transforms import affine_fit, affine_rows, delta_load, delta_rows, delta_store, hadamard_rows
 
 
 def warm_up() -> float:
@@ -57,6 +57,10 @@ def warm_up() -> float:
     store_output(y, 1, np.empty(shape, np.uint16))
     hadamard_rows(y, np.ones((2, 8), np.float32), np.array([8], np.int64), np.ones(1, np.float32), False)
     delta_rows(y, 4, False)
+    for x in (np.full(shape, 0x3F80, np.uint16), np.ones(shape, np.float32)):
+        delta_load(x, y, 4)
+    for o, kind in ((np.empty(shape, np.uint16), 1), (np.empty(shape, np.float32), 0)):
+        delta_store(y, 4, kind, o)
     s16 = np.zeros((2, 8), np.uint16)
     affine_fit(y, True, True, s16, s16.copy())
     affine_rows(y, s16, s16, True, False)
