@@ -1373,12 +1373,12 @@ def ref_tables(weights: np.ndarray, comp: np.ndarray, bits: int, prec: int):
     return freqs
 
 
-def ref_encode(sym, bits, m, div, mod, freqs, prec, wide=True) -> list[int]:
-    """Pure-python interleaved rANS (exact integer division): the coded u16 words (``wide``:
-    32 lanes for a run of ``LANE_RUN`` super-symbols or more, else 4 lanes always)."""
+def ref_encode(sym, bits, m, div, mod, freqs, prec, lane_run=KR.LANE_RUN) -> list[int]:
+    """Pure-python interleaved rANS (exact integer division): the coded u16 words (32 lanes for
+    a run of ``lane_run`` super-symbols or more, else 4)."""
     cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
     n = len(sym) // m
-    lanes = 32 if wide and n >= KR.LANE_RUN else 4  # the lanes of a run of n super-symbols
+    lanes = 32 if n >= lane_run else 4  # the lanes of a run of n super-symbols
     states = [KR.RANS_L] * lanes
     stack = []
     for i in range(n - 1, -1, -1):
@@ -1395,9 +1395,9 @@ def ref_encode(sym, bits, m, div, mod, freqs, prec, wide=True) -> list[int]:
     return stack[::-1]
 
 
-def ref_decode(words, n, bits, m, div, mod, freqs, prec, wide=True) -> list[int]:
+def ref_decode(words, n, bits, m, div, mod, freqs, prec, lane_run=KR.LANE_RUN) -> list[int]:
     cums = [[sum(r[:s]) for s in range(len(r))] for r in freqs]
-    lanes = 32 if wide and n >= KR.LANE_RUN else 4
+    lanes = 32 if n >= lane_run else 4
     states = [(words[2 * j] << 16) | words[2 * j + 1] for j in range(lanes)]
     pos, out = 2 * lanes, []
     for i in range(n):
@@ -1455,12 +1455,17 @@ def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
         dec = np.empty(n * m, np.uint8)
         assert K.rans_decode(words, bits, m, div, mod, fc, table, KR.PRECISION, dec) == words.size
         assert np.array_equal(dec, sym)
-    if n >= KR.LANE_RUN:  # the previous format: 4 lanes for every run
-        start = K.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out, False)
-        narrow = out[start:].copy()
-        assert narrow.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION, wide=False)
-        assert K.rans_decode(narrow, bits, m, div, mod, fc, slots, KR.PRECISION, dec, False) == narrow.size
-        assert np.array_equal(dec, sym)
+    # the other lane count: 4 lanes for every run (kind 4), 32 lanes for any run (a kind-6 flag)
+    for lane_run in ((KR.NO_LANE_RUN,) if n >= KR.LANE_RUN else (0,)):
+        start = K.rans_encode(sym, bits, m, div, mod, freq, cum, KR.PRECISION, out, lane_run)
+        other = out[start:].copy()
+        assert other.size != words.size or not np.array_equal(other, words)
+        assert other.tolist() == ref_encode(sym, bits, m, div, mod, ref, KR.PRECISION, lane_run=lane_run)
+        assert ref_decode(other.tolist(), n, bits, m, div, mod, ref, KR.PRECISION, lane_run=lane_run) == sym.tolist()
+        for table in (slots, slots[: mod << KR.PRECISION].copy()):
+            dec = np.empty(n * m, np.uint8)
+            assert K.rans_decode(other, bits, m, div, mod, fc, table, KR.PRECISION, dec, lane_run) == other.size
+            assert np.array_equal(dec, sym)
 
 
 def numpy_form_bits(counts, steps, pooled):
@@ -1519,8 +1524,8 @@ def test_rans_choose_table_matches_numpy(groups, k):
         bits = [K.rans_form_bits(counts, neg_grid, grid16, st, bool(po), MAX_LEVEL) if po or groups > 1 else np.inf
                 for st, po in zip(steps, pooled)]
         want = int(np.argmin(bits))
-        form, levels, res = K.rans_choose_table(counts, neg_grid, grid16, steps, pooled, MAX_LEVEL)
-        assert form == want
+        form, levels, res, est = K.rans_choose_table(counts, neg_grid, grid16, steps, pooled, MAX_LEVEL)
+        assert form == want and est == bits[want]
         pool = count_levels(counts.sum(axis=0, keepdims=True), int(steps[want]))[0]
         expect_levels = pool[None, :] if pooled[want] else count_levels(counts, int(steps[want]))
         assert np.array_equal(levels, expect_levels)
@@ -1545,12 +1550,15 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     flat = x.reshape(-1)
     lay = R.layout_for_shape(model, bits, shape)
     coder, cg, cp = R._coder_plan(lay)
-    form, hist, twords, words = K.rans_encode_symbols(flat, bits, lay.m, *lay.count_args(), lay.groups, coder, cg, cp,
-                                                      R._NEG_GRID, R._GRID16, R._FORM_STEPS, R._FORM_POOLED, MAX_LEVEL,
-                                                      R.WEIGHT_BITS, KR.PRECISION)
+    enc_args = (flat, bits, lay.m, *lay.count_args(), lay.groups, coder, cg, cp, R._NEG_GRID, R._GRID16, R._FORM_STEPS,
+                R._FORM_POOLED, MAX_LEVEL, R.WEIGHT_BITS, KR.PRECISION)
+    form, hist, twords, words, wide = K.rans_encode_symbols(*enc_args)
     counts = K.rans_count_groups(flat, *lay.count_args(), lay.groups, 1 << bits)
-    f2, levels, res = K.rans_choose_table(counts, R._NEG_GRID, R._GRID16, R._FORM_STEPS, R._FORM_POOLED, MAX_LEVEL)
-    assert form == f2 and np.array_equal(hist, np.bincount(res))
+    f2, levels, res, est = K.rans_choose_table(counts, R._NEG_GRID, R._GRID16, R._FORM_STEPS, R._FORM_POOLED, MAX_LEVEL)
+    assert form == f2 and np.array_equal(hist, np.bincount(res)) and not wide  # runs shorter than LANE_RUN
+    assert est < KR.WIDE_BITS  # so the kind-6 rule (lane_run < 0) keeps 4 lanes too
+    chose = K.rans_encode_symbols(*enc_args, KR.LANE_RUN, -1)
+    assert not chose[4] and np.array_equal(chose[3], words) and np.array_equal(chose[2], twords)
     si, pooled = R._GROUP_FORMS[form]
     weights = K.rans_level_weights(levels, TABLE_STEPS[si], R._GRID16, R.WEIGHT_BITS)
     assert np.array_equal(weights, R.level_to_weights(levels, TABLE_STEPS[si]))
@@ -1570,6 +1578,37 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     forged[0] += 1  # the table words no longer decode to this histogram
     assert K.rans_decode_symbols(forged, twords, words, *args) in (1, 3)
     assert K.rans_decode_symbols(hist, twords, words[:-1], *args) == 8
+
+
+def test_rans_payload_kernels_take_32_lanes_for_a_short_run_of_many_bits():
+    """``lane_run < 0`` (kind 6): a run shorter than LANE_RUN whose estimated size reaches
+    WIDE_BITS (20,000 8-bit symbols of ~7.9 bits, as CacheGen's anchors) is coded on 32 lanes,
+    the words those of the pure-python coder on 32 lanes, and decodes with ``lane_run = 0``; the
+    same run of 4-bit symbols (~3.9 bits: under WIDE_BITS) keeps 4 lanes."""
+    from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS
+    from kvtune.codecs import rans as R
+
+    for bits, wide_expected in ((8, True), (4, False)):
+        shape = (1, 3, 104, 64)
+        flat = np.random.default_rng(bits).integers(0, 1 << bits, math.prod(shape)).astype(np.uint8)
+        lay = R.layout_for_shape("per_channel", bits, shape)
+        coder, cg, cp = R._coder_plan(lay)
+        assert flat.size // lay.m < KR.LANE_RUN
+        form, hist, twords, words, wide = K.rans_encode_symbols(
+            flat, bits, lay.m, *lay.count_args(), lay.groups, coder, cg, cp, R._NEG_GRID, R._GRID16, R._FORM_STEPS,
+            R._FORM_POOLED, MAX_LEVEL, R.WEIGHT_BITS, KR.PRECISION, KR.LANE_RUN, -1)
+        assert wide == wide_expected
+        si, pooled = R._GROUP_FORMS[form]
+        counts = K.rans_count_groups(flat, *lay.count_args(), lay.groups, 1 << bits)
+        levels = K.rans_choose_table(counts, R._NEG_GRID, R._GRID16, R._FORM_STEPS, R._FORM_POOLED, MAX_LEVEL)[1]
+        div, mod, comp = lay.coder_args(pooled)
+        freq, _ = K.rans_fused_tables(R.level_to_weights(levels, TABLE_STEPS[si]), comp, bits, KR.PRECISION)
+        lane_run = 0 if wide else KR.NO_LANE_RUN
+        assert words.tolist() == ref_encode(flat, bits, lay.m, div, mod, freq.tolist(), KR.PRECISION, lane_run=lane_run)
+        out = np.empty(flat.size, np.uint8)
+        assert K.rans_decode_symbols(hist, twords, words, bits, lay.m, lay.groups, TABLE_STEPS[si], pooled, coder, cg, cp,
+                                     R._GRID16, MAX_LEVEL, R.WEIGHT_BITS, KR.PRECISION, out, KR.LANE_RUN, lane_run) == 0
+        assert np.array_equal(out, flat)
 
 
 @covers("rans_count_groups")

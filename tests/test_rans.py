@@ -17,6 +17,7 @@ from kvtune.codecs.rans import (
     KIND_RANS,
     KIND_RANS_V1,
     KIND_RANS_V2,
+    KIND_RANS_V3,
     MAX_SYMBOLS_PER_BYTE,
     MAX_TABLE_MODELS,
     RansCodec,
@@ -208,22 +209,47 @@ def test_end_to_end_through_policy_and_stream(bits):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_payloads_of_the_previous_4_lane_format_still_decode(model):
-    """Kind 4 (4 lanes for every run, before 2026-12-03) decodes as before; kind 5 codes the
-    runs of 32,768 super-symbols or more on 32 lanes, so the two differ on a long run, by the
-    56 more state words of each long run at most."""
+def test_payloads_of_the_previous_lane_formats_still_decode(model):
+    """Kind 4 (4 lanes for every run, before 2026-12-03) and kind 5 (32 lanes for runs of
+    32,768 super-symbols or more) decode as before. On a long run kinds 5 and 6 take 32 lanes
+    (the same words; kind 6 says so in the form byte's bit 5) and kind 4 differs by the 56 more
+    state words of each long run at most."""
     x = laplace((1, 3, 2048, 64), 2, seed=5)  # 98,304 super-symbols of 4 fused 2-bit symbols
-    new, old = encode_rans(x, 2, model), encode_rans(x, 2, model, kind=KIND_RANS_V2)
-    assert (new[0], old[0]) == (KIND_RANS, KIND_RANS_V2) and new[1:] != old[1:]
+    new, v3, old = (encode_rans(x, 2, model, kind=k) for k in (KIND_RANS, KIND_RANS_V3, KIND_RANS_V2))
+    assert (new[0], v3[0], old[0]) == (KIND_RANS, KIND_RANS_V3, KIND_RANS_V2) and new[1:] != old[1:]
+    assert new[1] == v3[1] | 32 and len(new) == len(v3) and new[-4:] == v3[-4:]  # the words' CRC: the same words
     assert 0 < len(new) - len(old) <= 2 * 56
-    for data in (new, old):
+    for data in (new, v3, old):
         assert np.array_equal(RansCodec(model=model).unpack(data, 2, x.size, shape=x.shape), x.reshape(-1))
     with pytest.raises(ValueError, match="writes kind"):
         encode_rans(x, 2, model, kind=KIND_RANS_V1)
 
 
-def test_a_changed_coder_word_of_kind_5_fails_its_checksum():
-    """Kind 5 ends with the CRC32 of its coder words: a flipped bit anywhere in them (or in the
+def test_short_runs_of_many_bits_take_32_lanes():
+    """Kind 6 codes a run shorter than 32,768 super-symbols on 32 lanes when its estimated size
+    makes the extra states cost at most 1 % (8-bit CacheGen-like anchors: at most the 112 bytes
+    of 28 more states than kind 5's 4 lanes, less the words their higher bits save; under 1 %
+    of the payload); a run of few bits keeps 4 lanes (the same words as kind 5). A form byte
+    whose bit 5 is flipped fails the header CRC."""
+    rng = np.random.default_rng(6)
+    anchors = np.clip(rng.normal(128, 40, size=(1, 3, 103, 64)), 0, 255).astype(np.uint8)
+    for x, bits, wide in ((anchors, 8, True), (laplace((1, 3, 103, 64), 2, seed=6), 2, False)):
+        new, v3 = encode_rans(x, bits, "per_channel"), encode_rans(x, bits, "per_channel", kind=KIND_RANS_V3)
+        assert bool(new[1] & 32) == wide
+        if wide:
+            assert 0 < len(new) - len(v3) <= 112 and len(new) - len(v3) < 0.01 * len(v3)
+        else:  # the same words (their CRC ends the payload); the header CRC covers the kind byte
+            assert new[1] == v3[1] and len(new) == len(v3) and new[-4:] == v3[-4:]
+        for data in (new, v3):
+            assert np.array_equal(RansCodec().unpack(data, bits, x.size, shape=x.shape), x.reshape(-1))
+        forged = bytearray(new)
+        forged[1] ^= 32
+        with pytest.raises(CorruptStreamError, match="header checksum mismatch"):
+            RansCodec().unpack(bytes(forged), bits, x.size, shape=x.shape)
+
+
+def test_a_changed_coder_word_fails_its_checksum():
+    """Kinds 5 and 6 end with the CRC32 of its coder words: a flipped bit anywhere in them (or in the
     CRC) raises, where rANS alone often decodes a few wrong symbols with every lane ending well."""
     x = np.random.default_rng(4).choice(4, p=[0.7, 0.2, 0.07, 0.03], size=(1, 3, 2048, 64)).astype(np.uint8)
     data = RansCodec().pack(x, 2)

@@ -5,8 +5,9 @@ order-0 distributions per (layer, K/V, group), estimated from the data and sent 
 :mod:`kvtune.codecs.range_coder` describes the groups ``per_channel`` / ``per_head`` /
 ``global`` and the level-code tables), coded with kvtune's own rANS
 (:mod:`kvtune.codecs.kernels.rans`: Duda, arXiv 1311.2540; interleaved 32-bit states after
-Giesen, arXiv 1402.3392: 32 for runs of 32,768 super-symbols or more, coded 16 lanes per
-512-bit vector by :mod:`kvtune.codecs.kernels.rans_lanes`, else 4; 16-bit words; 13-bit
+Giesen, arXiv 1402.3392: 32 for runs of 32,768 super-symbols or more and for runs whose
+estimated size makes the 28 extra states cost at most 1 %, coded 16 lanes per 512-bit vector by
+:mod:`kvtune.codecs.kernels.rans_lanes`, else 4; 16-bit words; 13-bit
 probabilities) instead of constriction's range coder, so that coding runs in compiled loops without per-call overhead: one kernel call per
 tensor each way (:func:`kvtune.codecs.kernels.rans_encode_symbols` /
 :func:`~kvtune.codecs.kernels.rans_decode_symbols`: counts, table choice, tables, words), which
@@ -36,11 +37,13 @@ histogram (u32 counts), as the ``range`` codec does with constriction.
 
 Wire layout of one packed tensor (little-endian)::
 
-    u8      kind: 0 = raw (as the ``bitpack`` codec; 16-bit patterns as <u2), 5 = rANS (4 = the
-                previous format, 4 lanes for every run, still decoded; 3 = the retired
-                15-bit format, refused with StreamVersionError)
-    kind 5: u8   model (bits 0-1: 0 global, 1 per_head, 2 per_channel) | steps index (bits 2-3,
-                 into TABLE_STEPS) | pooled (bit 4)
+    u8      kind: 0 = raw (as the ``bitpack`` codec; 16-bit patterns as <u2), 6 = rANS (5 and
+                4 = the previous formats, still decoded: 5 takes 32 lanes for runs of 32,768
+                super-symbols or more, 4 takes 4 lanes for every run; 3 = the retired 15-bit
+                format, refused with StreamVersionError)
+    kind 6: u8   model (bits 0-1: 0 global, 1 per_head, 2 per_channel) | steps index (bits 2-3,
+                 into TABLE_STEPS) | pooled (bit 4) | the symbols on 32 lanes (bit 5, else 4;
+                 kind 5 has no bit 5)
             u8   m: fusion factor
             u32  per_channel: D; per_head: B, H; global: nothing
             u16  R; then R + 1 u32 residual counts (the table histogram, the last one nonzero)
@@ -48,7 +51,7 @@ Wire layout of one packed tensor (little-endian)::
             u32  CRC32 of (count as 8 bytes, bits as 1 byte, every byte above)
             u32  W; then W u16 words: the symbols, rANS-coded, then zero words up to
                  ``ceil(count / MAX_SYMBOLS_PER_BYTE)`` bytes in all
-            u32  CRC32 of the W words (kind 5 only; kind 4 ends with the words)
+            u32  CRC32 of the W words (kinds 5 and 6; kind 4 ends with the words)
 
 The zero padding (only for near-constant tensors, below ~0.008 bits per symbol) makes every
 payload at least ``count / MAX_SYMBOLS_PER_BYTE`` bytes long, so a payload bounds the symbols it
@@ -57,7 +60,7 @@ allocated. A tensor whose rANS form would not be smaller than raw is stored raw 
 
 Decoding checks every field against ``count`` / ``shape`` and the bytes present before
 allocating what it sizes (a per-group table has at most :data:`MAX_TABLE_MODELS` fused models),
-then the header CRC and (kind 5) the coder words' CRC, then that the table residuals decode
+then the header CRC and (kinds 5 and 6) the coder words' CRC, then that the table residuals decode
 exactly to their histogram (codes in ``0..255``, every group with a present symbol), then the
 symbols: every lane must end in the encoder's initial state and the padding must be zero. Any
 failure raises :class:`~kvtune.core.errors.CorruptStreamError`. Without the words' CRC (kind 4),
@@ -88,6 +91,7 @@ from kvtune.core.errors import CorruptStreamError, StreamVersionError
 __all__ = [
     "RansCodec",
     "KIND_RANS",
+    "KIND_RANS_V3",
     "KIND_RANS_V2",
     "KIND_RANS_V1",
     "MAX_SYMBOLS_PER_BYTE",
@@ -100,12 +104,17 @@ __all__ = [
     "empirical_entropy_bits",
 ]
 
-KIND_RANS = 5
-"""Kind byte of rANS-coded payloads (13-bit tables; runs of 32,768 super-symbols or more on 32
-lanes, :data:`kvtune.codecs.kernels.rans.LANE_RUN`)."""
+KIND_RANS = 6
+"""Kind byte of rANS-coded payloads (13-bit tables; the symbols on 32 lanes when the form byte's
+bit 5 says so: the encoder sets it for runs of 32,768 super-symbols or more,
+:data:`kvtune.codecs.kernels.rans.LANE_RUN`, and for runs of an estimated
+:data:`~kvtune.codecs.kernels.rans.WIDE_BITS` bits or more; the table residuals as kind 5)."""
+KIND_RANS_V3 = 5
+"""Kind byte of the rANS format of 2026-12-03 (32 lanes for runs of 32,768 super-symbols or
+more, else 4), still decoded, and written by :func:`encode_rans` on request."""
 KIND_RANS_V2 = 4
-"""Kind byte of the previous rANS format (4 lanes for every run; written before 2026-12-03),
-still decoded, and written by :func:`encode_rans` on request."""
+"""Kind byte of the rANS format before that (4 lanes for every run), still decoded, and written
+by :func:`encode_rans` on request."""
 KIND_RANS_V1 = 3
 """Kind byte of the retired rANS format with 15-bit tables (refused with StreamVersionError)."""
 MAX_SYMBOLS_PER_BYTE = 1024
@@ -118,6 +127,10 @@ MAX_TABLE_MODELS = 4096
 The encoder codes layouts with more (never KV: channels and heads number in the hundreds) with
 the pooled table."""
 
+_LANE_RUNS = {KIND_RANS: (KR.LANE_RUN, KR.LANE_RUN), KIND_RANS_V3: (KR.LANE_RUN, KR.LANE_RUN),
+              KIND_RANS_V2: (KR.NO_LANE_RUN, KR.NO_LANE_RUN)}
+"""``lane_run`` of the table residuals and of the symbols per payload kind (kind 6: the symbols'
+from the form byte)."""
 _GROUP_FORMS = ((1, False), (2, False), (2, True), (3, True))
 """(steps index, pooled) candidates; per-group forms are skipped when there is one group."""
 _MAX_RESIDUAL = 2 * MAX_LEVEL  # zigzag of a code difference in -255..255
@@ -249,34 +262,37 @@ def _header_crc(head: bytes | memoryview, count: int, bits: int) -> int:
 
 def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RANS) -> bytes:
     """rANS-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8): the
-    kind-5 encoding of :class:`RansCodec` (``kind=KIND_RANS_V2``: the previous format, which
-    kvtune versions before 2026-12-03 read), without its raw fallback (module doc: wire layout).
-    The coding runs in one kernel call (:func:`kvtune.codecs.kernels.rans_encode_symbols`).
+    kind-6 encoding of :class:`RansCodec` (``kind=KIND_RANS_V3`` / ``KIND_RANS_V2``: the
+    previous formats, which kvtune versions of 2026-12-03 / before read), without its raw
+    fallback (module doc: wire layout). The coding runs in one kernel call
+    (:func:`kvtune.codecs.kernels.rans_encode_symbols`).
 
     Raises:
         ValueError: nothing to encode, or ``kind`` is not a rANS kind this version writes.
     """
-    if kind not in (KIND_RANS, KIND_RANS_V2):
-        raise ValueError(f"rans codec: writes kind {KIND_RANS} or {KIND_RANS_V2}, not {kind}")
+    if kind not in _LANE_RUNS:
+        raise ValueError(f"rans codec: writes kind {KIND_RANS}, {KIND_RANS_V3} or {KIND_RANS_V2}, not {kind}")
     lay = layout_for_shape(model, bits, symbols.shape)
     if lay.count == 0:
         raise ValueError("rans codec: nothing to encode")
     flat = np.ascontiguousarray(symbols).reshape(-1)
     coder, comp_group, comp_pooled = _coder_plan(lay)
     forms = _ALL_FORMS if coder[1] <= MAX_TABLE_MODELS else _POOLED_FORMS
-    form, hist, twords, words = KR.rans_encode_symbols(
+    table_run, run = _LANE_RUNS[kind]
+    form, hist, twords, words, wide = KR.rans_encode_symbols(
         flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
         _NEG_GRID, _GRID16, _FORM_STEPS[forms], _FORM_POOLED[forms], MAX_LEVEL, WEIGHT_BITS, KR.PRECISION,
-        kind == KIND_RANS)
+        table_run, -1 if kind == KIND_RANS else run)
     si, pooled = _GROUP_FORMS[forms[form]]
+    lanes_bit = int(wide and kind == KIND_RANS) << 5
     head = b"".join([
-        bytes([kind, MODELS.index(model) | si << 2 | int(pooled) << 4, lay.m]),
+        bytes([kind, MODELS.index(model) | si << 2 | int(pooled) << 4 | lanes_bit, lay.m]),
         struct.pack(f"<{len(lay.dims)}I", *lay.dims),
         struct.pack("<H", hist.size - 1), hist.astype("<u4").tobytes(),
         struct.pack("<I", twords.size), twords.astype("<u2").tobytes(),
     ])
     head += struct.pack("<I", _header_crc(head, lay.count, bits))
-    tail = 4 if kind == KIND_RANS else 0  # kind 5 ends with the CRC32 of its coder words
+    tail = 0 if kind == KIND_RANS_V2 else 4  # kinds 5 and 6 end with the CRC32 of their coder words
     size = len(head) + 4 + 2 * words.size + tail
     pad = max(0, -(-(-(-lay.count // MAX_SYMBOLS_PER_BYTE) - size) // 2))
     parts = [head, struct.pack("<I", words.size + pad), words.astype("<u2", copy=False), bytes(2 * pad)]
@@ -320,7 +336,7 @@ def _check_layout(model: str, bits: int, m: int, dims: tuple[int, ...], count: i
 
 
 def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarray:
-    """Decode a kind-5 or kind-4 payload (the kind byte included) to ``count`` flat uint8 symbols.
+    """Decode a kind-6, 5 or 4 payload (the kind byte included) to ``count`` flat uint8 symbols.
 
     Raises:
         CorruptStreamError: any inconsistency (see the module doc).
@@ -334,9 +350,13 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     if kind == KIND_RANS_V1:
         raise StreamVersionError("rans codec: payload in the 15-bit table format (written by kvtune before the "
                                  "13-bit tables of 2026-12-02); this version reads the 13-bit format only: re-encode the KV")
-    if kind not in (KIND_RANS, KIND_RANS_V2) or bits == RAW16 or count == 0:
+    if kind not in _LANE_RUNS or bits == RAW16 or count == 0:
         raise _err(f"payload kind {kind} is invalid for {count} symbols of {bits} bits")
     model_id, si, pooled = form & 3, (form >> 2) & 3, bool(form & 16)
+    table_run, run = _LANE_RUNS[kind]
+    if kind == KIND_RANS:  # bit 5: the symbols on 32 lanes
+        run = 0 if form & 32 else KR.NO_LANE_RUN
+        form &= ~32
     if form >> 5 or model_id >= len(MODELS) or MODELS[model_id] != model:
         raise _err(f"payload form byte {form} does not say model {model!r}")
     ndims = {"per_channel": 1, "per_head": 2, "global": 0}[model]
@@ -364,7 +384,7 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
         raise _err(f"a per-group table of {coder[1]} fused models exceeds {MAX_TABLE_MODELS}")
     nw = rd.uint("<I", "the coder word count")
     raw = rd.take(2 * nw, "the coder words")
-    if kind == KIND_RANS and rd.uint("<I", "the coder words checksum") != crc32(raw):
+    if kind != KIND_RANS_V2 and rd.uint("<I", "the coder words checksum") != crc32(raw):
         raise _err("coder words checksum mismatch (altered or truncated words)")
     if rd.pos != len(buf):
         raise _err(f"{len(buf) - rd.pos} bytes follow the coder words")
@@ -372,7 +392,7 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     out = np.empty(count, np.uint8)
     status = KR.rans_decode_symbols(hist, twords, words, bits, m, lay.groups, TABLE_STEPS[si], pooled, coder,
                                     comp_group, comp_pooled, _GRID16, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, out,
-                                    kind == KIND_RANS)
+                                    table_run, run)
     if status:
         raise _err(KR.DECODE_ERRORS[status])
     return out
@@ -446,7 +466,7 @@ class RansCodec(Codec):
             return 0
         if payload[0] == KIND_RAW:
             return 8 * (len(payload) - 1)
-        return MAX_SYMBOLS_PER_BYTE * len(payload) if payload[0] in (KIND_RANS, KIND_RANS_V2, KIND_RANS_V1) else 0
+        return MAX_SYMBOLS_PER_BYTE * len(payload) if payload[0] in (KIND_RANS, KIND_RANS_V3, KIND_RANS_V2, KIND_RANS_V1) else 0
 
     def pack(self, symbols: torch.Tensor | np.ndarray, bits: int) -> bytes:
         """rANS-code ``symbols`` (any shape, C order; last axis = channels, axis 1 = heads).

@@ -3,7 +3,8 @@
 rANS after J. Duda, "Asymmetric numeral systems: entropy coding combining speed of Huffman
 coding with compression rate of arithmetic coding" (arXiv 1311.2540, sec. 4) and F. Giesen,
 "Interleaved entropy coders" (arXiv 1402.3392): 32-bit states (``L = 2**16 <= x < 2**32``),
-32 of them for a run of :data:`LANE_RUN` super-symbols or more, coded in vectors by
+32 of them for a run of ``lane_run`` super-symbols or more (:data:`LANE_RUN`, or a choice by
+estimated size, :data:`WIDE_BITS`; the caller says which), coded in vectors by
 :mod:`.rans_lanes`, else :data:`LANES` (4); 16-bit renormalisation (at most one word per symbol
 in either direction, done without a branch), static frequency tables of :data:`PRECISION` bits.
 Symbol ``i`` of a run uses lane ``i mod lanes``; the encoder walks the run backwards and pushes words on a stack, so the
@@ -64,6 +65,13 @@ LANE_RUN = 1 << 15
 """Runs of at least this many super-symbols are coded with :data:`.rans_lanes.GROUP` (32)
 states, two vectors (:mod:`.rans_lanes`), for 56 more state words than 4 lanes (112 bytes, at
 most 0.7 % of a run of 32,768 super-symbols of 4 bits or more)."""
+NO_LANE_RUN = 1 << 62
+"""A ``lane_run`` that no run reaches: 4 lanes for every run (the codec's kind-4 payloads)."""
+WIDE_BITS = 89_600
+"""A run whose estimated size (:func:`rans_choose_table`) is at least this many bits is coded
+with 32 states in the codec's kind-6 payloads, whatever its length: the 112 bytes of extra
+states then cost at most 1 % (8-bit CacheGen anchors: ~20,000 symbols of ~5.5 bits, where
+4 lanes ran at ~2.8 ns per symbol)."""
 MAX_LANES = GROUP
 """The most states of any run (the scratch words a coder needs beyond one per symbol: 2 each)."""
 RANS_L = 1 << 16
@@ -333,11 +341,12 @@ with kernel_cache_dir():
                 whether they are pooled.
 
         Returns:
-            ``(form, levels, residuals)``: the form's index; int64 level codes ``(G, K)``
+            ``(form, levels, residuals, bits)``: the form's index; int64 level codes ``(G, K)``
             (``(1, K)`` pooled) as :func:`kvtune.codecs.range_coder.count_levels` gives them; int64
             residuals in coding order: the zigzagged differences of the pooled row's codes to
             their left neighbour, then (per-group) every group's codes of the pooled row's present
-            symbols as zigzagged differences to the pooled code.
+            symbols as zigzagged differences to the pooled code; the form's estimated size
+            in bits (float64).
         """
         g, k = counts.shape
         pcs = counts.sum(axis=0).reshape(1, -1)
@@ -366,7 +375,7 @@ with kernel_cache_dir():
             prev = pool[s]
         if pooled:
             levels[0] = pool
-            return best, levels, res
+            return best, levels, res, best_bits
         j = k
         for i in range(g):
             _levels_of(counts[i], pos[i], h, max_level, levels[i])
@@ -374,7 +383,7 @@ with kernel_cache_dir():
                 if pool[s] > 0:
                     res[j] = _zig(levels[i, s] - pool[s])
                     j += 1
-        return best, levels, res
+        return best, levels, res, best_bits
 
     @njit(**JIT)
     def rans_count_groups(sym, div, mod, groups, k):
@@ -518,7 +527,7 @@ with kernel_cache_dir():
         return q, c - _U1
 
     @njit(**JIT)
-    def rans_encode(sym, bits, m, div, mod, freq, cum, prec, out, wide=True):
+    def rans_encode(sym, bits, m, div, mod, freq, cum, prec, out, lane_run=LANE_RUN):
         """rANS-encode flat ``sym`` (``n * m`` symbols, fused ``m`` at a time) into ``out``.
 
         Args:
@@ -529,8 +538,9 @@ with kernel_cache_dir():
             prec: probability bits of the tables (at most :data:`.rans_lanes.MAX_PREC`: a
                 frequency fills 16 bits of a table entry).
             out: uint16 scratch of at least ``n + 2 * MAX_LANES`` words.
-            wide: the lanes of the run by its length (:func:`_lanes_of`); ``False``: 4 lanes
-                for every run (the format of the codec's kind-4 payloads).
+            lane_run: the run takes 32 lanes if it has at least this many super-symbols, else 4
+                (:func:`_lanes_of`; :data:`LANE_RUN` in kind-5 payloads, :data:`NO_LANE_RUN`
+                in kind-4 ones, 0: 32 lanes always).
 
         Returns:
             ``start``: the coded words are ``out[start:]`` (lane states first).
@@ -539,21 +549,20 @@ with kernel_cache_dir():
             ValueError: ``out`` is shorter than ``n`` plus 2 words per lane, or ``prec > 15``.
         """
         n = sym.shape[0] // m
-        if out.shape[0] < n + 2 * _lanes_of(n, wide):
+        if out.shape[0] < n + 2 * _lanes_of(n, lane_run):
             raise ValueError("rans_encode: out has fewer than n + 2 * lanes words")
         if prec > MAX_PREC:
             raise ValueError("rans_encode: prec above 15 (a frequency fills 16 bits of a table entry)")
         if m == 1:
-            return _encode_loop(sym, div, mod, freq, cum, prec, out, wide)
+            return _encode_loop(sym, div, mod, freq, cum, prec, out, lane_run)
         fz = np.empty(n, np.uint16)
         _fuse(sym, bits, m, fz)
-        return _encode_loop(fz, div, mod, freq, cum, prec, out, wide)
+        return _encode_loop(fz, div, mod, freq, cum, prec, out, lane_run)
 
     @njit(inline="always")
-    def _lanes_of(n, wide):
-        """Interleaved states of a run of ``n`` super-symbols: 32 from :data:`LANE_RUN` on (``wide``,
-        the current format), else 4 (every run of the previous format)."""
-        return GROUP if wide and n >= LANE_RUN else LANES
+    def _lanes_of(n, lane_run):
+        """Interleaved states of a run of ``n`` super-symbols: 32 from ``lane_run`` on, else 4."""
+        return GROUP if n >= lane_run else LANES
 
     @njit(**JIT)
     def _vector_plan(g, div, mod, ks, prec):
@@ -568,11 +577,11 @@ with kernel_cache_dir():
         return qc, params
 
     @njit(**JIT)
-    def _encode_loop(fz, div, mod, freq, cum, prec, out, wide):
+    def _encode_loop(fz, div, mod, freq, cum, prec, out, lane_run):
         """The coder loop of :func:`rans_encode` on the super-symbols ``fz``."""
         nm, ks = freq.shape
         n = fz.shape[0]
-        lanes = _lanes_of(n, wide)
+        lanes = _lanes_of(n, lane_run)
         ulanes = np.uint64(lanes)
         fc = np.empty(nm * ks, np.uint32)  # freq << 16 | cum: one table for the vector and the scalar steps
         for q in range(nm):
@@ -630,11 +639,11 @@ with kernel_cache_dir():
         return q, c
 
     @njit(**JIT)
-    def _decode_loop(words, div, mod, fc, slots, prec, out, wide):
+    def _decode_loop(words, div, mod, fc, slots, prec, out, lane_run):
         """The coder loop of :func:`rans_decode`: super-symbol ``i`` into ``out[i]``."""
         nw = words.shape[0]
         n = out.shape[0]
-        lanes = _lanes_of(n, wide)
+        lanes = _lanes_of(n, lane_run)
         if nw < 2 * lanes:
             return -1
         st = np.empty(lanes, np.uint64)
@@ -678,9 +687,9 @@ with kernel_cache_dir():
         return np.int64(pos)
 
     @njit(**JIT)
-    def rans_decode(words, bits, m, div, mod, fc, slots, prec, out, wide=True):
+    def rans_decode(words, bits, m, div, mod, fc, slots, prec, out, lane_run=LANE_RUN):
         """Inverse of :func:`rans_encode`: fill ``out`` (``n * m`` symbols) from uint16 ``words``;
-        ``fc``/``slots``: :func:`rans_decoder_tables`; ``wide``: as :func:`rans_encode`.
+        ``fc``/``slots``: :func:`rans_decoder_tables`; ``lane_run``: as :func:`rans_encode`.
 
         The coder loop stores one super-symbol per step and :func:`_unfuse` splits them after it
         (vectorized), rather than ``m`` shifted stores inside the loop.
@@ -691,9 +700,9 @@ with kernel_cache_dir():
             garbage and must be discarded.
         """
         if m == 1:
-            return _decode_loop(words, div, mod, fc, slots, prec, out, wide)
+            return _decode_loop(words, div, mod, fc, slots, prec, out, lane_run)
         fz = np.empty(out.shape[0] // m, np.uint16)
-        used = _decode_loop(words, div, mod, fc, slots, prec, fz, wide)
+        used = _decode_loop(words, div, mod, fc, slots, prec, fz, lane_run)
         if used >= 0:
             _unfuse(fz, bits, m, out)
         return used
@@ -735,7 +744,8 @@ with kernel_cache_dir():
 
     @njit(**JIT)
     def rans_encode_symbols(flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled,
-                            neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec, wide=True):
+                            neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec,
+                            table_lane_run=LANE_RUN, lane_run=LANE_RUN):
         """The whole rANS coding of one tensor's symbols, in one call without the GIL: the
         super-symbols (:func:`_fuse`), group counts (:func:`rans_count_groups` of the
         super-symbols, split into digits by :func:`_digit_counts`; of the symbols when ``m = 1``),
@@ -749,10 +759,14 @@ with kernel_cache_dir():
                 pooled; ``comp_group`` / ``comp_pooled``: their ``comp`` (:func:`rans_fused_tables`).
             neg_grid, grid16, form_steps, form_pooled, max_level: as :func:`rans_choose_table`.
             weight_bits: integer weight of level code 1 is ``2**weight_bits``.
-            wide: as :func:`rans_encode` (both runs: the table residuals and the symbols).
+            table_lane_run, lane_run: as :func:`rans_encode`, of the table residuals' run and of
+                the symbols' run; ``lane_run < 0``: 32 lanes for the symbols from
+                :data:`LANE_RUN` super-symbols on or when the chosen form's estimated size is
+                at least :data:`WIDE_BITS` (kind-6 payloads).
 
         Returns:
-            ``(form, hist, table words, words)``: int64 histogram of the residuals, uint16 words.
+            ``(form, hist, table words, words, wide)``: int64 histogram of the residuals, uint16
+            words, whether the symbols' run took 32 lanes.
         """
         fz = np.empty(flat.shape[0] // m if m > 1 else 0, np.uint16)
         if m == 1:
@@ -761,7 +775,9 @@ with kernel_cache_dir():
             _fuse(flat, bits, m, fz)
             fused = rans_count_groups(fz, coder[0], coder[1], coder[1], 1 << (bits * m))
             counts = _digit_counts(fused, comp_group, bits, groups)
-        form, levels, res = rans_choose_table(counts, neg_grid, grid16, form_steps, form_pooled, max_level)
+        form, levels, res, est = rans_choose_table(counts, neg_grid, grid16, form_steps, form_pooled, max_level)
+        if lane_run < 0:
+            lane_run = 0 if est >= WIDE_BITS else LANE_RUN
         nh = 0
         for r in res:
             nh = max(nh, r + 1)
@@ -770,7 +786,7 @@ with kernel_cache_dir():
             hist[r] += 1
         tbits, tfreq, tcum = _residual_model(hist, prec)
         tout = np.empty(res.shape[0] + 2 * MAX_LANES, np.uint16)
-        tstart = rans_encode(res, tbits, 1, 1, 1, tfreq, tcum, prec, tout, wide)
+        tstart = rans_encode(res, tbits, 1, 1, 1, tfreq, tcum, prec, tout, table_lane_run)
         pooled = form_pooled[form] != 0
         weights = rans_level_weights(levels, form_steps[form], grid16, weight_bits)
         comp = comp_pooled if pooled else comp_group
@@ -778,23 +794,24 @@ with kernel_cache_dir():
         mod = coder[3] if pooled else coder[1]
         freq, cum = rans_fused_tables(weights, comp, bits, prec)
         out = np.empty(flat.shape[0] // m + 2 * MAX_LANES, np.uint16)
+        n = flat.shape[0] // m
         if m == 1:
-            start = _encode_loop(flat, div, mod, freq, cum, prec, out, wide)
+            start = _encode_loop(flat, div, mod, freq, cum, prec, out, lane_run)
         else:
-            start = _encode_loop(fz, div, mod, freq, cum, prec, out, wide)
-        return form, hist, tout[tstart:], out[start:]
+            start = _encode_loop(fz, div, mod, freq, cum, prec, out, lane_run)
+        return form, hist, tout[tstart:], out[start:], _lanes_of(n, lane_run) == GROUP
 
     @njit(**JIT)
-    def _unrans_into(words, bits, m, div, mod, freq, cum, prec, out, wide):
+    def _unrans_into(words, bits, m, div, mod, freq, cum, prec, out, lane_run):
         """Decode into ``out``: words consumed, or -1 (see :func:`rans_decode`)."""
         nm, ks = freq.shape
         if ks <= 256:
             slots8 = np.zeros((nm << prec) + 4, np.uint8)  # padded: the vector loop reads 32 bits per slot
             fc = rans_decoder_tables(freq, cum, prec, slots8)
-            return rans_decode(words, bits, m, div, mod, fc, slots8, prec, out, wide)
+            return rans_decode(words, bits, m, div, mod, fc, slots8, prec, out, lane_run)
         slots16 = np.zeros((nm << prec) + 4, np.uint16)
         fc = rans_decoder_tables(freq, cum, prec, slots16)
-        return rans_decode(words, bits, m, div, mod, fc, slots16, prec, out, wide)
+        return rans_decode(words, bits, m, div, mod, fc, slots16, prec, out, lane_run)
 
     DECODE_ERRORS = (
         "",
@@ -812,7 +829,7 @@ with kernel_cache_dir():
 
     @njit(**JIT)
     def rans_decode_symbols(hist, twords, words, bits, m, groups, steps, pooled, coder, comp_group, comp_pooled,
-                            grid16, max_level, weight_bits, prec, out, wide=True):
+                            grid16, max_level, weight_bits, prec, out, table_lane_run=LANE_RUN, lane_run=LANE_RUN):
         """Inverse of :func:`rans_encode_symbols` after the caller has read and checked the
         header (its checksum, and the histogram's total between ``2**bits`` and
         ``2**bits * (groups + 1)``, which bounds what this allocates): the level codes from the
@@ -823,7 +840,8 @@ with kernel_cache_dir():
             hist: int64 residual histogram; ``twords`` / ``words``: uint16 table and coder words.
             groups: groups of the layout; ``steps``: levels per octave; ``pooled``: the form.
             out: uint8 ``(count,)``, filled with the symbols.
-            wide: as :func:`rans_encode`.
+            table_lane_run, lane_run: as :func:`rans_encode`, of the table residuals' run and of
+                the symbols' run (0 / :data:`NO_LANE_RUN` for a kind-6 payload's flag).
 
         Returns:
             0, or the index of the failed check in :data:`DECODE_ERRORS` (``out`` is then garbage).
@@ -834,7 +852,7 @@ with kernel_cache_dir():
             total += v
         tbits, tfreq, tcum = _residual_model(hist, prec)
         z = np.empty(total, np.uint16)
-        used = _unrans_into(twords, tbits, 1, 1, 1, tfreq, tcum, prec, z, wide)
+        used = _unrans_into(twords, tbits, 1, 1, 1, tfreq, tcum, prec, z, table_lane_run)
         if used < 0:
             return 1
         if used != twords.shape[0]:
@@ -887,7 +905,7 @@ with kernel_cache_dir():
         div = coder[2] if pooled else coder[0]
         mod = coder[3] if pooled else coder[1]
         freq, cum = rans_fused_tables(weights, comp, bits, prec)
-        used = _unrans_into(words, bits, m, div, mod, freq, cum, prec, out, wide)
+        used = _unrans_into(words, bits, m, div, mod, freq, cum, prec, out, lane_run)
         if used < 0:
             return 8
         for j in range(used, words.shape[0]):
