@@ -203,13 +203,20 @@ def _set_options(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+_BAR_COLUMNS = 82
+"""Characters of a live progress line before its info text: description (26), bar (24), done/total,
+elapsed and remaining time, and the spaces between them."""
+
+
 @contextlib.contextmanager
 def _progress_hooks():
     """``(on_stage, on_progress)`` callbacks: live bars on a terminal, plain log lines otherwise
-    (CI logs, redirected output), one line per finished trial and per 10 % of other stages."""
+    (CI logs, redirected output), one line per finished trial and per 10 % of other stages. Neither
+    wraps: a live line's info text is cut to the terminal's width with an ellipsis (left out when
+    the bar alone fills it), and log lines stay whole (one line each, however wide)."""
     if console.is_terminal:
-        columns = (TextColumn("{task.description:<26}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn(), TextColumn("[dim]{task.fields[info]}"))
+        columns = (TextColumn("{task.description:<26}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("[dim]{task.fields[info]}"))
         with Progress(*columns, console=console, transient=False) as bar:
             state: dict = {}
 
@@ -217,6 +224,9 @@ def _progress_hooks():
                 state["task"] = bar.add_task(name, total=total, info="")
 
             def on_progress(n: int = 1, info: str = "") -> None:
+                room = console.width - _BAR_COLUMNS  # what the other columns leave on the line
+                if len(info) > room:
+                    info = info[: room - 1] + "…" if room > 1 else ""
                 bar.update(state["task"], advance=n, info=info)
 
             yield on_stage, on_progress
@@ -225,7 +235,7 @@ def _progress_hooks():
 
     def on_stage(name: str, total: int) -> None:
         state.update(name=name, total=total, done=0, t0=time.perf_counter())
-        console.print(f"[{time.strftime('%H:%M:%S')}] {name} ({total})", markup=False)
+        console.print(f"[{time.strftime('%H:%M:%S')}] {name} ({total})", markup=False, soft_wrap=True)
 
     def on_progress(n: int = 1, info: str = "") -> None:
         before = state["done"]
@@ -233,7 +243,8 @@ def _progress_hooks():
         total = max(state["total"], 1)
         if info or state["done"] * 10 // total > before * 10 // total or before == 0:  # the first: a slow start shows
             elapsed = time.perf_counter() - state["t0"]
-            console.print(f"  {state['name']} {state['done']}/{state['total']} {elapsed:.0f}s {info}", markup=False)
+            console.print(f"  {state['name']} {state['done']}/{state['total']} {elapsed:.0f}s {info}", markup=False,
+                          soft_wrap=True)
 
     yield on_stage, on_progress
 

@@ -449,3 +449,31 @@ def test_a_run_killed_with_sigkill_resumes_without_repeating_or_losing_trials(tm
     assert len(ids) == 8 and len(set(ids)) == 8 and ids[:len(before)] == before
     assert trials["trial"].tolist() == list(range(8))
     assert not list(run.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("terminal, width", [(False, 60), (True, 60), (True, 100)])
+def test_progress_lines_do_not_wrap(monkeypatch, terminal, width):
+    """A long trial description stays on one line: whole in a log (any width), cut with an
+    ellipsis to a live bar's terminal width (left out where the bar fills the line)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    import kvtune.cli as cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=width, force_terminal=terminal, color_system=None))
+    info = "policy " + "kivi-4 | rans " * 12
+    with cli._progress_hooks() as (on_stage, on_progress):
+        on_stage("evaluate candidates", 2)
+        on_progress(1, info)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    lines = [line for line in re.split(r"[\r\n]", text) if line.strip()]
+    if terminal:
+        assert lines and all(len(line) <= width for line in lines)
+        assert "evaluate candidates" in lines[-1] and "1/2" in lines[-1]
+        assert ("policy kivi-4 | r…" in lines[-1]) == (width == 100)
+    else:
+        assert [re.sub(r"^\[[0-9:]{8}\] ", "", line) for line in lines] == [
+            "evaluate candidates (2)", f"  evaluate candidates 1/2 0s {info}"]
