@@ -127,10 +127,11 @@ MAX_TABLE_MODELS = 4096
 The encoder codes layouts with more (never KV: channels and heads number in the hundreds) with
 the pooled table."""
 
-_LANE_RUNS = {KIND_RANS: (KR.LANE_RUN, KR.LANE_RUN), KIND_RANS_V3: (KR.LANE_RUN, KR.LANE_RUN),
+_LANE_RUNS = {KIND_RANS: (KR.LANE_RUN, -1), KIND_RANS_V3: (KR.LANE_RUN, KR.LANE_RUN),
               KIND_RANS_V2: (KR.NO_LANE_RUN, KR.NO_LANE_RUN)}
-"""``lane_run`` of the table residuals and of the symbols per payload kind (kind 6: the symbols'
-from the form byte)."""
+"""``lane_run`` of the table residuals and of the symbols per payload kind; -1 (kind 6): the
+encoder chooses the symbols' lanes (:func:`kvtune.codecs.kernels.rans_encode_symbols`) and the
+form byte's bit 5 tells the decoder."""
 _GROUP_FORMS = ((1, False), (2, False), (2, True), (3, True))
 """(steps index, pooled) candidates; per-group forms are skipped when there is one group."""
 _MAX_RESIDUAL = 2 * MAX_LEVEL  # zigzag of a code difference in -255..255
@@ -282,9 +283,9 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     form, hist, twords, words, wide = KR.rans_encode_symbols(
         flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
         _NEG_GRID, _GRID16, _FORM_STEPS[forms], _FORM_POOLED[forms], MAX_LEVEL, WEIGHT_BITS, KR.PRECISION,
-        table_run, -1 if kind == KIND_RANS else run)
+        table_run, run)
     si, pooled = _GROUP_FORMS[forms[form]]
-    lanes_bit = int(wide and kind == KIND_RANS) << 5
+    lanes_bit = int(wide and run < 0) << 5
     head = b"".join([
         bytes([kind, MODELS.index(model) | si << 2 | int(pooled) << 4 | lanes_bit, lay.m]),
         struct.pack(f"<{len(lay.dims)}I", *lay.dims),
@@ -354,7 +355,7 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
         raise _err(f"payload kind {kind} is invalid for {count} symbols of {bits} bits")
     model_id, si, pooled = form & 3, (form >> 2) & 3, bool(form & 16)
     table_run, run = _LANE_RUNS[kind]
-    if kind == KIND_RANS:  # bit 5: the symbols on 32 lanes
+    if run < 0:  # kind 6, bit 5: the symbols on 32 lanes
         run = 0 if form & 32 else KR.NO_LANE_RUN
         form &= ~32
     if form >> 5 or model_id >= len(MODELS) or MODELS[model_id] != model:
