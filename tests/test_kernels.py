@@ -24,6 +24,7 @@ from numba import njit
 
 from kvtune.codecs import kernels as K
 from kvtune.codecs.kernels import rans as KR
+from kvtune.codecs.kernels import rans_lanes
 from kvtune.codecs.kernels.quantize import store_rows
 from kvtune.codecs.kernels.transforms import rotation_growth
 from kvtune.codecs.base import meta_to_bytes
@@ -1466,6 +1467,43 @@ def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
             dec = np.empty(n * m, np.uint8)
             assert K.rans_decode(other, bits, m, div, mod, fc, table, KR.PRECISION, dec, lane_run) == other.size
             assert np.array_equal(dec, sym)
+
+
+
+_GENERIC_RUN = """
+import sys, numpy as np
+from kvtune.codecs import kernels as K
+from kvtune.codecs.kernels import rans as KR, rans_lanes
+a = np.load(sys.argv[1])
+out = np.empty(a["sym"].size + 2 * KR.MAX_LANES, np.uint16)
+mine = out[K.rans_encode(a["sym"], 4, 2, 1, 3, a["freq"], a["cum"], KR.PRECISION, out):]
+print(rans_lanes.REGISTER_COMPRESS, np.array_equal(mine, a["words"]))
+"""
+
+
+@pytest.mark.skipif(not rans_lanes.REGISTER_COMPRESS, reason="the host encoder already takes the generic compress-store")
+def test_vector_encoder_writes_the_same_words_without_the_register_compress(tmp_path):
+    """The vector encoder's two ways to push renormalisation words (``vpcompressw`` into a
+    register and a masked store on AVX-512 VBMI2; ``llvm.masked.compressstore`` for any other
+    target) write the same words: the same run encoded here and in a process whose numba target
+    is ``generic`` (no AVX-512)."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(3)
+    bits, m, mod, n = 4, 2, 3, KR.LANE_RUN + 5
+    weights = rng.integers(1, 1 << 20, size=(mod * m, 1 << bits)).astype(np.int64)
+    freq, cum = K.rans_fused_tables(weights, np.arange(mod * m, dtype=np.int64).reshape(mod, m), bits, KR.PRECISION)
+    sym = rng.integers(0, 1 << bits, size=n * m).astype(np.uint8)
+    out = np.empty(n + 2 * KR.MAX_LANES, np.uint16)
+    words = out[K.rans_encode(sym, bits, m, 1, mod, freq, cum, KR.PRECISION, out):]
+    assert words.tolist() == ref_encode(sym, bits, m, 1, mod, freq.tolist(), KR.PRECISION)
+    np.savez(tmp_path / "run.npz", sym=sym, freq=freq, cum=cum, words=words)
+    res = subprocess.run([sys.executable, "-c", _GENERIC_RUN, str(tmp_path / "run.npz")],
+                         env={**os.environ, "NUMBA_CPU_NAME": "generic"}, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["False", "True"]
 
 
 def numpy_form_bits(counts, steps, pooled):
