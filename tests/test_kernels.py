@@ -1543,10 +1543,12 @@ def test_rans_form_bits_matches_numpy(groups, k):
 
 
 @covers("rans_choose_table")
-@pytest.mark.parametrize("groups, k", [(1, 4), (5, 16), (64, 4), (3, 256)])
+@pytest.mark.parametrize("groups, k", [(1, 4), (5, 16), (64, 4), (3, 256), (64, 256)])
 def test_rans_choose_table_matches_numpy(groups, k):
-    """The chosen form is the one of fewest estimated bits (first of equals); its levels are
-    ``count_levels``' codes and its residuals the zigzagged differences described in the doc."""
+    """The chosen form is the one of fewest estimated bits (first of equals); per-group forms
+    only for several groups, and for tables of ``PER_GROUP_LARGE`` entries or more only with
+    ``PER_GROUP_DENSITY`` symbols per entry; its levels are ``count_levels``' codes and its residuals the zigzagged differences
+    described in the doc."""
     from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS, count_levels, level_weights
 
     neg_grid = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
@@ -1555,13 +1557,18 @@ def test_rans_choose_table_matches_numpy(groups, k):
     steps, pooled = (np.array(c, np.int64) for c in zip(*[(TABLE_STEPS[si], p) for si, p in forms]))
     zig = lambda r: np.where(r >= 0, 2 * r, -2 * r - 1)  # noqa: E731
     rng = np.random.default_rng(groups * k + 1)
-    for trial in range(4):
-        counts = (rng.geometric(0.2 + 0.2 * trial, size=(groups, k)) - 1) * (rng.random((groups, k)) < 0.8)
+    chosen = set()
+    for trial in range(6):
+        counts = (rng.geometric(0.2 + 0.2 * (trial % 4), size=(groups, k)) - 1) * (rng.random((groups, k)) < 0.8)
         counts[:, 0] += 1
+        if trial >= 4:  # dense, and every group's distribution shifted: per-group tables can pay
+            counts = np.stack([np.roll(row, i) for i, row in enumerate(counts)]) * 25
         counts = counts.astype(np.int64)
-        bits = [K.rans_form_bits(counts, neg_grid, grid16, st, bool(po), MAX_LEVEL) if po or groups > 1 else np.inf
+        dense = groups * k < KR.PER_GROUP_LARGE or counts.sum() >= KR.PER_GROUP_DENSITY * groups * (counts.sum(axis=0) > 0).sum()
+        bits = [K.rans_form_bits(counts, neg_grid, grid16, st, bool(po), MAX_LEVEL) if po or (groups > 1 and dense) else np.inf
                 for st, po in zip(steps, pooled)]
         want = int(np.argmin(bits))
+        chosen.add((bool(dense), bool(pooled[want])))
         form, levels, res, est = K.rans_choose_table(counts, neg_grid, grid16, steps, pooled, MAX_LEVEL)
         assert form == want and est == bits[want]
         pool = count_levels(counts.sum(axis=0, keepdims=True), int(steps[want]))[0]
@@ -1571,6 +1578,10 @@ def test_rans_choose_table_matches_numpy(groups, k):
         if not pooled[want]:
             expect_res = np.concatenate([expect_res, zig(expect_levels[:, pool > 0] - pool[pool > 0]).reshape(-1)])
         assert np.array_equal(res, expect_res)
+    if groups > 1:
+        assert (True, False) in chosen  # dense (or a small table), shifted groups: a per-group form
+    if groups * k >= KR.PER_GROUP_LARGE:
+        assert (False, True) in chosen  # a large table of sparse counts: pooled
 
 
 @covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols")

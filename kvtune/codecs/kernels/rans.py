@@ -72,6 +72,18 @@ WIDE_BITS = 89_600
 with 32 states in the codec's kind-6 payloads, whatever its length: the 112 bytes of extra
 states then cost at most 1 % (8-bit CacheGen anchors: ~20,000 symbols of ~5.5 bits, where
 4 lanes ran at ~2.8 ns per symbol)."""
+PER_GROUP_DENSITY = 4
+"""Per-group table forms of :data:`PER_GROUP_LARGE` entries or more are estimated only for
+counts of at least this many symbols per entry (groups x symbols present in the pooled row):
+sparser counts pay more for such a table than it saves, and estimating it is the slow part of
+choosing. Over the 1,472 per-group-capable runs of eight rANS-coded policies on the default
+model's real KV (CacheGen, KIVI-2/4, KVTC-2/3, three PCA + ECSQ budgets), per-group forms won
+only from 5.6 symbols per entry on. CacheGen's 8-bit anchors (64 channels x 256 values) have
+1.2; estimating their two per-group forms took about 70 of the 114 us of their coding (Zen 4,
+one thread)."""
+PER_GROUP_LARGE = 4096
+"""Per-group tables of fewer entries (groups x alphabet) are always estimated: they are cheap to
+estimate, and on few symbols their smaller code can beat the pooled one even when sparse."""
 MAX_LANES = GROUP
 """The most states of any run (the scratch words a coder needs beyond one per symbol: 2 each)."""
 RANS_L = 1 << 16
@@ -332,8 +344,11 @@ with kernel_cache_dir():
 
     @njit(**JIT)
     def rans_choose_table(counts, neg_grid, grid16, form_steps, form_pooled, max_level):
-        """The table form of the fewest estimated bits (:func:`rans_form_bits`; first of equals;
-        per-group forms only when there are several groups) and its level codes and residuals.
+        """The table form of the fewest estimated bits (:func:`rans_form_bits`; first of equals)
+        and its level codes and residuals. Per-group forms are candidates when there are
+        several groups, and for a table of :data:`PER_GROUP_LARGE` entries or more only with at
+        least :data:`PER_GROUP_DENSITY` symbols per entry (groups x symbols present in the
+        pooled row).
 
         Args:
             counts: int64 ``(G, K)``, every row with a symbol.
@@ -351,11 +366,15 @@ with kernel_cache_dir():
         g, k = counts.shape
         pcs = counts.sum(axis=0).reshape(1, -1)
         pc = pcs[0]
-        pos = _grid_positions(counts, neg_grid)
+        present = 0
+        for s in range(k):
+            present += pc[s] > 0
+        per_group = g > 1 and (g * k < PER_GROUP_LARGE or pc.sum() >= PER_GROUP_DENSITY * g * present)
+        pos = _grid_positions(counts, neg_grid) if per_group else np.zeros((g, k), np.int64)
         pool_pos = _grid_positions(pcs, neg_grid)[0]
         best, best_bits = -1, np.inf
         for f in range(form_steps.shape[0]):
-            if g == 1 and not form_pooled[f]:
+            if not per_group and not form_pooled[f]:
                 continue
             bits = _form_bits(counts, pos, pc, pool_pos, grid16, form_steps[f], form_pooled[f] != 0, max_level)
             if bits < best_bits:
@@ -363,9 +382,6 @@ with kernel_cache_dir():
         h = 8 // form_steps[best]
         pool = np.empty(k, np.int64)
         _levels_of(pc, pool_pos, h, max_level, pool)
-        present = 0
-        for s in range(k):
-            present += pool[s] > 0
         pooled = form_pooled[best] != 0
         levels = np.empty((1 if pooled else g, k), np.int64)
         res = np.empty(k + (0 if pooled else g * present), np.int64)
