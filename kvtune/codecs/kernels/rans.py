@@ -370,7 +370,7 @@ with kernel_cache_dir():
         for s in range(k):
             present += pc[s] > 0
         per_group = g > 1 and (g * k < PER_GROUP_LARGE or pc.sum() >= PER_GROUP_DENSITY * g * present)
-        pos = _grid_positions(counts, neg_grid) if per_group else np.zeros((g, k), np.int64)
+        pos = _grid_positions(counts, neg_grid) if per_group else np.empty((0, k), np.int64)  # unread: pooled only
         pool_pos = _grid_positions(pcs, neg_grid)[0]
         best, best_bits = -1, np.inf
         for f in range(form_steps.shape[0]):
