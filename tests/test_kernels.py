@@ -1469,7 +1469,6 @@ def test_rans_kernels_match_the_pure_python_coder(bits, m, mod, div, n):
             assert np.array_equal(dec, sym)
 
 
-
 _GENERIC_RUN = """
 import sys, numpy as np
 from kvtune.codecs import kernels as K
@@ -1547,8 +1546,8 @@ def test_rans_form_bits_matches_numpy(groups, k):
 def test_rans_choose_table_matches_numpy(groups, k):
     """The chosen form is the one of fewest estimated bits (first of equals); per-group forms
     only for several groups, and for tables of ``PER_GROUP_LARGE`` entries or more only with
-    ``PER_GROUP_DENSITY`` symbols per entry; its levels are ``count_levels``' codes and its residuals the zigzagged differences
-    described in the doc."""
+    ``PER_GROUP_DENSITY`` symbols per entry; its levels are ``count_levels``' codes and its
+    residuals the zigzagged differences described in the doc."""
     from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS, count_levels, level_weights
 
     neg_grid = -level_weights(np.arange(2, (2 * (MAX_LEVEL - 2) + 1) * 8 + 2), 16)
@@ -1564,7 +1563,8 @@ def test_rans_choose_table_matches_numpy(groups, k):
         if trial >= 4:  # dense, and every group's distribution shifted: per-group tables can pay
             counts = np.stack([np.roll(row, i) for i, row in enumerate(counts)]) * 25
         counts = counts.astype(np.int64)
-        dense = groups * k < KR.PER_GROUP_LARGE or counts.sum() >= KR.PER_GROUP_DENSITY * groups * (counts.sum(axis=0) > 0).sum()
+        present = (counts.sum(axis=0) > 0).sum()
+        dense = groups * k < KR.PER_GROUP_LARGE or counts.sum() >= KR.PER_GROUP_DENSITY * groups * present  # small or dense
         bits = [K.rans_form_bits(counts, neg_grid, grid16, st, bool(po), MAX_LEVEL) if po or (groups > 1 and dense) else np.inf
                 for st, po in zip(steps, pooled)]
         want = int(np.argmin(bits))
