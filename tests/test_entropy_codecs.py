@@ -135,6 +135,27 @@ def test_pack_rejects_bad_symbols(codec):
         codec.pack(np.array([0, 1], dtype=np.uint8), 9)
 
 
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_unpack_into_writes_what_unpack_returns(name):
+    """Every codec's ``unpack_into`` (the default copy, or ``rans`` decoding straight into the
+    buffer) fills a slice of a larger buffer with exactly ``unpack``'s bytes, for coded, raw
+    and 16-bit payloads, leaves the bytes around it alone, and refuses a wrong-sized ``out``."""
+    codec = CODECS[name]()
+    rng = np.random.default_rng(3)
+    skewed = np.minimum(rng.geometric(0.5, size=(1, 2, 64, 16)) - 1, 15).astype(np.uint8)
+    uniform = rng.integers(0, 4, size=(1, 1, 3, 5)).astype(np.uint8)  # too small to code: raw
+    raw16 = rng.integers(0, 1 << 16, size=(1, 1, 4, 8)).astype(np.uint16)
+    for x, bits in ((skewed, 4), (uniform, 2), (raw16, 16)):
+        data = codec.pack(x, bits)
+        want = np.ascontiguousarray(codec.unpack(data, bits, x.size, shape=x.shape)).view(np.uint8)
+        assert np.array_equal(want, np.ascontiguousarray(x.reshape(-1)).view(np.uint8))
+        buf = np.full(want.size + 6, 0xA5, np.uint8)
+        codec.unpack_into(data, bits, x.size, buf[3 : 3 + want.size], shape=x.shape)
+        assert np.array_equal(buf[3:-3], want) and (buf[:3] == 0xA5).all() and (buf[-3:] == 0xA5).all()
+        with pytest.raises(ValueError, match="out"):
+            codec.unpack_into(data, bits, x.size, buf[: want.size - 1], shape=x.shape)
+
+
 # ----------------------------------------------------------------------------- fusion, tables
 
 

@@ -1584,13 +1584,15 @@ def test_rans_choose_table_matches_numpy(groups, k):
         assert (False, True) in chosen  # a large table of sparse counts: pooled
 
 
-@covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols")
+@covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols", "rans_decode_payload")
 @pytest.mark.parametrize("model, bits, shape", [("per_channel", 2, (1, 3, 40, 64)), ("per_head", 4, (1, 2, 33, 8)),
                                                 ("global", 3, (2, 1, 5, 7)), ("per_channel", 8, (1, 1, 9, 16))])
 def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     """One call == the steps it fuses: counts, table choice, residual words (a one-model
     coder over the zigzagged residuals), level weights (``level_to_weights``), fused tables and
-    the symbols' words; the decoder inverts it and reports a forged table as status 3."""
+    the symbols' words; the decoder inverts it and reports a forged table as status 3. The
+    payload decoder reads the same words at odd byte offsets of a payload, checks their CRC32
+    (status 10 on a mismatch, none when it is -1) and decodes the same symbols."""
     from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS
     from kvtune.codecs import rans as R
 
@@ -1627,6 +1629,16 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     forged[0] += 1  # the table words no longer decode to this histogram
     assert K.rans_decode_symbols(forged, twords, words, *args) in (1, 3)
     assert K.rans_decode_symbols(hist, twords, words[:-1], *args) == 8
+    tw8, w8 = twords.astype("<u2").tobytes(), words.astype("<u2").tobytes()
+    payload = np.frombuffer(b"\x07" + tw8 + b"\x09" * 3 + w8 + b"\x05", np.uint8)  # both runs at odd offsets
+    at = (1, twords.size, 4 + len(tw8), words.size)
+    out[:] = 0
+    assert K.rans_decode_payload(payload, *at, zlib.crc32(w8), hist, *args) == 0
+    assert np.array_equal(out, flat)
+    assert K.rans_decode_payload(payload, *at, zlib.crc32(w8) ^ 1, hist, *args) == 10
+    assert KR.DECODE_ERRORS[10].startswith("coder words checksum mismatch")
+    out[:] = 0
+    assert K.rans_decode_payload(payload, *at, -1, hist, *args) == 0 and np.array_equal(out, flat)
 
 
 def test_rans_payload_kernels_take_32_lanes_for_a_short_run_of_many_bits():

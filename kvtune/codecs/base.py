@@ -928,6 +928,22 @@ class Codec(Component):
         """
         raise NotImplementedError
 
+    def unpack_into(self, data: bytes | memoryview, bits: int, count: int, out: np.ndarray, *,
+                    shape: Shape | None = None) -> None:
+        """:meth:`unpack` into ``out``: the symbols' bytes (native byte order for ``bits ==
+        16``), so ``out`` is uint8 of ``count`` elements (``2 * count`` when ``bits == 16``).
+        Codecs that decode straight into it (``rans``) override this; the default copies
+        :meth:`unpack`'s array.
+
+        Raises:
+            CorruptStreamError: as :meth:`unpack`.
+            ValueError: as :meth:`unpack`, or ``out`` is not uint8 of that many elements.
+        """
+        raw = np.ascontiguousarray(self.unpack(data, bits, count, shape=shape)).reshape(-1).view(np.uint8)
+        if out.dtype != np.uint8 or out.shape != raw.shape:
+            raise ValueError(f"codec {self.name!r}: out must be uint8 of shape {raw.shape}, got {out.dtype} {out.shape}")
+        out[...] = raw
+
 
 # ----------------------------------------------------------------------------- registries
 

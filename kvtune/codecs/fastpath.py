@@ -1015,12 +1015,11 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
         segs = segs.copy()
         pos = plan.state_nbytes
         for seg, (bits, count, mlen, _), row, meta, payload in zip(plan.segments, plan.checks, segs, sections.meta, sections.payload):
-            sym = codec.unpack(payload, bits, count, shape=seg.shape)
+            so = row[K.SEG_SYM]
+            codec.unpack_into(payload, bits, count, symbuf[so : so + (2 * count if bits == BF16_BITS else count)],
+                              shape=seg.shape)
             if len(meta) != mlen:
                 raise CorruptStreamError(f"metadata section has {len(meta)} bytes, the policy needs {mlen}")
-            so = row[K.SEG_SYM]
-            raw = np.ascontiguousarray(sym).reshape(-1).view(np.uint8)
-            symbuf[so : so + raw.size] = raw
             row[K.SEG_META] = pos
             pos += len(meta) + len(payload)
     _check_codebooks(plan, sections.meta)

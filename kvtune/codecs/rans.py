@@ -322,7 +322,10 @@ class _Reader:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
 
+@functools.lru_cache(maxsize=1024)
 def _check_layout(model: str, bits: int, m: int, dims: tuple[int, ...], count: int, shape) -> RansLayout:
+    """The layout a payload header declares, checked against ``count`` and the tuple ``shape``
+    (or ``None``); cached: one per tensor shape and width of a policy, for every tensor decoded."""
     divisor = math.prod(dims)
     if divisor == 0 or count % divisor:
         raise _err(f"layout {dims} does not divide {count} symbols")
@@ -336,13 +339,17 @@ def _check_layout(model: str, bits: int, m: int, dims: tuple[int, ...], count: i
     return lay
 
 
-def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarray:
-    """Decode a kind-6, 5 or 4 payload (the kind byte included) to ``count`` flat uint8 symbols.
+def decode_rans(data, model: str, bits: int, count: int, shape=None, out: np.ndarray | None = None) -> np.ndarray:
+    """Decode a kind-6, 5 or 4 payload (the kind byte included) to ``count`` flat uint8 symbols,
+    written into ``out`` (uint8 ``(count,)``, C-contiguous) when given, else a new array.
 
     Raises:
         CorruptStreamError: any inconsistency (see the module doc).
         StreamVersionError: a payload of the retired 15-bit format (kind 3).
+        ValueError: ``out`` is not a C-contiguous uint8 array of ``count`` elements.
     """
+    if out is not None and (out.dtype != np.uint8 or out.shape != (count,) or not out.flags.c_contiguous):
+        raise ValueError(f"rans codec: out must be C-contiguous uint8 of shape ({count},), got {out.dtype} {out.shape}")
     buf = memoryview(data).cast("B")
     if count > MAX_SYMBOLS_PER_BYTE * len(buf):
         raise _err(f"{len(buf)} bytes cannot hold {count} symbols (at most {MAX_SYMBOLS_PER_BYTE} per byte)")
@@ -362,20 +369,21 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
         raise _err(f"payload form byte {form} does not say model {model!r}")
     ndims = {"per_channel": 1, "per_head": 2, "global": 0}[model]
     dims = struct.unpack(f"<{ndims}I", rd.take(4 * ndims, "the layout"))
-    lay = _check_layout(model, bits, m, dims, count, shape)
+    lay = _check_layout(model, bits, m, dims, count, None if shape is None else tuple(shape))
     nhist = rd.uint("<H", "the table histogram length") + 1
     if nhist > _MAX_RESIDUAL + 1:
         raise _err(f"table histogram of {nhist} entries exceeds {_MAX_RESIDUAL + 1}")
-    hist = np.frombuffer(rd.take(4 * nhist, "the table histogram"), "<u4").astype(np.int64)
-    if hist[-1] == 0:
+    counts = struct.unpack(f"<{nhist}I", rd.take(4 * nhist, "the table histogram"))  # Python ints: no numpy reductions
+    if counts[-1] == 0:
         raise _err("the table histogram ends with a zero count")
     nt = rd.uint("<I", "the table word count")
-    twords = np.frombuffer(rd.take(2 * nt, "the table words"), "<u2").astype(np.uint16)
+    tw_at = rd.pos
+    rd.take(2 * nt, "the table words")
     crc_at = rd.pos
     if rd.uint("<I", "the header checksum") != _header_crc(buf[:crc_at], count, bits):
         raise _err(f"header checksum mismatch (altered header or table, or not written for {count} symbols of {bits} bits)")
     k = 1 << bits
-    total = int(hist.sum())
+    total = sum(counts)
     if total > k * (lay.groups + 1):
         raise _err(f"the table histogram counts {total} entries, a table has at most {k * (lay.groups + 1)}")
     if total < k:
@@ -384,14 +392,16 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None) -> np.ndarr
     if not pooled and coder[1] > MAX_TABLE_MODELS:
         raise _err(f"a per-group table of {coder[1]} fused models exceeds {MAX_TABLE_MODELS}")
     nw = rd.uint("<I", "the coder word count")
-    raw = rd.take(2 * nw, "the coder words")
-    if kind != KIND_RANS_V2 and rd.uint("<I", "the coder words checksum") != crc32(raw):
-        raise _err("coder words checksum mismatch (altered or truncated words)")
+    w_at = rd.pos
+    rd.take(2 * nw, "the coder words")
+    words_crc = -1 if kind == KIND_RANS_V2 else rd.uint("<I", "the coder words checksum")
     if rd.pos != len(buf):
         raise _err(f"{len(buf) - rd.pos} bytes follow the coder words")
-    words = np.frombuffer(raw, "<u2").astype(np.uint16)
-    out = np.empty(count, np.uint8)
-    status = KR.rans_decode_symbols(hist, twords, words, bits, m, lay.groups, TABLE_STEPS[si], pooled, coder,
+    if out is None:
+        out = np.empty(count, np.uint8)
+    # the words' checksum, their copy into aligned arrays and the decode: one call without the GIL
+    status = KR.rans_decode_payload(np.frombuffer(buf, np.uint8), tw_at, nt, w_at, nw, words_crc,
+                                    np.array(counts, np.int64), bits, m, lay.groups, TABLE_STEPS[si], pooled, coder,
                                     comp_group, comp_pooled, _GRID16, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, out,
                                     table_run, run)
     if status:
@@ -497,14 +507,7 @@ class RansCodec(Codec):
             CorruptStreamError: the data cannot decode to exactly ``count`` symbols (module doc).
             ValueError: unsupported ``bits``, negative ``count``, ``shape`` not holding ``count``.
         """
-        problem = (None if self.supports(bits) else f"bit width must be 1..8 or 16, got {bits}") or (
-            f"count must be >= 0, got {count}" if count < 0 else None) or (
-            f"shape {tuple(shape)} does not hold {count} symbols" if shape is not None and math.prod(shape) != count else None)
-        if problem:
-            raise ValueError(f"rans codec: {problem}")
-        buf = memoryview(data).cast("B")
-        if len(buf) < 1:
-            raise _err("empty payload (no kind byte)")
+        buf = self._checked_payload(data, bits, count, shape)
         if buf[0] != KIND_RAW:
             return decode_rans(buf, self.model, bits, count, shape)
         expected = 2 * count if bits == RAW16 else packed_nbytes(count, bits)
@@ -513,3 +516,30 @@ class RansCodec(Codec):
         if bits == RAW16:
             return np.frombuffer(buf[1:], dtype="<u2", count=count).astype(np.uint16)
         return unpack_bits(buf[1:], bits, count)
+
+    def unpack_into(self, data, bits: int, count: int, out: np.ndarray, *, shape=None) -> None:
+        """:meth:`unpack` into uint8 ``out`` (``count`` elements; ``2 * count`` when ``bits ==
+        16``); a rANS payload decodes straight into it (the fast path's symbol buffer).
+
+        Raises:
+            CorruptStreamError: as :meth:`unpack`.
+            ValueError: as :meth:`unpack`, or ``out`` is not C-contiguous uint8 of that size.
+        """
+        buf = self._checked_payload(data, bits, count, shape)
+        if buf[0] == KIND_RAW or bits == RAW16:
+            super().unpack_into(buf, bits, count, out, shape=shape)
+        else:
+            decode_rans(buf, self.model, bits, count, shape, out=out)
+
+    def _checked_payload(self, data, bits: int, count: int, shape) -> memoryview:
+        """``data`` as bytes after :meth:`unpack`'s argument checks (ValueError), with a kind byte
+        (CorruptStreamError)."""
+        problem = (None if self.supports(bits) else f"bit width must be 1..8 or 16, got {bits}") or (
+            f"count must be >= 0, got {count}" if count < 0 else None) or (
+            f"shape {tuple(shape)} does not hold {count} symbols" if shape is not None and math.prod(shape) != count else None)
+        if problem:
+            raise ValueError(f"rans codec: {problem}")
+        buf = memoryview(data).cast("B")
+        if len(buf) < 1:
+            raise _err("empty payload (no kind byte)")
+        return buf

@@ -126,6 +126,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     from .fp8 import fp8_dequantize, fp8_quantize
     from .rans import (
         rans_choose_table,
+        rans_decode_payload,
         rans_decode_symbols,
         rans_encode_symbols,
         rans_level_weights,
@@ -220,6 +221,7 @@ __all__ = [
     "rans_choose_table",
     "rans_level_weights",
     "rans_encode_symbols",
+    "rans_decode_payload",
     "rans_decode_symbols",
     "rans_form_bits",
     "rans_encode",

@@ -42,11 +42,13 @@ table arithmetic encoder and decoder share. The package re-exports them (its ``_
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 from numba import njit
 
 from .cachedir import kernel_cache_dir
+from .crc import crc32_update
 from .lowlevel import JIT
 from .rans_lanes import GROUP, MAX_PREC, MIN_PREC, VECTOR_LANES, decode_groups, encode_groups
 
@@ -94,6 +96,7 @@ _LOW16 = np.uint64(0xFFFF)
 _UP1 = np.uintp(1)
 _MEMO = 4096  # counts below this reuse their grid position within rows of one total
 _I32_LIMIT = 1 << 31  # table indices of the vector loops are int32 lanes
+_BIG_ENDIAN = sys.byteorder == "big"
 
 with kernel_cache_dir():
 
@@ -840,8 +843,10 @@ with kernel_cache_dir():
         "a table code is out of range or a group has no symbol",
         "the coder words do not decode (the words run out, or a state is off at the end)",
         "words follow the coder words and are not zero padding",
+        "coder words checksum mismatch (altered or truncated words)",
     )
-    """Messages of the status codes of :func:`rans_decode_symbols` (0 = no error)."""
+    """Messages of the status codes of :func:`rans_decode_symbols` and
+    :func:`rans_decode_payload` (0 = no error)."""
 
     @njit(**JIT)
     def rans_decode_symbols(hist, twords, words, bits, m, groups, steps, pooled, coder, comp_group, comp_pooled,
@@ -928,3 +933,38 @@ with kernel_cache_dir():
             if words[j] != 0:
                 return 9
         return 0
+
+    @njit(**JIT)
+    def _le_words(payload, at, n):
+        """``n`` little-endian uint16 words of uint8 ``payload`` from byte ``at`` (any alignment):
+        a byte loop on ``uintp`` indices, which LLVM vectorizes (88,416 words: 4 us, against
+        55 us for a slice assignment and 107 us for words assembled from their bytes, one-off
+        script), swapped on a big-endian host."""
+        out = np.empty(n, np.uint16)
+        dst = out.view(np.uint8)
+        a = np.uintp(at)
+        for i in range(np.uintp(2 * n)):
+            dst[i] = payload[a + i]
+        if _BIG_ENDIAN:
+            for i in range(n):
+                out[i] = (out[i] >> np.uint16(8)) | (out[i] << np.uint16(8))
+        return out
+
+    @njit(**JIT)
+    def rans_decode_payload(payload, tw_at, nt, w_at, nw, words_crc, hist, bits, m, groups, steps, pooled, coder,
+                            comp_group, comp_pooled, grid16, max_level, weight_bits, prec, out,
+                            table_lane_run=LANE_RUN, lane_run=LANE_RUN):
+        """:func:`rans_decode_symbols` on the words of a payload as it lies in the stream: the
+        ``nt`` table words at byte ``tw_at`` and the ``nw`` coder words at byte ``w_at`` of uint8
+        ``payload`` (little-endian, any alignment; the caller has checked that they lie inside
+        it), copied into aligned arrays here, without the GIL; the coder words' CRC32 is checked
+        against ``words_crc`` first unless it is negative (kind 4 has none).
+
+        Returns:
+            0, or the index of the failed check in :data:`DECODE_ERRORS`.
+        """
+        if words_crc >= 0 and crc32_update(0, payload[w_at : w_at + 2 * nw]) != words_crc:
+            return 10
+        return rans_decode_symbols(hist, _le_words(payload, tw_at, nt), _le_words(payload, w_at, nw), bits, m, groups,
+                                   steps, pooled, coder, comp_group, comp_pooled, grid16, max_level, weight_bits,
+                                   prec, out, table_lane_run, lane_run)
