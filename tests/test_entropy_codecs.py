@@ -125,10 +125,15 @@ def test_registered_and_validated():
         assert not c.supports(0) and not c.supports(9)
 
 
-@pytest.mark.parametrize("codec", [RangeCodec(), ZstdCodec()], ids=["range", "zstd"])
-def test_pack_rejects_bad_symbols(codec):
+@pytest.mark.parametrize("name", ["range", "zstd", "rans"])
+def test_pack_rejects_bad_symbols(name):
+    codec = CODECS[name]()
     with pytest.raises(ValueError, match="does not fit"):
         codec.pack(np.array([0, 4], dtype=np.uint8), 2)
+    big = np.zeros((1, 2, 512, 16), np.uint8)  # enough symbols to be coded, one of them too wide
+    big[0, 1, 300, 7] = 8
+    with pytest.raises(ValueError, match="symbol 8 does not fit in 3 bits" if name == "rans" else "does not fit"):
+        codec.pack(big, 3)
     with pytest.raises(ValueError, match="uint8"):
         codec.pack(np.array([0, 1], dtype=np.int32), 2)
     with pytest.raises(ValueError):

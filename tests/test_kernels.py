@@ -1584,15 +1584,18 @@ def test_rans_choose_table_matches_numpy(groups, k):
         assert (False, True) in chosen  # a large table of sparse counts: pooled
 
 
-@covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols", "rans_decode_payload")
+@covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols", "rans_encode_payload",
+        "rans_decode_payload")
 @pytest.mark.parametrize("model, bits, shape", [("per_channel", 2, (1, 3, 40, 64)), ("per_head", 4, (1, 2, 33, 8)),
                                                 ("global", 3, (2, 1, 5, 7)), ("per_channel", 8, (1, 1, 9, 16))])
 def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     """One call == the steps it fuses: counts, table choice, residual words (a one-model
     coder over the zigzagged residuals), level weights (``level_to_weights``), fused tables and
     the symbols' words; the decoder inverts it and reports a forged table as status 3. The
-    payload decoder reads the same words at odd byte offsets of a payload, checks their CRC32
-    (status 10 on a mismatch, none when it is -1) and decodes the same symbols."""
+    payload encoder returns the same words with their CRC32 and the largest symbol, and codes
+    nothing when a symbol is too wide; the payload decoder reads the words at odd byte offsets
+    of a payload, checks their CRC32 (status 10 on a mismatch, none when it is -1) and decodes
+    the same symbols."""
     from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS
     from kvtune.codecs import rans as R
 
@@ -1609,6 +1612,14 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     assert form == f2 and np.array_equal(hist, np.bincount(res)) and not wide  # runs shorter than LANE_RUN
     assert est < KR.WIDE_BITS  # so the kind-6 rule (lane_run < 0) keeps 4 lanes too
     chose = K.rans_encode_symbols(*enc_args, KR.LANE_RUN, -1)
+    top, f3, h3, tw3, w3, wide3, crc = K.rans_encode_payload(*enc_args)
+    assert (top, f3, wide3) == (int(flat.max()), form, wide) and crc == zlib.crc32(words.astype("<u2").tobytes())
+    assert np.array_equal(h3, hist) and np.array_equal(tw3, twords) and np.array_equal(w3, words)
+    wider = flat.copy()
+    wider[-1] = 1 << bits if bits < 8 else 255
+    refused = K.rans_encode_payload(wider, *enc_args[1:])
+    assert refused[0] == (1 << bits if bits < 8 else 255)
+    assert bits == 8 or (refused[3].size == 0 and refused[4].size == 0 and refused[6] == 0)
     assert not chose[4] and np.array_equal(chose[3], words) and np.array_equal(chose[2], twords)
     si, pooled = R._GROUP_FORMS[form]
     weights = K.rans_level_weights(levels, TABLE_STEPS[si], R._GRID16, R.WEIGHT_BITS)

@@ -620,7 +620,10 @@ def _encode_one(task) -> tuple[list, int, int]:
     out = _empty(plan.nbytes, np.uint8)  # the bitpack layout; other codecs use its state and metadata bytes
     if plan.transforms:
         x = _apply_transforms(x, plan, out)
-        amax = _magnitude(x)[1]
+        # deltas of finite values are at most twice the largest (float32 rounding is monotone):
+        # that bound spares a pass over the work array unless it reaches the plan's limit
+        if not (all(op[0] == "delta" for op in plan.transforms) and 2.0 * amax <= plan.value_limit):
+            amax = _magnitude(x)[1]
     _check_value_range(x, amax, plan, layer, kind)
     if comp.bitpack:
         seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2], nf_table())

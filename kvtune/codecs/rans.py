@@ -269,7 +269,8 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     (:func:`kvtune.codecs.kernels.rans_encode_symbols`).
 
     Raises:
-        ValueError: nothing to encode, or ``kind`` is not a rANS kind this version writes.
+        ValueError: nothing to encode, ``kind`` is not a rANS kind this version writes, or the
+            symbols are not uint8 below ``2**bits`` (checked by the kernel before it counts).
     """
     if kind not in _LANE_RUNS:
         raise ValueError(f"rans codec: writes kind {KIND_RANS}, {KIND_RANS_V3} or {KIND_RANS_V2}, not {kind}")
@@ -280,10 +281,14 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     coder, comp_group, comp_pooled = _coder_plan(lay)
     forms = _ALL_FORMS if coder[1] <= MAX_TABLE_MODELS else _POOLED_FORMS
     table_run, run = _LANE_RUNS[kind]
-    form, hist, twords, words, wide = KR.rans_encode_symbols(
+    if flat.dtype != np.uint8:
+        raise ValueError(f"rans codec: {bits}-bit symbols must be uint8, got {flat.dtype}")
+    top, form, hist, twords, words, wide, words_crc = KR.rans_encode_payload(
         flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
         _NEG_GRID, _GRID16, _FORM_STEPS[forms], _FORM_POOLED[forms], MAX_LEVEL, WEIGHT_BITS, KR.PRECISION,
         table_run, run)
+    if top >> bits:
+        raise ValueError(f"rans codec: symbol {top} does not fit in {bits} bits (symbols must be below {1 << bits})")
     si, pooled = _GROUP_FORMS[forms[form]]
     lanes_bit = int(wide and run < 0) << 5
     head = b"".join([
@@ -296,9 +301,12 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     tail = 0 if kind == KIND_RANS_V2 else 4  # kinds 5 and 6 end with the CRC32 of their coder words
     size = len(head) + 4 + 2 * words.size + tail
     pad = max(0, -(-(-(-lay.count // MAX_SYMBOLS_PER_BYTE) - size) // 2))
-    parts = [head, struct.pack("<I", words.size + pad), words.astype("<u2", copy=False), bytes(2 * pad)]
+    parts = [head, struct.pack("<I", words.size + pad), words.astype("<u2", copy=False)]
+    if pad:
+        parts.append(bytes(2 * pad))
+        words_crc = crc32(parts[3], words_crc)
     if tail:
-        parts.append(struct.pack("<I", crc32(parts[3], crc32(parts[2]))))
+        parts.append(struct.pack("<I", words_crc))
     return b"".join(parts)
 
 
@@ -427,10 +435,9 @@ def _checked_flat(a: np.ndarray, bits: int) -> np.ndarray:
     if bits != RAW16 and not 1 <= bits <= 8:
         raise ValueError(f"rans codec: bit width must be 1..8 or 16, got {bits}")
     flat = a.reshape(-1)
-    if bits != RAW16 and (a.dtype != np.uint8 or (flat.size and int(flat.max()) >> bits)):
-        raise ValueError(f"rans codec: {bits}-bit symbols must be uint8 below {1 << bits}, got {a.dtype} "
-                         f"up to {int(flat.max()) if flat.size else 0}")
-    return flat
+    if bits != RAW16 and a.dtype != np.uint8:
+        raise ValueError(f"rans codec: {bits}-bit symbols must be uint8 below {1 << bits}, got {a.dtype}")
+    return flat  # their range: checked by the coding kernel (encode_rans) before anything is counted
 
 
 def _as_numpy(symbols: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -408,16 +408,19 @@ with kernel_cache_dir():
     def rans_count_groups(sym, div, mod, groups, k):
         """Histogram int64 ``(groups, k)`` of flat ``sym``: symbol ``i`` belongs to group
         ``(i // div) % mod`` (``groups == mod``)."""
-        out = np.zeros((groups, k), np.int64)
-        flat = out.reshape(-1)
         n = sym.shape[0]
         if div == 1:  # per_channel / global: group = column of an (n // mod, mod) matrix
-            rows = n // mod
-            for r in range(rows):
-                o = r * mod
-                for c in range(mod):
-                    flat[c * k + sym[o + c]] += 1
-            return out
+            # int32 counters on uintp indices: the 32 x 256 counts of fused 4-bit symbols fit in
+            # 32 KB of L1 (one tensor of CacheGen's deltas, 88,416 super-symbols: 37-42 -> 30 us
+            # with the conversion, medians of 301, one-off script; 5- and 8-bit symbols: same)
+            c32 = np.zeros(groups * k, np.int32)
+            um, uk = np.uintp(mod), np.uintp(k)
+            for r in range(np.uintp(n) // um):
+                o = r * um
+                for c in range(um):
+                    c32[c * uk + np.uintp(sym[o + c])] += 1
+            return c32.astype(np.int64).reshape((groups, k))
+        out = np.zeros((groups, k), np.int64)
         blocks = n // div
         part = np.zeros((4, k), np.int64)  # four sub-histograms: no store-to-load chain on one counter
         for b in range(blocks):
@@ -445,20 +448,16 @@ with kernel_cache_dir():
         group ``comp[q, j]`` (:func:`rans_fused_tables`)."""
         nm, ks = fused.shape
         m = comp.shape[1]
-        k = np.uintp(1 << bits)
+        mask = (1 << bits) - 1
         out = np.zeros((groups, 1 << bits), np.int64)
         for q in range(nm):
             row = fused[q]
-            for j in range(m):  # digit j of x = hi k**(j+1) + d k**j + lo
-                low = np.uintp(1) << np.uintp(bits * j)
-                dst = out[comp[q, j]]
-                for hi in range(np.uintp(ks) // (low * k)):
-                    for d in range(k):
-                        at = (hi * k + d) * low
-                        acc = np.int64(0)
-                        for lo in range(low):
-                            acc += row[at + lo]
-                        dst[d] += acc
+            for x in range(ks):  # one pass over the super-symbols: each adds to its m digits
+                # (32 models x 256 fused 4-bit symbols: 11.5 -> 5.9 us against sums per digit)
+                v = row[x]
+                if v:
+                    for j in range(m):
+                        out[comp[q, j], (x >> (bits * j)) & mask] += v
         return out
 
     @njit(**JIT)
@@ -968,3 +967,36 @@ with kernel_cache_dir():
         return rans_decode_symbols(hist, _le_words(payload, tw_at, nt), _le_words(payload, w_at, nw), bits, m, groups,
                                    steps, pooled, coder, comp_group, comp_pooled, grid16, max_level, weight_bits,
                                    prec, out, table_lane_run, lane_run)
+
+    @njit(**JIT)
+    def _words_crc(words):
+        """CRC32 of uint16 ``words`` as little-endian bytes (zlib's value)."""
+        if _BIG_ENDIAN:
+            le = np.empty_like(words)
+            for i in range(words.shape[0]):
+                le[i] = (words[i] >> np.uint16(8)) | (words[i] << np.uint16(8))
+            return crc32_update(0, le.view(np.uint8))
+        return crc32_update(0, words.view(np.uint8))
+
+    @njit(**JIT)
+    def rans_encode_payload(flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled,
+                            neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec,
+                            table_lane_run=LANE_RUN, lane_run=LANE_RUN):
+        """:func:`rans_encode_symbols` after checking that every symbol of ``flat`` fits in
+        ``bits`` (the counts index by symbol), with the CRC32 of the coder words, in one call
+        without the GIL.
+
+        Returns:
+            ``(largest symbol, form, hist, table words, words, wide, words CRC32)``; when the
+            largest symbol is ``>= 2**bits`` nothing is coded (the other items are empty / 0).
+        """
+        top = np.uint8(0)
+        for i in range(np.uintp(flat.shape[0])):
+            top = max(top, flat[i])
+        if np.int64(top) >> bits:
+            return (np.int64(top), np.int64(0), np.zeros(0, np.int64), np.zeros(0, np.uint16),
+                    np.zeros(0, np.uint16), False, np.int64(0))
+        form, hist, twords, words, wide = rans_encode_symbols(
+            flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled, neg_grid, grid16, form_steps,
+            form_pooled, max_level, weight_bits, prec, table_lane_run, lane_run)
+        return np.int64(top), np.int64(form), hist, twords, words, wide, _words_crc(words)
