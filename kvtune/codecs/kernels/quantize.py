@@ -367,7 +367,8 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero, r
     are consecutive in ``x``; with ``rot``, each row then rotated in place while the block is
     in L1), min/max of every group (8 groups at a time,
     :func:`~kvtune.codecs.kernels.lowlevel.vminmax_groups8`, when groups of 8k values tile the
-    rows), the groups' parameters (vectorized), then the symbols (one loop over the block's
+    rows; a symmetric group's absmax is the larger magnitude of its min and max: CacheGen's
+    deltas, 118-122 -> 58-62 us per tensor, one thread), the groups' parameters (vectorized), then the symbols (one loop over the block's
     groups when they tile it, 16 lanes at a time when ``g`` is a multiple of 16: no per-row
     bounds or scalar tails).
 
@@ -418,10 +419,13 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero, r
             for r in range(nr):
                 rotate_row(blk, _u(r * d_n), signs, _u(head[r] * d_n), blocks, bscales, False)
         n8 = 0
-        if tiled and not symmetric:  # 8 whole groups at a time, reduced together
+        if tiled:  # 8 whole groups at a time, reduced together
             n8 = nr * ng // 8 * 8
             for i in range(0, n8, 8):
                 vminmax_groups8(blk, i * g, g, lo, hi, i)
+            if symmetric:  # the absmax: the larger magnitude of the two (finite values)
+                for i in range(n8):
+                    hi[i] = max(abs(lo[i]), abs(hi[i]))
         for i in range(n8, nr * ng):
             r, gi = i // ng, i % ng
             d0 = _u(r * d_n + gi * g)
