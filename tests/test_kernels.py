@@ -14,6 +14,7 @@ import ast
 import importlib
 import math
 import pkgutil
+import struct
 import zlib
 from pathlib import Path
 
@@ -1585,7 +1586,7 @@ def test_rans_choose_table_matches_numpy(groups, k):
 
 
 @covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols", "rans_encode_payload",
-        "rans_decode_payload")
+        "rans_decode_payload", "rans_payload_bytes")
 @pytest.mark.parametrize("model, bits, shape", [("per_channel", 2, (1, 3, 40, 64)), ("per_head", 4, (1, 2, 33, 8)),
                                                 ("global", 3, (2, 1, 5, 7)), ("per_channel", 8, (1, 1, 9, 16))])
 def test_rans_payload_kernels_match_their_steps(model, bits, shape):
@@ -1593,7 +1594,8 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     coder over the zigzagged residuals), level weights (``level_to_weights``), fused tables and
     the symbols' words; the decoder inverts it and reports a forged table as status 3. The
     payload encoder returns the same words with their CRC32 and the largest symbol, and codes
-    nothing when a symbol is too wide; the payload decoder reads the words at odd byte offsets
+    nothing when a symbol is too wide; the payload's bytes are those of a struct-built layout
+    (with and without zero padding and the words' CRC); the payload decoder reads the words at odd byte offsets
     of a payload, checks their CRC32 (status 10 on a mismatch, none when it is -1) and decodes
     the same symbols."""
     from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS
@@ -1615,6 +1617,19 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     top, f3, h3, tw3, w3, wide3, crc = K.rans_encode_payload(*enc_args)
     assert (top, f3, wide3) == (int(flat.max()), form, wide) and crc == zlib.crc32(words.astype("<u2").tobytes())
     assert np.array_equal(h3, hist) and np.array_equal(tw3, twords) and np.array_equal(w3, words)
+    for count, tail in ((flat.size, True), (1024 * (8 * (words.size + twords.size + hist.size) + 200), True),
+                        (flat.size, False)):
+        got = K.rans_payload_bytes(6, 0x25, lay.m, np.array(lay.dims, np.int64), hist, twords, words, crc, count, bits,
+                                   tail, 1024).tobytes()
+        head = (bytes([6, 0x25, lay.m]) + struct.pack(f"<{len(lay.dims)}I", *lay.dims)
+                + struct.pack(f"<H{hist.size}I", hist.size - 1, *hist.tolist())
+                + struct.pack(f"<I{twords.size}H", twords.size, *twords.tolist()))
+        head += struct.pack("<I", zlib.crc32(head, zlib.crc32(count.to_bytes(8, "little") + bytes([bits]))))
+        body = words.astype("<u2").tobytes()
+        pad = max(0, -(-(-(-count // 1024) - len(head) - 4 - len(body) - 4 * tail) // 2))
+        body += bytes(2 * pad)
+        want = head + struct.pack("<I", words.size + pad) + body + (struct.pack("<I", zlib.crc32(body)) if tail else b"")
+        assert got == want and (pad > 0) == (count > flat.size), (count, tail)
     wider = flat.copy()
     wider[-1] = 1 << bits if bits < 8 else 255
     refused = K.rans_encode_payload(wider, *enc_args[1:])

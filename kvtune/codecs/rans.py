@@ -83,7 +83,6 @@ import torch
 
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
-from kvtune.codecs.checksum import crc32
 from kvtune.codecs.kernels import rans as KR
 from kvtune.codecs.range_coder import KIND_RAW, MAX_LEVEL, MAX_TABLE_ENTRIES, MODELS, TABLE_STEPS, fusion_factor, level_weights
 from kvtune.core.errors import CorruptStreamError, StreamVersionError
@@ -243,6 +242,9 @@ _FORM_STEPS = np.array([TABLE_STEPS[si] for si, _ in _GROUP_FORMS], np.int64)
 _FORM_POOLED = np.array([pooled for _, pooled in _GROUP_FORMS], np.int64)
 _ALL_FORMS = np.arange(len(_GROUP_FORMS))
 _POOLED_FORMS = np.flatnonzero(_FORM_POOLED)
+_FORM_CHOICES = tuple((f, _FORM_STEPS[f], _FORM_POOLED[f]) for f in (_ALL_FORMS, _POOLED_FORMS))
+"""``(forms, their steps, their pooled flags)``: every form, or (too many models for a
+per-group table) the pooled ones."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -266,7 +268,8 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     kind-6 encoding of :class:`RansCodec` (``kind=KIND_RANS_V3`` / ``KIND_RANS_V2``: the
     previous formats, which kvtune versions of 2026-12-03 / before read), without its raw
     fallback (module doc: wire layout). The coding runs in one kernel call
-    (:func:`kvtune.codecs.kernels.rans_encode_symbols`).
+    (:func:`kvtune.codecs.kernels.rans_encode_payload`), the payload's bytes are written by
+    another (:func:`~kvtune.codecs.kernels.rans_payload_bytes`).
 
     Raises:
         ValueError: nothing to encode, ``kind`` is not a rANS kind this version writes, or the
@@ -279,35 +282,20 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
         raise ValueError("rans codec: nothing to encode")
     flat = np.ascontiguousarray(symbols).reshape(-1)
     coder, comp_group, comp_pooled = _coder_plan(lay)
-    forms = _ALL_FORMS if coder[1] <= MAX_TABLE_MODELS else _POOLED_FORMS
+    forms, form_steps, form_pooled = _FORM_CHOICES[int(coder[1] > MAX_TABLE_MODELS)]
     table_run, run = _LANE_RUNS[kind]
     if flat.dtype != np.uint8:
         raise ValueError(f"rans codec: {bits}-bit symbols must be uint8, got {flat.dtype}")
     top, form, hist, twords, words, wide, words_crc = KR.rans_encode_payload(
         flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
-        _NEG_GRID, _GRID16, _FORM_STEPS[forms], _FORM_POOLED[forms], MAX_LEVEL, WEIGHT_BITS, KR.PRECISION,
-        table_run, run)
+        _NEG_GRID, _GRID16, form_steps, form_pooled, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, table_run, run)
     if top >> bits:
         raise ValueError(f"rans codec: symbol {top} does not fit in {bits} bits (symbols must be below {1 << bits})")
     si, pooled = _GROUP_FORMS[forms[form]]
-    lanes_bit = int(wide and run < 0) << 5
-    head = b"".join([
-        bytes([kind, MODELS.index(model) | si << 2 | int(pooled) << 4 | lanes_bit, lay.m]),
-        struct.pack(f"<{len(lay.dims)}I", *lay.dims),
-        struct.pack("<H", hist.size - 1), hist.astype("<u4").tobytes(),
-        struct.pack("<I", twords.size), twords.astype("<u2").tobytes(),
-    ])
-    head += struct.pack("<I", _header_crc(head, lay.count, bits))
-    tail = 0 if kind == KIND_RANS_V2 else 4  # kinds 5 and 6 end with the CRC32 of their coder words
-    size = len(head) + 4 + 2 * words.size + tail
-    pad = max(0, -(-(-(-lay.count // MAX_SYMBOLS_PER_BYTE) - size) // 2))
-    parts = [head, struct.pack("<I", words.size + pad), words.astype("<u2", copy=False)]
-    if pad:
-        parts.append(bytes(2 * pad))
-        words_crc = crc32(parts[3], words_crc)
-    if tail:
-        parts.append(struct.pack("<I", words_crc))
-    return b"".join(parts)
+    form_byte = MODELS.index(model) | si << 2 | int(pooled) << 4 | int(wide and run < 0) << 5
+    # the header, its CRC, the words, padding and words CRC (kinds 5 and 6) written by one kernel call
+    return KR.rans_payload_bytes(kind, form_byte, lay.m, np.array(lay.dims, np.int64), hist, twords, words, words_crc,
+                                 lay.count, bits, kind != KIND_RANS_V2, MAX_SYMBOLS_PER_BYTE).tobytes()
 
 
 # ----------------------------------------------------------------------------- decode

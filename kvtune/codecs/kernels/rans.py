@@ -1000,3 +1000,58 @@ with kernel_cache_dir():
             flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled, neg_grid, grid16, form_steps,
             form_pooled, max_level, weight_bits, prec, table_lane_run, lane_run)
         return np.int64(top), np.int64(form), hist, twords, words, wide, _words_crc(words)
+
+    @njit(**JIT)
+    def _put_le(buf, at, value, nbytes):
+        """Write the low ``nbytes`` bytes of ``value`` little-endian at ``buf[at]``; returns the next offset."""
+        for i in range(nbytes):
+            buf[at + i] = np.uint8((value >> (8 * i)) & 0xFF)
+        return at + nbytes
+
+    @njit(**JIT)
+    def rans_payload_bytes(kind, form_byte, m, dims, hist, twords, words, words_crc, count, bits, tail, per_byte):
+        """The wire bytes of one rANS payload (:mod:`kvtune.codecs.rans`: kind, form byte, ``m``,
+        the u32 ``dims``, the table histogram and words, the header CRC32 over those bytes
+        seeded with the CRC32 of ``count`` as 8 bytes and ``bits`` as 1, the coder words with
+        zero words up to ``ceil(count / per_byte)`` bytes in all, and, when ``tail``, the CRC32
+        of the words and padding, continued from ``words_crc``, the CRC32 of ``words``).
+
+        Args:
+            dims: int64 layout dims; hist: int64 residual histogram (u32 on the wire);
+                twords, words: uint16 table and coder words.
+
+        Returns:
+            uint8 array of the payload.
+        """
+        nh, nt, nw, nd = hist.shape[0], twords.shape[0], words.shape[0], dims.shape[0]
+        head = 3 + 4 * nd + 2 + 4 * nh + 4 + 2 * nt
+        size = head + 4 + 4 + 2 * nw + (4 if tail else 0)
+        need = -(-count // per_byte)
+        pad = max(0, -(-(need - size) // 2))
+        out = np.empty(size + 2 * pad, np.uint8)
+        out[0], out[1], out[2] = np.uint8(kind), np.uint8(form_byte), np.uint8(m)
+        at = 3
+        for d in dims:
+            at = _put_le(out, at, d, 4)
+        at = _put_le(out, at, nh - 1, 2)
+        for v in hist:
+            at = _put_le(out, at, v, 4)
+        at = _put_le(out, at, nt, 4)
+        for w in twords:
+            at = _put_le(out, at, w, 2)
+        pre = np.empty(9, np.uint8)
+        _put_le(pre, 0, count, 8)
+        pre[8] = np.uint8(bits)
+        at = _put_le(out, at, crc32_update(crc32_update(0, pre), out[:head]), 4)
+        at = _put_le(out, at, nw + pad, 4)
+        w_at = np.uintp(at)
+        for i in range(np.uintp(nw)):  # the words' bytes, as rans_decode_payload reads them
+            out[w_at + 2 * i] = np.uint8(words[i] & np.uint16(0xFF))
+            out[w_at + 2 * i + 1] = np.uint8(words[i] >> np.uint16(8))
+        at += 2 * nw
+        for i in range(2 * pad):
+            out[at + i] = 0
+        if tail:
+            crc = crc32_update(words_crc, out[at : at + 2 * pad]) if pad else words_crc
+            _put_le(out, at + 2 * pad, crc, 4)
+        return out
