@@ -368,7 +368,8 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero, r
     in L1), min/max of every group (8 groups at a time,
     :func:`~kvtune.codecs.kernels.lowlevel.vminmax_groups8`, when groups of 8k values tile the
     rows; a symmetric group's absmax is the larger magnitude of its min and max: CacheGen's
-    deltas, 118-122 -> 58-62 us per tensor, one thread), the groups' parameters (vectorized), then the symbols (one loop over the block's
+    deltas, 118-122 -> 58-62 us per tensor, one thread), the groups' parameters (vectorized),
+    then the symbols (one loop over the block's
     groups when they tile it, 16 lanes at a time when ``g`` is a multiple of 16: no per-row
     bounds or scalar tails).
 

@@ -944,9 +944,14 @@ with kernel_cache_dir():
         a = np.uintp(at)
         for i in range(np.uintp(2 * n)):
             dst[i] = payload[a + i]
-        if _BIG_ENDIAN:
-            for i in range(n):
-                out[i] = (out[i] >> np.uint16(8)) | (out[i] << np.uint16(8))
+        return _swapped(out) if _BIG_ENDIAN else out
+
+    @njit(**JIT)
+    def _swapped(words):
+        """A copy of uint16 ``words`` with their two bytes swapped (little-endian <-> big-endian)."""
+        out = np.empty_like(words)
+        for i in range(words.shape[0]):
+            out[i] = (words[i] >> np.uint16(8)) | (words[i] << np.uint16(8))
         return out
 
     @njit(**JIT)
@@ -971,12 +976,7 @@ with kernel_cache_dir():
     @njit(**JIT)
     def _words_crc(words):
         """CRC32 of uint16 ``words`` as little-endian bytes (zlib's value)."""
-        if _BIG_ENDIAN:
-            le = np.empty_like(words)
-            for i in range(words.shape[0]):
-                le[i] = (words[i] >> np.uint16(8)) | (words[i] << np.uint16(8))
-            return crc32_update(0, le.view(np.uint8))
-        return crc32_update(0, words.view(np.uint8))
+        return crc32_update(0, (_swapped(words) if _BIG_ENDIAN else words).view(np.uint8))
 
     @njit(**JIT)
     def rans_encode_payload(flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled,
@@ -1045,13 +1045,9 @@ with kernel_cache_dir():
         at = _put_le(out, at, crc32_update(crc32_update(0, pre), out[:head]), 4)
         at = _put_le(out, at, nw + pad, 4)
         w_at = np.uintp(at)
-        if _BIG_ENDIAN:
-            for i in range(nw):
-                _put_le(out, at + 2 * i, words[i], 2)
-        else:  # a byte copy on uintp indices, which LLVM vectorizes (as _le_words)
-            src = words.view(np.uint8)
-            for i in range(np.uintp(2 * nw)):
-                out[w_at + i] = src[i]
+        src = (_swapped(words) if _BIG_ENDIAN else words).view(np.uint8)
+        for i in range(np.uintp(2 * nw)):  # a byte copy on uintp indices, which LLVM vectorizes
+            out[w_at + i] = src[i]
         at += 2 * nw
         for i in range(2 * pad):
             out[at + i] = 0
