@@ -159,6 +159,30 @@ def test_unpack_into_writes_what_unpack_returns(name):
         assert np.array_equal(buf[3:-3], want) and (buf[:3] == 0xA5).all() and (buf[-3:] == 0xA5).all()
         with pytest.raises(ValueError, match="out"):
             codec.unpack_into(data, bits, x.size, buf[: want.size - 1], shape=x.shape)
+        frozen = np.zeros(want.size, np.uint8)
+        frozen.flags.writeable = False
+        for bad in (frozen, np.zeros(2 * want.size, np.uint8)[::2], list(want)):
+            with pytest.raises(ValueError, match="out"):
+                codec.unpack_into(data, bits, x.size, bad, shape=x.shape)
+
+
+def test_rans_refuses_bad_arguments_with_value_errors():
+    """A non-integer count, non-bytes or strided data and 16-bit symbols of a wider dtype are
+    argument errors (ValueError), not crashes deeper down; a numpy integer count is accepted."""
+    codec = CODECS["rans"]()
+    x = np.minimum(np.random.default_rng(0).geometric(0.5, size=(1, 2, 100, 16)) - 1, 15).astype(np.uint8)
+    data = codec.pack(x, 4)
+    assert data[0] == 6
+    assert np.array_equal(codec.unpack(data, 4, np.int64(x.size)), x.reshape(-1))
+    for count in (float(x.size), "3200", True):
+        with pytest.raises(ValueError, match="count must be an integer"):
+            codec.unpack(data, 4, count)
+    with pytest.raises(ValueError, match="bytes"):
+        codec.unpack("abc", 4, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        codec.unpack(np.frombuffer(data, np.uint8)[::2], 4, 3)
+    with pytest.raises(ValueError, match="16-bit symbols must be uint16"):
+        codec.pack(np.array([-1, 70000], np.int32), 16)
 
 
 # ----------------------------------------------------------------------------- fusion, tables

@@ -940,8 +940,10 @@ class Codec(Component):
             ValueError: as :meth:`unpack`, or ``out`` is not uint8 of that many elements.
         """
         raw = np.ascontiguousarray(self.unpack(data, bits, count, shape=shape)).reshape(-1).view(np.uint8)
-        if out.dtype != np.uint8 or out.shape != raw.shape:
-            raise ValueError(f"codec {self.name!r}: out must be uint8 of shape {raw.shape}, got {out.dtype} {out.shape}")
+        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != raw.shape
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(f"codec {self.name!r}: out must be a writeable C-contiguous uint8 array of shape "
+                             f"{raw.shape}, got {getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
         out[...] = raw
 
 

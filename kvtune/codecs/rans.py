@@ -344,8 +344,10 @@ def decode_rans(data, model: str, bits: int, count: int, shape=None, out: np.nda
         StreamVersionError: a payload of the retired 15-bit format (kind 3).
         ValueError: ``out`` is not a C-contiguous uint8 array of ``count`` elements.
     """
-    if out is not None and (out.dtype != np.uint8 or out.shape != (count,) or not out.flags.c_contiguous):
-        raise ValueError(f"rans codec: out must be C-contiguous uint8 of shape ({count},), got {out.dtype} {out.shape}")
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (count,)
+                            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"rans codec: out must be a writeable C-contiguous uint8 array of shape ({count},), got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
     buf = memoryview(data).cast("B")
     if count > MAX_SYMBOLS_PER_BYTE * len(buf):
         raise _err(f"{len(buf)} bytes cannot hold {count} symbols (at most {MAX_SYMBOLS_PER_BYTE} per byte)")
@@ -423,6 +425,8 @@ def _checked_flat(a: np.ndarray, bits: int) -> np.ndarray:
     if bits != RAW16 and not 1 <= bits <= 8:
         raise ValueError(f"rans codec: bit width must be 1..8 or 16, got {bits}")
     flat = a.reshape(-1)
+    if bits == RAW16 and a.dtype not in (np.uint16, np.int16):
+        raise ValueError(f"rans codec: 16-bit symbols must be uint16 (or int16) patterns, got {a.dtype}")
     if bits != RAW16 and a.dtype != np.uint8:
         raise ValueError(f"rans codec: {bits}-bit symbols must be uint8 below {1 << bits}, got {a.dtype}")
     return flat  # their range: checked by the coding kernel (encode_rans) before anything is counted
@@ -502,7 +506,7 @@ class RansCodec(Codec):
             CorruptStreamError: the data cannot decode to exactly ``count`` symbols (module doc).
             ValueError: unsupported ``bits``, negative ``count``, ``shape`` not holding ``count``.
         """
-        buf = self._checked_payload(data, bits, count, shape)
+        buf, count = self._checked_payload(data, bits, count, shape)
         if buf[0] != KIND_RAW:
             return decode_rans(buf, self.model, bits, count, shape)
         expected = 2 * count if bits == RAW16 else packed_nbytes(count, bits)
@@ -520,21 +524,29 @@ class RansCodec(Codec):
             CorruptStreamError: as :meth:`unpack`.
             ValueError: as :meth:`unpack`, or ``out`` is not C-contiguous uint8 of that size.
         """
-        buf = self._checked_payload(data, bits, count, shape)
+        buf, count = self._checked_payload(data, bits, count, shape)
         if buf[0] == KIND_RAW or bits == RAW16:
             super().unpack_into(buf, bits, count, out, shape=shape)
         else:
             decode_rans(buf, self.model, bits, count, shape, out=out)
 
-    def _checked_payload(self, data, bits: int, count: int, shape) -> memoryview:
-        """``data`` as bytes after :meth:`unpack`'s argument checks (ValueError), with a kind byte
-        (CorruptStreamError)."""
+    def _checked_payload(self, data, bits: int, count: int, shape) -> tuple[memoryview, int]:
+        """``(data as bytes, count as an int)`` after :meth:`unpack`'s argument checks
+        (ValueError), with a kind byte (CorruptStreamError)."""
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+            raise ValueError(f"rans codec: count must be an integer, got {count!r}")
+        count = int(count)
+        if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
+            raise ValueError(f"rans codec: data must be bytes-like, got {type(data).__name__}")
         problem = (None if self.supports(bits) else f"bit width must be 1..8 or 16, got {bits}") or (
             f"count must be >= 0, got {count}" if count < 0 else None) or (
             f"shape {tuple(shape)} does not hold {count} symbols" if shape is not None and math.prod(shape) != count else None)
         if problem:
             raise ValueError(f"rans codec: {problem}")
-        buf = memoryview(data).cast("B")
+        try:
+            buf = memoryview(data).cast("B")
+        except (TypeError, ValueError) as exc:  # e.g. a strided array
+            raise ValueError(f"rans codec: data must be contiguous bytes ({exc})") from None
         if len(buf) < 1:
             raise _err("empty payload (no kind byte)")
-        return buf
+        return buf, count
