@@ -1744,12 +1744,16 @@ def test_quantize_components_matches_component_quantizer(shape, first, grid, ste
     hz, cz = divmod(int(segs[0][0]), d)  # a coded component whose minimum is -0: its zero point is +0
     y[:, hz, :, cz] = np.abs(y[:, hz, :, cz])
     y[:, hz, -1, cz] = -0.0
-    K.quantize_components(y, comp, start, bits, first, np.array(GAUSSIAN_STEPS), K.GRID_CODES[grid], step, sink, meta, sym)
+    rows = np.ascontiguousarray(y.transpose(0, 2, 1, 3).reshape(b, t, h * d))  # the kernels' token rows
+    width = int(comp.max()) + 1  # the leading components a projection computes
+    coeffs, ysink = rows[:, :, :width].copy(), rows[:, :first].copy()
+    coeffs[:, :first] = np.nan  # the sink tokens' rows are not read: they come from ysink
+    K.quantize_components(coeffs, ysink, comp, start, bits, np.array(GAUSSIAN_STEPS), K.GRID_CODES[grid], step, sink, meta,
+                          sym)
     x = torch.from_numpy(y)
     assert np.array_equal(sink, bf16_bits(x[:, :, :first]))
     expected = np.zeros(shape, np.float32)
     expected[:, :, :first] = x[:, :, :first].to(torch.bfloat16).float().numpy()
-    got = np.empty(shape, np.float32)
     for s, (idx, w) in enumerate(zip(segs, widths)):
         block = x[:, idx // d, first:, idx % d].permute(1, 2, 0).unsqueeze(1)  # ComponentSegment.take
         q, m = ComponentQuantizer(bits=w, grid=grid, step=step).quantize_block(block)
@@ -1759,8 +1763,11 @@ def test_quantize_components_matches_component_quantizer(shape, first, grid, ste
         assert np.array_equal(meta[2 * b * lo : 2 * b * hi], ref_meta)
         deq = ComponentQuantizer(bits=w, grid=grid, step=step).dequantize_block(q, m, tuple(block.shape))
         expected[:, idx // d, first:, idx % d] = deq[:, 0].permute(2, 0, 1).numpy()
-    K.dequantize_components(sym, meta, comp, start, bits, first, K.GRID_CODES[grid], sink, got)
-    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))  # dropped components: 0
+    expected_rows = expected.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+    got, got_sink = np.full((b, t, width), np.nan, np.float32), np.full((b, first, h * d), np.nan, np.float32)
+    K.dequantize_components(sym, meta, comp, start, bits, K.GRID_CODES[grid], sink, got_sink, got)
+    assert np.array_equal(got.view(np.uint32), expected_rows[:, :, :width].view(np.uint32))  # dropped components: 0
+    assert np.array_equal(got_sink.view(np.uint32), expected_rows[:, :first].view(np.uint32))
 
 
 @covers("crc32_update", "crc32_combine")

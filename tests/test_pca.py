@@ -30,17 +30,23 @@ from kvtune.codecs.pca import (
     RopeSpec,
     fit_pca_basis,
     forget_basis,
+    leading_width,
     load_basis,
     lookup,
+    onednn_linear_available,
+    project,
+    project_leading,
     register_basis,
     rotate_keys,
+    unproject,
+    unproject_leading,
     save_basis,
     unrotate_keys,
 )
 from kvtune.codecs.policy import apply_transforms, invert_transforms
 from kvtune.codecs.select import kept_positions
 from kvtune.codecs.stream import read_stream
-from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, TruncatedStreamError
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError, TruncatedStreamError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -173,6 +179,49 @@ def test_linear_matches_matmul_on_both_routes(dtype, monkeypatch):
         assert pca_module.linear(rows[:0], weight).shape == (0, 24)
     finally:
         pca_module.onednn_linear_available.cache_clear()
+
+
+@pytest.mark.parametrize("batch, sink", [(1, 1), (2, 3), (1, 0)])
+def test_leading_products_give_the_full_products_bits(basis, batch, sink):
+    """``project_leading`` / ``unproject_leading`` at ``leading_width`` give the bits of
+    ``project`` / ``unproject``: the first ``width`` coefficients, the sink tokens' all, and the
+    reconstruction of rows whose trailing coefficients are 0. On oneDNN's kernels every
+    ``count >= 2`` truncates; one component, or no token after the sinks, does not."""
+    tokens, dim = 40, HEADS * DIM
+    entry = basis.layer(1, "value", HEADS, DIM)
+    x = torch.randn(batch, HEADS, tokens, DIM, generator=torch.Generator().manual_seed(batch + sink)) * 3
+    rows = project(x, entry).permute(0, 2, 1, 3).reshape(batch, tokens, dim)
+    widths = {}
+    for count in (2, 5, dim // 2, dim - 1, dim):
+        widths[count] = width = leading_width(batch, tokens, dim, count, sink)
+        y, ysink = project_leading(x, entry, width, sink)
+        assert y.shape == (batch, tokens, width) and ysink.shape == (batch, sink, dim)
+        assert torch.equal(y, rows[..., :width]) and torch.equal(ysink, rows[:, :sink])
+        coeffs = rows.clone()
+        coeffs[:, sink:, count:] = 0  # what the decoder holds: dropped components are 0 past the sinks
+        want = unproject(coeffs.view(batch, tokens, HEADS, DIM).permute(0, 2, 1, 3), entry)
+        got = unproject_leading(coeffs[..., :width].contiguous(), coeffs[:, :sink].contiguous(), entry)
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert all(w in (c, dim) for c, w in widths.items()) and widths[dim] == dim
+    if onednn_linear_available():
+        assert all(widths[c] == c for c in (2, 5, dim // 2, dim - 1))
+    assert leading_width(batch, tokens, dim, 1, sink) == dim  # one column: a matrix-vector route
+    assert leading_width(batch, sink, dim, 5, sink) == dim  # no token past the sinks
+
+
+@pytest.mark.parametrize("scale", [1e30, 5e36])
+def test_pca_coefficients_beyond_the_quantizer_range_are_refused_on_both_paths(basis, scale):
+    """Coefficients a segment's float16 metadata cannot represent (or that overflow float32) are
+    a KVInputError naming the layer, on the fast path (which projects the leading components
+    only) as on the reference."""
+    kv = [(k * scale, v * scale) for k, v in correlated_kv(2, 30, seed=4)]
+    cfg = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 1.5, "grid": "ecsq", "sink_tokens": 1}, "rans")
+    messages = []
+    for impl in ("fast", "reference"):
+        with pytest.raises(KVInputError, match="layer 0 key: a value") as err:
+            encode_kv(kv, cfg, impl=impl)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]
 
 
 def test_pre_rope_basis_concentrates_key_energy_better_than_post(basis):

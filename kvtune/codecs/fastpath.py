@@ -81,7 +81,7 @@ from kvtune.codecs.checksum import crc32
 from kvtune.codecs.codebook import CodebookQuantizer, check_levels, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
-from kvtune.codecs.pca import PCA
+from kvtune.codecs.pca import PCA, leading_width
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
 from kvtune.codecs.select import is_selecting
 from kvtune.codecs.stream import check_checksum, section_views
@@ -288,6 +288,8 @@ class _ComponentPlan:
         first: sink tokens; comp, start, bits: the kernels' component table (int64).
         checks: per segment ``(bits, count, metadata bytes)``.
         value_limit: the smallest block range of the segments.
+        width: the leading components the projections compute
+            (:func:`kvtune.codecs.pca.leading_width`).
     """
 
     shape: tuple[int, ...]
@@ -300,20 +302,22 @@ class _ComponentPlan:
     value_limit: float
     grid: int = 0  # the dp-alloc grid (kernels.GRID_CODES)
     step: float = 0.0  # the ecsq grid's planned step
+    width: int = 0
     state_nbytes: int = 0  # the pca transform has no state
 
 
 def _component_plan(segments: tuple[Segment, ...], shape: tuple[int, ...], grid: str) -> _ComponentPlan:
-    d = shape[3]
+    b, h, t, d = shape
     first = segments[0].shape[2] if segments and segments[0].bits == BF16_BITS else 0
     comps = [s for s in segments if s.bits != BF16_BITS]
     idx = [(s.head_idx * d + s.chan_idx).numpy().astype(np.int64) for s in comps]
+    comp = np.concatenate(idx) if idx else np.zeros(0, np.int64)
     start = np.cumsum([0] + [len(i) for i in idx]).astype(np.int64)
     checks = tuple((s.bits, s.numel, sum(f.nbytes for f in s.meta_layout)) for s in segments)
-    return _ComponentPlan(shape, tuple(segments), first, np.concatenate(idx) if idx else np.zeros(0, np.int64), start,
-                          np.array([s.bits for s in comps], np.int64), checks,
+    width = leading_width(b, t, h * d, int(comp.max()) + 1 if comp.size else 0, first)
+    return _ComponentPlan(shape, tuple(segments), first, comp, start, np.array([s.bits for s in comps], np.int64), checks,
                           min((s.coder.value_limit for s in segments), default=math.inf), K.GRID_CODES[grid],
-                          next((s.coder.step for s in comps), 0.0))
+                          next((s.coder.step for s in comps), 0.0), width)
 
 
 _GAUSS = np.array(GAUSSIAN_STEPS, np.float64)
@@ -321,20 +325,24 @@ _GAUSS = np.array(GAUSSIAN_STEPS, np.float64)
 
 def _encode_components(t: torch.Tensor, plan: _ComponentPlan, comp: _Compiled, kind: str, layer: int,
                        positions: torch.Tensor | None) -> tuple[list, int, int]:
-    """A KVTC-like tensor -> ``(sections, crc32, bytes)``: the ``pca`` transform (torch, as the
-    reference, with the rows' ``positions`` after ``keep``), the range check, one quantization
-    kernel call, then the codec per segment."""
-    y = comp.config.transforms[0].forward(t.detach().to("cpu", torch.float32), layer=layer, kind=kind,
-                                          positions=positions).contiguous()
-    yn = y.numpy()
-    if not _magnitude(yn)[1] <= plan.value_limit:  # NaN too
-        check_value_range(plan.segments, y, layer=layer, kind=kind)
+    """A KVTC-like tensor -> ``(sections, crc32, bytes)``: the ``pca`` transform of the leading
+    components the plan keeps (:meth:`~kvtune.codecs.pca.PCA.forward_leading`, torch, the
+    reference's bits, with the rows' ``positions`` after ``keep``), the range check, one
+    quantization kernel call, then the codec per segment."""
+    pca = comp.config.transforms[0]
+    x = t.detach().to("cpu")
+    x = x.to(torch.float32) if x.dtype == torch.float64 else x
+    y, ysink = pca.forward_leading(x, plan.width, plan.first, layer=layer, kind=kind, positions=positions)
+    yn, sn = y.numpy(), ysink.numpy()
+    if not max(_magnitude(yn)[1], _magnitude(sn)[1]) <= plan.value_limit:  # NaN too
+        check_value_range(plan.segments, pca.forward(x.to(torch.float32), layer=layer, kind=kind, positions=positions),
+                          layer=layer, kind=kind)
     b, h, tokens, d = plan.shape
     nt = tokens - plan.first
     sink = np.empty((b, h, plan.first, d), np.uint16)
     meta = np.empty(2 * b * int(plan.start[-1]), np.uint16)
     sym = np.empty(b * nt * int(plan.start[-1]), np.uint8)
-    K.quantize_components(yn, plan.comp, plan.start, plan.bits, plan.first, _GAUSS, plan.grid, plan.step, sink, meta, sym)
+    K.quantize_components(yn, sn, plan.comp, plan.start, plan.bits, _GAUSS, plan.grid, plan.step, sink, meta, sym)
     codec = comp.config.codec
     sections = [b""]
     if plan.first:
@@ -381,13 +389,15 @@ def _decode_components(sections, plan: _ComponentPlan, comp: _Compiled, kind: st
         sym[b * nt * lo : b * nt * hi] = symbols.reshape(-1)
         s += 1
     del decoded
-    y = np.empty(plan.shape, np.float32)
-    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.first, plan.grid, sink, y)
+    y = np.empty((b, tokens, plan.width), np.float32)
+    ysink = np.empty((b, plan.first, h * d), np.float32)
+    K.dequantize_components(sym, meta, plan.comp, plan.start, plan.bits, plan.grid, sink, ysink, y)
     pca = comp.config.transforms[0]
-    x = to_output_dtype(pca.inverse(torch.from_numpy(y), layer=layer, kind=kind, positions=positions), dtype)
+    x = pca.inverse_leading(torch.from_numpy(y), torch.from_numpy(ysink), plan.shape, layer=layer, kind=kind,
+                            positions=positions)
     if dest is None:
-        return x
-    dest.copy_(x)
+        return to_output_dtype(x, dtype).contiguous()
+    dest.copy_(x if dest.dtype == dtype and dtype != torch.float16 else to_output_dtype(x, dtype))  # copy_ rounds as .to
     return dest
 
 

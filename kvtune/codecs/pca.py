@@ -78,6 +78,10 @@ __all__ = [
     "rotate_keys",
     "project",
     "unproject",
+    "centered_rows",
+    "leading_width",
+    "project_leading",
+    "unproject_leading",
     "linear",
     "onednn_linear_available",
     "missing_pca_ropes",
@@ -610,14 +614,24 @@ def _unrows(y: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     return y.reshape(b, t, heads, head_dim).permute(0, 2, 1, 3)
 
 
+def centered_rows(x: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
+    """Token rows ``(batch * tokens, heads * head_dim)`` of ``x`` ``(batch, heads, tokens,
+    head_dim)`` (any float dtype) minus the layer's calibration mean, contiguous: one pass (the
+    permute, the cast and the subtraction fused); float64 for float64 ``x``, else float32."""
+    dt = _work_dtype(x)
+    b, h, t, d = x.shape
+    rows = torch.empty((b, t, h, d), dtype=dt)
+    torch.sub(x.permute(0, 2, 1, 3), entry.mean.to(dt).view(h, d), out=rows)
+    return rows.view(b * t, h * d)
+
+
 def project(x: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     """Coefficients ``(batch, heads, tokens, head_dim)`` of ``x`` (same shape): coefficient
     ``j = head * head_dim + channel`` of a token is ``(x_t - mean) . components[j]``; float64
     for float64 ``x``, else float32."""
-    dt = _work_dtype(x)
     b, h, t, d = x.shape
-    rows = (_rows(x.to(dt)) - entry.mean.to(dt)).reshape(b * t, h * d)
-    return _unrows(linear(rows, entry.components.to(dt)).reshape(b, t, h * d), h, d)
+    rows = centered_rows(x, entry)
+    return _unrows(linear(rows, entry.components.to(rows.dtype)).reshape(b, t, h * d), h, d)
 
 
 def unproject(y: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
@@ -626,6 +640,96 @@ def unproject(y: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     b, h, t, d = y.shape
     x = linear(_rows(y.to(dt)).reshape(b * t, h * d), entry.components.to(dt).T, entry.mean.to(dt))
     return _unrows(x.reshape(b, t, h * d), h, d)
+
+
+def _sink_rows(rows: torch.Tensor, batch: int, tokens: int, sink: int) -> torch.Tensor:
+    """The rows of the first ``sink`` tokens of every batch row of ``(batch * tokens, D)``
+    ``rows``: ``(batch * sink, D)`` (a view for one batch row)."""
+    dim = rows.shape[-1]
+    return rows.view(batch, tokens, dim)[:, :sink].reshape(batch * sink, dim)
+
+
+def _sink_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear` of a few rows, padded with zero rows to two (one row takes a
+    matrix-vector route whose sums can round differently); the product's first ``len(rows)``."""
+    n = rows.shape[0]
+    if n >= 2:
+        return linear(rows, weight, bias)
+    padded = torch.zeros((2, rows.shape[1]), dtype=rows.dtype)
+    padded[:n] = rows
+    return linear(padded, weight, bias)[:n]
+
+
+@functools.lru_cache(maxsize=512)
+def _leading_exact(batch: int, tokens: int, dim: int, count: int, sink: int, threads: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    weight, mean = torch.randn(dim, dim, generator=gen), torch.randn(dim, generator=gen)
+    rows = torch.randn(batch * tokens, dim, generator=gen)
+    rest = torch.ones(batch, tokens, dtype=torch.bool)
+    rest[:, :sink] = False
+    rest = rest.view(batch * tokens)
+    try:
+        full = linear(rows, weight)  # encode: the first `count` coefficients, and the sink rows' all
+        if not (torch.equal(linear(rows, weight[:count]), full[:, :count])
+                and torch.equal(_sink_product(_sink_rows(rows, batch, tokens, sink), weight),
+                                _sink_rows(full, batch, tokens, sink))):
+            return False
+        coeffs = rows.clone()  # decode: trailing coefficients 0 except in the sink rows
+        coeffs[rest, count:] = 0
+        full = linear(coeffs, weight.T, mean)
+        return (torch.equal(linear(coeffs[:, :count], weight[:count].T, mean)[rest], full[rest])
+                and torch.equal(_sink_product(_sink_rows(coeffs, batch, tokens, sink), weight.T, mean),
+                                _sink_rows(full, batch, tokens, sink)))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def leading_width(batch: int, tokens: int, dim: int, count: int, sink: int) -> int:
+    """How many leading coefficients :meth:`PCA.forward_leading` / :meth:`PCA.inverse_leading`
+    compute for a ``(batch, heads, tokens, head_dim)`` tensor (``dim = heads * head_dim``) whose
+    quantizer keeps components ``< count`` only, plus all ``dim`` for the first ``sink`` tokens.
+
+    ``count`` when :func:`linear` on the first ``count`` components gives the full product's
+    bits on this machine (probed once per shape and thread count on random data: the encoder's
+    first ``count`` columns, the decoder's reconstruction from rows whose trailing
+    coefficients are 0, and a few sink rows on their own), else ``dim``. oneDNN's and MKL's
+    kernels sum each output in the order of the reduced index, so truncation usually holds;
+    one row or one column takes a matrix-vector route that does not (``count < 2`` gives
+    ``dim``). Tokens times components is what the projections cost, so this is the saving of
+    a bit allocation that drops trailing components (KVTC, arXiv 2511.01815, sec. 3.2).
+    """
+    if count >= dim or count < 2 or tokens <= sink:
+        return dim
+    return count if _leading_exact(batch, tokens, dim, count, sink, torch.get_num_threads()) else dim
+
+
+def project_leading(x: torch.Tensor, entry: BasisLayer, width: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coefficients :func:`project` gives, of the first ``width`` components only:
+    float32 ``(batch, tokens, width)`` token rows (component ``j`` in column ``j``), and all
+    ``D`` of the first ``sink`` tokens, float32 ``(batch, sink, D)``. Bit for bit the same
+    values as :func:`project` when ``width`` is :func:`leading_width`'s."""
+    b, h, t, d = x.shape
+    rows = centered_rows(x, entry)
+    y = linear(rows, entry.components[:width].to(rows.dtype))
+    ys = _sink_rows(y if width == h * d else rows, b, t, sink)
+    ys = ys if width == h * d else _sink_product(ys, entry.components.to(rows.dtype))
+    return y.view(b, t, width), ys.reshape(b, sink, h * d)
+
+
+def unproject_leading(y: torch.Tensor, ysink: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
+    """Inverse of :func:`project_leading`: ``x`` ``(batch, heads, tokens, head_dim)`` (a
+    permuted view of token rows, as :func:`unproject` returns) from float32 ``y`` ``(batch,
+    tokens, width)`` and ``ysink`` ``(batch, sink, D)``. The coefficients beyond ``width`` are
+    0 except in the sink tokens; with ``width == D`` the sink rows of ``y`` must hold the sink
+    tokens' coefficients. Bit for bit :func:`unproject` of the same coefficients when ``width``
+    is :func:`leading_width`'s."""
+    b, t, width = y.shape
+    sink, dim = ysink.shape[1], entry.dim
+    comps, mean = entry.components.to(y.dtype), entry.mean.to(y.dtype)
+    x = linear(y.reshape(b * t, width), comps[:width].T, mean)
+    if width < dim and sink:
+        x.view(b, t, dim)[:, :sink] = _sink_product(ysink.reshape(b * sink, dim), comps.T, mean).view(b, sink, dim)
+    return _unrows(x.view(b, t, dim), entry.heads, entry.head_dim)
 
 
 @functools.cache
@@ -812,6 +916,25 @@ class PCA(Transform):
         entry, spec = self._entry(tuple(y.shape), layer, kind)
         x = unproject(y, entry)
         return (x if spec is None else rotate_keys(x, spec, positions)).to(torch.float32).contiguous()
+
+    def forward_leading(self, x: torch.Tensor, width: int, sink: int, *, layer: int, kind: str,
+                        positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`'s coefficients of ``(batch, kv_heads, tokens, head_dim)`` ``x`` (any
+        float dtype) as :func:`project_leading` returns them: float32 token rows ``(batch,
+        tokens, width)`` of the first ``width`` components and ``(batch, sink, D)`` of the first
+        ``sink`` tokens; the same bits as :meth:`forward` with ``width`` from
+        :func:`leading_width` (the codec fast path's route)."""
+        entry, spec = self._entry(tuple(x.shape), layer, kind)
+        return project_leading(x if spec is None else unrotate_keys(x, spec, positions), entry, width, sink)
+
+    def inverse_leading(self, y: torch.Tensor, ysink: torch.Tensor, shape: tuple[int, ...], *, layer: int, kind: str,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Undo :meth:`forward_leading` for a tensor of ``shape`` ``(batch, kv_heads, tokens,
+        head_dim)`` (:func:`unproject_leading`, then the keys' rotation): float32, the values
+        of :meth:`inverse` (a permuted view of token rows for values, contiguous for keys)."""
+        entry, spec = self._entry(tuple(shape), layer, kind)
+        x = unproject_leading(y, ysink, entry)
+        return x if spec is None else rotate_keys(x, spec, positions)
 
     def short_label(self) -> str:
         """``pca:{pre|post}[@<first 8 digest digits>]``."""

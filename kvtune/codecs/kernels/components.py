@@ -10,13 +10,16 @@ bit for bit as :class:`~kvtune.codecs.bitalloc.ComponentQuantizer` (``grid = "ga
 
 Arguments shared by both kernels:
 
-* ``y``: float32 ``(batch, heads, tokens, head_dim)`` PCA coefficients (C order); component
-  ``j`` is at head ``j // head_dim``, channel ``j % head_dim``.
+* ``y``: float32 ``(batch, tokens, width)`` PCA coefficients in token rows (C order): column
+  ``j`` is component ``j = head * head_dim + channel``; every component of a segment is
+  ``< width`` (the projection computes the leading ``width`` only,
+  :func:`kvtune.codecs.pca.leading_width`). The sink tokens' rows of ``y`` are not read.
 * ``comp``: int64 ``(C,)`` the components of every segment, segment after segment, each in
   increasing order; ``start``: int64 ``(S + 1,)`` segment ``s`` holds ``comp[start[s]:start[s+1]]``;
   ``bits``: int64 ``(S,)`` its width (1..8).
-* ``first``: the sink tokens (coded as bfloat16 coefficients in ``sink``, uint16 bit patterns
-  ``(batch, heads, first, head_dim)``).
+* ``ysink``: float32 ``(batch, first, heads * head_dim)``, every coefficient of the ``first``
+  sink tokens, coded as bfloat16 in ``sink``, uint16 bit patterns ``(batch, heads, first,
+  head_dim)`` (the stream's layout).
 * ``meta``: uint16 float16 bit patterns, per segment ``s`` of ``n`` components at
   ``2 * batch * start[s]``: ``scale`` ``(batch, n)`` then ``zero`` ``(batch, n)`` (the wire order of
   the segment's metadata).
@@ -49,93 +52,86 @@ with kernel_cache_dir():
 
     @njit(**JIT)
     def _token_stats(y, b, first, grid, zd, lo, hi, acc):
-        """Per channel ``j = head * head_dim + c`` of batch row ``b``, over tokens ``first ..``:
+        """Per component ``j`` (column of ``y``) of batch row ``b``, over tokens ``first ..``:
         grid minmax: ``lo`` / ``hi`` (float32) the minimum / maximum (0 without a token);
         else ``acc`` (float64) the sum in token order, or with ``zd`` given (not empty) the sum of
-        ``(y - zd[j])**2`` in token order. Token-major loops over contiguous channels: each
-        channel's sequence of operations is the per-component loop's, so the bits are too, while
-        the vector lanes run 8 or 16 channels' dependency chains at once."""
-        _, h_, t_, d_ = y.shape
+        ``(y - zd[j])**2`` in token order. Token-major loops over contiguous components: each
+        component's sequence of operations is the per-component loop's, so the bits are too,
+        while the vector lanes run 8 or 16 components' dependency chains at once."""
+        _, t_, w_ = y.shape
         if grid == GRID_MINMAX:
             lo[:] = 0.0
             hi[:] = 0.0
             if t_ > first:
-                for h in range(h_):
-                    lo[h * d_ : (h + 1) * d_] = y[b, h, first]
-                    hi[h * d_ : (h + 1) * d_] = y[b, h, first]
+                lo[:] = y[b, first]
+                hi[:] = y[b, first]
             for t in range(first + 1, t_):
-                for h in range(h_):
-                    row = y[b, h, t]
-                    o = h * d_
-                    for c in range(d_):
-                        lo[o + c] = min(lo[o + c], row[c])
-                        hi[o + c] = max(hi[o + c], row[c])
+                row = y[b, t]
+                for c in range(w_):
+                    lo[c] = min(lo[c], row[c])
+                    hi[c] = max(hi[c], row[c])
             return
         acc[:] = 0.0
         for t in range(first, t_):
-            for h in range(h_):
-                row = y[b, h, t]
-                o = h * d_
-                if zd.shape[0]:
-                    for c in range(d_):
-                        e = np.float64(row[c]) - zd[o + c]
-                        acc[o + c] += e * e
-                else:
-                    for c in range(d_):
-                        acc[o + c] += np.float64(row[c])
+            row = y[b, t]
+            if zd.shape[0]:
+                for c in range(w_):
+                    e = np.float64(row[c]) - zd[c]
+                    acc[c] += e * e
+            else:
+                for c in range(w_):
+                    acc[c] += np.float64(row[c])
 
     @njit(**JIT)
     def _max_deviation(y, b, first, zf, dev):
-        """``dev[j]`` = the largest float32 ``|y - zf[j]|`` of channel ``j`` over tokens ``first ..``
-        (0 without a token), token-major as :func:`_token_stats`."""
-        _, h_, t_, d_ = y.shape
+        """``dev[j]`` = the largest float32 ``|y - zf[j]|`` of component ``j`` over tokens
+        ``first ..`` (0 without a token), token-major as :func:`_token_stats`."""
+        _, t_, w_ = y.shape
         dev[:] = 0.0
         for t in range(first, t_):
-            for h in range(h_):
-                row = y[b, h, t]
-                o = h * d_
-                for c in range(d_):
-                    dev[o + c] = max(dev[o + c], abs(np.float32(row[c] - zf[o + c])))
+            row = y[b, t]
+            for c in range(w_):
+                dev[c] = max(dev[c], abs(np.float32(row[c] - zf[c])))
 
     @njit(**JIT)
-    def quantize_components(y, comp, start, bits, first, steps, grid, step, sink, meta, sym):
+    def quantize_components(y, ysink, comp, start, bits, steps, grid, step, sink, meta, sym):
         """Quantize every segment of one tensor (module doc: arguments); ``steps``: float64
         ``(8,)`` Gaussian steps per width; ``grid``: :data:`GRID_CODES`; ``step``: the ecsq
         grid's planned step. Writes ``sink``, ``meta`` and ``sym``. The token statistics of
-        every channel are taken in token-major passes (:func:`_token_stats`), and the symbols
+        every component are taken in token-major passes (:func:`_token_stats`), and the symbols
         written token after token: a component-major walk read one cache line per value
         (~1.5 ns each)."""
-        b_, h_, t_, d_ = y.shape
+        b_, t_, w_ = y.shape
+        _, h_, first, d_ = sink.shape
         for b in range(b_):
             for h in range(h_):
                 for t in range(first):
                     for c in range(d_):
-                        sink[b, h, t, c] = f32_to_bf16_bits(y[b, h, t, c])
+                        sink[b, h, t, c] = f32_to_bf16_bits(ysink[b, t, h * d_ + c])
         nt = t_ - first
         inv_n = max(nt, 1)
-        dims = h_ * d_
-        width = np.zeros(dims, np.int64)  # each channel's segment width (0: in no segment)
+        width = np.zeros(w_, np.int64)  # each component's segment width (0: in no segment)
         for s in range(bits.shape[0]):
             for k in range(start[s], start[s + 1]):
                 width[comp[k]] = bits[s]
-        lo = np.empty(dims, np.float32)
-        hi = np.empty(dims, np.float32)
-        acc = np.empty(dims, np.float64)
-        zd = np.zeros(dims, np.float64)
-        zf = np.zeros(dims, np.float32)
+        lo = np.empty(w_, np.float32)
+        hi = np.empty(w_, np.float32)
+        acc = np.empty(w_, np.float64)
+        zd = np.zeros(w_, np.float64)
+        zf = np.zeros(w_, np.float32)
         none = np.empty(0, np.float64)
-        s16s = np.zeros(dims, np.int64)
-        z16s = np.zeros(dims, np.int64)
+        s16s = np.zeros(w_, np.int64)
+        z16s = np.zeros(w_, np.int64)
         ncomp = start[bits.shape[0]]
-        offs = np.empty(ncomp, np.uintp)  # component q's element in a token's row of y (flat)
+        offs = np.empty(ncomp, np.uintp)  # component q's column
         for q in range(ncomp):
-            offs[q] = (comp[q] // d_) * t_ * d_ + comp[q] % d_
+            offs[q] = comp[q]
         flat = y.reshape(-1)
         zeros = np.empty(ncomp, np.float32)
         invs = np.empty(ncomp, np.float32)
         for b in range(b_):
             _token_stats(y, b, first, grid, none, lo, hi, acc)
-            for j in range(dims):
+            for j in range(w_):
                 w = width[j]
                 if w == 0:
                     continue
@@ -151,14 +147,14 @@ with kernel_cache_dir():
                 z16s[j] = z16
             if grid == GRID_ECSQ:
                 _max_deviation(y, b, first, zf, lo)
-                for j in range(dims):
+                for j in range(w_):
                     w = width[j]
                     if w:
                         reach = np.float32((1 << (w - 1)) - 1)
                         s16s[j] = f32_to_f16_bits(min(max(np.float32(lo[j] / reach), np.float32(step)), FP16_MAX))
             elif grid == GRID_GAUSS:
                 _token_stats(y, b, first, grid, zd, lo, hi, acc)
-                for j in range(dims):
+                for j in range(w_):
                     w = width[j]
                     if w:
                         sd = min(np.sqrt(acc[j] / inv_n) * steps[w - 1], FP16_MAX)
@@ -184,24 +180,31 @@ with kernel_cache_dir():
                 off, zs, ivs = offs[lo_s : lo_s + n], zeros[lo_s : lo_s + n], invs[lo_s : lo_s + n]
                 for t in range(nt):
                     out = sym[base + t * n : base + (t + 1) * n]
-                    row = flat[(b * h_ * t_ + first + t) * d_ :]
+                    row = flat[(b * t_ + first + t) * w_ :]
                     for k in range(np.uintp(n)):  # unsigned: no negative-index wraparound in the loop
                         u = np.float32(np.float32(row[off[k]] - zs[k]) * ivs[k])
                         out[k] = np.uint8(min(max(np.float32(np.rint(u)), np.float32(0.0)), top))
 
     @njit(**JIT)
-    def dequantize_components(sym, meta, comp, start, bits, first, grid, sink, y):
-        """Inverse of :func:`quantize_components`: float32 ``y`` (module doc, C order) from
-        ``sym``, ``meta`` and ``sink``; components in no segment are 0 (``DPAlloc.dequantize``).
-        Written token after token, as the symbols are stored."""
-        b_, h_, t_, d_ = y.shape
+    def dequantize_components(sym, meta, comp, start, bits, grid, sink, ysink, y):
+        """Inverse of :func:`quantize_components`: float32 ``y`` (module doc, C order) and
+        ``ysink`` from ``sym``, ``meta`` and ``sink``; components in no segment are 0
+        (``DPAlloc.dequantize``), and the sink tokens' rows of ``y`` hold their first
+        ``width`` coefficients. Written token after token, as the symbols are stored."""
+        b_, t_, w_ = y.shape
+        _, h_, first, d_ = sink.shape
         nt = t_ - first
-        y[...] = 0.0
         for b in range(b_):
             for h in range(h_):
                 for t in range(first):
                     for c in range(d_):
-                        y[b, h, t, c] = bf16_bits_to_f32(sink[b, h, t, c])
+                        ysink[b, t, h * d_ + c] = bf16_bits_to_f32(sink[b, h, t, c])
+            for t in range(first):
+                y[b, t] = ysink[b, t, :w_]
+        ncomp = start[bits.shape[0]]
+        if ncomp < w_:  # components in no segment: 0
+            for b in range(b_):
+                y[b, first:] = 0.0
         flat = y.reshape(-1)
         for s in range(bits.shape[0]):
             lo, hi = start[s], start[s + 1]
@@ -213,7 +216,7 @@ with kernel_cache_dir():
             scales = np.empty(n, np.float32)
             zeros = np.empty(n, np.float32)
             for k in range(n):
-                off[k] = (comp[lo + k] // d_) * t_ * d_ + comp[lo + k] % d_
+                off[k] = comp[lo + k]
             for b in range(b_):
                 for k in range(n):
                     scale = f16_bits_to_f32(meta[mo + b * n + k])
@@ -222,7 +225,7 @@ with kernel_cache_dir():
                     zeros[k] = z if grid == GRID_MINMAX else np.float32(z - np.float32(scale * half))
                 base = so + b * nt * n
                 for t in range(nt):
-                    row = flat[(b * h_ * t_ + first + t) * d_ :]
+                    row = flat[(b * t_ + first + t) * w_ :]
                     src = sym[base + t * n : base + (t + 1) * n]
                     for k in range(np.uintp(n)):  # unsigned: no negative-index wraparound in the loop
                         row[off[k]] = np.float32(zeros[k] + np.float32(np.float32(src[k]) * scales[k]))

@@ -73,6 +73,7 @@ def warm_up() -> float:
     max_magnitude_f32(y)
     comp, bounds, bits = np.arange(16, dtype=np.int64), np.array([0, 16], np.int64), np.array([2], np.int64)
     sink, meta, sym = np.zeros((1, 2, 2, 8), np.uint16), np.zeros(32, np.uint16), np.zeros(96, np.uint8)
-    quantize_components(y, comp, bounds, bits, 2, np.ones(8), 0, 0.0, sink, meta, sym)  # dp-alloc (KVTC-like policies)
-    dequantize_components(sym, meta, comp, bounds, bits, 2, 0, sink, y)
+    rows, ysink = np.ones((1, 8, 16), np.float32), np.ones((1, 2, 16), np.float32)  # token rows, sink tokens
+    quantize_components(rows, ysink, comp, bounds, bits, np.ones(8), 0, 0.0, sink, meta, sym)  # dp-alloc (KVTC-like policies)
+    dequantize_components(sym, meta, comp, bounds, bits, 0, sink, ysink, rows)
     return time.perf_counter() - start
