@@ -38,9 +38,11 @@ Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block q
 kernels); any codec (``bitpack`` has its own kernel; other codecs receive the symbols as numpy
 arrays). KVTC-like policies (one ``pca`` transform, after a ``keep`` or not, then ``dp-alloc``
 on K and V, either grid) have their own path: the projection runs the ``pca``
-transform's own torch code (float32 matrix products, identical by construction; after ``keep``,
-pre-RoPE keys are un-rotated at the kept tokens' positions, as on the reference path), then
-every segment of the tensor is quantized by one kernel call
+transform's own torch code (float32 matrix products; after ``keep``, pre-RoPE keys are
+un-rotated at the kept tokens' positions, as on the reference path) onto the leading components
+the allocation keeps only, where :func:`kvtune.codecs.pca.leading_width` finds that the
+truncated products give the full products' bits (the decoder likewise skips the components it
+holds as 0), then every segment of the tensor is quantized by one kernel call
 (:func:`kvtune.codecs.kernels.quantize_components`) and handed to the codec. Anything else -- a
 newly registered component, a big-endian host, numba missing -- uses the reference path
 (:func:`supports` says which). Select the implementation with ``impl=`` on

@@ -684,23 +684,31 @@ def _leading_exact(batch: int, tokens: int, dim: int, count: int, sink: int, thr
         return False
 
 
+_PROBE_TOKENS = 48
+"""Token rows per batch row of :func:`leading_width`'s probe (plus the sink tokens)."""
+
+
 def leading_width(batch: int, tokens: int, dim: int, count: int, sink: int) -> int:
     """How many leading coefficients :meth:`PCA.forward_leading` / :meth:`PCA.inverse_leading`
     compute for a ``(batch, heads, tokens, head_dim)`` tensor (``dim = heads * head_dim``) whose
     quantizer keeps components ``< count`` only, plus all ``dim`` for the first ``sink`` tokens.
 
     ``count`` when :func:`linear` on the first ``count`` components gives the full product's
-    bits on this machine (probed once per shape and thread count on random data: the encoder's
-    first ``count`` columns, the decoder's reconstruction from rows whose trailing
-    coefficients are 0, and a few sink rows on their own), else ``dim``. oneDNN's and MKL's
-    kernels sum each output in the order of the reduced index, so truncation usually holds;
-    one row or one column takes a matrix-vector route that does not (``count < 2`` gives
-    ``dim``). Tokens times components is what the projections cost, so this is the saving of
-    a bit allocation that drops trailing components (KVTC, arXiv 2511.01815, sec. 3.2).
+    bits on this machine, else ``dim``. The probe runs once per ``(batch, dim, count, sink)``
+    and thread count, on random data of :data:`_PROBE_TOKENS` tokens (the kernels' order of
+    summation does not change with the number of rows past one, so a request of another
+    length does not probe again): the encoder's first ``count`` columns, the decoder's
+    reconstruction from rows whose trailing coefficients are 0, and the sink rows on their
+    own. oneDNN's and MKL's kernels sum each output in the order of the reduced index, so
+    truncation holds there; one row or one column takes a matrix-vector route that does not
+    (``count < 2``, or fewer than two token rows, give ``dim``). Tokens times components is
+    what the projections cost, so this is the saving of a bit allocation that drops trailing
+    components (KVTC, arXiv 2511.01815, sec. 3.2).
     """
-    if count >= dim or count < 2 or tokens <= sink:
+    if count >= dim or count < 2 or tokens <= sink or batch * tokens < 2:
         return dim
-    return count if _leading_exact(batch, tokens, dim, count, sink, torch.get_num_threads()) else dim
+    exact = _leading_exact(batch, max(_PROBE_TOKENS, sink + 2), dim, count, sink, torch.get_num_threads())
+    return count if exact else dim
 
 
 def project_leading(x: torch.Tensor, entry: BasisLayer, width: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
