@@ -94,3 +94,29 @@ def test_concurrent_encodes_and_decodes_from_several_threads_give_the_serial_str
                 assert torch.equal(k, k2) and torch.equal(v, v2)
 
     run_concurrently(body, list(range(len(caches))), codec_threads=2)
+
+
+def test_codec_threads_run_their_tasks_with_one_openmp_thread_each():
+    """With two codec threads or more every task (the calling thread's too) sees one OpenMP
+    thread, so torch ops inside it start no team of their own; the calling thread's OpenMP
+    count comes back after the call, and other threads' never change. One codec thread leaves
+    the count alone."""
+    import torch
+
+    before = torch.get_num_threads()
+    if before < 2:
+        torch.set_num_threads(2)
+    outside = []
+    other = threading.Thread(target=lambda: outside.append(torch.get_num_threads()))
+    try:
+        threads.set_num_threads(2)
+        seen = threads.parallel_map(lambda _: torch.get_num_threads(), range(8))
+        other.start()
+        other.join()
+        assert seen == [1] * 8
+        assert torch.get_num_threads() == max(before, 2) and outside == [max(before, 2)]
+        threads.set_num_threads(1)
+        assert threads.parallel_map(lambda _: torch.get_num_threads(), range(3)) == [max(before, 2)] * 3
+    finally:
+        threads.set_num_threads(None)
+        torch.set_num_threads(before)

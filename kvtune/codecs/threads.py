@@ -5,16 +5,26 @@ checksum (:mod:`kvtune.codecs.checksum`).
 between the calling thread and a small pool; the compiled kernels, zlib and isal release the
 GIL, so the tasks run in parallel. The number of threads (:func:`num_threads`, default
 ``torch.get_num_threads()``) never changes any output.
+
+With two threads or more, each of them runs its tasks with one OpenMP thread (threadpoolctl
+sets the OpenMP thread count of the calling thread only, and restores it after): torch's
+matrix products and element-wise ops inside the tasks (the ``pca`` projections, the ``keep``
+scores) would otherwise each start a team of ``torch.get_num_threads()`` OpenMP threads, and
+``n`` codec threads would run ``n**2`` threads on ``n`` cores. Their results do not depend on
+the OpenMP thread count (oneDNN's products split the rows between threads, torch's reductions
+the outputs; the fast == reference tests check it).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
+from threadpoolctl import ThreadpoolController
 
 __all__ = ["num_threads", "set_num_threads", "parallel_map"]
 
@@ -22,6 +32,12 @@ _threads: int | None = None
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
+
+
+@functools.cache
+def _openmp() -> ThreadpoolController:
+    """The OpenMP runtimes loaded in this process (torch's ``libgomp`` among them), found once."""
+    return ThreadpoolController()
 
 
 def num_threads() -> int:
@@ -65,14 +81,15 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     counter = itertools.count()
 
     def work() -> None:
-        while True:
-            i = next(counter)  # atomic under the GIL
-            if i >= len(items):
-                return
-            try:
-                results[i] = fn(items[i])
-            except BaseException as exc:  # re-raised below, in item order
-                errors[i] = exc
+        with _openmp().limit(limits=1, user_api="openmp"):  # this thread's OpenMP teams: itself (module doc)
+            while True:
+                i = next(counter)  # atomic under the GIL
+                if i >= len(items):
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as exc:  # re-raised below, in item order
+                    errors[i] = exc
 
     global _pool, _pool_size
     with _pool_lock:
