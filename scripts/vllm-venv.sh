@@ -21,7 +21,7 @@ PY="${PYTHON:-python3}"
 MARKER="$VENV/.kvtune-complete"
 # kvtune's runtime dependencies for the codecs and the policy tables (kvtune itself comes from
 # PYTHONPATH). The marker records them: a venv built with another list only gets them added.
-KVTUNE_DEPS="numpy zstandard pyyaml pyarrow pandas constriction platformdirs"
+KVTUNE_DEPS="numpy zstandard pyyaml pyarrow pandas constriction platformdirs threadpoolctl"
 
 if [[ -f "$MARKER" ]]; then
     if [[ "$(cat "$MARKER")" == "$KVTUNE_DEPS" ]]; then
