@@ -699,11 +699,11 @@ def leading_width(batch: int, tokens: int, dim: int, count: int, sink: int) -> i
     summation does not change with the number of rows past one, so a request of another
     length does not probe again): the encoder's first ``count`` columns, the decoder's
     reconstruction from rows whose trailing coefficients are 0, and the sink rows on their
-    own. oneDNN's and MKL's kernels sum each output in the order of the reduced index, so
-    truncation holds there; one row or one column takes a matrix-vector route that does not
-    (``count < 2``, or fewer than two token rows, give ``dim``). Tokens times components is
-    what the projections cost, so this is the saving of a bit allocation that drops trailing
-    components (KVTC, arXiv 2511.01815, sec. 3.2).
+    own. oneDNN's kernels (the route on x86 CPUs) sum each output in the order of the reduced
+    index, so truncation holds there; one row or one column takes a matrix-vector route that
+    does not (``count < 2``, or fewer than two token rows, give ``dim``). Tokens times
+    components is what the projections cost, so this is the saving of a bit allocation that
+    drops trailing components (KVTC, arXiv 2511.01815, sec. 3.2).
     """
     if count >= dim or count < 2 or tokens <= sink or batch * tokens < 2:
         return dim
