@@ -629,17 +629,13 @@ def project(x: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     """Coefficients ``(batch, heads, tokens, head_dim)`` of ``x`` (same shape): coefficient
     ``j = head * head_dim + channel`` of a token is ``(x_t - mean) . components[j]``; float64
     for float64 ``x``, else float32."""
-    b, h, t, d = x.shape
-    rows = centered_rows(x, entry)
-    return _unrows(linear(rows, entry.components.to(rows.dtype)).reshape(b, t, h * d), h, d)
+    return _unrows(project_leading(x, entry, entry.dim, 0)[0], entry.heads, entry.head_dim)
 
 
 def unproject(y: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     """Inverse of :func:`project` (the components are orthonormal), same dtype rule."""
-    dt = _work_dtype(y)
-    b, h, t, d = y.shape
-    x = linear(_rows(y.to(dt)).reshape(b * t, h * d), entry.components.to(dt).T, entry.mean.to(dt))
-    return _unrows(x.reshape(b, t, h * d), h, d)
+    b = y.shape[0]
+    return unproject_leading(_rows(y.to(_work_dtype(y))), y.new_empty((b, 0, entry.dim), dtype=_work_dtype(y)), entry)
 
 
 def _sink_rows(rows: torch.Tensor, batch: int, tokens: int, sink: int) -> torch.Tensor:
@@ -713,9 +709,9 @@ def leading_width(batch: int, tokens: int, dim: int, count: int, sink: int) -> i
 
 def project_leading(x: torch.Tensor, entry: BasisLayer, width: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The coefficients :func:`project` gives, of the first ``width`` components only:
-    float32 ``(batch, tokens, width)`` token rows (component ``j`` in column ``j``), and all
-    ``D`` of the first ``sink`` tokens, float32 ``(batch, sink, D)``. Bit for bit the same
-    values as :func:`project` when ``width`` is :func:`leading_width`'s."""
+    ``(batch, tokens, width)`` token rows (component ``j`` in column ``j``), and all ``D`` of
+    the first ``sink`` tokens, ``(batch, sink, D)``; float64 for float64 ``x``, else float32.
+    Bit for bit the same values as :func:`project` when ``width`` is :func:`leading_width`'s."""
     b, h, t, d = x.shape
     rows = centered_rows(x, entry)
     y = linear(rows, entry.components[:width].to(rows.dtype))
@@ -726,11 +722,11 @@ def project_leading(x: torch.Tensor, entry: BasisLayer, width: int, sink: int) -
 
 def unproject_leading(y: torch.Tensor, ysink: torch.Tensor, entry: BasisLayer) -> torch.Tensor:
     """Inverse of :func:`project_leading`: ``x`` ``(batch, heads, tokens, head_dim)`` (a
-    permuted view of token rows, as :func:`unproject` returns) from float32 ``y`` ``(batch,
-    tokens, width)`` and ``ysink`` ``(batch, sink, D)``. The coefficients beyond ``width`` are
-    0 except in the sink tokens; with ``width == D`` the sink rows of ``y`` must hold the sink
-    tokens' coefficients. Bit for bit :func:`unproject` of the same coefficients when ``width``
-    is :func:`leading_width`'s."""
+    permuted view of token rows, as :func:`unproject` returns) from ``y`` ``(batch, tokens,
+    width)`` and ``ysink`` ``(batch, sink, D)``, in their dtype (float32 or float64). The
+    coefficients beyond ``width`` are 0 except in the sink tokens; with ``width == D`` the sink
+    rows of ``y`` must hold the sink tokens' coefficients. Bit for bit :func:`unproject` of the
+    same coefficients when ``width`` is :func:`leading_width`'s."""
     b, t, width = y.shape
     sink, dim = ysink.shape[1], entry.dim
     comps, mean = entry.components.to(y.dtype), entry.mean.to(y.dtype)
