@@ -96,27 +96,43 @@ def test_concurrent_encodes_and_decodes_from_several_threads_give_the_serial_str
     run_concurrently(body, list(range(len(caches))), codec_threads=2)
 
 
+_OPENMP_CHECK = """
+import threading, time
+import torch
+from kvtune.codecs import threads
+
+torch.set_num_threads(2)  # as the CLI's --threads does, before any codec thread exists
+threads.set_num_threads(2)
+
+def task(_):
+    time.sleep(0.02)  # long enough that both threads take tasks
+    return threading.get_ident(), torch.get_num_threads()
+
+for _ in range(2):  # the pool's threads new, then reused
+    seen = threads.parallel_map(task, range(8))
+    assert len({ident for ident, _ in seen}) == 2, seen
+    assert [count for _, count in seen] == [1] * 8, seen
+    assert torch.get_num_threads() == 2
+outside = []
+other = threading.Thread(target=lambda: outside.append(torch.get_num_threads()))
+other.start()
+other.join()
+assert outside == [2], outside
+threads.set_num_threads(1)
+assert [count for _, count in threads.parallel_map(task, range(3))] == [2] * 3
+print("ok")
+"""
+
+
 def test_codec_threads_run_their_tasks_with_one_openmp_thread_each():
     """With two codec threads or more every task (the calling thread's too) sees one OpenMP
-    thread, so torch ops inside it start no team of their own; the calling thread's OpenMP
-    count comes back after the call, and other threads' never change. One codec thread leaves
-    the count alone."""
-    import torch
+    thread, so torch ops inside it start no team of their own, also in threads that run their
+    first torch op inside the task (torch then sets the thread's OpenMP count to
+    ``torch.set_num_threads``' value); the calling thread's OpenMP count comes back after the
+    call, and other threads' never change. One codec thread leaves the count alone. Runs in a
+    fresh interpreter: the pool's threads must be new."""
+    import subprocess
+    import sys
 
-    before = torch.get_num_threads()
-    if before < 2:
-        torch.set_num_threads(2)
-    outside = []
-    other = threading.Thread(target=lambda: outside.append(torch.get_num_threads()))
-    try:
-        threads.set_num_threads(2)
-        seen = threads.parallel_map(lambda _: torch.get_num_threads(), range(8))
-        other.start()
-        other.join()
-        assert seen == [1] * 8
-        assert torch.get_num_threads() == max(before, 2) and outside == [max(before, 2)]
-        threads.set_num_threads(1)
-        assert threads.parallel_map(lambda _: torch.get_num_threads(), range(3)) == [max(before, 2)] * 3
-    finally:
-        threads.set_num_threads(None)
-        torch.set_num_threads(before)
+    done = subprocess.run([sys.executable, "-c", _OPENMP_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -81,6 +81,9 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     counter = itertools.count()
 
     def work() -> None:
+        # torch sets a thread's OpenMP count the first time that thread runs a torch op (to
+        # torch.set_num_threads' value, if it was ever called): run that first, then limit it.
+        torch.get_num_threads()
         with _openmp().limit(limits=1, user_api="openmp"):  # this thread's OpenMP teams: itself (module doc)
             while True:
                 i = next(counter)  # atomic under the GIL
