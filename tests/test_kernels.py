@@ -1586,7 +1586,7 @@ def test_rans_choose_table_matches_numpy(groups, k):
 
 
 @covers("rans_level_weights", "rans_encode_symbols", "rans_decode_symbols", "rans_encode_payload",
-        "rans_decode_payload", "rans_payload_bytes")
+        "rans_decode_payload", "rans_payload_bytes", "rans_encode_bytes")
 @pytest.mark.parametrize("model, bits, shape", [("per_channel", 2, (1, 3, 40, 64)), ("per_head", 4, (1, 2, 33, 8)),
                                                 ("global", 3, (2, 1, 5, 7)), ("per_channel", 8, (1, 1, 9, 16))])
 def test_rans_payload_kernels_match_their_steps(model, bits, shape):
@@ -1597,7 +1597,8 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
     nothing when a symbol is too wide; the payload's bytes are those of a struct-built layout
     (with and without zero padding and the words' CRC); the payload decoder reads the words at odd byte offsets
     of a payload, checks their CRC32 (status 10 on a mismatch, none when it is -1) and decodes
-    the same symbols."""
+    the same symbols. The one-call encoder gives the payload encoder's bytes, with the form
+    byte of the chosen form, and nothing when a symbol is too wide."""
     from kvtune.codecs.range_coder import MAX_LEVEL, TABLE_STEPS
     from kvtune.codecs import rans as R
 
@@ -1630,9 +1631,17 @@ def test_rans_payload_kernels_match_their_steps(model, bits, shape):
         body += bytes(2 * pad)
         want = head + struct.pack("<I", words.size + pad) + body + (struct.pack("<I", zlib.crc32(body)) if tail else b"")
         assert got == want and (pad > 0) == (count > flat.size), (count, tail)
+    form_bytes = np.arange(len(R._FORM_STEPS), dtype=np.int64) + 0x40  # any distinct bytes
+    one_call = K.rans_encode_bytes(*enc_args[:13], form_bytes, *enc_args[13:], KR.LANE_RUN, KR.LANE_RUN, 6,
+                                   np.array(lay.dims, np.int64), True, 1024)
+    assert one_call[0] == top and one_call[1].tobytes() == K.rans_payload_bytes(
+        6, 0x40 + form, lay.m, np.array(lay.dims, np.int64), hist, twords, words, crc, flat.size, bits, True, 1024).tobytes()
     wider = flat.copy()
     wider[-1] = 1 << bits if bits < 8 else 255
     refused = K.rans_encode_payload(wider, *enc_args[1:])
+    refused_bytes = K.rans_encode_bytes(wider, *enc_args[1:13], form_bytes, *enc_args[13:], KR.LANE_RUN, KR.LANE_RUN, 6,
+                                        np.array(lay.dims, np.int64), True, 1024)
+    assert refused_bytes[0] == refused[0] and (bits == 8) == (refused_bytes[1].size > 0)
     assert refused[0] == (1 << bits if bits < 8 else 255)
     assert bits == 8 or (refused[3].size == 0 and refused[4].size == 0 and refused[6] == 0)
     assert not chose[4] and np.array_equal(chose[3], words) and np.array_equal(chose[2], twords)

@@ -267,9 +267,9 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     """rANS-code uint8 ``symbols`` (any non-empty shape, values ``< 2**bits``, bits 1..8): the
     kind-6 encoding of :class:`RansCodec` (``kind=KIND_RANS_V3`` / ``KIND_RANS_V2``: the
     previous formats, which kvtune versions of 2026-12-03 / before read), without its raw
-    fallback (module doc: wire layout). The coding runs in one kernel call
-    (:func:`kvtune.codecs.kernels.rans_encode_payload`), the payload's bytes are written by
-    another (:func:`~kvtune.codecs.kernels.rans_payload_bytes`).
+    fallback (module doc: wire layout). The coding and the payload's bytes take one kernel call
+    (:func:`kvtune.codecs.kernels.rans_encode_bytes`), whose other arguments are computed once
+    per shape.
 
     Raises:
         ValueError: nothing to encode, ``kind`` is not a rANS kind this version writes, or the
@@ -277,25 +277,36 @@ def encode_rans(symbols: np.ndarray, bits: int, model: str, kind: int = KIND_RAN
     """
     if kind not in _LANE_RUNS:
         raise ValueError(f"rans codec: writes kind {KIND_RANS}, {KIND_RANS_V3} or {KIND_RANS_V2}, not {kind}")
-    lay = layout_for_shape(model, bits, symbols.shape)
-    if lay.count == 0:
+    if model not in MODELS:
+        raise ValueError(f"rans codec: model must be one of {MODELS}, got {model!r}")
+    args = _encode_args(model, bits, tuple(int(s) for s in symbols.shape), kind)
+    if args is None:
         raise ValueError("rans codec: nothing to encode")
     flat = np.ascontiguousarray(symbols).reshape(-1)
-    coder, comp_group, comp_pooled = _coder_plan(lay)
-    forms, form_steps, form_pooled = _FORM_CHOICES[int(coder[1] > MAX_TABLE_MODELS)]
-    table_run, run = _LANE_RUNS[kind]
     if flat.dtype != np.uint8:
         raise ValueError(f"rans codec: {bits}-bit symbols must be uint8, got {flat.dtype}")
-    top, form, hist, twords, words, wide, words_crc = KR.rans_encode_payload(
-        flat, bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled,
-        _NEG_GRID, _GRID16, form_steps, form_pooled, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, table_run, run)
+    top, payload = KR.rans_encode_bytes(flat, *args)
     if top >> bits:
         raise ValueError(f"rans codec: symbol {top} does not fit in {bits} bits (symbols must be below {1 << bits})")
-    si, pooled = _GROUP_FORMS[forms[form]]
-    form_byte = MODELS.index(model) | si << 2 | int(pooled) << 4 | int(wide and run < 0) << 5
-    # the header, its CRC, the words, padding and words CRC (kinds 5 and 6) written by one kernel call
-    return KR.rans_payload_bytes(kind, form_byte, lay.m, np.array(lay.dims, np.int64), hist, twords, words, words_crc,
-                                 lay.count, bits, kind != KIND_RANS_V2, MAX_SYMBOLS_PER_BYTE).tobytes()
+    return payload.tobytes()
+
+
+@functools.lru_cache(maxsize=1024)
+def _encode_args(model: str, bits: int, shape: tuple[int, ...], kind: int) -> tuple | None:
+    """The arguments of :func:`kvtune.codecs.kernels.rans_encode_bytes` after the symbols, for
+    symbols of ``shape`` (a checked model and kind; ``None``: no symbols). Cached: one per
+    tensor shape and width of a policy; the per-call work of an encode was mostly this."""
+    lay = _layout(model, bits, shape)
+    if lay.count == 0:
+        return None
+    coder, comp_group, comp_pooled = _coder_plan(lay)
+    forms, form_steps, form_pooled = _FORM_CHOICES[int(coder[1] > MAX_TABLE_MODELS)]
+    form_bytes = np.array([MODELS.index(model) | _GROUP_FORMS[f][0] << 2 | int(_GROUP_FORMS[f][1]) << 4 for f in forms],
+                          np.int64)
+    table_run, run = _LANE_RUNS[kind]
+    return (bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled, _NEG_GRID, _GRID16, form_steps,
+            form_pooled, form_bytes, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, table_run, run, kind,
+            np.array(lay.dims, np.int64), kind != KIND_RANS_V2, MAX_SYMBOLS_PER_BYTE)
 
 
 # ----------------------------------------------------------------------------- decode

@@ -127,6 +127,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     from .rans import (
         rans_choose_table,
         rans_decode_payload,
+        rans_encode_bytes,
         rans_encode_payload,
         rans_payload_bytes,
         rans_decode_symbols,
@@ -225,6 +226,7 @@ __all__ = [
     "rans_encode_symbols",
     "rans_decode_payload",
     "rans_encode_payload",
+    "rans_encode_bytes",
     "rans_payload_bytes",
     "rans_decode_symbols",
     "rans_form_bits",

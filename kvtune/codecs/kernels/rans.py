@@ -1002,6 +1002,28 @@ with kernel_cache_dir():
         return np.int64(top), np.int64(form), hist, twords, words, wide, _words_crc(words)
 
     @njit(**JIT)
+    def rans_encode_bytes(flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled, neg_grid, grid16,
+                          form_steps, form_pooled, form_bytes, max_level, weight_bits, prec, table_lane_run, lane_run,
+                          kind, dims, tail, per_byte):
+        """:func:`rans_encode_payload` then :func:`rans_payload_bytes`, in one call without the GIL:
+        the wire bytes of one rANS payload (arguments as theirs; ``form_bytes``: int64 form byte
+        of each candidate form, to which bit 5 is added when the symbols took 32 lanes by the
+        encoder's choice, ``lane_run < 0``).
+
+        Returns:
+            ``(largest symbol, uint8 payload)``; the payload is empty when the largest symbol is
+            ``>= 2**bits`` (nothing coded).
+        """
+        top, form, hist, twords, words, wide, words_crc = rans_encode_payload(
+            flat, bits, m, count_div, count_mod, groups, coder, comp_group, comp_pooled, neg_grid, grid16, form_steps,
+            form_pooled, max_level, weight_bits, prec, table_lane_run, lane_run)
+        if top >> bits:
+            return top, np.zeros(0, np.uint8)
+        form_byte = form_bytes[form] | (np.int64(32) if wide and lane_run < 0 else np.int64(0))
+        return top, rans_payload_bytes(kind, form_byte, m, dims, hist, twords, words, words_crc, flat.shape[0], bits,
+                                       tail, per_byte)
+
+    @njit(**JIT)
     def _put_le(buf, at, value, nbytes):
         """Write the low ``nbytes`` bytes of ``value`` little-endian at ``buf[at]``; returns the next offset."""
         for i in range(nbytes):
