@@ -10,7 +10,9 @@ With two threads or more, each of them runs its tasks with one OpenMP thread (th
 sets the OpenMP thread count of the calling thread only, and restores it after): torch's
 matrix products and element-wise ops inside the tasks (the ``pca`` projections, the ``keep``
 scores) would otherwise each start a team of ``torch.get_num_threads()`` OpenMP threads, and
-``n`` codec threads would run ``n**2`` threads on ``n`` cores. Their results do not depend on
+``n`` codec threads would run ``n**2`` threads on ``n`` cores. torch sets a thread's OpenMP
+count on that thread's first torch op (to ``torch.set_num_threads``' value once it has been
+called), so each thread runs that set-up before the limit, not inside it. Their results do not depend on
 the OpenMP thread count (oneDNN's products split the rows between threads, torch's reductions
 the outputs; the fast == reference tests check it).
 """
