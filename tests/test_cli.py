@@ -303,6 +303,26 @@ def test_report_never_replaces_stored_trials_with_fewer(tmp_path):
     assert len(pd.read_parquet(run / "trials.parquet")) == 4
 
 
+def test_report_of_an_older_run_folder_counts_its_trials_too(tmp_path):
+    """A run.json without ``trial_records`` (folders written before it) still guards the stored
+    outputs: a cut log with no trials.parquet to compare is refused by run.json's ``trials``."""
+    import json
+
+    run, recs = _run_folder(tmp_path)
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    info = json.loads((run / "run.json").read_text())
+    assert info["trials"] == 4
+    del info["trial_records"]
+    (run / "run.json").write_text(json.dumps(info))
+    (run / "trials.parquet").unlink()
+    _rewrite_trials(run, recs[:2])
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.suffix in (".parquet", ".json")}
+    res = runner.invoke(app, ["report", str(run)])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and "counted 4 trials" in out and "nothing was rewritten" in out, out
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.suffix in (".parquet", ".json")} == before
+
+
 def test_report_validates_before_writing_anything(tmp_path):
     run, recs = _run_folder(tmp_path)
     assert runner.invoke(app, ["report", str(run)]).exit_code == 0

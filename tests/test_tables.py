@@ -339,11 +339,28 @@ def test_malformed_json_tables_raise_table_error(tmp_path, hand_table):
         ivs[1]["x_hi_s_per_gb"] = 0.3  # next interval starts at 0.4
         ivs[1]["bandwidth_lo_gbps"] = 8 / 0.3
 
+    def floor_as_list(doc):
+        doc["tables"][1]["accuracy_floor"] = [doc["tables"][1]["accuracy_floor"]]
+
+    def floor_as_text(doc):
+        doc["tables"][1]["accuracy_floor"] = "0.97"
+
+    def floor_as_bool(doc):
+        doc["tables"][1]["accuracy_floor"] = True
+
+    def nan_in_runner_up(doc):  # Python's json writes and reads the token NaN
+        iv = next(iv for t in doc["tables"] for iv in t["intervals"] if iv["runner_up_policies"])
+        iv["runner_up_policies"][0]["b"] = float("nan")
+
     cases = [
         (bump_version, "unknown schema_version 2"),
         (drop_column, r"missing column.*'b'"),
         (non_monotone, "non-monotone"),
         (gap, "gap"),
+        (floor_as_list, r"'accuracy_floor' must be a number, got \[0.97\]"),
+        (floor_as_text, "'accuracy_floor' must be a number, got '0.97'"),
+        (floor_as_bool, "'accuracy_floor' must be a number, got True"),
+        (nan_in_runner_up, "runner_up_policies holds a NaN or infinite number"),
     ]
     for edit, message in cases:
         bad = _rewrite_json(good, tmp_path / f"bad_{edit.__name__}.json", edit)
@@ -433,6 +450,15 @@ def test_impossible_runner_up_and_parquet_rows_are_rejected_on_load(tmp_path, ha
 
     bad = _rewrite_json(good, tmp_path / "bad_runner.json", bad_runner)
     with pytest.raises(TableError, match=r"row \d+: runner_up_policies\[0\] .*a_s_per_gb = -1.0 must be"):
+        PolicyTable.load(bad)
+
+    def runner_below_floor(doc):  # a plausible policy, but it does not meet its table's floor
+        t = next(t for t in doc["tables"] if any(iv["runner_up_policies"] for iv in t["intervals"]))
+        iv = next(iv for iv in t["intervals"] if iv["runner_up_policies"])
+        iv["runner_up_policies"][0]["relative_accuracy"] = t["accuracy_floor"] - 0.05
+
+    bad = _rewrite_json(good, tmp_path / "low_runner.json", runner_below_floor)
+    with pytest.raises(TableError, match=r"runner_up_policies\[0\] \(policy \w+\) has relative_accuracy .* below the floor"):
         PolicyTable.load(bad)
     frame = hand_table.frame
     frame.loc[frame["policy_id"] == "p2", "b"] = -0.25
@@ -712,6 +738,26 @@ def test_cli_export_errors(tmp_path):
     assert res.exit_code == 2 and "no run.json" in res.output
     res = cli.invoke(app, ["export", str(REAL_RUN), "--floors", "high"])
     assert res.exit_code == 2 and "--floors" in res.output
+
+
+def test_cli_export_never_overwrites_stored_data(tmp_path):
+    """An export into the run folder (over its settings, trials, front or own tables) or over an
+    existing file that is not a policy table is refused, and the file keeps its bytes; an
+    existing policy table elsewhere is replaced (the reload test writes twice)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(REAL_RUN, run)
+    for name, fmt in (("run.json", "json"), ("trials.parquet", "parquet"), ("pareto.parquet", "parquet"),
+                      ("policy_table.json", "json"), ("new.json", "json")):
+        before = (run / name).read_bytes() if (run / name).exists() else None
+        res = cli.invoke(app, ["export", str(run), "--format", fmt, "--out", str(run / name), "--floors", "0.9"])
+        assert res.exit_code == 2 and "inside the run folder" in res.output, (name, res.output)
+        assert (run / name).read_bytes() == before if before is not None else not (run / name).exists()
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    res = cli.invoke(app, ["export", str(run), "--format", "json", "--out", str(notes)])
+    assert res.exit_code == 2 and "is not a policy table" in res.output and notes.read_text() == '{"mine": 1}'
 
 
 def test_default_export_path(tmp_path, monkeypatch):

@@ -233,8 +233,8 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
     Raises:
         KvtuneError: not a run folder, no ``run.json``, no trials, or trials that do not
             compile (the message names the file); a log holding fewer trial records than the
-            last finalize counted (``trial_records`` in ``run.json``) or a ``trials.parquet``
-            holding more rows than the log (the log was cut: nothing is rewritten).
+            last finalize counted (``trial_records`` in ``run.json``), or fewer trial rows than
+            its ``trials`` or a ``trials.parquet`` holds (the log was cut: nothing is rewritten).
     """
     from kvtune.report.html import write_report
     from kvtune.tables.run import read_run_info
@@ -263,6 +263,11 @@ def finalize_run(method: Method, run_dir: str | Path, *, info: dict[str, Any] | 
                 raise KvtuneError(f"{store.log_path} holds {len(compiled.trials)} trial records but "
                                   f"{run_dir / TrialStore.TABLE} holds {stored}: the log was cut or edited; "
                                   "restore it (nothing was rewritten)")
+            rows = info.get("trials")  # the trial rows of the last finalize (run folders older than trial_records)
+            if isinstance(rows, int) and not isinstance(rows, bool) and len(compiled.trials) < rows:
+                raise KvtuneError(f"{store.log_path} holds {len(compiled.trials)} trial records but "
+                                  f"{run_dir / 'run.json'} counted {rows} trials when its outputs were last written: "
+                                  "the log was cut or edited; restore it (nothing was rewritten)")
             files["trials"] = store.write_table(compiled.trials)
         files["pareto"] = atomic_write_parquet(compiled.pareto, run_dir / "pareto.parquet")
         for name, frame in compiled.frames.items():

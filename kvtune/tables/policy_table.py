@@ -849,10 +849,14 @@ def _validate_frame(frame: pd.DataFrame, source: str) -> pd.DataFrame:
             raise _fail(source, f"row {r}: malformed runners_up/runner_up_policies ({exc})") from None
         if not isinstance(ids, list) or ids != [p.policy_id for p in pols]:
             raise _fail(source, f"row {r}: runners_up does not match runner_up_policies")
+        floor = float(out["accuracy_floor"].iloc[r])
         for k, p in enumerate(pols):
             bad = _entry_problem(p)
             if bad:
                 raise _fail(source, f"row {r}: runner_up_policies[{k}] (policy {p.policy_id}): {bad[0]} {bad[1]}")
+            if p.relative_accuracy < floor - _FLOOR_TOL and p.policy_id != NONE_POLICY_ID:
+                raise _fail(source, f"row {r} (accuracy_floor {floor:g}): runner_up_policies[{k}] (policy "
+                                    f"{p.policy_id}) has relative_accuracy {p.relative_accuracy:g}, below the floor")
 
     # Canonical order: key ascending ("" first), floor descending, then stored order (x).
     key_rank = {k: i for i, k in enumerate(sorted(out["key"].unique()))}
@@ -1406,6 +1410,8 @@ def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]
             raise _fail(src, "each entry of 'tables' needs 'accuracy_floor' and a list 'intervals'")
         if not isinstance(t.get("key", DEFAULT_KEY), str):
             raise _fail(src, f"table 'key' must be a string, got {t.get('key')!r}")
+        if not isinstance(t["accuracy_floor"], (int, float)) or isinstance(t["accuracy_floor"], bool):
+            raise _fail(src, f"'accuracy_floor' must be a number, got {t['accuracy_floor']!r}")
         ident = (t.get("key", DEFAULT_KEY), t["accuracy_floor"])
         if ident in seen:
             raise _fail(src, f"duplicate table for accuracy_floor {ident[1]} and key {ident[0]!r}")
@@ -1430,7 +1436,11 @@ def _read_json(p: Path) -> tuple[pd.DataFrame, dict[str, Any], list[Any] | None]
             }
             for c, v in item.items():
                 if c in _RUNNER_COLUMNS:
-                    row[c] = strict_dumps(v)
+                    try:
+                        row[c] = strict_dumps(v)
+                    except ValueError:  # Python's json reads NaN / Infinity tokens; a table never holds them
+                        raise _fail(src, f"interval {k} of accuracy_floor {t['accuracy_floor']}: {c} holds a NaN "
+                                         "or infinite number (write inf as the string \"inf\")") from None
                 elif c in _FLOAT_COLUMNS:
                     try:
                         row[c] = dec_float(v, c)

@@ -202,7 +202,9 @@ def export_run_table(
         ``(path written, the re-loaded table)``.
 
     Raises:
-        KvtuneError: unknown format, suffix mismatch, or any error of :func:`load_run_table`.
+        KvtuneError: unknown format, suffix mismatch, a destination inside the run folder or an
+            existing file that is not a policy table (nothing is overwritten), or any error of
+            :func:`load_run_table`.
     """
     if fmt not in EXPORT_FORMATS:
         raise KvtuneError(f"unknown format {fmt!r}; use one of {sorted(EXPORT_FORMATS)}")
@@ -214,9 +216,28 @@ def export_run_table(
         path = path / default_name
     if path.suffix.lower() != suffix and not (fmt == "parquet" and path.suffix.lower() == ".pq"):
         raise KvtuneError(f"--out {path}: suffix must be {suffix} for --format {fmt}")
+    _check_export_target(path, run_dir)
     table = load_run_table(run_dir, floors=floors, recompile=recompile)
     written = table.to_parquet(path) if fmt == "parquet" else table.to_json(path)
     return written, PolicyTable.load(written)
+
+
+def _check_export_target(path: Path, run_dir: Path) -> None:
+    """Refuse an export destination that would replace stored data: a file inside the run
+    folder (its settings, trials, front and own tables), or an existing file that is not a
+    policy table.
+
+    Raises:
+        KvtuneError: naming the destination.
+    """
+    if path.parent.resolve() == run_dir.resolve():
+        raise KvtuneError(f"--out {path}: inside the run folder, whose files the run owns (run.json, trials, "
+                          "pareto.parquet, its policy tables); write the export elsewhere")
+    if path.exists():
+        try:
+            PolicyTable.load(path)
+        except Exception as exc:  # whatever a non-table file makes the loader raise
+            raise KvtuneError(f"--out {path}: exists and is not a policy table ({exc}); refusing to overwrite it") from None
 
 
 def resolve_table(spec: str | os.PathLike[str]) -> PolicyTable:
