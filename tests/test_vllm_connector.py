@@ -35,6 +35,7 @@ from kvtune.serving.transport import (
     frame_header,
     open_store,
     read_frame,
+    write_frame,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,6 +129,41 @@ def test_connection_dropped_mid_frame_is_interrupted():
         a.close()
         with pytest.raises(TransferInterruptedError, match="400 of 1000"):
             read_frame(b, timeout_s=2)
+
+
+def test_payload_memory_follows_the_bytes_received_not_the_announced_size():
+    """A peer announcing 256 MiB and sending 1.5 MiB before it closes makes the receiver hold
+    about that much (the buffer starts at 1 MiB and doubles as bytes arrive), not 256 MiB; a
+    payload over several doublings arrives whole."""
+    import tracemalloc
+
+    a, b = _pair()
+    sent = (1 << 20) + (1 << 19)
+
+    def send_part_and_close() -> None:
+        with a:
+            a.sendall(frame_header(KIND_DATA, KEY, 256 << 20) + b"x" * sent)
+
+    with b:
+        sender = threading.Thread(target=send_part_and_close)  # more than the socket buffers hold
+        tracemalloc.start()
+        try:
+            sender.start()
+            with pytest.raises(TransferInterruptedError, match=f"{sent} of {256 << 20}"):
+                read_frame(b, max_frame_bytes=1 << 30, timeout_s=5)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            sender.join()
+        assert peak < 8 << 20, peak
+    payload = os.urandom((5 << 20) + 3)
+    a, b = _pair()
+    with a, b:
+        sender = threading.Thread(target=lambda: write_frame(a, KIND_DATA, KEY, payload))
+        sender.start()
+        frame = read_frame(b, timeout_s=5)
+        sender.join()
+        assert frame.kind == KIND_DATA and frame.key == KEY and bytes(frame.payload) == payload
 
 
 def test_stalled_frame_times_out():

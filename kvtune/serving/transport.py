@@ -99,6 +99,7 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 30
 SmolLM2-135M, uncompressed."""
 MAX_NACK_BYTES = 4096
 _RECV_CHUNK = 1 << 20
+_FIRST_PAYLOAD = 1 << 20  # a payload's first buffer; it doubles as bytes arrive (_recv_payload)
 
 
 class TransportError(KvtuneError):
@@ -176,18 +177,34 @@ def parse_frame_header(raw: bytes, max_frame_bytes: int) -> tuple[int, int, int]
     return kind, key_n, payload_n
 
 
-def _recv_into(sock: socket.socket, view: memoryview, what: str) -> None:
-    got = 0
+def _recv_into(sock: socket.socket, view: memoryview, what: str, before: int = 0, total: int | None = None) -> None:
+    """Fill ``view`` from ``sock``; errors count ``before`` bytes received earlier of ``total``."""
+    got, total = 0, len(view) if total is None else total
     while got < len(view):
         try:
             n = sock.recv_into(view[got:], min(len(view) - got, _RECV_CHUNK))
         except socket.timeout:
-            raise TransferInterruptedError(f"{what}: timed out after {got} of {len(view)} bytes") from None
+            raise TransferInterruptedError(f"{what}: timed out after {before + got} of {total} bytes") from None
         except OSError as exc:
-            raise TransferInterruptedError(f"{what}: connection failed after {got} of {len(view)} bytes: {exc}") from None
+            raise TransferInterruptedError(
+                f"{what}: connection failed after {before + got} of {total} bytes: {exc}") from None
         if n == 0:
-            raise TransferInterruptedError(f"{what}: connection closed after {got} of {len(view)} bytes")
+            raise TransferInterruptedError(f"{what}: connection closed after {before + got} of {total} bytes")
         got += n
+
+
+def _recv_payload(sock: socket.socket, n: int, what: str) -> bytearray:
+    """``n`` bytes from ``sock`` in a buffer that grows as they arrive (from 1 MiB, doubling):
+    a peer that announces a large frame and sends little of it holds little memory, where a
+    buffer of the announced size would pin all of it per connection until the timeout."""
+    buf = bytearray(min(n, _FIRST_PAYLOAD))
+    got = 0
+    while True:
+        _recv_into(sock, memoryview(buf)[got:], what, got, n)
+        got = len(buf)
+        if got == n:
+            return buf
+        buf.extend(bytes(min(n, 2 * got) - got))  # realloc: large blocks grow in place (mremap)
 
 
 def read_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -196,7 +213,8 @@ def read_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_
 
     Args:
         sock: a connected TCP socket.
-        max_frame_bytes: largest DATA payload accepted; checked before the payload is allocated.
+        max_frame_bytes: largest DATA payload accepted; checked before anything is allocated. The
+            payload's buffer grows as its bytes arrive (at most twice what was received).
         timeout_s: seconds without progress allowed once a frame has started.
         idle_timeout_s: seconds to wait for the first byte of a frame (None: forever).
 
@@ -229,9 +247,7 @@ def read_frame(sock: socket.socket, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_
         key = check_key(kb.decode("ascii"))
     except UnicodeDecodeError:
         raise FrameError("frame key is not ASCII") from None
-    payload = bytearray(payload_n)
-    _recv_into(sock, memoryview(payload), f"frame payload of {key}")
-    return Frame(kind, key, payload)
+    return Frame(kind, key, _recv_payload(sock, payload_n, f"frame payload of {key}"))
 
 
 def write_frame(sock: socket.socket, kind: int, key: str, payload: bytes | bytearray | memoryview = b"") -> None:
