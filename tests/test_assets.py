@@ -104,6 +104,9 @@ def test_model_spec_errors(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(AssetError, match="no config.json"):
         load_model(str(tmp_path / "folder"), "cpu")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(AssetError, match="a file, neither a .gguf file nor a Hugging Face model folder"):
+        load_model(str(tmp_path / "notes.txt"), "cpu")
     with pytest.raises(AssetError, match="is a text"):
         load_model("paul-graham-essays", "cpu")
 

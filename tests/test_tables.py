@@ -388,6 +388,7 @@ def test_malformed_parquet_tables_raise_table_error(tmp_path, hand_table):
         with pytest.raises(TableError, match=message) as info:
             PolicyTable.load(tmp_path / name)
         assert name in str(info.value)
+    (tmp_path / "table.csv").write_text("policy_id\np1\n")
     with pytest.raises(TableError, match="suffix"):
         PolicyTable.load(tmp_path / "table.csv")
 
@@ -429,6 +430,18 @@ def test_deeply_nested_json_is_a_table_error(tmp_path, hand_table):
     nested_doc.write_text('{"format": "kvtune.policy_table", "schema_version": 1, "extra": ' + deep + "}")
     with pytest.raises(TableError, match="nested too deeply"):
         PolicyTable.load(nested_doc)
+
+
+def test_missing_table_files_are_not_found_whatever_their_suffix(tmp_path):
+    for name in ("nothing", "t.json", "t.parquet", "t.csv"):
+        with pytest.raises(TableError, match=f"{name}: file not found"):
+            PolicyTable.load(tmp_path / name)
+    (tmp_path / "t.json").mkdir()
+    with pytest.raises(TableError, match="t.json: not a file"):
+        PolicyTable.load(tmp_path / "t.json")
+    (tmp_path / "t.csv").write_text("a,b")
+    with pytest.raises(TableError, match="unknown policy table suffix '.csv'"):
+        PolicyTable.load(tmp_path / "t.csv")
 
 
 def test_table_files_over_the_size_limit_are_refused_before_reading(tmp_path, hand_table, monkeypatch):

@@ -140,6 +140,8 @@ def model_source(spec: str) -> tuple[str, dict[str, Any]]:
         if not path.is_file():
             raise AssetError(f"--model {spec!r}: GGUF file not found")
         return str(path.parent), {"gguf_file": path.name}
+    if path.is_file():
+        raise AssetError(f"--model {spec!r}: a file, neither a .gguf file nor a Hugging Face model folder")
     if path.exists():
         if not (path / "config.json").is_file():
             raise AssetError(f"--model {spec!r}: folder has no config.json (not a Hugging Face model folder)")

@@ -1315,7 +1315,7 @@ class PolicyTable:
         Checks: readable file of that format; known ``schema_version``; all :data:`COLUMNS`
         present; no missing values; one model/workload/device; per floor the intervals start
         at x = 0, end at inf, have ``x_lo < x_hi`` (monotone breakpoints) and no gaps or
-        overlaps; Gbps columns equal ``8 / x``; policies meet their floor; runners-up parse;
+        overlaps; Gbps columns equal ``8 / x``; policies meet their floor; runners-up parse and meet it too;
         every policy (chosen or runner-up) has plausible numbers and a JSON-object
         ``config_json`` (see :func:`_entry_problem`: no NaN, ``a >= 0``, ``b = 1 /
         compression_ratio >= 0``, ``compression_ratio > 0``, relative accuracy in ``[0, 2]``,
@@ -1329,10 +1329,12 @@ class PolicyTable:
         p = Path(path)
         src = str(p)
         suffix = p.suffix.lower()
-        if suffix not in (".parquet", ".pq", ".json"):
-            raise _fail(src, f"unknown policy table suffix {p.suffix!r} (use .parquet or .json)")
-        if not p.is_file():
+        if not p.exists():
             raise _fail(src, "file not found")
+        if suffix not in (".parquet", ".pq", ".json"):
+            raise _fail(src, f"unknown policy table suffix {p.suffix!r} (use .parquet or .json, or a run folder)")
+        if not p.is_file():
+            raise _fail(src, "not a file")
         size = p.stat().st_size
         if size > MAX_TABLE_BYTES:
             raise _fail(src, f"file is {size} bytes, more than a policy table's limit of {MAX_TABLE_BYTES}")
