@@ -360,6 +360,8 @@ def select(
     from kvtune.core.units import parse_bandwidth_gbps, parse_bytes, parse_duration_s
 
     try:
+        if not 0.0 < q_min <= 1.0:  # as ServingPolicy takes it; NaN too
+            raise KvtuneError(f"--q-min must be a relative accuracy in (0, 1], e.g. 0.97; got {q_min:g}")
         bw = parse_bandwidth_gbps(bandwidth)
         slo_s = parse_duration_s(slo) if slo is not None else None
         volume = parse_bytes(kv_bytes) if kv_bytes is not None else None

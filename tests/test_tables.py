@@ -827,6 +827,9 @@ def test_cli_select_real_run_low_bandwidth_slo_and_json():
         (["--bandwidth", "10Gbps", "--q-min", "0.97", "--workload", "qa"],
          "workload 'qa' does not match the table's workload 'continuation'"),
         (["--bandwidth", "10Gbps", "--q-min", "0.999"], "no accuracy floor >= q_min=0.999"),
+        (["--bandwidth", "10Gbps", "--q-min", "0"], "--q-min must be a relative accuracy in (0, 1], e.g. 0.97; got 0"),
+        (["--bandwidth", "10Gbps", "--q-min", "97"], "--q-min must be a relative accuracy in (0, 1], e.g. 0.97; got 97"),
+        (["--bandwidth", "10Gbps", "--q-min", "nan"], "--q-min must be a relative accuracy in (0, 1], e.g. 0.97; got nan"),
     ],
 )
 def test_cli_select_errors(args, message):
