@@ -87,10 +87,13 @@ def profile(
     from kvtune.methods.tqc.profile import load_settings, run_profile
     from kvtune.run.executors import make_executor
     from kvtune.run.method import Hooks, ProfileRequest
+    from kvtune.run.folder import check_run_name
     from kvtune.run.runner import check_resume_request, run_request
 
     given = _given_options(ctx)
     try:
+        if "run" in given:  # an empty --run too: leaving it out is how to get the default name
+            check_run_name(run)
         runner = make_executor(executor, workers, ray_address)
         info = None
         if resume is not None:  # the run folder says which method it is (--method, if given, must agree)

@@ -257,8 +257,10 @@ def test_resume_of_a_locked_run_folder_is_a_typed_error_naming_folder_and_pid(tm
     assert os.path.exists(run / ".kvtune.lock")
 
 
-@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "a\\b", "\u00e9" * 120])
+@pytest.mark.parametrize("name", ["../../x", "a/b", "..", "a\\b", "\u00e9" * 120, ""])
 def test_run_name_must_be_one_path_component(tmp_path, name):
+    """A given --run is checked before anything else; an empty one too (leaving --run out is
+    how to get the default name)."""
     res = runner.invoke(app, ["profile", "--model", str(tmp_path / "missing.gguf"), "--run", name,
                               "--out", str(tmp_path / "a" / "b")])
     out = " ".join(res.output.split())
