@@ -4,6 +4,7 @@ the three codec paths, and the decode side (positions of the tokens that follow 
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 import zlib
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, read_header
-from kvtune.codecs.select import Keep, kept_positions, select_kv
+from kvtune.codecs.select import Keep, kept_positions, select_kv, window_attention
 from kvtune.codecs.stream import read_stream
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, TableError
 
@@ -63,6 +64,47 @@ def test_window_attention_keeps_the_tokens_the_window_attends_to():
     pos = keep.select(k)[0, 0].tolist()
     assert len(pos) == 10 and {18, 19} <= set(pos)
     assert {8, 9, 10, 11, 12} <= set(pos)  # token 10 and its max-pooled neighbours (kernel 5)
+
+
+def window_attention_float64(k: torch.Tensor, window: int) -> torch.Tensor:
+    """The window-attention scores written out row by row in float64 (module docstring)."""
+    k = k.double()
+    tokens, d = k.shape[-2:]
+    w = min(window, tokens)
+    mass = torch.zeros(k.shape[:-1], dtype=torch.float64)
+    for r in range(tokens - w, tokens):  # a window row sees tokens 0..r
+        p = torch.softmax(k[..., r:r + 1, :] @ k[..., : r + 1, :].transpose(-1, -2) / d**0.5, dim=-1)[..., 0, :]
+        mass[..., : r + 1] += p
+    mass /= torch.tensor([w if t < tokens - w else tokens - t for t in range(tokens)], dtype=torch.float64)
+    padded = torch.nn.functional.pad(mass, (2, 2), value=-math.inf)
+    return torch.stack([padded[..., i:i + tokens] for i in range(5)]).amax(dim=0)
+
+
+@pytest.mark.parametrize("shape, window", [((2, 3, 50, 16), 8), ((1, 2, 6, 8), 32), ((4, 7, 64), 64)])
+def test_window_attention_scores_equal_the_float64_formula(shape, window):
+    k = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = window_attention(k, window)
+    assert got.dtype == torch.float32 and got.shape == shape[:-1]
+    torch.testing.assert_close(got.double(), window_attention_float64(k, window), rtol=2e-6, atol=1e-9)
+    stacked = window_attention(torch.stack([k, k.flip(-2)]), window)  # leading dims are independent
+    torch.testing.assert_close(stacked[0], got, rtol=0, atol=0)
+    torch.testing.assert_close(stacked[1], window_attention(k.flip(-2), window), rtol=0, atol=0)
+
+
+def test_selection_does_not_depend_on_the_codec_threads():
+    from kvtune.codecs.threads import set_num_threads
+
+    kv = make_kv([((1, 3, 300, 64),) * 2] * 6, seed=4)
+    keep = Keep(fraction=0.6, window=32)
+    try:
+        runs = []
+        for n in (1, 2):
+            set_num_threads(n)
+            runs.append(select_kv(kv, keep)[1])
+    finally:
+        set_num_threads(None)
+    assert runs[0].masks == runs[1].masks and all(torch.equal(a, b) for a, b in zip(runs[0].positions, runs[1].positions))
+    assert all(p.shape == (1, 3, 180) for p in runs[0].positions)
 
 
 def test_keep_must_be_first_and_once():

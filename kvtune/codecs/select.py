@@ -34,15 +34,18 @@ The masks count in the stream bytes (so in the compression ratio) and in its CRC
 sink / recent bits disagree with the policy and the recorded shapes. :func:`kept_positions`
 gives consumers the kept positions and the original token counts of a stream.
 
-Determinism: the scores are computed in float64 on the tensors' device. ``key-norm`` sums
-squares of bfloat16/float16 values, exact in float64 for KV magnitudes, so every device selects
-the same tokens; ``window-attention`` goes through ``exp``, whose last bits may differ between a
-GPU and the CPU, so a near-tie can be broken differently there (the CPU paths always agree).
+Determinism: ``key-norm`` sums squares of bfloat16/float16 values in float64, exact for KV
+magnitudes, so every device selects the same tokens. ``window-attention`` runs in float32 (a
+matrix product and ``exp``), whose last bits may differ between a GPU and a CPU or between CPU
+instruction sets, so a near-tie can be broken differently there; the stream carries the masks,
+so decoding never depends on it. On one machine the selection does not depend on the number of
+codec threads (``tests/test_select.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
@@ -71,6 +74,7 @@ __all__ = [
     "check_selection",
     "kept_positions",
     "mask_positions",
+    "window_attention",
 ]
 
 SCORES = ("key-norm", "window-attention")
@@ -122,35 +126,32 @@ class Keep(Transform):
         return keep
 
     def scores(self, k: torch.Tensor) -> torch.Tensor:
-        """float64 ``(batch, kv_heads, tokens)`` scores of the keys ``k`` ``(batch, kv_heads,
-        tokens, head_dim)`` (any float dtype, any device); higher = kept first."""
-        k = k.detach().to(torch.float64)
+        """Scores of the keys ``k`` ``(..., kv_heads, tokens, head_dim)`` (any float dtype, any
+        device; leading dims such as batch, or layers stacked by :func:`select_kv`, are
+        independent): ``(..., kv_heads, tokens)``, higher = kept first. ``key-norm``: float64
+        (exact sums of squares); ``window-attention``: float32 (:func:`window_attention`)."""
+        k = k.detach()
         if self.score == "key-norm":
+            k = k.to(torch.float64)
             return -(k * k).sum(dim=-1)  # lowest norm first (arXiv 2406.11430)
-        tokens, w = k.shape[2], min(self.window, k.shape[2])
-        obs = k[:, :, tokens - w:]  # (b, h, w, d): the window's keys stand in for its queries
-        logits = obs @ k.transpose(-1, -2) / math.sqrt(k.shape[-1])  # (b, h, w, tokens)
-        rows = torch.arange(tokens - w, tokens, device=k.device)[:, None]
-        logits = logits.masked_fill(torch.arange(tokens, device=k.device)[None, :] > rows, -math.inf)
-        seen_by = (rows >= torch.arange(tokens, device=k.device)[None, :]).sum(dim=0).clamp(min=1)
-        mass = torch.softmax(logits, dim=-1).sum(dim=2) / seen_by  # (b, h, tokens): mean over the rows that see a token
-        pad = POOL_KERNEL // 2
-        return torch.nn.functional.max_pool1d(mass.flatten(0, 1)[:, None], POOL_KERNEL, 1, pad)[:, 0].view_as(mass)
+        return window_attention(k, self.window)
 
     def select(self, k: torch.Tensor) -> torch.Tensor:
-        """int64 ``(batch, kv_heads, kept)`` increasing positions of the kept tokens of one
-        layer, ranked from its keys ``k`` ``(batch, kv_heads, tokens, head_dim)``: the forced
-        sink and recent tokens, then the best scores (ties: the earlier token)."""
-        b, h, tokens = k.shape[:3]
+        """int64 ``(..., kv_heads, kept)`` increasing positions of the kept tokens, ranked from
+        the keys ``k`` ``(..., kv_heads, tokens, head_dim)`` of one layer (or of layers stacked
+        along the leading dims): the forced sink and recent tokens, then the best scores (ties:
+        the earlier token)."""
+        tokens = k.shape[-2]
         kept = self.kept_count(tokens)
+        lead = k.shape[:-2]
         if kept == tokens:
-            return torch.arange(tokens, device=k.device).expand(b, h, tokens)
+            return torch.arange(tokens, device=k.device).expand(*lead, tokens)
         s = self.scores(k)
         if not self.per_head:  # one choice for every head: the heads' scores summed
-            s = s.sum(dim=1, keepdim=True)
+            s = s.sum(dim=-2, keepdim=True)
         s = s.masked_fill(self.forced(tokens).to(k.device), math.inf)
         order = torch.argsort(s, dim=-1, descending=True, stable=True)
-        return order[..., :kept].sort(dim=-1).values.expand(b, h, kept)
+        return order[..., :kept].sort(dim=-1).values.expand(*lead, kept)
 
     @property
     def is_identity(self) -> bool:
@@ -263,6 +264,39 @@ def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tu
 
     done = parallel_map(layer, kv)  # the layers on the codec threads (torch releases the GIL)
     return [d[0] for d in done], Selection([int(k.shape[2]) for k, _ in kv], [d[1] for d in done], [d[2] for d in done])
+
+
+def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
+    """float32 ``(..., tokens)`` ``window-attention`` scores of the keys ``k`` ``(..., tokens,
+    head_dim)`` (any float dtype and device; leading dims independent).
+
+    SnapKV's observation-window vote (arXiv 2404.14469, sec. 4) without queries: the last
+    ``window`` keys, scaled by ``1 / sqrt(head_dim)``, stand in for the window's queries;
+    softmax over the tokens each window row sees (causal); each token's attention mass summed
+    over the rows and divided by the number of rows that see it; then a max pooling of width
+    :data:`POOL_KERNEL` along the tokens. In float32 (the scores only rank tokens; float64 cost
+    twice the time for the same selection on the default model's KV, ``benchmarks/codecs.py``).
+    """
+    k = k.to(torch.float32)
+    tokens = k.shape[-2]
+    if tokens == 0:
+        return k.new_zeros(k.shape[:-1])
+    w = min(window, tokens)
+    hidden, seen_by = _causal_window(tokens, w, k.device)
+    obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(k.shape[-1]))  # (..., w, d)
+    logits = torch.matmul(obs, k.transpose(-1, -2)).masked_fill_(hidden, -math.inf)  # (..., w, tokens)
+    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by)  # (..., tokens)
+    pad = POOL_KERNEL // 2
+    return torch.nn.functional.max_pool1d(mass.reshape(-1, 1, tokens), POOL_KERNEL, 1, pad).view(mass.shape)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_window(tokens: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool ``(w, tokens)``: which tokens the last ``w`` rows do NOT see (causal), and float32
+    ``(tokens,)``: how many of those rows see each token (at least 1)."""
+    rows = torch.arange(tokens - w, tokens, device=device)[:, None]
+    cols = torch.arange(tokens, device=device)[None, :]
+    return cols > rows, (rows >= cols).sum(dim=0).clamp(min=1).to(torch.float32)
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
