@@ -21,6 +21,7 @@ from kvtune.codecs.bitalloc import (
     allocate_across_layers,
     allocate_bits,
     allocate_ecsq,
+    ecsq_entropy,
     ecsq_gaussian,
 )
 from kvtune.codecs.pca import (
@@ -383,6 +384,20 @@ def test_ecsq_gaussian_high_rate_form_and_errors():
     for bad in ([0.0], [-1.0], [math.nan], [math.inf]):
         with pytest.raises(ConfigError, match="ratios"):
             ecsq_gaussian(bad)
+
+
+def test_ecsq_entropy_is_ecsq_gaussian_entropy_to_the_last_places():
+    """The fast entropy (per-ratio cell ranges) against the full 147-cell sums, on both sides of
+    every range's edge and of the high-rate switch at 8."""
+    r = torch.exp(torch.linspace(math.log(0.01), math.log(40.0), 6001, dtype=torch.float64))
+    edges = torch.tensor([c - 2 for c in (4, 8, 16, 32)], dtype=torch.float64) / 9
+    r = torch.cat([r, edges, edges.nextafter(torch.full_like(edges, math.inf)), torch.tensor([8.0, 8.0 + 1e-12])])
+    fast, full = ecsq_entropy(r), ecsq_gaussian(r)[0]
+    assert float((fast - full).abs().max()) <= 2e-15
+    assert ecsq_entropy(r[:6000].view(40, 150)).shape == (40, 150)
+    for bad in ([0.0], [-1.0], [math.nan], [math.inf]):
+        with pytest.raises(ConfigError, match="ratios"):
+            ecsq_entropy(bad)
 
 
 def test_ecsq_min_ratio_is_where_coding_stops_paying():

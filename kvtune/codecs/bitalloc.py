@@ -79,6 +79,7 @@ __all__ = [
     "BUDGETS",
     "SENSITIVITY_RANGE",
     "ecsq_gaussian",
+    "ecsq_entropy",
     "ECSQ_MIN_RATIO",
     "ECSQ_SPAN",
     "component_segments",
@@ -193,6 +194,54 @@ def ecsq_gaussian(ratio: Sequence[float] | torch.Tensor) -> tuple[torch.Tensor, 
     return ent.reshape(r.shape), dist.reshape(r.shape)
 
 
+_ENTROPY_CELLS = (4, 8, 16, 32, int(math.ceil(_HIGH_RATE * 9)) + 2)
+"""Cell ranges ``-c .. c`` of :func:`ecsq_entropy`: each ratio takes the smallest that covers
+``ceil(9 ratio) + 2`` cells each side (9 standard deviations and more)."""
+
+
+def ecsq_entropy(ratio: Sequence[float] | torch.Tensor) -> torch.Tensor:
+    """The entropy half of :func:`ecsq_gaussian`, faster: float64 of ``ratio``'s shape, bits.
+
+    The same formulas, with each ratio's cell sum over ``-c .. c`` for the smallest ``c`` in
+    :data:`_ENTROPY_CELLS` that covers 9 of its standard deviations each side (the cells beyond
+    hold probabilities below ``1e-18``) instead of the 147 cells that ratio 8 needs: a Gaussian
+    component coded at a few bits has a ratio near 1 and needs about 13. Within a few units in
+    the last place of :func:`ecsq_gaussian` (``tests/test_pca.py``); :func:`allocate_ecsq`
+    bisects on it (its ``delta`` is rounded to 7 significant bits, so such differences do not
+    move a plan). The model-wide allocation of the default space's 97 % policy, 5,760
+    components: 1.1-1.7 s -> about 0.2 s per K or V.
+
+    Raises:
+        ConfigError: a ratio that is not a finite positive number.
+    """
+    r = torch.as_tensor(ratio, dtype=torch.float64)
+    if not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
+        raise ConfigError("ecsq_entropy: ratios sigma / delta must be finite and > 0")
+    flat = r.reshape(-1)
+    out = torch.empty_like(flat)
+    high = flat > _HIGH_RATE
+    top = flat[high]
+    out[high] = torch.log2(top) + _GAUSS_DIFF_ENTROPY + 1 / (24 * math.log(2)) / top**2
+    need = (flat * 9).ceil() + 2
+    below = 0
+    for c in _ENTROPY_CELLS:
+        rows = ~high & (need > below) & (need <= c)
+        below = c
+        if bool(rows.any()):
+            out[rows] = _cell_entropy(flat[rows], c)
+    return out.reshape(r.shape)
+
+
+def _cell_entropy(ratio: torch.Tensor, cells: int) -> torch.Tensor:
+    """Entropy (bits) of ``round(x / delta)`` for ``x ~ N(0, (ratio delta)**2)``, float64
+    ``ratio`` ``(n,)``, summed over the cells ``-cells .. cells`` (as :func:`ecsq_gaussian`)."""
+    j = torch.arange(-cells, cells + 1, dtype=torch.float64)
+    low = ratio.reshape(-1, 1)
+    a, b = (j - 0.5) / low, (j + 0.5) / low
+    p = (0.5 * torch.erfc(-b / math.sqrt(2)) - 0.5 * torch.erfc(-a / math.sqrt(2))).clamp_min(0)
+    return -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
+
+
 def _round_step(delta: float) -> float:
     """``delta`` rounded to 7 significant bits (exact float operations), so that encoder and
     decoder machines whose ``erf`` differ in the last place still plan the same widths."""
@@ -205,7 +254,7 @@ def allocate_ecsq(eigenvalues: Sequence[float] | torch.Tensor, total_bits: float
     """Entropy-constrained allocation across components (see the module docstring).
 
     Finds the step ``delta`` (to 7 significant bits) at which the modelled entropy of the coded
-    components, ``sum ecsq_gaussian(sigma_i / delta)[0]`` over ``sigma_i >= ECSQ_MIN_RATIO *
+    components, ``sum ecsq_entropy(sigma_i / delta)`` (:func:`ecsq_gaussian`'s entropy) over ``sigma_i >= ECSQ_MIN_RATIO *
     delta`` (``sigma_i = sqrt(lambda_i)``), meets ``total_bits`` (bisection on ``log2 delta``),
     then gives each coded component the width ``1 + ceil(log2(L_i + 1))`` for ``L_i =
     ceil(ECSQ_SPAN * sigma_i / delta)`` levels each side of the mean, clamped to
@@ -239,7 +288,7 @@ def allocate_ecsq(eigenvalues: Sequence[float] | torch.Tensor, total_bits: float
 
     def entropy(delta: float) -> float:
         coded = sig[sig >= ECSQ_MIN_RATIO * delta]
-        return float(ecsq_gaussian(coded / delta)[0].sum()) if coded.numel() else 0.0
+        return float(ecsq_entropy(coded / delta).sum()) if coded.numel() else 0.0
 
     lo, hi = math.log2(top) - 40.0, math.log2(top) + 4.0  # entropy(2**lo) > any budget; 2**hi codes nothing
     for _ in range(40):  # 44 octaves to 4e-11 of one, far below the 7-bit rounding
