@@ -388,6 +388,8 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                 src = _u(r * d_n)
                 o = _u(k * d_n)
                 r += 1
+                for d in range(dn):  # the row's levels first: this loop vectorizes on its own
+                    blk[o + d] = _level(sf[src + d], levels, small, l0, l1, l2, l3, l4, l5, l6, l7)
                 if per_token:
                     for gi in range(ng):
                         m = r * ng - ng + gi
@@ -396,11 +398,11 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                         if minmax:
                             z = f16_bits_to_f32(zf[m])
                             for d in range(d0, d1):
-                                v = _level(sf[src + d], levels, small, l0, l1, l2, l3, l4, l5, l6, l7) * s
+                                v = blk[o + d] * s
                                 blk[o + d] = z + v
                         else:
                             for d in range(d0, d1):
-                                blk[o + d] = _level(sf[src + d], levels, small, l0, l1, l2, l3, l4, l5, l6, l7) * s
+                                blk[o + d] = blk[o + d] * s
                 else:
                     if ti % g == 0:
                         m = _u(((b * hs + hi) * ng + ti // g) * d_n)
@@ -409,8 +411,6 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                         if minmax:
                             for d in range(dn):
                                 zz[d] = f16_bits_to_f32(zf[m + d])
-                    for d in range(dn):  # the levels first: this loop vectorizes on its own
-                        blk[o + d] = _level(sf[src + d], levels, small, l0, l1, l2, l3, l4, l5, l6, l7)
                     if minmax:
                         for d in range(dn):
                             v = blk[o + d] * ss[d]
