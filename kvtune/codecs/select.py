@@ -127,9 +127,9 @@ class Keep(Transform):
 
     def scores(self, k: torch.Tensor) -> torch.Tensor:
         """Scores of the keys ``k`` ``(..., kv_heads, tokens, head_dim)`` (any float dtype, any
-        device; leading dims such as batch, or layers stacked by :func:`select_kv`, are
-        independent): ``(..., kv_heads, tokens)``, higher = kept first. ``key-norm``: float64
-        (exact sums of squares); ``window-attention``: float32 (:func:`window_attention`)."""
+        device; leading dims such as batch are independent): ``(..., kv_heads, tokens)``,
+        higher = kept first. ``key-norm``: float64 (exact sums of squares);
+        ``window-attention``: float32 (:func:`window_attention`)."""
         k = k.detach()
         if self.score == "key-norm":
             k = k.to(torch.float64)
@@ -274,8 +274,10 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     ``window`` keys, scaled by ``1 / sqrt(head_dim)``, stand in for the window's queries;
     softmax over the tokens each window row sees (causal); each token's attention mass summed
     over the rows and divided by the number of rows that see it; then a max pooling of width
-    :data:`POOL_KERNEL` along the tokens. In float32 (the scores only rank tokens; float64 cost
-    twice the time for the same selection on the default model's KV, ``benchmarks/codecs.py``).
+    :data:`POOL_KERNEL` along the tokens. In float32: the scores only rank tokens, and float64
+    took about twice the CPU time for the same selection on the default model's 30 layers
+    (docs/codec-speed.md, 2026-12-04, late). The causal mask and the row counts are cached per
+    ``(tokens, window, device)`` (16 entries).
     """
     k = k.to(torch.float32)
     tokens = k.shape[-2]

@@ -50,7 +50,8 @@ def _params_many(lo, hi, n, minmax, ss, zz, sf, zf, m):
     """:func:`_params` of ``n`` groups at once: group ``i`` has ``lo[i]`` / ``hi[i]`` (absmax:
     ``hi[i]`` is its largest magnitude) and metadata index ``m + i``; its float32 scale and
     zero go to ``ss[i]`` / ``zz[i]``. The same values, in a loop that vectorizes (the float16
-    conversions 8 or 16 lanes at a time: 5376 groups of a default-model K tensor, 52 -> ~7 us)."""
+    conversions 8 or 16 lanes at a time; normalising a default-model K tensor, 5,376 groups,
+    parameters included: 114 -> 48 us)."""
     mu = _u(m)
     if minmax:
         for i in range(_u(n)):
