@@ -91,6 +91,30 @@ def test_window_attention_scores_equal_the_float64_formula(shape, window):
     torch.testing.assert_close(stacked[1], window_attention(k.flip(-2), window), rtol=0, atol=0)
 
 
+def test_huge_keys_are_scored_in_float64_and_their_streams_decode():
+    """Finite bfloat16 keys of 1e30: a float32 window product would overflow (NaN scores, and a
+    selection without its sink tokens, which the decoder refuses)."""
+    k = torch.randn(1, 2, 60, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16) * 1e30
+    got = window_attention(k, 16)
+    assert got.dtype == torch.float64 and not bool(got.isnan().any())
+    torch.testing.assert_close(got, window_attention_float64(k, 16), rtol=1e-12, atol=0)
+    cfg = policy({"name": "keep", "fraction": 0.5, "window": 16}, key={"name": "none"}, value={"name": "none"})
+    stream = encode_kv([(k, k)], cfg)
+    assert torch.equal(kept_positions(stream).positions[0], Keep(fraction=0.5, window=16).select(k))
+    assert decode_kv(stream)[0][0].shape == (1, 2, 36, 64)  # 30 kept, at least 4 sink + 32 recent
+
+
+def test_nan_scores_rank_last_and_the_forced_tokens_stay():
+    class NaNScores(Keep):
+        def scores(self, k):
+            s = torch.arange(k.shape[-2], dtype=torch.float32).expand(*k.shape[:-1]).clone()
+            s[..., ::2] = math.nan
+            return s
+
+    pos = NaNScores(fraction=0.5, sink_tokens=1, recent_tokens=1).select(torch.zeros(1, 1, 10, 4))
+    assert pos.tolist() == [[[0, 3, 5, 7, 9]]]  # sink 0, recent 9, then the best non-NaN scores 7, 5, 3
+
+
 def test_selection_does_not_depend_on_the_codec_threads():
     from kvtune.codecs.threads import set_num_threads
 

@@ -129,7 +129,7 @@ class Keep(Transform):
         """Scores of the keys ``k`` ``(..., kv_heads, tokens, head_dim)`` (any float dtype, any
         device; leading dims such as batch are independent): ``(..., kv_heads, tokens)``,
         higher = kept first. ``key-norm``: float64 (exact sums of squares);
-        ``window-attention``: float32 (:func:`window_attention`)."""
+        ``window-attention``: float32, float64 for huge keys (:func:`window_attention`)."""
         k = k.detach()
         if self.score == "key-norm":
             k = k.to(torch.float64)
@@ -149,6 +149,7 @@ class Keep(Transform):
         s = self.scores(k)
         if not self.per_head:  # one choice for every head: the heads' scores summed
             s = s.sum(dim=-2, keepdim=True)
+        s = torch.nan_to_num(s, nan=-math.inf)  # a NaN score (torch sorts it above +inf) ranks last
         s = s.masked_fill(self.forced(tokens).to(k.device), math.inf)
         order = torch.argsort(s, dim=-1, descending=True, stable=True)
         return order[..., :kept].sort(dim=-1).values.expand(*lead, kept)
@@ -276,29 +277,37 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     over the rows and divided by the number of rows that see it; then a max pooling of width
     :data:`POOL_KERNEL` along the tokens. In float32: the scores only rank tokens, and float64
     took about twice the CPU time for the same selection on the default model's 30 layers
-    (docs/codec-speed.md, 2026-12-04, late). The causal mask and the row counts are cached per
-    ``(tokens, window, device)`` (16 entries).
+    (docs/codec-speed.md, 2026-12-04, late). Keys so large that a float32 product could
+    overflow (``max |k|**2 * head_dim > 2**120``) are scored in float64 (and returned so). The
+    causal mask and the row counts are cached per ``(tokens, window, device)`` (16 entries).
     """
-    k = k.to(torch.float32)
-    tokens = k.shape[-2]
+    tokens, dim = k.shape[-2], k.shape[-1]
     if tokens == 0:
-        return k.new_zeros(k.shape[:-1])
+        return k.new_zeros(k.shape[:-1], dtype=torch.float32)
+    top = float(k.detach().abs().amax()) if k.numel() else 0.0
+    # float32 products overflow past ~1.8e19 ** 2; such (finite) keys are scored in float64
+    k = k.to(torch.float32 if top * top * dim <= _FLOAT32_SAFE_PRODUCT else torch.float64)
     w = min(window, tokens)
     hidden, seen_by = _causal_window(tokens, w, k.device)
-    obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(k.shape[-1]))  # (..., w, d)
+    obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(dim))  # (..., w, d)
     logits = torch.matmul(obs, k.transpose(-1, -2)).masked_fill_(hidden, -math.inf)  # (..., w, tokens)
-    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by)  # (..., tokens)
+    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by.to(k.dtype))  # (..., tokens)
     pad = POOL_KERNEL // 2
     return torch.nn.functional.max_pool1d(mass.reshape(-1, 1, tokens), POOL_KERNEL, 1, pad).view(mass.shape)
 
 
+_FLOAT32_SAFE_PRODUCT = 2.0**120
+"""Largest ``max |k|**2 * head_dim`` scored in float32: a window product stays below float32's
+largest value (about 2**128) with room to spare."""
+
+
 @functools.lru_cache(maxsize=16)
 def _causal_window(tokens: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool ``(w, tokens)``: which tokens the last ``w`` rows do NOT see (causal), and float32
+    """bool ``(w, tokens)``: which tokens the last ``w`` rows do NOT see (causal), and int64
     ``(tokens,)``: how many of those rows see each token (at least 1)."""
     rows = torch.arange(tokens - w, tokens, device=device)[:, None]
     cols = torch.arange(tokens, device=device)[None, :]
-    return cols > rows, (rows >= cols).sum(dim=0).clamp(min=1).to(torch.float32)
+    return cols > rows, (rows >= cols).sum(dim=0).clamp(min=1)
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
