@@ -400,6 +400,13 @@ def test_ecsq_entropy_is_ecsq_gaussian_entropy_to_the_last_places():
             ecsq_entropy(bad)
 
 
+def test_allocate_ecsq_refuses_nan_and_infinite_eigenvalues():
+    for bad in ([1.0, math.nan], [1.0, math.inf]):
+        with pytest.raises(ConfigError, match="allocate_ecsq: eigenvalues must not be NaN or \\+inf"):
+            allocate_ecsq(bad, 4.0, 8)
+    assert allocate_ecsq([1.0, -math.inf], 4.0, 8)[0][1] == 0  # negative variances count as 0
+
+
 def test_ecsq_min_ratio_is_where_coding_stops_paying():
     """Below the ratio a coded component removes less distortion per bit than the high-rate slope."""
     r = torch.linspace(0.3, 0.7, 4001, dtype=torch.float64)

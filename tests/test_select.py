@@ -104,6 +104,16 @@ def test_huge_keys_are_scored_in_float64_and_their_streams_decode():
     assert decode_kv(stream)[0][0].shape == (1, 2, 36, 64)  # 30 kept, at least 4 sink + 32 recent
 
 
+def test_a_huge_head_does_not_change_the_other_heads_scores():
+    k = torch.randn(2, 1, 36, 5, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    mixed = torch.cat([k, torch.full_like(k, 1e30)], dim=1)  # head 1 is scored in float64
+    got = window_attention(mixed, 8)
+    assert got.dtype == torch.float64
+    assert torch.equal(got[:, :1], window_attention(k, 8).double())  # head 0 as on its own, in float32
+    keep = Keep(fraction=0.5, window=8, sink_tokens=0, recent_tokens=0)
+    assert torch.equal(keep.select(mixed)[:, :1], keep.select(k))
+
+
 def test_nan_scores_rank_last_and_the_forced_tokens_stay():
     class NaNScores(Keep):
         def scores(self, k):

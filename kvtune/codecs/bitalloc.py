@@ -271,15 +271,15 @@ def allocate_ecsq(eigenvalues: Sequence[float] | torch.Tensor, total_bits: float
 
     Raises:
         ConfigError: ``max_bits`` outside 3..8, a ``total_bits`` that is not a positive finite
-            number, or a NaN eigenvalue.
+            number, or a NaN or +inf eigenvalue.
     """
     if isinstance(max_bits, bool) or not isinstance(max_bits, int) or not 3 <= max_bits <= 8:
         raise ConfigError(f"allocate_ecsq: max_bits = {max_bits!r} must be an integer in 3..8")
     if isinstance(total_bits, bool) or not isinstance(total_bits, (int, float)) or not 0 < total_bits < math.inf:
         raise ConfigError(f"allocate_ecsq: total_bits = {total_bits!r} must be a finite number > 0")
     lam = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1)
-    if bool(lam.isnan().any()):
-        raise ConfigError("allocate_ecsq: eigenvalues must not be NaN")
+    if bool(lam.isnan().any()) or bool((lam == math.inf).any()):
+        raise ConfigError("allocate_ecsq: eigenvalues must not be NaN or +inf")
     sigma = [math.sqrt(v) for v in lam.clamp_min(0).tolist()]
     top = max(sigma, default=0.0)
     if top == 0.0:

@@ -269,7 +269,8 @@ def select_kv(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], keep: Keep) -> tu
 
 def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     """float32 ``(..., tokens)`` ``window-attention`` scores of the keys ``k`` ``(..., tokens,
-    head_dim)`` (any float dtype and device; leading dims independent).
+    head_dim)`` (any float dtype and device; leading dims independent; float64 when some keys
+    are huge, below).
 
     SnapKV's observation-window vote (arXiv 2404.14469, sec. 4) without queries: the last
     ``window`` keys, scaled by ``1 / sqrt(head_dim)``, stand in for the window's queries;
@@ -277,23 +278,37 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     over the rows and divided by the number of rows that see it; then a max pooling of width
     :data:`POOL_KERNEL` along the tokens. In float32: the scores only rank tokens, and float64
     took about twice the CPU time for the same selection on the default model's 30 layers
-    (docs/codec-speed.md, 2026-12-04, late). Keys so large that a float32 product could
-    overflow (``max |k|**2 * head_dim > 2**120``) are scored in float64 (and returned so). The
-    causal mask and the row counts are cached per ``(tokens, window, device)`` (16 entries).
+    (docs/codec-speed.md, 2026-12-04, late). A ``(tokens, head_dim)`` matrix (one leading
+    index) whose keys are so large that a float32 product could overflow (``max |k|**2 *
+    head_dim > 2**120``) is scored in float64, the others still in float32 (the result is then
+    float64), so no row's scores depend on another's. The causal mask and the row counts are
+    cached per ``(tokens, window, device)`` (16 entries).
     """
     tokens, dim = k.shape[-2], k.shape[-1]
-    if tokens == 0:
+    if tokens == 0 or k.numel() == 0:
         return k.new_zeros(k.shape[:-1], dtype=torch.float32)
-    top = float(k.detach().abs().amax()) if k.numel() else 0.0
-    # float32 products overflow past ~1.8e19 ** 2; such (finite) keys are scored in float64
-    k = k.to(torch.float32 if top * top * dim <= _FLOAT32_SAFE_PRODUCT else torch.float64)
+    rows = k.detach().reshape(-1, tokens, dim)  # one (tokens, head_dim) matrix per leading index
+    top = rows.abs().amax(dim=(1, 2)).double()
+    huge = top * top * dim > _FLOAT32_SAFE_PRODUCT  # float32 products could overflow: float64 for these rows
+    if not bool(huge.any()):
+        return _window_mass(rows.to(torch.float32), window).view(k.shape[:-1])
+    out = _window_mass(rows[~huge].to(torch.float32), window).double()
+    scores = torch.empty((rows.shape[0], tokens), dtype=torch.float64, device=k.device)
+    scores[~huge] = out
+    scores[huge] = _window_mass(rows[huge].to(torch.float64), window)
+    return scores.view(k.shape[:-1])
+
+
+def _window_mass(k: torch.Tensor, window: int) -> torch.Tensor:
+    """:func:`window_attention` of ``(n, tokens, head_dim)`` keys, in their dtype: ``(n, tokens)``."""
+    tokens, dim = k.shape[-2], k.shape[-1]
     w = min(window, tokens)
     hidden, seen_by = _causal_window(tokens, w, k.device)
-    obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(dim))  # (..., w, d)
-    logits = torch.matmul(obs, k.transpose(-1, -2)).masked_fill_(hidden, -math.inf)  # (..., w, tokens)
-    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by.to(k.dtype))  # (..., tokens)
+    obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(dim))  # (n, w, d)
+    logits = torch.matmul(obs, k.transpose(-1, -2)).masked_fill_(hidden, -math.inf)  # (n, w, tokens)
+    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by.to(k.dtype))  # (n, tokens)
     pad = POOL_KERNEL // 2
-    return torch.nn.functional.max_pool1d(mass.reshape(-1, 1, tokens), POOL_KERNEL, 1, pad).view(mass.shape)
+    return torch.nn.functional.max_pool1d(mass[:, None], POOL_KERNEL, 1, pad)[:, 0]
 
 
 _FLOAT32_SAFE_PRODUCT = 2.0**120
