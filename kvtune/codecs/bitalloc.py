@@ -149,6 +149,27 @@ _HIGH_RATE = 8.0  # sigma / delta above which the high-rate entropy formula is u
 _GAUSS_DIFF_ENTROPY = 0.5 * math.log2(2 * math.pi * math.e)  # bits, unit-variance Gaussian
 
 
+_ENTROPY_CELLS = (4, 8, 16, 32, int(math.ceil(_HIGH_RATE * 9)) + 2)
+"""Cell ranges ``-c .. c`` of the entropy sums: :func:`ecsq_gaussian` takes the last (ratio 8,
+9 standard deviations and more), :func:`ecsq_entropy` for each ratio the smallest that covers
+``ceil(9 ratio) + 2`` cells each side."""
+
+
+def _cells(low: torch.Tensor, cells: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cells ``j = -cells .. cells`` of ``round(x / delta)`` for ``x ~ N(0, (low delta)**2)``,
+    float64 ``low`` ``(n, 1)``: ``(j, a, b, p)``, the cell edges ``a, b`` in standard deviations
+    and the cell probabilities ``p`` ``(n, 2 cells + 1)``."""
+    j = torch.arange(-cells, cells + 1, dtype=torch.float64)
+    a, b = (j - 0.5) / low, (j + 0.5) / low
+    p = (0.5 * torch.erfc(-b / math.sqrt(2)) - 0.5 * torch.erfc(-a / math.sqrt(2))).clamp_min(0)
+    return j, a, b, p
+
+
+def _entropy_bits(p: torch.Tensor) -> torch.Tensor:
+    """Entropy (bits) of each row of cell probabilities ``p`` ``(n, cells)``: ``(n,)``."""
+    return -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
+
+
 def ecsq_gaussian(ratio: Sequence[float] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and distortion of a zero-mean Gaussian through a mid-tread uniform quantizer.
 
@@ -173,30 +194,19 @@ def ecsq_gaussian(ratio: Sequence[float] | torch.Tensor) -> tuple[torch.Tensor, 
         raise ConfigError("ecsq_gaussian: ratios sigma / delta must be finite and > 0")
     flat = r.reshape(-1, 1)
     low = flat.clamp(max=_HIGH_RATE)
-    cells = int(math.ceil(_HIGH_RATE * 9)) + 2  # +-9 standard deviations and more
-    j = torch.arange(-cells, cells + 1, dtype=torch.float64)
-    a, b = (j - 0.5) / low, (j + 0.5) / low  # cell edges in standard deviations
-
-    def cdf(z: torch.Tensor) -> torch.Tensor:
-        return 0.5 * torch.erfc(-z / math.sqrt(2))
+    j, a, b, p = _cells(low, _ENTROPY_CELLS[-1])  # +-9 standard deviations and more
 
     def pdf(z: torch.Tensor) -> torch.Tensor:
         return torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
-    p = (cdf(b) - cdf(a)).clamp_min(0)
     m1 = low * (pdf(a) - pdf(b))  # E[x / delta ; cell]
     m2 = low * low * (p - (b * pdf(b) - a * pdf(a)))  # E[(x / delta)**2 ; cell]
     dist = (m2 - 2 * j * m1 + j * j * p).sum(1)
-    ent = -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
+    ent = _entropy_bits(p)
     high = flat[:, 0] > _HIGH_RATE
     ent = torch.where(high, torch.log2(flat[:, 0]) + _GAUSS_DIFF_ENTROPY + 1 / (24 * math.log(2)) / flat[:, 0] ** 2, ent)
     dist = torch.where(high, torch.full_like(dist, 1 / 12), dist)
     return ent.reshape(r.shape), dist.reshape(r.shape)
-
-
-_ENTROPY_CELLS = (4, 8, 16, 32, int(math.ceil(_HIGH_RATE * 9)) + 2)
-"""Cell ranges ``-c .. c`` of :func:`ecsq_entropy`: each ratio takes the smallest that covers
-``ceil(9 ratio) + 2`` cells each side (9 standard deviations and more)."""
 
 
 def ecsq_entropy(ratio: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -228,18 +238,8 @@ def ecsq_entropy(ratio: Sequence[float] | torch.Tensor) -> torch.Tensor:
         rows = ~high & (need > below) & (need <= c)
         below = c
         if bool(rows.any()):
-            out[rows] = _cell_entropy(flat[rows], c)
+            out[rows] = _entropy_bits(_cells(flat[rows].reshape(-1, 1), c)[3])
     return out.reshape(r.shape)
-
-
-def _cell_entropy(ratio: torch.Tensor, cells: int) -> torch.Tensor:
-    """Entropy (bits) of ``round(x / delta)`` for ``x ~ N(0, (ratio delta)**2)``, float64
-    ``ratio`` ``(n,)``, summed over the cells ``-cells .. cells`` (as :func:`ecsq_gaussian`)."""
-    j = torch.arange(-cells, cells + 1, dtype=torch.float64)
-    low = ratio.reshape(-1, 1)
-    a, b = (j - 0.5) / low, (j + 0.5) / low
-    p = (0.5 * torch.erfc(-b / math.sqrt(2)) - 0.5 * torch.erfc(-a / math.sqrt(2))).clamp_min(0)
-    return -(p * torch.log2(torch.where(p > 0, p, torch.ones_like(p)))).sum(1)
 
 
 def _round_step(delta: float) -> float:
