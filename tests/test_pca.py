@@ -9,6 +9,7 @@ import json
 import math
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -405,6 +406,27 @@ def test_allocate_ecsq_refuses_nan_and_infinite_eigenvalues():
         with pytest.raises(ConfigError, match="allocate_ecsq: eigenvalues must not be NaN or \\+inf"):
             allocate_ecsq(bad, 4.0, 8)
     assert allocate_ecsq([1.0, -math.inf], 4.0, 8)[0][1] == 0  # negative variances count as 0
+
+
+@pytest.mark.parametrize("bad", [[1.0, [2.0]], "abc", 10**400, 1 + 2j, [1 + 2j], None, [[1.0, 2.0], [3.0]],
+                                 torch.tensor([1 + 1j]), torch.tensor([True]), np.array(["a"])])
+def test_the_allocation_functions_refuse_values_that_are_not_real_numbers(bad):
+    """Odd Python inputs are ConfigErrors that name the function, not torch's TypeErrors."""
+    for fn, args in ((ecsq_gaussian, (bad,)), (ecsq_entropy, (bad,)), (allocate_ecsq, (bad, 4.0, 8)),
+                     (allocate_bits, (bad, 4, 8)), (allocate_across_layers, ([bad], [1.0], 2.0, 8, "ecsq"))):
+        with pytest.raises(ConfigError, match=f"{fn.__name__}: .*real numbers"):
+            fn(*args)
+
+
+def test_the_allocation_functions_take_numpy_numbers():
+    lam = [4.0, 1.0, 0.25]
+    assert allocate_bits(lam, np.int64(3), np.int64(8)) == allocate_bits(lam, 3, 8) == (2, 1, 0)
+    widths, step = allocate_ecsq(np.array(lam), np.float32(2.5), np.int32(8))
+    assert (widths, step) == allocate_ecsq(lam, 2.5, 8) and all(type(w) is int for w in widths)
+    assert allocate_across_layers([np.array(lam)], [np.float64(1.0)], np.float32(1.0), np.int64(8), "ecsq") \
+        == allocate_across_layers([lam], [1.0], 1.0, 8, "ecsq")
+    with pytest.raises(ConfigError, match="max_bits"):
+        allocate_ecsq(lam, 2.5, np.float64(8.0))  # an integer, not a float of integral value
 
 
 def test_ecsq_min_ratio_is_where_coding_stops_paying():

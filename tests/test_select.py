@@ -15,7 +15,6 @@ import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, read_header
 from kvtune.codecs.select import Keep, kept_positions, select_kv, window_attention
-from kvtune.codecs.stream import read_stream
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, TableError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -112,6 +111,24 @@ def test_a_huge_head_does_not_change_the_other_heads_scores():
     assert torch.equal(got[:, :1], window_attention(k, 8).double())  # head 0 as on its own, in float32
     keep = Keep(fraction=0.5, window=8, sink_tokens=0, recent_tokens=0)
     assert torch.equal(keep.select(mixed)[:, :1], keep.select(k))
+
+
+def test_float64_keys_beyond_float64_products_are_scored_without_overflow():
+    """float64 keys past ~1e154 (a direct call: encode_kv refuses float64 KV): their window
+    products would overflow float64 too; the logits are formed from scaled keys. At such sizes
+    the softmax is a hard max, the same as for the keys scaled by an exact power of two to 1e100."""
+    k = torch.randn(2, 3, 50, 64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    k = k / k.abs().amax()
+    reference = window_attention(torch.ldexp(k, torch.tensor(330.0, dtype=torch.float64)), 8)  # ~2e99: float64 products
+    for exp in (600, 900, 1023):
+        got = window_attention(torch.ldexp(k, torch.tensor(float(exp), dtype=torch.float64)), 8)
+        assert got.dtype == torch.float64 and bool(torch.isfinite(got).all())
+        assert torch.equal(got, reference)
+    mixed = k.clone()
+    mixed[0, 0, 3, 5] = torch.finfo(torch.float64).max  # one head with the largest float64
+    got = window_attention(mixed, 8)
+    assert bool(torch.isfinite(got).all()) and float(got[0, 0, 3]) > 0
+    assert torch.equal(got[1], window_attention(k, 8)[1].double())  # the other rows in float32, unchanged
 
 
 def test_nan_scores_rank_last_and_the_forced_tokens_stay():
@@ -454,9 +471,7 @@ def test_continuation_with_everything_kept_scores_like_no_selection(tiny_model_d
 
 def test_keep_is_refused_on_sliding_window_models_and_other_workloads(tiny_gemma_dir, tiny_model_dir, tiny_text):
     from kvtune.evaluate.model import load_model
-    from kvtune.evaluate.workloads import make_workload
     from kvtune.evaluate.workloads.base import check_selection_fits
-    from kvtune.methods.tqc.settings import ProfileSettings
 
     cfg = policy(KEEP_NORM)
     gemma = load_model(str(tiny_gemma_dir), "cpu")

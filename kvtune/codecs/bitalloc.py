@@ -57,8 +57,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -103,6 +104,26 @@ Gaussian with ``2**b`` levels, ``b = 1..8`` (J. Max, "Quantizing for Minimum Dis
 Trans. Inf. Theory 1960, Table II; also Jayant & Noll, "Digital Coding of Waveforms", Table 4.1)."""
 
 
+def _is_integer(v: Any) -> bool:
+    """``v`` is an integer (a Python or numpy integer), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _float64(values: Any, who: str, what: str) -> torch.Tensor:
+    """``values`` (numbers, nested sequences, an array or a tensor) as a float64 tensor.
+
+    Raises:
+        ConfigError: naming ``who`` and ``what``, when they are not real numbers (strings,
+            ragged lists, complex values, ints beyond the float range).
+    """
+    if isinstance(values, torch.Tensor) and (values.is_complex() or values.dtype == torch.bool):
+        raise ConfigError(f"{who}: {what} must be real numbers, got a {values.dtype} tensor")
+    try:
+        return torch.as_tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise ConfigError(f"{who}: {what} must be real numbers ({exc})") from None
+
+
 def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, max_bits: int) -> tuple[int, ...]:
     """Greedy integer bit allocation across components (see the module docstring).
 
@@ -116,14 +137,15 @@ def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, 
         Bits per component, summing to ``min(B, D * max_bits)``.
 
     Raises:
-        ConfigError: ``max_bits`` outside 1..8, a ``total_bits`` that is not a finite number,
-            or a NaN eigenvalue.
+        ConfigError: ``max_bits`` outside 1..8 (a Python or numpy integer), a ``total_bits``
+            that is not a finite number, eigenvalues that are not real numbers, or a NaN one.
     """
-    if isinstance(max_bits, bool) or not isinstance(max_bits, int) or not 1 <= max_bits <= 8:
+    if not _is_integer(max_bits) or not 1 <= max_bits <= 8:
         raise ConfigError(f"allocate_bits: max_bits = {max_bits!r} must be an integer in 1..8")
-    if not (isinstance(total_bits, int) or math.isfinite(total_bits)):  # an int may exceed the float range
+    if not (_is_integer(total_bits) or is_finite_number(total_bits)):  # an int may exceed the float range
         raise ConfigError(f"allocate_bits: total_bits = {total_bits!r} must be a finite number")
-    lam = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1)
+    max_bits = int(max_bits)
+    lam = _float64(eigenvalues, "allocate_bits", "eigenvalues").reshape(-1)
     if bool(lam.isnan().any()):
         raise ConfigError("allocate_bits: eigenvalues must not be NaN")
     lam = lam.clamp_min(0)
@@ -189,7 +211,7 @@ def ecsq_gaussian(ratio: Sequence[float] | torch.Tensor) -> tuple[torch.Tensor, 
     Raises:
         ConfigError: a ratio that is not a finite positive number.
     """
-    r = torch.as_tensor(ratio, dtype=torch.float64)
+    r = _float64(ratio, "ecsq_gaussian", "ratios sigma / delta")
     if not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
         raise ConfigError("ecsq_gaussian: ratios sigma / delta must be finite and > 0")
     flat = r.reshape(-1, 1)
@@ -224,7 +246,7 @@ def ecsq_entropy(ratio: Sequence[float] | torch.Tensor) -> torch.Tensor:
     Raises:
         ConfigError: a ratio that is not a finite positive number.
     """
-    r = torch.as_tensor(ratio, dtype=torch.float64)
+    r = _float64(ratio, "ecsq_entropy", "ratios sigma / delta")
     if not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
         raise ConfigError("ecsq_entropy: ratios sigma / delta must be finite and > 0")
     flat = r.reshape(-1)
@@ -270,14 +292,16 @@ def allocate_ecsq(eigenvalues: Sequence[float] | torch.Tensor, total_bits: float
         widths and ``delta = 1``.
 
     Raises:
-        ConfigError: ``max_bits`` outside 3..8, a ``total_bits`` that is not a positive finite
-            number, or a NaN or +inf eigenvalue.
+        ConfigError: ``max_bits`` outside 3..8 (a Python or numpy integer), a ``total_bits``
+            that is not a positive finite number, eigenvalues that are not real numbers, or a
+            NaN or +inf one.
     """
-    if isinstance(max_bits, bool) or not isinstance(max_bits, int) or not 3 <= max_bits <= 8:
+    if not _is_integer(max_bits) or not 3 <= max_bits <= 8:
         raise ConfigError(f"allocate_ecsq: max_bits = {max_bits!r} must be an integer in 3..8")
-    if isinstance(total_bits, bool) or not isinstance(total_bits, (int, float)) or not 0 < total_bits < math.inf:
+    if not (is_finite_number(total_bits) and total_bits > 0):
         raise ConfigError(f"allocate_ecsq: total_bits = {total_bits!r} must be a finite number > 0")
-    lam = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1)
+    max_bits, total_bits = int(max_bits), float(total_bits)
+    lam = _float64(eigenvalues, "allocate_ecsq", "eigenvalues").reshape(-1)
     if bool(lam.isnan().any()) or bool((lam == math.inf).any()):
         raise ConfigError("allocate_ecsq: eigenvalues must not be NaN or +inf")
     sigma = [math.sqrt(v) for v in lam.clamp_min(0).tolist()]
@@ -506,7 +530,7 @@ def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor]
                           f"one of {GRIDS}")
     top = max(float(v) for v in sensitivity)
     weights = [max(float(v) / top, 1.0 / SENSITIVITY_RANGE) for v in sensitivity]
-    lams = [torch.as_tensor(e, dtype=torch.float64).reshape(-1) for e in eigenvalues]
+    lams = [_float64(e, "allocate_across_layers", "eigenvalues").reshape(-1) for e in eigenvalues]
     weighted = torch.cat([lam * w for lam, w in zip(lams, weights)])
     total = bits * weighted.numel()
     if grid == "ecsq":

@@ -281,7 +281,9 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     (docs/codec-speed.md, 2026-12-04, late). A ``(tokens, head_dim)`` matrix (one leading
     index) whose keys are so large that a float32 product could overflow (``max |k|**2 *
     head_dim > 2**120``) is scored in float64, the others still in float32 (the result is then
-    float64), so no row's scores depend on another's. The causal mask and the row counts are
+    float64), so no row's scores depend on another's; float64 keys past about 1e154, whose
+    products would overflow float64 too, are scaled by an exact power of two first and the
+    softmax rescaled (:func:`_window_mass`). The causal mask and the row counts are
     cached per ``(tokens, window, device)`` (16 entries).
     """
     tokens, dim = k.shape[-2], k.shape[-1]
@@ -295,17 +297,30 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     out = _window_mass(rows[~huge].to(torch.float32), window).double()
     scores = torch.empty((rows.shape[0], tokens), dtype=torch.float64, device=k.device)
     scores[~huge] = out
-    scores[huge] = _window_mass(rows[huge].to(torch.float64), window)
+    vast = top * top * dim > _FLOAT64_SAFE_PRODUCT  # even float64 products could overflow: scaled logits
+    for sel, scale in ((huge & ~vast, 0), (vast, _FLOAT64_SCALE_EXP)):
+        if bool(sel.any()):
+            scores[sel] = _window_mass(rows[sel].to(torch.float64), window, scale)
     return scores.view(k.shape[:-1])
 
 
-def _window_mass(k: torch.Tensor, window: int) -> torch.Tensor:
-    """:func:`window_attention` of ``(n, tokens, head_dim)`` keys, in their dtype: ``(n, tokens)``."""
+def _window_mass(k: torch.Tensor, window: int, scale_exp: int = 0) -> torch.Tensor:
+    """:func:`window_attention` of ``(n, tokens, head_dim)`` keys, in their dtype: ``(n, tokens)``.
+
+    ``scale_exp`` > 0 (float64 keys with ``max |k|**2 * head_dim`` beyond
+    :data:`_FLOAT64_SAFE_PRODUCT`): the logits ``l`` are computed from the keys times
+    ``2**-scale_exp`` (exact but for keys that become subnormal), and the softmax takes ``exp((l -
+    max l) * 4**scale_exp)``: the same softmax without forming the overflowing logits."""
     tokens, dim = k.shape[-2], k.shape[-1]
     w = min(window, tokens)
     hidden, seen_by = _causal_window(tokens, w, k.device)
+    if scale_exp:
+        k = torch.ldexp(k, torch.tensor(-scale_exp, dtype=k.dtype, device=k.device))
     obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(dim))  # (n, w, d)
     logits = torch.matmul(obs, k.transpose(-1, -2)).masked_fill_(hidden, -math.inf)  # (n, w, tokens)
+    if scale_exp:
+        up = 2.0**scale_exp  # twice: 4**scale_exp is beyond float64
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) * up * up  # -inf where hidden or far below
     mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by.to(k.dtype))  # (n, tokens)
     pad = POOL_KERNEL // 2
     return torch.nn.functional.max_pool1d(mass[:, None], POOL_KERNEL, 1, pad)[:, 0]
@@ -314,6 +329,12 @@ def _window_mass(k: torch.Tensor, window: int) -> torch.Tensor:
 _FLOAT32_SAFE_PRODUCT = 2.0**120
 """Largest ``max |k|**2 * head_dim`` scored in float32: a window product stays below float32's
 largest value (about 2**128) with room to spare."""
+_FLOAT64_SAFE_PRODUCT = 2.0**1000
+"""Largest ``max |k|**2 * head_dim`` scored in float64 as is (float64's largest value is about
+2**1024); beyond it the keys are scaled by ``2**-_FLOAT64_SCALE_EXP`` first (:func:`_window_mass`)."""
+_FLOAT64_SCALE_EXP = 540
+"""Keeps ``max |k|**2 * head_dim`` of the largest float64 keys (below ``2**1024``) times
+``4**-540`` below ``2**1000`` for head_dim up to ``2**16``."""
 
 
 @functools.lru_cache(maxsize=16)

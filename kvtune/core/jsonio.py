@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from typing import Any
 
 __all__ = ["canonical_json", "dec_float", "enc_float", "is_finite_number", "jsonable", "plain", "strict_dumps"]
 
 
 def is_finite_number(v: Any) -> bool:
-    """``v`` is an int or float (not a bool) that converts to a finite float."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """``v`` is a real number (an int or float, or a numpy integer or float; not a bool) that
+    converts to a finite float."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         return False
     try:
         return math.isfinite(float(v))
