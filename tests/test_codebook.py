@@ -211,6 +211,27 @@ def test_forged_codebooks_are_corrupt_streams_on_every_path(impl):
         decode_kv(forge_levels(stream, np.array([-1.0, 0.0, 1.0])), impl=impl)
 
 
+def test_lloyd_streams_decode_on_the_batch_route_and_refuse_forged_codebooks_as_the_reference_does():
+    """The batch kernels check fitted codebooks themselves (``bad_codebook``), so a Lloyd policy
+    decodes in one call per codec thread; a forged codebook gets the reference's error."""
+    from kvtune.codecs import fastpath
+
+    kv = [(gaussian((1, 2, 40, 16), seed=8 + i), gaussian((1, 2, 40, 16), seed=18 + i)) for i in range(3)]
+    stream = encode_kv(kv, LLOYD)
+    header = read_header(stream)
+    assert fastpath.decode_plan(LLOYD, header, torch.float32) is not None
+    out = [(torch.empty_like(k), torch.empty_like(v)) for k, v in kv]
+    decode_kv(stream, out=out, impl="fast")
+    assert all(torch.equal(a, b) for pa, pb in zip(out, decode_kv(stream, impl="reference")) for a, b in zip(pa, pb))
+    for bad in (np.array([-1.0, 0.3, 0.2, 1.0]), np.array([-1.0, -0.2, 0.2, 2.0]), np.array([-1.0, np.nan, 0.2, 1.0])):
+        forged = forge_levels(stream, bad)
+        with pytest.raises(CorruptStreamError) as ref:
+            decode_kv(forged, impl="reference")
+        with pytest.raises(CorruptStreamError) as fast:
+            decode_kv(forged, impl="fast")
+        assert type(fast.value) is type(ref.value) and str(fast.value) == str(ref.value)
+
+
 def test_check_levels_names_the_bad_level():
     check_levels(torch.tensor([-1.0, -1.0, 0.0, 1.0]))  # repeated levels are allowed (a code never used)
     with pytest.raises(CorruptStreamError, match="level 2 .* below level 1"):

@@ -906,8 +906,8 @@ _BATCH_INPUTS = (torch.bfloat16, torch.float32)
 def decode_plan(config, header, dtype: torch.dtype) -> BatchPlan | None:
     """The batch plan to decode a stream with this ``header`` (of a ``bitpack`` policy without
     transforms, into ``dtype`` float32 or bfloat16; :func:`decode_into`), or ``None`` when the
-    batch route does not apply (also: an empty tensor, a fitted codebook to check, section
-    lengths that disagree with the plans; the per-tensor route then reports any error).
+    batch route does not apply (also: an empty tensor, section lengths that disagree with the
+    plans; the per-tensor route then reports any error).
     Cached per header text (:attr:`kvtune.codecs.stream.StreamHeader.text`)."""
     comp = _compiled(config)
     if not (header.text and dtype in _BATCH_KINDS and _batch_policy(comp)):
@@ -925,8 +925,7 @@ def _decode_plan(comp: _Compiled, header) -> BatchPlan | None:
                 plan = comp.plan(kind, tuple(shape), header.layer_offset + i)
             except Exception:
                 return None
-            if not _batchable(plan) or lens.flat() != _lengths(plan) or any(
-                    type(seg.coder) is CodebookQuantizer and seg.coder.levels == "lloyd" for seg in plan.segments):
+            if not _batchable(plan) or lens.flat() != _lengths(plan):
                 return None
             plans.append(plan)
             starts.append(pos)
@@ -1201,6 +1200,12 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
             layer, name = header.layer_offset + i // 2, "KV"[i % 2]
             if bad[i] == K.BAD_PAYLOAD:
                 raise nonfinite_payload_error(layer, name)
+            if bad[i] == K.BAD_CODEBOOK:  # the per-tensor route's error, from the reference's check
+                try:
+                    _check_codebooks(batch.plans[i], section_views(stream, header)[i // 2][i % 2].meta)
+                except CorruptStreamError as exc:
+                    raise LayerDecodeError(layer, exc) from None
+                raise AssertionError("decode_batch flagged a codebook that check_levels accepts")
             raise nonfinite_float16_error(layer, name, "transform state" if bad[i] == K.BAD_STATE else "metadata")
         return decoded
     if sections is None:

@@ -92,6 +92,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
         ENC_SEG,
         ENC_T,
         ENC_X,
+        BAD_CODEBOOK,
         BAD_META,
         BAD_PAYLOAD,
         BAD_STATE,
@@ -299,4 +300,5 @@ __all__ = [
     "BAD_STATE",
     "BAD_META",
     "BAD_PAYLOAD",
+    "BAD_CODEBOOK",
 ]

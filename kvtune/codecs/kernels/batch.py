@@ -33,7 +33,7 @@ from .convert import get_u16, put_u16, store_output, to_float32
 from .crc import crc32_combine
 from .finite import first_nonfinite_f16
 from .lowlevel import INLINE, JIT, address_as_voidptr, fetch_add
-from .segments import SEG_META, SEG_META_LEN, decode_tensor, encode_tensor, per_token_only
+from .segments import SEG_META, SEG_META_LEN, bad_codebook, decode_tensor, encode_tensor, per_token_only
 from .transforms import (affine_fit, affine_rows, delta_load, delta_rows, delta_store, hadamard_load, hadamard_rows,
                          hadamard_store, unrolled)
 
@@ -57,9 +57,10 @@ the stacked int64 block sizes (and float32 block scales); ``delta``: the group s
 ``affine``: 1 for an RMS statistic (else absmax), 1 with a shift, the byte offset of its state
 in the tensor's sections."""
 TR_HADAMARD, TR_DELTA, TR_AFFINE = 0, 1, 2
-BAD_STATE, BAD_META, BAD_PAYLOAD = 1, 2, 3
+BAD_STATE, BAD_META, BAD_PAYLOAD, BAD_CODEBOOK = 1, 2, 3, 4
 """Codes of :func:`decode_batch`'s ``bad``: a NaN / inf float16 in a tensor's transform state,
-or in its metadata; a NaN / inf bfloat16 value or float8 symbol in a payload."""
+or in its metadata; a NaN / inf bfloat16 value or float8 symbol in a payload; a fitted
+codebook that :func:`~.segments.bad_codebook` refuses."""
 
 
 @njit(**INLINE)
@@ -260,6 +261,8 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, c
     :data:`BAD_STATE` when ``first_nonfinite_f16`` finds a NaN / inf in its transform state
     (the first ``state_len`` bytes of ``data_i``), else :data:`BAD_META` when it finds one in
     its segments' metadata sections (``SEG_META``, ``SEG_META_LEN`` of its rows), else
+    :data:`BAD_CODEBOOK` when :func:`~.segments.bad_codebook` refuses a fitted codebook of its
+    rows (the row was decoded with it: levels are values, never indices), else
     :data:`BAD_PAYLOAD` when a bfloat16 or float8 segment decodes a NaN / inf (:func:`decode_tensor`'s
     ``finite``), else 0.
 
@@ -296,6 +299,8 @@ def decode_batch(buf, table, segs, idx, luts, lut16, symbuf, books, crcs, bad, c
             y16 = numba.carray(address_as_voidptr(table[i, DEC_OUT]), shape, np.uint16)
             crcs[i], finite = _decode_row(data, rows, idx, luts, lut16, symbuf, books, y16, table[i, DEC_KIND], ops[i],
                                           signs, blocks, scales, work, st16)
+        if bad[i] == 0 and bad_codebook(data, rows):  # in the reference's order: before the payloads
+            bad[i] = BAD_CODEBOOK
         if not finite and bad[i] == 0:
             bad[i] = BAD_PAYLOAD
 

@@ -48,6 +48,26 @@ CB_MINMAX, CB_LLOYD = 1, 2
 """Flags of a codebook segment's B column: mid-range zero points, fitted (transmitted) levels."""
 
 
+@njit(**JIT)
+def bad_codebook(data, segs):
+    """Whether a fitted (Lloyd) codebook segment of ``segs`` (int64 ``(S, SEG_COLUMNS)``, the
+    rows of one tensor whose sections are ``data``, uint8) holds a level that is not a number
+    in ``[-1, 1]`` or a level below its predecessor: what
+    :func:`kvtune.codecs.codebook.check_levels` refuses (the levels are the first ``2**bits``
+    float16 of the segment's metadata; a caller raises with its message)."""
+    for s in range(segs.shape[0]):
+        if segs[s, SEG_KIND] != KIND_CODEBOOK or not segs[s, SEG_B] & CB_LLOYD:
+            continue
+        off = _u(segs[s, SEG_META])
+        prev = np.float32(-1.0)
+        for k in range(_u(1) << _u(segs[s, SEG_BITS])):
+            v = f16_bits_to_f32(np.uint16(data[off + U2 * k]) | (np.uint16(data[off + U2 * k + U1]) << np.uint16(8)))
+            if not (abs(v) <= np.float32(1.0)) or v < prev:  # NaN fails the first test
+                return True
+            prev = v
+    return False
+
+
 @njit(**INLINE)
 def _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits):
     """Views of a codebook segment's metadata scratch: ``(levels, scale, zero)`` (wire order
