@@ -129,6 +129,11 @@ def test_float64_keys_beyond_float64_products_are_scored_without_overflow():
     got = window_attention(mixed, 8)
     assert bool(torch.isfinite(got).all()) and float(got[0, 0, 3]) > 0
     assert torch.equal(got[1], window_attention(k, 8)[1].double())  # the other rows in float32, unchanged
+    for bad in (math.inf, -math.inf, math.nan):  # a direct call with a non-finite key: NaN in its matrix only
+        odd = k.clone()
+        odd[0, 1, 4, 2] = bad
+        got = window_attention(odd, 8)
+        assert bool(got[0, 1].isnan().any()) and torch.equal(got[1], window_attention(k, 8)[1].to(got.dtype))
 
 
 def test_nan_scores_rank_last_and_the_forced_tokens_stay():

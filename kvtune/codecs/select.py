@@ -290,17 +290,20 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     if tokens == 0 or k.numel() == 0:
         return k.new_zeros(k.shape[:-1], dtype=torch.float32)
     rows = k.detach().reshape(-1, tokens, dim)  # one (tokens, head_dim) matrix per leading index
-    top = rows.abs().amax(dim=(1, 2)).double()
+    r32 = rows.to(torch.float32)
+    wide = rows if rows.dtype == torch.float64 else r32  # the largest magnitudes, exact (float32 holds bf16 / fp16)
+    top = torch.maximum(wide.amax(dim=(1, 2)), -wide.amin(dim=(1, 2))).double()  # two passes, no |k| temporary
     huge = top * top * dim > _FLOAT32_SAFE_PRODUCT  # float32 products could overflow: float64 for these rows
     if not bool(huge.any()):
-        return _window_mass(rows.to(torch.float32), window).view(k.shape[:-1])
-    out = _window_mass(rows[~huge].to(torch.float32), window).double()
+        return _window_mass(r32, window).view(k.shape[:-1])
     scores = torch.empty((rows.shape[0], tokens), dtype=torch.float64, device=k.device)
-    scores[~huge] = out
-    vast = top * top * dim > _FLOAT64_SAFE_PRODUCT  # even float64 products could overflow: scaled logits
-    for sel, scale in ((huge & ~vast, 0), (vast, _FLOAT64_SCALE_EXP)):
-        if bool(sel.any()):
-            scores[sel] = _window_mass(rows[sel].to(torch.float64), window, scale)
+    scores[~huge] = _window_mass(r32[~huge], window).double()
+    vast = (top * top * dim > _FLOAT64_SAFE_PRODUCT) & top.isfinite()  # float64 overflows too: scaled logits
+    if bool((huge & ~vast).any()):
+        scores[huge & ~vast] = _window_mass(rows[huge & ~vast].to(torch.float64), window)
+    for i in torch.nonzero(vast).flatten().tolist():  # rare: one matrix at a time, each with its own scale
+        e = math.ceil(math.log2(float(top[i]))) + math.ceil(math.log2(dim) / 2) - _SCALED_TOP_EXP
+        scores[i] = _window_mass(rows[i : i + 1].to(torch.float64), window, e)[0]
     return scores.view(k.shape[:-1])
 
 
@@ -308,9 +311,9 @@ def _window_mass(k: torch.Tensor, window: int, scale_exp: int = 0) -> torch.Tens
     """:func:`window_attention` of ``(n, tokens, head_dim)`` keys, in their dtype: ``(n, tokens)``.
 
     ``scale_exp`` > 0 (float64 keys with ``max |k|**2 * head_dim`` beyond
-    :data:`_FLOAT64_SAFE_PRODUCT`): the logits ``l`` are computed from the keys times
-    ``2**-scale_exp`` (exact but for keys that become subnormal), and the softmax takes ``exp((l -
-    max l) * 4**scale_exp)``: the same softmax without forming the overflowing logits."""
+    :data:`_FLOAT64_SAFE_PRODUCT`; at most 1,023): the logits ``l`` are computed from the keys
+    times ``2**-scale_exp`` (exact but for keys that become subnormal), and the softmax takes
+    ``exp((l - max l) * 4**scale_exp)``: the same softmax without forming the overflowing logits."""
     tokens, dim = k.shape[-2], k.shape[-1]
     w = min(window, tokens)
     hidden, seen_by = _causal_window(tokens, w, k.device)
@@ -331,10 +334,12 @@ _FLOAT32_SAFE_PRODUCT = 2.0**120
 largest value (about 2**128) with room to spare."""
 _FLOAT64_SAFE_PRODUCT = 2.0**1000
 """Largest ``max |k|**2 * head_dim`` scored in float64 as is (float64's largest value is about
-2**1024); beyond it the keys are scaled by ``2**-_FLOAT64_SCALE_EXP`` first (:func:`_window_mass`)."""
-_FLOAT64_SCALE_EXP = 540
-"""Keeps ``max |k|**2 * head_dim`` of the largest float64 keys (below ``2**1024``) times
-``4**-540`` below ``2**1000`` for head_dim up to ``2**16``."""
+2**1024); beyond it the keys are scaled by a power of two first (:func:`_window_mass`)."""
+_SCALED_TOP_EXP = 490
+"""Keys beyond :data:`_FLOAT64_SAFE_PRODUCT` are scaled so that ``max |k| * sqrt(head_dim)``
+becomes at most ``2**490``: their products stay below ``2**980``, and the scale (at most
+``2**-540`` for the largest float64 at head_dim ``2**16``) leaves the smaller keys of the
+matrix as much precision as it can."""
 
 
 @functools.lru_cache(maxsize=16)
