@@ -284,7 +284,7 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     float64), so no row's scores depend on another's; float64 keys past about 1e154, whose
     products would overflow float64 too, are scaled by an exact power of two first and the
     softmax rescaled (:func:`_window_mass`). The causal mask and the row counts are
-    cached per ``(tokens, window, device)`` (16 entries).
+    cached per ``(tokens, window, device, dtype)`` (16 entries).
     """
     tokens, dim = k.shape[-2], k.shape[-1]
     if tokens == 0 or k.numel() == 0:
@@ -316,15 +316,16 @@ def _window_mass(k: torch.Tensor, window: int, scale_exp: int = 0) -> torch.Tens
     ``exp((l - max l) * 4**scale_exp)``: the same softmax without forming the overflowing logits."""
     tokens, dim = k.shape[-2], k.shape[-1]
     w = min(window, tokens)
-    hidden, seen_by = _causal_window(tokens, w, k.device)
+    causal, seen_by = _causal_window(tokens, w, k.device, k.dtype)
     if scale_exp:
         k = torch.ldexp(k, torch.tensor(-scale_exp, dtype=k.dtype, device=k.device))
     obs = k[..., tokens - w:, :] * (1.0 / math.sqrt(dim))  # (n, w, d)
-    logits = torch.matmul(obs, k.transpose(-1, -2)).masked_fill_(hidden, -math.inf)  # (n, w, tokens)
+    # (n, w, tokens): the causal mask added inside the product (its 0s change no bit), not a pass after it
+    logits = torch.baddbmm(causal.expand(k.shape[0], w, tokens), obs, k.transpose(-1, -2))
     if scale_exp:
         up = 2.0**scale_exp  # twice: 4**scale_exp is beyond float64
         logits = (logits - logits.amax(dim=-1, keepdim=True)) * up * up  # -inf where hidden or far below
-    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by.to(k.dtype))  # (n, tokens)
+    mass = torch.softmax(logits, dim=-1).sum(dim=-2).div_(seen_by)  # (n, tokens)
     pad = POOL_KERNEL // 2
     return torch.nn.functional.max_pool1d(mass[:, None], POOL_KERNEL, 1, pad)[:, 0]
 
@@ -343,12 +344,14 @@ matrix as much precision as it can."""
 
 
 @functools.lru_cache(maxsize=16)
-def _causal_window(tokens: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool ``(w, tokens)``: which tokens the last ``w`` rows do NOT see (causal), and int64
-    ``(tokens,)``: how many of those rows see each token (at least 1)."""
+def _causal_window(tokens: int, w: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dtype`` ``(w, tokens)``: ``-inf`` where the last ``w`` rows do NOT see a token
+    (causal), else 0 (added to the logits), and ``dtype`` ``(tokens,)``: how many of those rows
+    see each token (at least 1)."""
     rows = torch.arange(tokens - w, tokens, device=device)[:, None]
     cols = torch.arange(tokens, device=device)[None, :]
-    return cols > rows, (rows >= cols).sum(dim=0).clamp(min=1)
+    bias = torch.zeros((w, tokens), dtype=dtype, device=device).masked_fill_(cols > rows, -math.inf)
+    return bias, (rows >= cols).sum(dim=0).clamp(min=1).to(dtype)
 
 
 def _gather(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
