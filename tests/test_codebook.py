@@ -230,6 +230,10 @@ def test_lloyd_streams_decode_on_the_batch_route_and_refuse_forged_codebooks_as_
         with pytest.raises(CorruptStreamError) as fast:
             decode_kv(forged, impl="fast")
         assert type(fast.value) is type(ref.value) and str(fast.value) == str(ref.value)
+    for fine in (np.array([-1.0, -1.0, 0.5, 1.0]), np.array([-0.0, 0.0, 0.0, 1.0])):  # repeats and -0 are allowed
+        forged = forge_levels(stream, fine)
+        assert all(torch.equal(a, b) for pa, pb in zip(decode_kv(forged, impl="fast"), decode_kv(forged, impl="reference"))
+                   for a, b in zip(pa, pb))
 
 
 def test_check_levels_names_the_bad_level():
