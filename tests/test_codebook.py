@@ -236,6 +236,21 @@ def test_lloyd_streams_decode_on_the_batch_route_and_refuse_forged_codebooks_as_
                    for a, b in zip(pa, pb))
 
 
+def test_several_corruptions_raise_the_reference_error_on_every_path():
+    """A NaN float16 anywhere in the metadata is reported before a bad codebook of an earlier
+    layer, as the reference (which checks the whole stream's metadata first) does."""
+    kv = [(gaussian((1, 2, 40, 16), seed=30 + i), gaussian((1, 2, 40, 16), seed=40 + i)) for i in range(2)]
+    h, sections = read_stream(encode_kv(kv, LLOYD))
+    flat = [[[bytes(p) for p in t.flat()] for t in layer] for layer in sections]
+    for layer, levels in ((0, [-1.0, 0.3, 0.2, 1.0]), (1, [-1.0, np.nan, 0.2, 1.0])):  # K: 2 bits, 4 levels
+        flat[layer][0][1] = np.array(levels).astype("<f2").tobytes() + flat[layer][0][1][8:]
+    forged = write_stream(policy=h.policy, policy_id=h.policy_id, layer_offset=h.layer_offset, dtype=h.dtype,
+                          shapes=h.shapes, sections=flat)
+    for impl in ("reference", "fast", "torch", "auto"):
+        with pytest.raises(CorruptStreamError, match="layer 1 K has a NaN or inf float16 in its metadata"):
+            decode_kv(forged, impl=impl)
+
+
 def test_check_levels_names_the_bad_level():
     check_levels(torch.tensor([-1.0, -1.0, 0.0, 1.0]))  # repeated levels are allowed (a code never used)
     with pytest.raises(CorruptStreamError, match="level 2 .* below level 1"):

@@ -1195,8 +1195,9 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
         if check_crc:
             end = header.header_nbytes + int(batch.nbytes.sum())
             check_checksum(buf, header, _combined_crc(buf, header, end, crcs, batch.nbytes))
-        if bad.any():  # the first such tensor, its state before its metadata (wire order)
-            i = int(np.flatnonzero(bad)[0])
+        if bad.any():  # in the reference's order: non-finite float16 anywhere first, then tensor by tensor
+            early = np.flatnonzero((bad == K.BAD_STATE) | (bad == K.BAD_META))
+            i = int(early[0] if early.size else np.flatnonzero(bad)[0])
             layer, name = header.layer_offset + i // 2, "KV"[i % 2]
             if bad[i] == K.BAD_PAYLOAD:
                 raise nonfinite_payload_error(layer, name)
