@@ -409,7 +409,8 @@ def test_allocate_ecsq_refuses_nan_and_infinite_eigenvalues():
 
 
 @pytest.mark.parametrize("bad", [[1.0, [2.0]], "abc", 10**400, 1 + 2j, [1 + 2j], None, [[1.0, 2.0], [3.0]],
-                                 torch.tensor([1 + 1j]), torch.tensor([True]), np.array(["a"])])
+                                 torch.tensor([1 + 1j]), torch.tensor([True]), np.array(["a"]), np.array([1 + 9j, 3.0]),
+                                 [True, False], np.array([True])])
 def test_the_allocation_functions_refuse_values_that_are_not_real_numbers(bad):
     """Odd Python inputs are ConfigErrors that name the function, not torch's TypeErrors."""
     for fn, args in ((ecsq_gaussian, (bad,)), (ecsq_entropy, (bad,)), (allocate_ecsq, (bad, 4.0, 8)),
@@ -427,6 +428,14 @@ def test_the_allocation_functions_take_numpy_numbers():
         == allocate_across_layers([lam], [1.0], 1.0, 8, "ecsq")
     with pytest.raises(ConfigError, match="max_bits"):
         allocate_ecsq(lam, 2.5, np.float64(8.0))  # an integer, not a float of integral value
+    spectra = [torch.linspace(5.0, 0.01, 1250, dtype=torch.float64)] * 4
+    widths = allocate_across_layers(spectra, [1.0] * 4, np.float16(2.5), 4, "gauss")  # the budget in float64
+    assert sum(sum(w) for w, _ in widths) == 12_500
+    assert allocate_across_layers(np.ones((2, 4)), (s for s in (1.0, 1.0)), 2.0, 4, "gauss") \
+        == allocate_across_layers([[1.0] * 4] * 2, [1.0, 1.0], 2.0, 4, "gauss")  # rows of a 2-D array, a generator
+    for args in ((None, [1.0], 2.0, 4, "gauss"), ([[1.0]], 3.0, 2.0, 4, "gauss"), ([[1.0, 2.0]], [1.0], 1e308, 4, "gauss")):
+        with pytest.raises(ConfigError, match="allocate_across_layers"):
+            allocate_across_layers(*args)
 
 
 def test_ecsq_min_ratio_is_where_coding_stops_paying():

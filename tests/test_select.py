@@ -129,6 +129,9 @@ def test_float64_keys_beyond_float64_products_are_scored_without_overflow():
     got = window_attention(mixed, 8)
     assert bool(torch.isfinite(got).all()) and float(got[0, 0, 3]) > 0
     assert torch.equal(got[1], window_attention(k, 8)[1].double())  # the other rows in float32, unchanged
+    for window in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="window must be an integer >= 1"):
+            window_attention(k, window)
     for bad in (math.inf, -math.inf, math.nan):  # a direct call with a non-finite key: NaN in its matrix only
         odd = k.clone()
         odd[0, 1, 4, 2] = bad

@@ -61,6 +61,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, Segment, Transform, param, register_quantizer
@@ -110,18 +111,35 @@ def _is_integer(v: Any) -> bool:
 
 
 def _float64(values: Any, who: str, what: str) -> torch.Tensor:
-    """``values`` (numbers, nested sequences, an array or a tensor) as a float64 tensor.
+    """``values`` (numbers, nested sequences, a numpy array or a tensor) as a float64 tensor.
 
     Raises:
-        ConfigError: naming ``who`` and ``what``, when they are not real numbers (strings,
-            ragged lists, complex values, ints beyond the float range).
+        ConfigError: naming ``who`` and ``what``, when they are not real numbers: strings,
+            ragged lists, complex or boolean values, ints beyond the float range.
     """
-    if isinstance(values, torch.Tensor) and (values.is_complex() or values.dtype == torch.bool):
-        raise ConfigError(f"{who}: {what} must be real numbers, got a {values.dtype} tensor")
+    def bad(detail: str) -> ConfigError:
+        return ConfigError(f"{who}: {what} must be real numbers ({detail})")
+
+    if isinstance(values, torch.Tensor):
+        if values.is_complex() or values.dtype == torch.bool:
+            raise bad(f"got a {values.dtype} tensor")
+        if values.layout != torch.strided or values.is_nested or values.is_meta:
+            raise bad(f"got a {values.layout} tensor{' (nested)' if values.is_nested else ''}"
+                      f"{' on the meta device' if values.is_meta else ''}; pass a dense one")
+        try:
+            return values.detach().to(torch.float64)
+        except (RuntimeError, NotImplementedError) as exc:  # sparse, nested, meta tensors
+            raise bad(str(exc)) from None
     try:
-        return torch.as_tensor(values, dtype=torch.float64)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise ConfigError(f"{who}: {what} must be real numbers ({exc})") from None
+        arr = np.asarray(values)
+        if arr.dtype.kind == "O":  # Python ints beyond int64, Fractions: numbers; None, lists: not
+            if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in arr.flat):
+                raise bad("got objects that are not numbers")
+        elif arr.dtype.kind not in "iuf":  # bools, complex, strings, dates
+            raise bad(f"got {arr.dtype} values")
+        return torch.from_numpy(arr.astype(np.float64))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise bad(str(exc)) from None
 
 
 def allocate_bits(eigenvalues: Sequence[float] | torch.Tensor, total_bits: int, max_bits: int) -> tuple[int, ...]:
@@ -518,21 +536,31 @@ def allocate_across_layers(eigenvalues: Sequence[Sequence[float] | torch.Tensor]
 
     Raises:
         ConfigError: no layers, another number of sensitivities than layers, a sensitivity that
-            is not a finite number > 0, a ``bits`` that is not a finite number > 0, an unknown
-            ``grid``, or what :func:`allocate_ecsq` / :func:`allocate_bits` raise.
+            is not a finite number > 0, a ``bits`` that is not a finite number > 0 (or whose
+            budget over all components overflows), an unknown ``grid``, eigenvalues that are not
+            real numbers, or what :func:`allocate_ecsq` / :func:`allocate_bits` raise.
     """
+    try:  # sequences, arrays or tensors with a row per layer, generators
+        eigenvalues, sensitivity = list(eigenvalues), list(sensitivity)
+    except (TypeError, RuntimeError) as exc:  # RuntimeError: a tensor that cannot be iterated (nested)
+        raise ConfigError(f"allocate_across_layers: eigenvalues and sensitivity must be per-layer sequences ({exc})") \
+            from None
     if not eigenvalues or len(sensitivity) != len(eigenvalues) \
             or not all(is_finite_number(v) and v > 0 for v in sensitivity):
         raise ConfigError(f"allocate_across_layers: need one finite sensitivity > 0 per layer (>= 1 layer, got "
-                          f"{len(eigenvalues)}), got {str(list(sensitivity))[:200]}")
+                          f"{len(eigenvalues)}), got {str(sensitivity)[:200]}")
     if not (is_finite_number(bits) and bits > 0) or grid not in GRIDS:
         raise ConfigError(f"allocate_across_layers: bits = {bits!r} must be a finite number > 0 and grid = {grid!r} "
                           f"one of {GRIDS}")
+    bits = float(bits)  # the budget in float64 whatever the caller's type (a float16 bits would round it)
     top = max(float(v) for v in sensitivity)
     weights = [max(float(v) / top, 1.0 / SENSITIVITY_RANGE) for v in sensitivity]
     lams = [_float64(e, "allocate_across_layers", "eigenvalues").reshape(-1) for e in eigenvalues]
     weighted = torch.cat([lam * w for lam, w in zip(lams, weights)])
     total = bits * weighted.numel()
+    if not math.isfinite(total):
+        raise ConfigError(f"allocate_across_layers: bits = {bits!r} times {weighted.numel()} components is beyond "
+                          "the float range")
     if grid == "ecsq":
         widths, delta = allocate_ecsq(weighted, total, max_bits)
         steps = [min(_round_step(delta / math.sqrt(w)), MAX_PLANNED_STEP) for w in weights]

@@ -284,8 +284,15 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     float64), so no row's scores depend on another's; float64 keys past about 1e154, whose
     products would overflow float64 too, are scaled by an exact power of two first and the
     softmax rescaled (:func:`_window_mass`). The causal mask and the row counts are
-    cached per ``(tokens, window, device, dtype)`` (16 entries).
+    cached per ``(tokens, window, device, dtype)`` (16 entries). A float64 matrix whose keys span
+    more than about ``2**500`` (keys near float64's largest beside keys near 1) loses the small
+    keys' products below float64's normal range in that scaling.
+
+    Raises:
+        ValueError: ``window`` is not an integer >= 1.
     """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window_attention: window must be an integer >= 1, got {window!r}")
     tokens, dim = k.shape[-2], k.shape[-1]
     if tokens == 0 or k.numel() == 0:
         return k.new_zeros(k.shape[:-1], dtype=torch.float32)
