@@ -955,6 +955,28 @@ def test_allocate_across_layers_refuses_bad_sensitivities(sens):
         allocate_across_layers([[1.0, 0.5], [1.0, 0.5]], sens, 2.0, 8, "ecsq")
 
 
+def test_plans_made_before_the_codec_threads_keep_the_errors_in_layer_order(basis):
+    """The fast path makes a KVTC policy's plans on the calling thread first (their bit
+    allocations hold the GIL); a layer the basis lacks is still reported after an earlier
+    layer's NaN, as the tasks report them, and the plans it made are the tasks' plans."""
+    from kvtune.core.errors import KVInputError
+
+    cfg = pca_policy(basis.digest, {"name": "dp-alloc", "bits": 2, "grid": "ecsq"}, "rans")
+    kv = correlated_kv(3, 40, seed=11)  # the basis covers 2 layers
+    kv[0] = (kv[0][0].clone(), kv[0][1])
+    kv[0][0][0, 0, 5, 0] = float("nan")
+    with pytest.raises(KVInputError, match=r"kv\[0\] K"):
+        encode_kv(kv, cfg, impl="fast")
+    with pytest.raises(BasisError, match="layers 0..1"):
+        encode_kv(correlated_kv(3, 40, seed=11), cfg, impl="fast")
+    ok = correlated_kv(2, 40, seed=12)
+    comp = fastpath._compiled(cfg)
+    comp.plans.clear()
+    comp.warm(((kind, tuple(t.shape), i) for i, pair in enumerate(ok) for kind, t in zip(("key", "value"), pair)))
+    assert len(comp.plans) == 4
+    assert encode_kv(ok, cfg, impl="fast") == encode_kv(ok, cfg, impl="reference")
+
+
 @pytest.fixture(scope="module")
 def sensitive_basis(basis):
     b = dataclasses.replace(basis, sensitivity=((1.0, 1.0), (1.0, 64.0)))

@@ -433,6 +433,24 @@ class _Compiled:
             p = self.plans[key] = self._build(kind, shape, layer)  # a race only builds it twice
         return p
 
+    def warm(self, tensors) -> None:
+        """Build the missing plans of a KVTC-like policy for ``tensors`` (``(kind, shape,
+        layer)`` items) on the calling thread, one after another, before the codec threads run.
+        Their ``dp-alloc`` bit allocations are small torch operations that hold the GIL, so two
+        codec threads making them at once took longer than one thread: the first encode in a
+        process of ``benchmarks/codecs.py``'s per-layer ``pca + ecsq K 1 / V 2.5`` policy on the
+        default model's KV (numba's start-up included) took 2.9-3.0 s on two threads and 2.0-2.5 s
+        on one; 1.9 s on two with this pass (2026-12-04, one-off script). An error is left for
+        the tasks to raise, in their order."""
+        if not _is_kvtc(self.config):
+            return
+        for kind, shape, layer in tensors:
+            if math.prod(shape) and (kind, shape, layer) not in self.plans:
+                try:
+                    self.plan(kind, shape, layer)
+                except Exception:  # raised again by the task that needs the plan, in order
+                    return
+
     def batch(self, key: tuple, build) -> BatchPlan | None:
         """The batch plan cached under ``key`` (``build()`` makes it the first time; ``None``:
         the batch route does not apply). At most :data:`_MAX_BATCHES` plans and
@@ -687,6 +705,7 @@ def encode_tensors(kv, config, layer_offset: int, positions: Sequence[torch.Tens
         pos = None if positions is None else positions[i]
         tasks.append((k, comp, "key", layer_offset + i, i, pos))
         tasks.append((v, comp, "value", layer_offset + i, i, pos))
+    comp.warm((kind, tuple(t.shape), layer) for t, _, kind, layer, _, _ in tasks)
     results = parallel_map(_encode_one, tasks)
     sections = [(results[2 * i][0], results[2 * i + 1][0]) for i in range(len(kv))]
     crcs = [((results[2 * i][1], results[2 * i][2]), (results[2 * i + 1][1], results[2 * i + 1][2])) for i in range(len(kv))]
@@ -1221,6 +1240,8 @@ def decode_tensors(stream, header, sections, config, out=None, positions=None,
             rows = None if positions is None else positions[i]
             tasks.append((secs, buf[pos : pos + n], tuple(shape), comp, kind, layer, dtype, dest, rows))
             pos += n
+
+    comp.warm((task[4], task[2], task[5]) for task in tasks)
 
     def run(task):
         try:
