@@ -128,7 +128,7 @@ def _float64(values: Any, who: str, what: str) -> torch.Tensor:
                       f"{' on the meta device' if values.is_meta else ''}; pass a dense one")
         try:
             return values.detach().to(torch.float64)
-        except (RuntimeError, NotImplementedError) as exc:  # sparse, nested, meta tensors
+        except (RuntimeError, NotImplementedError) as exc:  # other dtypes torch cannot convert (quantized)
             raise bad(str(exc)) from None
     try:
         arr = np.asarray(values)
