@@ -423,6 +423,7 @@ class _Compiled:
         self.batches: dict[tuple, BatchPlan | None] = {}
         self.batch_tensors = 0
         self.bitpack = type(config.codec) is BitPack
+        self.kvtc = _is_kvtc(config)
 
     def plan(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan:
         key = (kind, shape, layer)
@@ -442,7 +443,7 @@ class _Compiled:
         default model's KV (numba's start-up included) took 2.9-3.0 s on two threads and 2.0-2.5 s
         on one; 1.9 s on two with this pass (2026-12-04, one-off script). An error is left for
         the tasks to raise, in their order."""
-        if not _is_kvtc(self.config):
+        if not self.kvtc:
             return
         for kind, shape, layer in tensors:
             if math.prod(shape) and (kind, shape, layer) not in self.plans:
@@ -471,7 +472,7 @@ class _Compiled:
     def _build(self, kind: str, shape: tuple[int, ...], layer: int) -> _Plan | _ComponentPlan:
         cfg = self.config
         quant = cfg.key if kind == "key" else cfg.value
-        if _is_kvtc(cfg):
+        if self.kvtc:
             return _component_plan(quant.plan(shape, layer=layer, kind=kind), shape, quant.grid)
         ops = []
         state_nbytes = 0
@@ -853,7 +854,7 @@ def _batch_policy(comp: _Compiled) -> bool:
     """A policy the batch kernels can run: ``bitpack``, block quantizers, and ``hadamard``,
     ``delta`` or ``affine`` transforms only (exact types)."""
     config = comp.config
-    return (available() and comp.bitpack and not _is_kvtc(config)
+    return (available() and comp.bitpack and not comp.kvtc
             and all(type(t) in (Hadamard, Delta, Affine) for t in config.transforms))
 
 
