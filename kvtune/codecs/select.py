@@ -306,8 +306,9 @@ def window_attention(k: torch.Tensor, window: int) -> torch.Tensor:
     scores = torch.empty((rows.shape[0], tokens), dtype=torch.float64, device=k.device)
     scores[~huge] = _window_mass(r32[~huge], window).double()
     vast = (top * top * dim > _FLOAT64_SAFE_PRODUCT) & top.isfinite()  # float64 overflows too: scaled logits
-    if bool((huge & ~vast).any()):
-        scores[huge & ~vast] = _window_mass(rows[huge & ~vast].to(torch.float64), window)
+    plain64 = huge & ~vast
+    if bool(plain64.any()):
+        scores[plain64] = _window_mass(rows[plain64].to(torch.float64), window)
     for i in torch.nonzero(vast).flatten().tolist():  # rare: one matrix at a time, each with its own scale
         e = math.ceil(math.log2(float(top[i]))) + math.ceil(math.log2(dim) / 2) - _SCALED_TOP_EXP
         scores[i] = _window_mass(rows[i : i + 1].to(torch.float64), window, e)[0]
