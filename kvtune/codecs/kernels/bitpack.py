@@ -15,15 +15,6 @@ from .lowlevel import INLINE, JIT, U1, U2, U3, U4, U7, U8
 _u = uintp
 
 
-@njit(**INLINE)
-def _word_groups(groups, width, nbytes):
-    """How many of the first groups of 8 symbols (``width`` bytes each) have 8 bytes of the
-    buffer from their start: those are read or written as one 64-bit word."""
-    if nbytes < U8:
-        return _u(0)
-    return min(groups, (nbytes - U8) // width + U1)
-
-
 _BYTES = np.uint64(0x00FF00FF00FF00FF)  # the low byte of every 16-bit lane
 _HALVES = np.uint64(0x0000FFFF0000FFFF)  # the low half of every 32-bit lane
 _WORD = np.uint64(0xFFFFFFFF)
@@ -50,6 +41,37 @@ def _split8(w, b):
     return ((x >> b) & m1) | ((x & m1) << U8)
 
 
+_WIDTHS = (np.uint64(3), np.uint64(5), np.uint64(6), np.uint64(7))  # the widths packed 8 symbols at a time
+
+
+@njit(**INLINE)
+def _pack_groups(sym64, groups, b, out):
+    """Groups ``0 .. groups - 1`` of 8 symbols (``sym64[c]``: symbol ``j`` in byte ``j``) into
+    ``b`` bytes each of ``out`` (:func:`_merge8`, big-endian); returns the OR of the words. Called
+    with a constant ``b``: the loop then vectorizes (one code path per width)."""
+    ub = _u(b)
+    s64 = np.uint64(0)
+    for c in range(groups):
+        x = sym64[c]
+        s64 |= x
+        w = _merge8(x, b)
+        for k in range(ub):
+            out[c * ub + k] = np.uint8((w >> (U8 * (ub - U1 - k))) & np.uint64(0xFF))
+    return s64
+
+
+@njit(**INLINE)
+def _unpack_groups(data, groups, b, out64):
+    """Inverse of :func:`_pack_groups`: ``b`` big-endian bytes of ``data`` per group -> 8
+    symbols in ``out64[c]`` (:func:`_split8`). Called with a constant ``b``, as it."""
+    ub = _u(b)
+    for c in range(groups):
+        w = np.uint64(0)
+        for k in range(ub):
+            w = (w << U8) | np.uint64(data[c * ub + k])
+        out64[c] = _split8(w, b)
+
+
 @njit(**JIT)
 def pack_bits(sym, bits, out):
     """Pack flat, C-contiguous uint8 ``sym`` (values ``< 2**bits``), MSB first, into ``out`` (``ceil(n*bits/8)`` bytes).
@@ -57,12 +79,13 @@ def pack_bits(sym, bits, out):
     Reference: :func:`kvtune.codecs.bitpack.pack_bits`. Returns the OR of all
     symbols (the caller rejects symbols that do not fit). Widths 2 and 4 read the symbols as
     little-endian 32- / 16-bit words (4 / 2 symbols, one output byte each: shifts and ORs that
-    vectorize, ~1.5-2x faster than gathering bytes) and width 1 fills whole bytes; the others
-    merge every 8 symbols (``bits`` bytes) into a 64-bit word in three steps (:func:`_merge8`)
-    and store it as one big-endian word where the buffer has 8 bytes from its start (the bytes
-    past ``bits`` are rewritten by the next group): 3-bit symbols of a default-model tensor
-    (57,344), one thread, 56 -> 29 us to pack and 59 -> 33 us to unpack (:func:`_split8`) against
-    a shift per symbol.
+    vectorize, ~1.5-2x faster than gathering bytes); the others merge every 8 symbols into
+    ``bits`` bytes in three steps (:func:`_merge8`), in a loop compiled once per width
+    (:func:`_pack_groups`): with the width a constant the loop vectorizes, and width 1 runs it
+    too. Per default-model tensor (196,608 symbols), one thread, against one loop for every
+    width (``benchmarks/bitpack.py``, Zen 5, 2026-12-05): 3-bit 23.1 -> 5.0 us to pack and
+    29.5 -> 5.7 us to unpack (:func:`_split8`), 5-7-bit 23 -> 6.7-7.7 us and 29.6 -> 7.2-12.9 us,
+    1-bit 8.7 -> 3.1 and 4.0 -> 3.1 us.
     """
     n = _u(sym.shape[0])
     seen = np.uint8(0)
@@ -94,38 +117,24 @@ def pack_bits(sym, bits, out):
         seen = np.uint8((s16 | (s16 >> np.uint32(8))) & np.uint32(0xFF))
     elif bits == 1:
         full = n // U8
-        for i in range(full):
-            o = U8 * i
-            w = np.uint8(0)
-            for j in range(U8):
-                v = sym[o + j]
-                seen |= v
-                w = (w << np.uint8(1)) | v
-            out[i] = w
+        s64 = _pack_groups(sym[: full * U8].view(np.uint64), full, U1, out)
+        for k in range(U8):
+            seen |= np.uint8((s64 >> (U8 * k)) & np.uint64(0xFF))
     else:
         b = np.uint64(bits)
         ub = _u(bits)
         full = n // U8
-        fast = _word_groups(full, ub, _u(out.shape[0]))
-        s64 = np.uint64(0)
-        sym64 = sym[: fast * U8].view(np.uint64)
-        for c in range(fast):  # 8 symbols -> one 64-bit word, stored big-endian (8 bytes, `bits` of them kept)
-            x = sym64[c]  # symbol j in byte j
-            s64 |= x
-            w = _merge8(x, b) << (np.uint64(64) - U8 * b)
-            for k in range(U8):  # big-endian store; bytes past `bits` are rewritten by the next group
-                out[c * ub + k] = np.uint8((w >> (np.uint64(56) - U8 * k)) & np.uint64(0xFF))
+        sym64 = sym[: full * U8].view(np.uint64)
+        if bits == 3:
+            s64 = _pack_groups(sym64, full, _WIDTHS[0], out)
+        elif bits == 5:
+            s64 = _pack_groups(sym64, full, _WIDTHS[1], out)
+        elif bits == 6:
+            s64 = _pack_groups(sym64, full, _WIDTHS[2], out)
+        else:
+            s64 = _pack_groups(sym64, full, _WIDTHS[3], out)
         for k in range(U8):
             seen |= np.uint8((s64 >> (U8 * k)) & np.uint64(0xFF))
-        for c in range(fast, full):
-            o = c * U8
-            w = np.uint64(0)
-            for j in range(U8):
-                v = sym[o + j]
-                seen |= v
-                w = (w << b) | np.uint64(v)
-            for k in range(ub):
-                out[c * ub + k] = np.uint8((w >> (U8 * (b - U1 - k))) & np.uint64(0xFF))
         rem = n - U8 * full
         if rem:
             w = np.uint64(0)
@@ -174,29 +183,21 @@ def unpack_bits(data, bits, out):
             out[U4 * i + U3] = v & np.uint8(3)
     elif bits == 1:
         full = n // U8
-        for i in range(full):
-            v = data[i]
-            for j in range(U8):
-                out[U8 * i + j] = (v >> np.uint8(U7 - j)) & np.uint8(1)
+        _unpack_groups(data, full, U1, out[: full * U8].view(np.uint64))
     else:
         b = np.uint64(bits)
         ub = _u(bits)
         mask = np.uint64((1 << bits) - 1)
         full = n // U8
-        fast = _word_groups(full, ub, _u(data.shape[0]))
-        out64 = out[: fast * U8].view(np.uint64)
-        for c in range(fast):  # one big-endian 64-bit load (`bits` bytes used) -> 8 symbols, one store
-            w = np.uint64(0)
-            for k in range(U8):  # independent ORs (LLVM merges the loads)
-                w |= np.uint64(data[c * ub + k]) << (np.uint64(56) - U8 * k)
-            w >>= np.uint64(64) - U8 * b
-            out64[c] = _split8(w, b)
-        for c in range(fast, full):
-            w = np.uint64(0)
-            for k in range(ub):
-                w = (w << U8) | np.uint64(data[c * ub + k])
-            for j in range(U8):
-                out[c * U8 + j] = np.uint8((w >> (b * (U7 - j))) & mask)
+        out64 = out[: full * U8].view(np.uint64)
+        if bits == 3:
+            _unpack_groups(data, full, _WIDTHS[0], out64)
+        elif bits == 5:
+            _unpack_groups(data, full, _WIDTHS[1], out64)
+        elif bits == 6:
+            _unpack_groups(data, full, _WIDTHS[2], out64)
+        else:
+            _unpack_groups(data, full, _WIDTHS[3], out64)
         rem = n - U8 * full
         if rem:
             w = np.uint64(0)
