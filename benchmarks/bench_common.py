@@ -1,10 +1,11 @@
-"""Helpers shared by the benchmark scripts: the timing loop, and ``codecs.py`` loaded as a module
-(its KV capture and PCA basis fitting)."""
+"""Helpers shared by the benchmark scripts: the timing loop, the CPU's name, and ``codecs.py``
+loaded as a module (its KV capture and PCA basis fitting)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import platform
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,26 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def cpu_model() -> str:
+    """The CPU as a results file names it: ``/proc/cpuinfo``'s model name and family on Linux
+    (AMD's EPYC VMs report only "AMD EPYC"; family 25 is Zen 3 / Zen 4, 26 is Zen 5), else
+    :func:`platform.processor` or the machine type."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip() and fields:
+                    break  # the end of the first processor's block
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    if fields.get("model name"):
+        family = f", family {fields['cpu family']}" if fields.get("cpu family") else ""
+        return f"{fields['model name']}{family} ({platform.machine()})"
+    return platform.processor() or platform.machine()
 
 
 @functools.cache

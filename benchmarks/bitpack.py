@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ from kvtune.codecs import kernels as K
 from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.core.atomic import atomic_write_text
 
-from bench_common import best_seconds, codecs_script  # noqa: E402  (the folder of this script)
+from bench_common import best_seconds, codecs_script, cpu_model  # noqa: E402  (the folder of this script)
 
 
 def symbols(kv, bits: int) -> list[np.ndarray]:
@@ -95,7 +94,7 @@ def main() -> None:
         "# bitpack kernels on real KV symbols",
         "",
         f"- data: {len(kv)} layers x K and V of {tuple(kv[0][0].shape)}, quantized per token in groups of 32",
-        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, one thread, torch {torch.__version__}",
+        f"- machine: {cpu_model()}, {os.cpu_count()} CPUs, one thread, torch {torch.__version__}",
         f"- load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load0)} at start, "
         f"{'/'.join(f'{x:.2f}' for x in load1)} at end",
         f"- fastest of {args.repeats} passes over all tensors; % memcpy = memcpy time of the same symbol bytes "

@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -91,6 +90,8 @@ from kvtune.codecs.presets import load_presets  # noqa: E402
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer  # noqa: E402
 from kvtune.codecs.select import Keep  # noqa: E402
 from kvtune.codecs.transforms import Affine, Delta, Hadamard  # noqa: E402
+
+from bench_common import cpu_model  # noqa: E402  (the folder of this script)
 
 TARGET_BITPACK = (0.40, 0.50)  # (encode, decode) fractions of memcpy
 TARGET_RANGE = (0.03, 0.03)
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- data: SmolLM2-135M-Instruct KV, {len(kv)} layers x K and V of {shape} bfloat16 "
         f"({nbytes / 1e6:.1f} MB), {args.contexts} context(s) of {args.tokens} tokens of paul-graham-essays",
-        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, device {device}, "
+        f"- machine: {cpu_model()}, {os.cpu_count()} CPUs, device {device}, "
         f"torch {torch.__version__}, {args.threads} thread(s)",
         f"- load average (1/5/15 min): {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f} at start, "
         f"{load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f} at end",
