@@ -24,7 +24,6 @@ sealed with the sha256 of every file (:func:`seal_folder`) and checked before ea
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
