@@ -1,8 +1,10 @@
-"""Helpers shared by the benchmark scripts: the timing loop, the CPU's name, and ``codecs.py``
-loaded as a module (its KV capture and PCA basis fitting)."""
+"""Helpers shared by the benchmark scripts: the timing loop, the CPU's name, the command line of
+the scripts that time kernels on the captured KV, and ``codecs.py`` loaded as a module (its KV
+capture and PCA basis fitting)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import platform
@@ -40,6 +42,20 @@ def cpu_model() -> str:
         family = f", family {fields['cpu family']}" if fields.get("cpu family") else ""
         return f"{fields['model name']}{family} ({platform.machine()})"
     return platform.processor() or platform.machine()
+
+
+def kv_kernel_args(doc: str, repeats: int) -> argparse.Namespace:
+    """``--kv`` (the KV cache file of ``codecs.py``), ``--repeats`` (default ``repeats``, at
+    least 1) and ``--out`` (a markdown report), parsed from the command line; the first
+    paragraph of ``doc`` is the description."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--kv", type=Path, help="cache file for the captured KV (the format of benchmarks/codecs.py)")
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--out", type=Path, help="write the markdown report here")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return args
 
 
 @functools.cache

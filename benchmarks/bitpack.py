@@ -20,9 +20,7 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,7 +30,7 @@ from kvtune.codecs import kernels as K
 from kvtune.codecs.quantizers import UniformQuantizer
 from kvtune.core.atomic import atomic_write_text
 
-from bench_common import best_seconds, codecs_script, cpu_model  # noqa: E402  (the folder of this script)
+from bench_common import best_seconds, codecs_script, cpu_model, kv_kernel_args  # noqa: E402  (the folder of this script)
 
 
 def symbols(kv, bits: int) -> list[np.ndarray]:
@@ -72,11 +70,7 @@ def measure(kv, bits: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kv", type=Path, help="cache file for the captured KV (the format of benchmarks/codecs.py)")
-    ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--out", type=Path, help="write the markdown report here")
-    args = ap.parse_args()
+    args = kv_kernel_args(__doc__, repeats=50)
     torch.set_num_threads(1)
     kv = codecs_script().load_kv("cpu", 1, 1024, args.kv)[0]
     load0 = os.getloadavg()

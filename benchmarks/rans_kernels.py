@@ -24,7 +24,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from kvtune.codecs.rans import RansCodec, empirical_entropy_bits, layout_for_sha
 from kvtune.codecs.range_coder import TABLE_STEPS, count_levels
 from kvtune.core.atomic import atomic_write_text
 
-from bench_common import best_seconds, codecs_script  # noqa: E402  (the folder of this script)
+from bench_common import best_seconds, codecs_script, kv_kernel_args  # noqa: E402  (the folder of this script)
 
 
 def _load_kv(cache: Path | None):
@@ -115,13 +114,7 @@ def report(rows: dict[int, dict[str, float]], load: tuple[float, ...]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kv", type=Path, help="cache file for the captured KV (the format of benchmarks/codecs.py)")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--out", type=Path, help="write the markdown report here")
-    args = ap.parse_args()
-    if args.repeats < 1:
-        ap.error("--repeats must be >= 1")
+    args = kv_kernel_args(__doc__, repeats=10)
     torch.set_num_threads(1)
     load = os.getloadavg()
     kv = _load_kv(args.kv)
