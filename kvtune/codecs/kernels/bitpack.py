@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, uintp
 
-from .lowlevel import INLINE, JIT, U1, U2, U3, U4, U7, U8
+from .lowlevel import INLINE, JIT, U1, U2, U3, U4, U5, U6, U7, U8
 
 _u = uintp
 
@@ -41,14 +41,11 @@ def _split8(w, b):
     return ((x >> b) & m1) | ((x & m1) << U8)
 
 
-_WIDTHS = (np.uint64(3), np.uint64(5), np.uint64(6), np.uint64(7))  # the widths packed 8 symbols at a time
-
-
 @njit(**INLINE)
 def _pack_groups(sym64, groups, b, out):
     """Groups ``0 .. groups - 1`` of 8 symbols (``sym64[c]``: symbol ``j`` in byte ``j``) into
     ``b`` bytes each of ``out`` (:func:`_merge8`, big-endian); returns the OR of the words. Called
-    with a constant ``b``: the loop then vectorizes (one code path per width)."""
+    with a constant ``b`` (``U1``, ``U3``, ...: inlined once per width), so the loop vectorizes."""
     ub = _u(b)
     s64 = np.uint64(0)
     for c in range(groups):
@@ -126,13 +123,13 @@ def pack_bits(sym, bits, out):
         full = n // U8
         sym64 = sym[: full * U8].view(np.uint64)
         if bits == 3:
-            s64 = _pack_groups(sym64, full, _WIDTHS[0], out)
+            s64 = _pack_groups(sym64, full, U3, out)
         elif bits == 5:
-            s64 = _pack_groups(sym64, full, _WIDTHS[1], out)
+            s64 = _pack_groups(sym64, full, U5, out)
         elif bits == 6:
-            s64 = _pack_groups(sym64, full, _WIDTHS[2], out)
+            s64 = _pack_groups(sym64, full, U6, out)
         else:
-            s64 = _pack_groups(sym64, full, _WIDTHS[3], out)
+            s64 = _pack_groups(sym64, full, U7, out)
         for k in range(U8):
             seen |= np.uint8((s64 >> (U8 * k)) & np.uint64(0xFF))
         rem = n - U8 * full
@@ -191,13 +188,13 @@ def unpack_bits(data, bits, out):
         full = n // U8
         out64 = out[: full * U8].view(np.uint64)
         if bits == 3:
-            _unpack_groups(data, full, _WIDTHS[0], out64)
+            _unpack_groups(data, full, U3, out64)
         elif bits == 5:
-            _unpack_groups(data, full, _WIDTHS[1], out64)
+            _unpack_groups(data, full, U5, out64)
         elif bits == 6:
-            _unpack_groups(data, full, _WIDTHS[2], out64)
+            _unpack_groups(data, full, U6, out64)
         else:
-            _unpack_groups(data, full, _WIDTHS[3], out64)
+            _unpack_groups(data, full, U7, out64)
         rem = n - U8 * full
         if rem:
             w = np.uint64(0)
