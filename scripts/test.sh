@@ -11,5 +11,5 @@ pip() { python -m pip --disable-pip-version-check -q "$@"; }
 pip install torch==2.13.0
 pip install -e ".[test,lmcache]"
 pip install --no-deps lmcache==0.5.6
-bash scripts/vllm-venv.sh  # vLLM's own venv for tests/test_vllm_connector.py (idempotent; ~6 min the first time)
+bash scripts/vllm-venv.sh  # vLLM's own venv for tests/test_vllm_connector.py (idempotent; 4.5-6 min the first time)
 python -m pytest -q "$@"
