@@ -1829,3 +1829,72 @@ def test_kernels_are_cached_under_a_digest_of_every_kernel_source(tmp_path):
     helper = copy / "lowlevel.py"
     helper.write_text(helper.read_text() + "\n# edited\n")
     assert cachedir.sources_digest(copy) != digest
+
+
+@covers("rans_pack_segments", "rans_unpack_payload")
+@pytest.mark.parametrize("model", ["per_channel", "per_head", "global"])
+def test_rans_segment_kernels_match_the_codec(model):
+    """Per segment, :func:`rans_pack_segments` writes the bytes of ``RansCodec.pack``: rANS-coded
+    (skewed symbols), raw when rANS is not smaller (uniform 8-bit symbols), 16-bit symbols raw,
+    an empty segment as its kind byte; a too-wide symbol stops it with that segment's number.
+    :func:`rans_unpack_payload` decodes each payload back to the codec's symbols."""
+    from kvtune.codecs.rans import RansCodec, tensor_program
+
+    rng = np.random.default_rng(3)
+    shapes = [(1, 3, 40, 64), (1, 2, 33, 8), (1, 3, 9, 16), (1, 2, 0, 64), (1, 3, 17, 64)]
+    widths = [2, 4, 8, 3, 16]
+    syms = [np.minimum(rng.geometric(0.45, size=shapes[0]) - 1, 3).astype(np.uint8),
+            np.minimum(rng.geometric(0.3, size=shapes[1]) - 1, 15).astype(np.uint8),
+            rng.integers(0, 256, size=shapes[2], dtype=np.uint8),  # incompressible: stored raw
+            np.zeros(shapes[3], np.uint8),
+            rng.integers(0, 65536, size=shapes[4], dtype=np.uint16)]
+    raw = [s.reshape(-1).view(np.uint8) for s in syms]  # 16-bit symbols as their little-endian bytes
+    offsets = np.cumsum([0] + [r.size for r in raw])
+    symbuf = np.concatenate(raw)
+    prog = tensor_program(model, [(b, s.shape, int(o)) for b, s, o in zip(widths, syms, offsets)])
+    pay = np.zeros(prog.payload_nbytes, np.uint8)
+    lengths = np.zeros(len(syms), np.int64)
+    assert K.rans_pack_segments(symbuf, *prog.args, pay, lengths) == 0
+    codec = RansCodec(model=model)
+    rows = prog.args[0]
+    for s, (b, x) in enumerate(zip(widths, syms)):
+        at = int(rows[s, K.PR_PAY])
+        got = pay[at : at + lengths[s]]
+        assert got.tobytes() == codec.pack(x, b), (s, b)
+        out = np.zeros(2 * x.size if b == 16 else x.size, np.uint8)
+        dims = prog.decode_args[0][rows[s, K.PR_DIMS] : rows[s, K.PR_DIMS] + rows[s, K.PR_NDIMS]]
+        assert K.rans_unpack_payload(got, b, x.size, *prog.decode_args[1:2], dims, *prog.decode_args[2:], out)
+        assert np.array_equal(out, raw[s])
+    assert got[0] == 0 and widths[2] == 8 and lengths[2] == 1 + syms[2].size  # the raw fallback was taken
+    wide = symbuf.copy()
+    wide[offsets[1] + 5] = 16  # a 5th bit in the 4-bit segment
+    assert K.rans_pack_segments(wide, *prog.args, pay, lengths) == 2
+
+
+@covers("rans_encode_tensor", "rans_unpack_tensor")
+@pytest.mark.parametrize("model", ["per_channel", "global"])
+def test_rans_tensor_kernels_give_the_reference_streams(model):
+    """The fast path codes a ``rans`` policy's tensors with :func:`rans_encode_tensor` and reads
+    them with :func:`rans_unpack_tensor`: the stream bytes and the decoded tensors are the
+    reference pipeline's (per-token and per-channel uniform segments, a bfloat16 window,
+    CacheGen's deltas, shallow layers at 5 bits)."""
+    from kvtune.codecs import PolicyConfig, decode_kv, encode_kv
+
+    g = torch.Generator().manual_seed(7)
+    kv = [(torch.randn(1, 2, 70, 32, generator=g).to(torch.bfloat16), torch.randn(1, 2, 70, 32, generator=g).to(torch.bfloat16))
+          for _ in range(3)]
+    policies = [
+        {"key": {"name": "uniform", "bits": 2, "granularity": "per_channel", "group_size": 32, "recent_tokens": 16},
+         "value": {"name": "uniform", "bits": 4, "granularity": "per_token", "group_size": 32, "recent_tokens": 16}},
+        {"transforms": [{"name": "delta", "group_size": 10, "anchor_bits": 8}],
+         "key": {"name": "uniform", "bits": 4, "symmetric": True, "granularity": "per_token", "group_size": 0,
+                 "shallow_layers": 2, "shallow_bits": 5},
+         "value": {"name": "uniform", "bits": 4, "symmetric": True, "granularity": "per_token", "group_size": 0}},
+    ]
+    for policy in policies:
+        config = PolicyConfig.from_dict({**policy, "codec": {"name": "rans", "model": model}})
+        fast = encode_kv(kv, config, impl="fast")
+        assert fast == encode_kv(kv, config, impl="reference")
+        for (k1, v1), (k2, v2) in zip(decode_kv(fast, impl="fast"), decode_kv(fast, impl="reference")):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert K.rans_encode_tensor.signatures and K.rans_unpack_tensor.signatures  # the route the fast path took

@@ -311,3 +311,86 @@ def test_payloads_of_the_15_bit_format_are_refused_with_a_version_error():
     for impl in ("fast", "reference"):
         with pytest.raises(StreamVersionError, match="15-bit table format"):
             decode_kv(bytes(stream), impl=impl)
+
+
+def _fields(data: bytes, model: str) -> dict:
+    """Byte offsets of a rANS payload's fields (the module doc's wire layout)."""
+    nd = {"per_channel": 1, "per_head": 2, "global": 0}[model]
+    at = 3 + 4 * nd
+    nhist = struct.unpack_from("<H", data, at)[0] + 1
+    nt_at = at + 2 + 4 * nhist
+    nt = struct.unpack_from("<I", data, nt_at)[0]
+    crc_at = nt_at + 4 + 2 * nt
+    return {"dims": 3, "nhist": at, "hist": at + 2, "nt": nt_at, "crc": crc_at, "nw": crc_at + 4}
+
+
+def _reseal(data: bytearray, model: str, count: int, bits: int) -> bytes:
+    """``data`` with its header CRC recomputed (a forged header that passes the CRC)."""
+    import zlib
+
+    try:
+        at = _fields(bytes(data), model)["crc"]
+    except struct.error:
+        return bytes(data)
+    if at + 4 > len(data):
+        return bytes(data)
+    data[at : at + 4] = struct.pack("<I", zlib.crc32(bytes(data[:at]), zlib.crc32(count.to_bytes(8, "little") + bytes([bits]))))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_payload_kernel_accepts_exactly_what_the_codec_accepts(model):
+    """The fast path's one-call decoder (``kernels.rans_unpack_payload``) leaves error messages to
+    the codec, so it must refuse exactly the payloads ``RansCodec.unpack_into`` refuses and decode
+    the others to the same symbols: real payloads of kinds 6, 5 and 4 and raw ones, truncated or
+    extended, with every byte flipped, and with forged header fields whose CRC is recomputed
+    (form byte, fusion, dims, histogram length and counts, word counts)."""
+    from kvtune.codecs import kernels as K
+    from kvtune.codecs.rans import tensor_program
+
+    codec = RansCodec(model=model)
+    cases = []
+    for bits, shape, kind in ((4, (1, 2, 64, 64), KIND_RANS), (2, (1, 3, 40, 32), KIND_RANS_V3), (3, (2, 2, 24, 16), KIND_RANS_V2),
+                              (8, (1, 1, 8, 16), KIND_RANS)):
+        x = laplace(shape, bits, seed=bits)
+        cases.append((bits, x, encode_rans(x, bits, model, kind=kind)))
+    x8 = np.random.default_rng(1).integers(0, 256, size=(1, 1, 8, 16), dtype=np.uint8)
+    cases.append((8, x8, codec.pack(x8, 8)))  # stored raw
+    x16 = np.random.default_rng(2).integers(0, 65536, size=(1, 1, 4, 8), dtype=np.uint16)
+    cases.append((16, x16, codec.pack(x16, 16)))
+    checked = accepted = 0
+    for bits, x, data in cases:
+        count = x.size
+        prog = tensor_program(model, [(bits, x.shape, 0)])
+        rows, (pool, model_id, limits, grid16) = prog.args[0], prog.decode_args
+        dims = pool[rows[0, K.PR_DIMS] : rows[0, K.PR_DIMS] + rows[0, K.PR_NDIMS]]
+        size = 2 * count if bits == 16 else count
+        variants = [data[:cut] for cut in range(len(data))] + [data + b"\x00\x00", data + b"\x01"]
+        for i in range(len(data)):
+            bad = bytearray(data)
+            bad[i] ^= 1 << (i % 8)
+            variants.append(bytes(bad))
+        if data[0] != 0:
+            f = _fields(data, model)
+            edits = [(1, v) for v in range(256)] + [(2, v) for v in range(10)] + [(0, v) for v in (3, 4, 5, 6, 7)]
+            edits += [(f["dims"] + j, v) for j in range(4 * (3 if model == "per_head" else 1)) for v in (0, 1, 2, 255)]
+            edits += [(f["nhist"], v) for v in (0, 1, 2, 255)] + [(f["hist"] + j, v) for j in (0, 4, 8) for v in (0, 1, 255)]
+            edits += [(f["nt"], v) for v in (0, 1, 255)] + [(f["nw"], v) for v in (0, 1, 255)]
+            for at, v in edits:
+                if at < len(data):
+                    bad = bytearray(data)
+                    bad[at] = v
+                    variants.append(_reseal(bad, model, count, bits))
+        for v in variants:
+            want = np.zeros(size, np.uint8)
+            try:
+                codec.unpack_into(v, bits, count, want, shape=x.shape)
+                ok = True
+            except KVStreamError:
+                ok = False
+            got = np.zeros(size, np.uint8)
+            assert K.rans_unpack_payload(np.frombuffer(v, np.uint8), bits, count, model_id, dims, limits, grid16, got) == ok, v[:8]
+            assert not ok or np.array_equal(got, want)
+            checked += 1
+            accepted += ok
+    assert checked > 3000 and accepted > len(cases)  # some forged payloads are valid (e.g. another table form byte)

@@ -35,7 +35,10 @@ decoded tensors** with the compiled kernels of :mod:`kvtune.codecs.kernels`:
 Supported: transforms ``identity``, ``hadamard``, ``delta``, ``affine``; block quantizers
 ``uniform``, ``none``, ``fp8`` and ``codebook`` (hence the ``uniform``, ``none``, ``mixhq``,
 ``fp8`` and ``codebook`` quantizers, and any quantizer whose plan only uses those block
-kernels); any codec (``bitpack`` has its own kernel; other codecs receive the symbols as numpy
+kernels); any codec (``bitpack`` has its own kernel; ``rans`` too, one call per tensor each way
+that quantizes and codes every segment with its CRC, :func:`kvtune.codecs.kernels.rans_encode_tensor`,
+or reads every payload with its CRC, :func:`kvtune.codecs.kernels.rans_unpack_tensor`, from the
+plan's :class:`kvtune.codecs.rans.RansProgram`; other codecs receive the symbols as numpy
 arrays). KVTC-like policies (one ``pca`` transform, after a ``keep`` or not, then ``dp-alloc``
 on K and V, either grid) have their own path: the projection runs the ``pca``
 transform's own torch code (float32 matrix products; after ``keep``, pre-RoPE keys are
@@ -85,6 +88,7 @@ from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.pca import PCA, leading_width
 from kvtune.codecs.quantizers import FP16_MAX, NoQuantizer, UniformQuantizer
+from kvtune.codecs.rans import RansCodec, RansProgram, tensor_program
 from kvtune.codecs.select import is_selecting
 from kvtune.codecs.stream import check_checksum, section_views
 from kvtune.codecs.threads import num_threads, parallel_map, set_num_threads
@@ -192,6 +196,8 @@ class _Plan:
         checks: per segment ``(bits, count, metadata bytes, bitpack payload bytes)``.
         value_limit: the smallest :attr:`~kvtune.codecs.base.Quantizer.value_limit` of the
             segments' coders.
+        rans: with the ``rans`` codec, the segments' rANS coding for
+            :func:`kvtune.codecs.kernels.rans_encode_tensor` (:func:`kvtune.codecs.rans.tensor_program`).
     """
 
     shape: tuple[int, ...]
@@ -208,6 +214,7 @@ class _Plan:
     max_numel: int = 0
     checks: tuple[tuple[int, int, int, int], ...] = ()
     value_limit: float = math.inf
+    rans: RansProgram | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -497,8 +504,12 @@ class _Compiled:
         max_numel = max((s.numel for s in segments), default=0)
         checks = tuple((s.bits, s.numel, row[K.SEG_META_LEN], row[K.SEG_PAYLOAD_LEN]) for s, row in zip(segments, segs.tolist()))
         value_limit = min((s.coder.value_limit for s in segments), default=math.inf)
+        rans = None
+        if type(cfg.codec) is RansCodec:
+            rans = tensor_program(cfg.codec.model, [(s.bits, tuple(s.shape), row[K.SEG_SYM])
+                                                    for s, row in zip(segments, segs.tolist())])
         return _Plan(shape, tuple(ops), state_nbytes, tuple(segments), segs, idx, nbytes, sym_nbytes, whole,
-                     tuple(bounds), max_bits, max_numel, checks, value_limit)
+                     tuple(bounds), max_bits, max_numel, checks, value_limit, rans)
 
 
 @functools.lru_cache(maxsize=128)
@@ -663,6 +674,20 @@ def _encode_one(task) -> tuple[list, int, int]:
         view = memoryview(out)
         return [view[a:b] for a, b in plan.bounds], crc32(out), out.size
     symbuf = np.empty(max(plan.sym_nbytes, 1), np.uint8)
+    if plan.rans is not None:  # quantization, every segment's rANS payload and the CRC: one call
+        pay = np.empty(plan.rans.payload_nbytes, np.uint8)
+        lengths = np.empty(len(plan.segments), np.int64)
+        status, crc = K.rans_encode_tensor(x, plan.segs, plan.idx, out, symbuf, _fp8_luts()[2], nf_table(),
+                                           plan.state_nbytes, *plan.rans.args, pay, lengths)
+        if status:  # cannot happen: the kernels clamp every symbol
+            raise AssertionError(f"kernel emitted a symbol wider than segment {status - 1}'s bits")
+        view, pview = memoryview(out), memoryview(pay)
+        sections = [view[: plan.state_nbytes]]
+        n = plan.state_nbytes
+        for (a, b), at, length in zip(plan.bounds[1::2], plan.rans.args[0][:, K.PR_PAY].tolist(), lengths.tolist()):
+            sections += (view[a:b], pview[at : at + length])
+            n += b - a + length
+        return sections, int(crc), n
     K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2], nf_table())
     view = memoryview(out)
     sections = [view[: plan.state_nbytes]]
@@ -1043,19 +1068,18 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
             if len(meta) != mlen:
                 raise CorruptStreamError(f"metadata section has {len(meta)} bytes, the policy needs {mlen}")
     else:
-        crc = crc32(data)
-        codec = comp.config.codec
         symbuf = np.empty(max(plan.sym_nbytes, 1), np.uint8)
         segs = segs.copy()
-        pos = plan.state_nbytes
-        for seg, (bits, count, mlen, _), row, meta, payload in zip(plan.segments, plan.checks, segs, sections.meta, sections.payload):
-            so = row[K.SEG_SYM]
-            codec.unpack_into(payload, bits, count, symbuf[so : so + (2 * count if bits == BF16_BITS else count)],
-                              shape=seg.shape)
-            if len(meta) != mlen:
-                raise CorruptStreamError(f"metadata section has {len(meta)} bytes, the policy needs {mlen}")
-            row[K.SEG_META] = pos
-            pos += len(meta) + len(payload)
+        status = -1
+        if plan.rans is not None and all(len(m) == c[2] for m, c in zip(sections.meta, plan.checks)):
+            # every payload and the CRC in one call; a payload it refuses is decoded below, which raises
+            status, crc = K.rans_unpack_tensor(data, plan.state_nbytes, segs, np.array([len(p) for p in sections.payload], np.int64),
+                                               plan.rans.args[0], *plan.rans.decode_args, symbuf)
+        if status:
+            _unpack_sections(sections, data, plan, comp.config.codec, symbuf, segs)
+            if status > 0:
+                raise AssertionError(f"rans_unpack_tensor refused segment {status - 1}, which the codec decodes")
+            crc = crc32(data)
     _check_codebooks(plan, sections.meta)
     out_kind = _OUT_KIND[dtype]
     # dequantize straight into the output, except float16, which saturates (to_output_dtype)
@@ -1096,6 +1120,26 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
     if out_kind == 0:
         return torch.from_numpy(target), int(crc)
     return torch.from_numpy(target.view(np.int16)).view(dtype), int(crc)
+
+
+def _unpack_sections(sections, data, plan: _Plan, codec, symbuf: np.ndarray, segs: np.ndarray) -> None:
+    """Each segment's payload into ``symbuf`` with the codec's own ``unpack_into``, and its
+    metadata offset in ``data`` into ``segs``, checking each metadata length after its payload
+    (the reference's order of errors).
+
+    Raises:
+        CorruptStreamError: a payload the codec refuses, or a metadata section of another length
+            than the plan's.
+    """
+    pos = plan.state_nbytes
+    for seg, (bits, count, mlen, _), row, meta, payload in zip(plan.segments, plan.checks, segs, sections.meta, sections.payload):
+        so = row[K.SEG_SYM]
+        codec.unpack_into(payload, bits, count, symbuf[so : so + (2 * count if bits == BF16_BITS else count)],
+                          shape=seg.shape)
+        if len(meta) != mlen:
+            raise CorruptStreamError(f"metadata section has {len(meta)} bytes, the policy needs {mlen}")
+        row[K.SEG_META] = pos
+        pos += len(meta) + len(payload)
 
 
 def _check_codebooks(plan: _Plan, metas) -> None:

@@ -12,7 +12,11 @@ probabilities) instead of constriction's range coder, so that coding runs in com
 tensor each way (:func:`kvtune.codecs.kernels.rans_encode_symbols` /
 :func:`~kvtune.codecs.kernels.rans_decode_symbols`: counts, table choice, tables, words), which
 releases the GIL, so the codec threads of :mod:`kvtune.codecs.fastpath` run in parallel (with
-the steps as separate calls, two threads decoded slower than one).
+the steps as separate calls, two threads decoded slower than one). The fast path goes further:
+one call per tensor for all its segments (:class:`RansProgram`,
+:func:`kvtune.codecs.kernels.rans_encode_tensor` / :func:`~kvtune.codecs.kernels.rans_unpack_tensor`),
+whose payload decoder refuses exactly what :meth:`RansCodec.unpack_into` refuses and leaves the
+error message to it.
 
 **Models.** A group's distribution travels as level codes (:func:`~kvtune.codecs.range_coder.count_levels`,
 ``steps`` levels per octave; 0 = absent). The decoder turns them into integer weights
@@ -83,6 +87,7 @@ import torch
 
 from kvtune.codecs.base import Codec, param, register_codec
 from kvtune.codecs.bitpack import RAW16, pack_bits, packed_nbytes, unpack_bits
+from kvtune.codecs import kernels as K
 from kvtune.codecs.kernels import rans as KR
 from kvtune.codecs.range_coder import KIND_RAW, MAX_LEVEL, MAX_TABLE_ENTRIES, MODELS, TABLE_STEPS, fusion_factor, level_weights
 from kvtune.core.errors import CorruptStreamError, StreamVersionError
@@ -100,6 +105,8 @@ __all__ = [
     "layout_for_shape",
     "level_to_weights",
     "encode_rans",
+    "RansProgram",
+    "tensor_program",
     "empirical_entropy_bits",
 ]
 
@@ -307,6 +314,91 @@ def _encode_args(model: str, bits: int, shape: tuple[int, ...], kind: int) -> tu
     return (bits, lay.m, *lay.count_args(), lay.groups, coder, comp_group, comp_pooled, _NEG_GRID, _GRID16, form_steps,
             form_pooled, form_bytes, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, table_run, run, kind,
             np.array(lay.dims, np.int64), kind != KIND_RANS_V2, MAX_SYMBOLS_PER_BYTE)
+
+
+@dataclass(frozen=True, eq=False)
+class RansProgram:
+    """The rANS coding of every segment of one tensor plan, as
+    :func:`kvtune.codecs.kernels.rans_encode_tensor` reads it: the arguments
+    :func:`encode_rans` would pass for each segment, stacked, so that one kernel call codes a
+    whole tensor (the codec's :meth:`RansCodec.pack`, raw fallback included, without per-segment
+    Python). Built once per plan (:func:`tensor_program`).
+
+    Attributes:
+        args: the kernel's arguments after the payload offsets: int64 ``(S, PR_COLUMNS)`` rows
+            (:data:`kvtune.codecs.kernels.PR_COLUMNS`), int64 ``(S, 4)`` coder ``(div, mod)``
+            pairs, the int64 pool of fused-model tables and layout dims, the candidate table
+            forms, then the constants of :func:`kvtune.codecs.kernels.rans_encode_bytes`.
+        payload_nbytes: bytes of the payload buffer: every segment's raw size (kind byte
+            included), the most :meth:`RansCodec.pack` writes.
+        decode_args: the arguments of :func:`kvtune.codecs.kernels.rans_unpack_tensor` after
+            the rows: the pool, the model's index in :data:`~kvtune.codecs.range_coder.MODELS`,
+            the decoder's limits (``LIM_*``) and the level grid.
+    """
+
+    args: tuple
+    payload_nbytes: int
+    decode_args: tuple = ()
+
+
+def tensor_program(model: str, segments: Sequence[tuple[int, tuple[int, ...], int]]) -> RansProgram:
+    """The :class:`RansProgram` of a tensor's segments, each ``(bits, shape, symbol offset)``:
+    ``bits`` 1..8 or 16 (stored raw), the offset of its symbols in the tensor's symbol buffer
+    (uint8; little-endian uint16 for 16 bits). Segment ``s``'s payload goes at the sum of the
+    earlier segments' raw sizes.
+
+    Raises:
+        ValueError: unknown model, or bits outside 1..8 and 16.
+    """
+    if model not in MODELS:
+        raise ValueError(f"rans codec: model must be one of {MODELS}, got {model!r}")
+    rows, coders, pool = [], [], []
+    pay = 0
+    for bits, shape, sym in segments:
+        count = math.prod(shape)
+        if bits == RAW16:
+            raw = 1 + 2 * count
+        elif 1 <= bits <= 8:
+            raw = 1 + packed_nbytes(count, bits)
+        else:
+            raise ValueError(f"rans codec: bit width must be 1..8 or 16, got {bits}")
+        row = [0] * K.PR_COLUMNS
+        row[K.PR_BITS], row[K.PR_COUNT], row[K.PR_SYM], row[K.PR_RAW], row[K.PR_PAY] = bits, count, sym, raw, pay
+        coder = np.zeros(4, np.int64)
+        if bits != RAW16 and count:
+            lay = _layout(model, bits, tuple(int(d) for d in shape))
+            coder, comp_group, comp_pooled = _coder_plan(lay)
+            row[K.PR_M], row[K.PR_GROUPS] = lay.m, lay.groups
+            row[K.PR_CDIV], row[K.PR_CMOD] = lay.count_args()
+            row[K.PR_CG], row[K.PR_CG_ROWS] = sum(map(len, pool)), comp_group.shape[0]
+            pool.append(comp_group.reshape(-1))
+            row[K.PR_CP] = sum(map(len, pool))
+            pool.append(comp_pooled.reshape(-1))
+            row[K.PR_DIMS], row[K.PR_NDIMS] = sum(map(len, pool)), len(lay.dims)
+            pool.append(np.array(lay.dims, np.int64))
+            row[K.PR_FORMS] = int(coder[1] > MAX_TABLE_MODELS)
+        rows.append(row)
+        coders.append(coder)
+        pay += raw
+    forms = np.zeros((2, 3, len(_GROUP_FORMS)), np.int64)
+    nforms = np.zeros(2, np.int64)
+    for c, (choice, steps, pooled) in enumerate(_FORM_CHOICES):
+        n = len(choice)
+        nforms[c] = n
+        forms[c, 0, :n], forms[c, 1, :n] = steps, pooled
+        forms[c, 2, :n] = [MODELS.index(model) | _GROUP_FORMS[f][0] << 2 | int(_GROUP_FORMS[f][1]) << 4 for f in choice]
+    table_run, run = _LANE_RUNS[KIND_RANS]
+    args = (np.array(rows, np.int64).reshape(len(rows), K.PR_COLUMNS), np.array(coders, np.int64).reshape(-1, 4),
+            np.concatenate(pool) if pool else np.zeros(0, np.int64), forms, nforms, _NEG_GRID, _GRID16, MAX_LEVEL,
+            WEIGHT_BITS, KR.PRECISION, table_run, run, KIND_RANS, MAX_SYMBOLS_PER_BYTE)
+    limits = np.zeros(K.LIM_STEPS + len(TABLE_STEPS), np.int64)
+    for i, v in ((K.LIM_MAX_LEVEL, MAX_LEVEL), (K.LIM_WEIGHT_BITS, WEIGHT_BITS), (K.LIM_PREC, KR.PRECISION),
+                 (K.LIM_MAX_RESIDUAL, _MAX_RESIDUAL), (K.LIM_MAX_TABLE_ENTRIES, MAX_TABLE_ENTRIES),
+                 (K.LIM_MAX_TABLE_MODELS, MAX_TABLE_MODELS), (K.LIM_PER_BYTE, MAX_SYMBOLS_PER_BYTE),
+                 (K.LIM_LANE_RUN, KR.LANE_RUN), (K.LIM_NO_LANE_RUN, KR.NO_LANE_RUN)):
+        limits[i] = v
+    limits[K.LIM_STEPS :] = TABLE_STEPS
+    return RansProgram(args, pay, (args[2], MODELS.index(model), limits, _GRID16))
 
 
 # ----------------------------------------------------------------------------- decode
