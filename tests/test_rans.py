@@ -394,3 +394,25 @@ def test_the_payload_kernel_accepts_exactly_what_the_codec_accepts(model):
             checked += 1
             accepted += ok
     assert checked > 3000 and accepted > len(cases)  # some forged payloads are valid (e.g. another table form byte)
+
+
+@pytest.mark.parametrize("model, shape", [("per_channel", (1, 1, 2, 65537)), ("per_head", (1, 65537, 1, 2))])
+def test_symbols_whose_table_would_exceed_the_decoder_limit_are_stored_raw(model, shape):
+    """More than 2**24 groups x symbols (8-bit symbols of a head_dim beyond 65,536, per channel,
+    or of more than 65,536 heads, per head): the decoder refuses such a table, so the encoder
+    stores the symbols raw, and the stream decodes (the codec and the fast path's kernels)."""
+    from kvtune.codecs import kernels as K
+    from kvtune.codecs.rans import table_fits, tensor_program
+
+    x = laplace(shape, 8, seed=1)
+    assert not table_fits(model, 8, shape) and table_fits(model, 7, shape)
+    codec = RansCodec(model=model)
+    data = codec.pack(x, 8)
+    assert data[0] == 0 and len(data) == 1 + x.size
+    assert np.array_equal(codec.unpack(data, 8, x.size, shape=shape), x.reshape(-1))
+    prog = tensor_program(model, [(8, shape, 0)])
+    pay = np.zeros(prog.payload_nbytes, np.uint8)
+    lengths = np.zeros(1, np.int64)
+    assert K.rans_pack_segments(x.reshape(-1), *prog.args, pay, lengths) == 0 and pay.tobytes() == data
+    with pytest.raises(CorruptStreamError, match="table limit"):  # a rANS payload is refused, as before
+        codec.unpack(encode_rans(x, 8, model), 8, x.size, shape=shape)

@@ -107,6 +107,7 @@ __all__ = [
     "encode_rans",
     "RansProgram",
     "tensor_program",
+    "table_fits",
     "empirical_entropy_bits",
 ]
 
@@ -325,10 +326,10 @@ class RansProgram:
     Python). Built once per plan (:func:`tensor_program`).
 
     Attributes:
-        args: the kernel's arguments after the payload offsets: int64 ``(S, PR_COLUMNS)`` rows
-            (:data:`kvtune.codecs.kernels.PR_COLUMNS`), int64 ``(S, 4)`` coder ``(div, mod)``
-            pairs, the int64 pool of fused-model tables and layout dims, the candidate table
-            forms, then the constants of :func:`kvtune.codecs.kernels.rans_encode_bytes`.
+        args: the kernel's arguments after the tensor's: int64 ``(S, PR_COLUMNS)`` rows
+            (:data:`kvtune.codecs.kernels.PR_COLUMNS`), the int64 pool they index (each
+            segment's coder ``(div, mod)`` pairs, fused-model tables, layout dims and candidate
+            table forms), then the constants of :func:`kvtune.codecs.kernels.rans_encode_bytes`.
         payload_nbytes: bytes of the payload buffer: every segment's raw size (kind byte
             included), the most :meth:`RansCodec.pack` writes.
         decode_args: the arguments of :func:`kvtune.codecs.kernels.rans_unpack_tensor` after
@@ -345,14 +346,21 @@ def tensor_program(model: str, segments: Sequence[tuple[int, tuple[int, ...], in
     """The :class:`RansProgram` of a tensor's segments, each ``(bits, shape, symbol offset)``:
     ``bits`` 1..8 or 16 (stored raw), the offset of its symbols in the tensor's symbol buffer
     (uint8; little-endian uint16 for 16 bits). Segment ``s``'s payload goes at the sum of the
-    earlier segments' raw sizes.
+    earlier segments' raw sizes. A segment whose table would exceed what the decoder accepts
+    (:func:`table_fits`) is stored raw, as :meth:`RansCodec.pack` stores it.
 
     Raises:
         ValueError: unknown model, or bits outside 1..8 and 16.
     """
     if model not in MODELS:
         raise ValueError(f"rans codec: model must be one of {MODELS}, got {model!r}")
-    rows, coders, pool = [], [], []
+    rows, pool = [], []
+
+    def put(*arrays) -> int:  # the offset in the pool of the first array; the others follow it
+        at = sum(len(p) for p in pool)
+        pool.extend(np.asarray(x, np.int64).reshape(-1) for x in arrays)
+        return at
+
     pay = 0
     for bits, shape, sym in segments:
         count = math.prod(shape)
@@ -364,33 +372,24 @@ def tensor_program(model: str, segments: Sequence[tuple[int, tuple[int, ...], in
             raise ValueError(f"rans codec: bit width must be 1..8 or 16, got {bits}")
         row = [0] * K.PR_COLUMNS
         row[K.PR_BITS], row[K.PR_COUNT], row[K.PR_SYM], row[K.PR_RAW], row[K.PR_PAY] = bits, count, sym, raw, pay
-        coder = np.zeros(4, np.int64)
         if bits != RAW16 and count:
-            lay = _layout(model, bits, tuple(int(d) for d in shape))
-            coder, comp_group, comp_pooled = _coder_plan(lay)
-            row[K.PR_M], row[K.PR_GROUPS] = lay.m, lay.groups
-            row[K.PR_CDIV], row[K.PR_CMOD] = lay.count_args()
-            row[K.PR_CG], row[K.PR_CG_ROWS] = sum(map(len, pool)), comp_group.shape[0]
-            pool.append(comp_group.reshape(-1))
-            row[K.PR_CP] = sum(map(len, pool))
-            pool.append(comp_pooled.reshape(-1))
-            row[K.PR_DIMS], row[K.PR_NDIMS] = sum(map(len, pool)), len(lay.dims)
-            pool.append(np.array(lay.dims, np.int64))
-            row[K.PR_FORMS] = int(coder[1] > MAX_TABLE_MODELS)
+            shape = tuple(int(d) for d in shape)
+            dims = _layout(model, bits, shape).dims
+            row[K.PR_DIMS], row[K.PR_NDIMS] = put(dims), len(dims)  # the decoder checks every payload's
+            if table_fits(model, bits, shape):
+                _, m, cdiv, cmod, groups, coder, comp_group, comp_pooled, _, _, steps, pooled, form_bytes = \
+                    _encode_args(model, bits, shape, KIND_RANS)[:13]
+                row[K.PR_M], row[K.PR_CDIV], row[K.PR_CMOD], row[K.PR_GROUPS] = m, cdiv, cmod, groups
+                row[K.PR_CODER] = put(coder)
+                row[K.PR_CG], row[K.PR_CG_ROWS], row[K.PR_CP] = put(comp_group), len(comp_group), put(comp_pooled)
+                row[K.PR_FORMS], row[K.PR_NFORMS] = put(steps, pooled, form_bytes), len(steps)
         rows.append(row)
-        coders.append(coder)
         pay += raw
-    forms = np.zeros((2, 3, len(_GROUP_FORMS)), np.int64)
-    nforms = np.zeros(2, np.int64)
-    for c, (choice, steps, pooled) in enumerate(_FORM_CHOICES):
-        n = len(choice)
-        nforms[c] = n
-        forms[c, 0, :n], forms[c, 1, :n] = steps, pooled
-        forms[c, 2, :n] = [MODELS.index(model) | _GROUP_FORMS[f][0] << 2 | int(_GROUP_FORMS[f][1]) << 4 for f in choice]
     table_run, run = _LANE_RUNS[KIND_RANS]
-    args = (np.array(rows, np.int64).reshape(len(rows), K.PR_COLUMNS), np.array(coders, np.int64).reshape(-1, 4),
-            np.concatenate(pool) if pool else np.zeros(0, np.int64), forms, nforms, _NEG_GRID, _GRID16, MAX_LEVEL,
-            WEIGHT_BITS, KR.PRECISION, table_run, run, KIND_RANS, MAX_SYMBOLS_PER_BYTE)
+    rows_arr = np.array(rows, np.int64).reshape(len(rows), K.PR_COLUMNS)
+    pool_arr = np.concatenate(pool) if pool else np.zeros(0, np.int64)
+    args = (rows_arr, pool_arr, _NEG_GRID, _GRID16, MAX_LEVEL, WEIGHT_BITS, KR.PRECISION, table_run, run, KIND_RANS,
+            MAX_SYMBOLS_PER_BYTE)
     limits = np.zeros(K.LIM_STEPS + len(TABLE_STEPS), np.int64)
     for i, v in ((K.LIM_MAX_LEVEL, MAX_LEVEL), (K.LIM_WEIGHT_BITS, WEIGHT_BITS), (K.LIM_PREC, KR.PRECISION),
                  (K.LIM_MAX_RESIDUAL, _MAX_RESIDUAL), (K.LIM_MAX_TABLE_ENTRIES, MAX_TABLE_ENTRIES),
@@ -398,7 +397,15 @@ def tensor_program(model: str, segments: Sequence[tuple[int, tuple[int, ...], in
                  (K.LIM_LANE_RUN, KR.LANE_RUN), (K.LIM_NO_LANE_RUN, KR.NO_LANE_RUN)):
         limits[i] = v
     limits[K.LIM_STEPS :] = TABLE_STEPS
-    return RansProgram(args, pay, (args[2], MODELS.index(model), limits, _GRID16))
+    return RansProgram(args, pay, (pool_arr, MODELS.index(model), limits, _GRID16))
+
+
+def table_fits(model: str, bits: int, shape: Sequence[int]) -> bool:
+    """Whether symbols of ``bits`` and ``shape`` can be rANS-coded with a table the decoder
+    accepts: at most :data:`~kvtune.codecs.range_coder.MAX_TABLE_ENTRIES` groups x symbols (a
+    per-channel model of a head_dim beyond 65,536 at 8 bits is not; :meth:`RansCodec.pack` stores
+    such symbols raw)."""
+    return _layout(model, bits, tuple(int(d) for d in shape)).groups << bits <= MAX_TABLE_ENTRIES
 
 
 # ----------------------------------------------------------------------------- decode
@@ -585,8 +592,9 @@ class RansCodec(Codec):
         """rANS-code ``symbols`` (any shape, C order; last axis = channels, axis 1 = heads).
 
         Returns:
-            The packed bytes, deterministic. Stored raw (kind 0) when ``bits == 16`` or when
-            rANS would not be smaller.
+            The packed bytes, deterministic. Stored raw (kind 0) when ``bits == 16``, when
+            rANS would not be smaller, or when its table would exceed the decoder's limit
+            (:func:`table_fits`).
 
         Raises:
             ValueError: wrong dtype, a symbol ``>= 2**bits``, or an unsupported width.
@@ -596,7 +604,7 @@ class RansCodec(Codec):
         if bits == RAW16:
             return bytes([KIND_RAW]) + flat.astype("<u2", copy=False).tobytes()
         raw_len = 1 + packed_nbytes(flat.size, bits)
-        if flat.size:
+        if flat.size and table_fits(self.model, bits, a.shape):
             coded = encode_rans(a, bits, self.model)
             if len(coded) < raw_len:
                 return coded

@@ -22,14 +22,16 @@ from .lowlevel import INLINE, JIT
 from .rans import rans_decode_payload, rans_encode_bytes
 from .segments import SEG_META, SEG_META_LEN, encode_segments
 
-(PR_BITS, PR_COUNT, PR_SYM, PR_M, PR_CDIV, PR_CMOD, PR_GROUPS, PR_CG, PR_CG_ROWS, PR_CP, PR_DIMS, PR_NDIMS,
- PR_FORMS, PR_RAW, PR_PAY) = range(15)
+(PR_BITS, PR_COUNT, PR_SYM, PR_M, PR_CDIV, PR_CMOD, PR_GROUPS, PR_CODER, PR_CG, PR_CG_ROWS, PR_CP, PR_DIMS,
+ PR_NDIMS, PR_FORMS, PR_NFORMS, PR_RAW, PR_PAY) = range(17)
 """Columns of a program row: the segment's bits (16: stored raw), symbol count, symbol offset in
-the scratch buffer; the layout's fusion ``m``, symbol-group ``(div, mod)`` and groups; the
-offsets in the pool of the per-group fused-model table (and its rows), of the pooled one and of
-the layout dims (and their count); the candidate table forms (0 all, 1 pooled only); the raw
-payload's size; the payload's offset in the payload buffer."""
-PR_COLUMNS = 15
+the scratch buffer; the layout's fusion ``m`` (0: stored raw, its table would be too large),
+symbol-group ``(div, mod)`` and groups; the offsets in the pool of the coder's four ``(div,
+mod)`` values, of the per-group fused-model table (and its rows), of the pooled one, of the
+layout dims (and their count) and of the candidate table forms (their steps, pooled flags and
+form bytes, ``PR_NFORMS`` each); the raw payload's size; the payload's offset in the payload
+buffer."""
+PR_COLUMNS = 17
 """Columns of a program row."""
 
 
@@ -43,15 +45,15 @@ def _copy(src, a, dst, b, n):
 
 
 @njit(**JIT)
-def rans_pack_segments(symbuf, rows, coders, pool, forms, nforms, neg_grid, grid16, max_level, weight_bits, prec,
-                       table_lane_run, lane_run, kind, per_byte, pay, lengths):
+def rans_pack_segments(symbuf, rows, pool, neg_grid, grid16, max_level, weight_bits, prec, table_lane_run, lane_run,
+                       kind, per_byte, pay, lengths):
     """Each segment's payload, as :meth:`kvtune.codecs.rans.RansCodec.pack` writes it, at the
     row's ``PR_PAY`` offset of uint8 ``pay``; its length in ``lengths[s]``.
 
     Reference: per row, ``RansCodec(model).pack(symbols, bits)`` of the row's symbols in
     ``symbuf`` (uint8; bits 16: little-endian uint16 bytes), with the arguments of
-    :func:`kvtune.codecs.rans.encode_rans` (``rows``, ``coders``, ``pool``, ``forms`` /
-    ``nforms`` and the constants: :func:`kvtune.codecs.rans.tensor_program`).
+    :func:`kvtune.codecs.rans.encode_rans` (``rows``, ``pool`` and the constants:
+    :func:`kvtune.codecs.rans.tensor_program`).
 
     Returns:
         0, or ``s + 1`` when row ``s`` holds a symbol of ``2**bits`` or more (nothing is
@@ -59,45 +61,42 @@ def rans_pack_segments(symbuf, rows, coders, pool, forms, nforms, neg_grid, grid
     """
     for s in range(rows.shape[0]):
         bits, count, so = rows[s, PR_BITS], rows[s, PR_COUNT], rows[s, PR_SYM]
-        at, raw = rows[s, PR_PAY], rows[s, PR_RAW]
+        at, raw, m = rows[s, PR_PAY], rows[s, PR_RAW], rows[s, PR_M]
         if bits == 16 or count == 0:  # stored raw: the kind byte, then the little-endian words
             pay[at] = 0
             _copy(symbuf, so, pay, at + 1, raw - 1)
             lengths[s] = raw
             continue
-        m, nq = rows[s, PR_M], rows[s, PR_CG_ROWS]
-        comp_group = np.empty((nq, m), np.int64)
-        comp_pooled = np.empty((1, m), np.int64)
-        for i in range(nq * m):
-            comp_group[i // m, i % m] = pool[rows[s, PR_CG] + i]
-        for i in range(m):
-            comp_pooled[0, i] = pool[rows[s, PR_CP] + i]
-        dims = pool[rows[s, PR_DIMS] : rows[s, PR_DIMS] + rows[s, PR_NDIMS]].copy()
-        f = rows[s, PR_FORMS]
-        nf = nforms[f]
         flat = symbuf[so : so + count]
-        top, payload = rans_encode_bytes(flat, bits, m, rows[s, PR_CDIV], rows[s, PR_CMOD], rows[s, PR_GROUPS],
-                                         coders[s].copy(), comp_group, comp_pooled, neg_grid, grid16,
-                                         forms[f, 0, :nf].copy(), forms[f, 1, :nf].copy(), forms[f, 2, :nf].copy(),
-                                         max_level, weight_bits, prec, table_lane_run, lane_run, kind, dims, True,
-                                         per_byte)
-        if top >> bits:
-            return s + 1
-        n = payload.shape[0]
-        if n < raw:
-            _copy(payload, 0, pay, at, n)
-            lengths[s] = n
-        else:  # rANS is not smaller: raw, as bitpack
+        n = raw
+        if m > 0:
+            nq, f, nf = rows[s, PR_CG_ROWS], rows[s, PR_FORMS], rows[s, PR_NFORMS]
+            comp_group = pool[rows[s, PR_CG] : rows[s, PR_CG] + nq * m].copy().reshape((nq, m))
+            comp_pooled = pool[rows[s, PR_CP] : rows[s, PR_CP] + m].copy().reshape((1, m))
+            top, payload = rans_encode_bytes(flat, bits, m, rows[s, PR_CDIV], rows[s, PR_CMOD], rows[s, PR_GROUPS],
+                                             pool[rows[s, PR_CODER] : rows[s, PR_CODER] + 4].copy(), comp_group,
+                                             comp_pooled, neg_grid, grid16, pool[f : f + nf].copy(),
+                                             pool[f + nf : f + 2 * nf].copy(), pool[f + 2 * nf : f + 3 * nf].copy(),
+                                             max_level, weight_bits, prec, table_lane_run, lane_run, kind,
+                                             pool[rows[s, PR_DIMS] : rows[s, PR_DIMS] + rows[s, PR_NDIMS]].copy(),
+                                             True, per_byte)
+            if top >> bits:
+                return s + 1
+            n = payload.shape[0]
+            if n < raw:
+                _copy(payload, 0, pay, at, n)
+        if n >= raw:  # rANS is not smaller, or its table is too large: raw, as bitpack
+            if pack_bits(flat, bits, pay[at + 1 : at + raw]) >> bits:
+                return s + 1
             pay[at] = 0
-            pack_bits(flat, bits, pay[at + 1 : at + raw])
-            lengths[s] = raw
+            n = raw
+        lengths[s] = n
     return 0
 
 
 @njit(**JIT)
-def rans_encode_tensor(x, segs, idx, out, symbuf, lut8, books, state_nbytes, rows, coders, pool, forms, nforms,
-                       neg_grid, grid16, max_level, weight_bits, prec, table_lane_run, lane_run, kind, per_byte, pay,
-                       lengths):
+def rans_encode_tensor(x, segs, idx, out, symbuf, lut8, books, state_nbytes, rows, pool, neg_grid, grid16, max_level,
+                       weight_bits, prec, table_lane_run, lane_run, kind, per_byte, pay, lengths):
     """Quantize every segment of one tensor and rANS-code its symbols, in one call.
 
     Reference: :func:`.segments.encode_segments` without packing (metadata into ``out`` at the
@@ -116,8 +115,8 @@ def rans_encode_tensor(x, segs, idx, out, symbuf, lut8, books, state_nbytes, row
         ``(status, crc)``: status as :func:`rans_pack_segments` (the CRC is then 0).
     """
     encode_segments(x, segs, idx, out, symbuf, False, lut8, books)
-    status = rans_pack_segments(symbuf, rows, coders, pool, forms, nforms, neg_grid, grid16, max_level, weight_bits,
-                                prec, table_lane_run, lane_run, kind, per_byte, pay, lengths)
+    status = rans_pack_segments(symbuf, rows, pool, neg_grid, grid16, max_level, weight_bits, prec, table_lane_run,
+                                lane_run, kind, per_byte, pay, lengths)
     if status:
         return status, np.int64(0)
     crc = crc32_update(0, out[:state_nbytes])
