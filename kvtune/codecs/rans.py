@@ -60,7 +60,8 @@ Wire layout of one packed tensor (little-endian)::
 The zero padding (only for near-constant tensors, below ~0.008 bits per symbol) makes every
 payload at least ``count / MAX_SYMBOLS_PER_BYTE`` bytes long, so a payload bounds the symbols it
 can hold (:meth:`RansCodec.max_symbols`) and a forged count is refused before anything is
-allocated. A tensor whose rANS form would not be smaller than raw is stored raw (kind 0).
+allocated. A tensor whose rANS form would not be smaller than raw is stored raw (kind 0), and so is one
+whose table would exceed the decoder's limit (:func:`table_fits`).
 
 Decoding checks every field against ``count`` / ``shape`` and the bytes present before
 allocating what it sizes (a per-group table has at most :data:`MAX_TABLE_MODELS` fused models),
