@@ -1031,6 +1031,15 @@ with kernel_cache_dir():
         return at + nbytes
 
     @njit(**JIT)
+    def header_crc_seed(count, bits):
+        """The CRC32 a payload's header checksum starts from: ``zlib.crc32`` of ``count`` as 8
+        little-endian bytes and ``bits`` as 1 (so a header moved to another tensor fails)."""
+        pre = np.empty(9, np.uint8)
+        _put_le(pre, 0, count, 8)
+        pre[8] = np.uint8(bits)
+        return crc32_update(0, pre)
+
+    @njit(**JIT)
     def rans_payload_bytes(kind, form_byte, m, dims, hist, twords, words, words_crc, count, bits, tail, per_byte):
         """The wire bytes of one rANS payload (:mod:`kvtune.codecs.rans`: kind, form byte, ``m``,
         the u32 ``dims``, the table histogram and words, the header CRC32 over those bytes
@@ -1061,10 +1070,7 @@ with kernel_cache_dir():
         at = _put_le(out, at, nt, 4)
         for w in twords:
             at = _put_le(out, at, w, 2)
-        pre = np.empty(9, np.uint8)
-        _put_le(pre, 0, count, 8)
-        pre[8] = np.uint8(bits)
-        at = _put_le(out, at, crc32_update(crc32_update(0, pre), out[:head]), 4)
+        at = _put_le(out, at, crc32_update(header_crc_seed(count, bits), out[:head]), 4)
         at = _put_le(out, at, nw + pad, 4)
         w_at = np.uintp(at)
         src = (_swapped(words) if _BIG_ENDIAN else words).view(np.uint8)

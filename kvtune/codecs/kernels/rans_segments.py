@@ -19,7 +19,7 @@ from numba import njit, uintp
 from .bitpack import pack_bits, unpack_bits
 from .crc import crc32_update
 from .lowlevel import INLINE, JIT
-from .rans import rans_decode_payload, rans_encode_bytes
+from .rans import header_crc_seed, rans_decode_payload, rans_encode_bytes
 from .segments import SEG_META, SEG_META_LEN, encode_segments
 
 (PR_BITS, PR_COUNT, PR_SYM, PR_M, PR_CDIV, PR_CMOD, PR_GROUPS, PR_CODER, PR_CG, PR_CG_ROWS, PR_CP, PR_DIMS,
@@ -145,16 +145,6 @@ def _u32(buf, at):
             | np.int64(buf[at + 3]) << 24)
 
 
-@njit(**INLINE)
-def _crc_of_count(count, bits):
-    """``zlib.crc32(count.to_bytes(8, "little") + bytes([bits]))``."""
-    pre = np.empty(9, np.uint8)
-    for i in range(8):
-        pre[i] = np.uint8((count >> (8 * i)) & 0xFF)
-    pre[8] = np.uint8(bits)
-    return crc32_update(0, pre)
-
-
 @njit(**JIT)
 def rans_unpack_payload(buf, bits, count, model_id, dims, limits, grid16, out):
     """Decode one ``rans`` payload (the kind byte included) into uint8 ``out``: ``count``
@@ -236,7 +226,7 @@ def rans_unpack_payload(buf, bits, count, model_id, dims, limits, grid16, out):
     if at + 2 * nt + 4 > n:
         return False
     at += 2 * nt
-    if _u32(buf, at) != crc32_update(_crc_of_count(count, bits), buf[:at]):
+    if _u32(buf, at) != crc32_update(header_crc_seed(count, bits), buf[:at]):
         return False
     at += 4
     if total > k * (groups + 1) or total < k:
