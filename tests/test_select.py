@@ -475,6 +475,10 @@ def test_continuation_with_everything_kept_scores_like_no_selection(tiny_model_d
     assert h1.selection_nbytes == 2 * 2 * 6 and h1.payload_nbytes == h0.payload_nbytes
     assert r1["stream_bytes"] - r0["stream_bytes"] == 4 * (h1.header_nbytes - h0.header_nbytes + 24)
     assert r2["stream_bytes"] < 0.7 * r0["stream_bytes"] and r2["kl_mean"] != r0["kl_mean"]
+    # after the shorter rows of keep 0.5, a policy that keeps every token decodes into whole rows again
+    r3 = wl.evaluate(base, fidelity="cheap")
+    for key in ("relative_accuracy_raw", "kl_mean", "top1_agreement", "nll", "stream_bytes"):
+        assert r3[key] == r0[key], key
 
 
 def test_keep_is_refused_on_sliding_window_models_and_other_workloads(tiny_gemma_dir, tiny_model_dir, tiny_text):

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from kvtune.codecs import PolicyConfig, original_nbytes
+from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, original_nbytes
 from kvtune.core.errors import KvtuneError
 from kvtune.evaluate import metrics
 from kvtune.evaluate.model import cache_to_kv, forward_cache, kv_to_cache, load_model
@@ -141,6 +141,9 @@ def test_continuation_full_matches_the_former_evaluator(tiny):
     from kvtune.evaluate.workloads.continuation import roundtrip_contexts
 
     decoded, st = roundtrip_contexts(cap, KIVI2, lm)
+    for i in range(3):  # each row (decoded straight into the buffers) is decode_kv of the context's stream
+        want = decode_kv(encode_kv(cap.context_kv(i), KIVI2))
+        assert all(torch.equal(k[i : i + 1], wk) and torch.equal(v[i : i + 1], wv) for (k, v), (wk, wv) in zip(decoded, want))
     ref = metrics.continuation_scores(cap.baseline_logits, continuation_logits(lm, cap, decoded), cap.continuation_ids)
     lo, hi = metrics.bootstrap_relative_accuracy(ref["per_context_nll_delta"])
     assert row["relative_accuracy_raw"] == ref["relative_accuracy"] and row["kl_mean"] == ref["kl_mean"]

@@ -132,8 +132,11 @@ def check_selection_fits(lm: LoadedModel, config: PolicyConfig, *, workload: str
         raise ConfigError(f"policy {config.label}: {reason}")
 
 
-def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> tuple[KVLayers, bytes, float, float]:
-    """Encode ``kv`` with ``config``, decode it from the bytes alone, time both.
+def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig,
+                  out: KVLayers | None = None) -> tuple[KVLayers, bytes, float, float]:
+    """Encode ``kv`` with ``config``, decode it from the bytes alone (into ``out`` when given:
+    preallocated contiguous tensors on ``lm.device`` of the decoded shapes and dtype, see
+    :func:`~kvtune.codecs.decode_kv`), time both.
 
     Both run where the data is: with ``kv`` on a GPU, :func:`encode_kv` takes the device path
     of :mod:`kvtune.codecs.torchpath` (``impl="auto"``), and :func:`decode_kv` decodes onto
@@ -149,7 +152,7 @@ def encode_decode(lm: LoadedModel, kv: KVLayers, config: PolicyConfig) -> tuple[
     t0 = time.perf_counter()
     stream = encode_kv(kv, config, **_encode_kwargs(lm))
     t1 = time.perf_counter()
-    decoded = decode_kv(stream, expect=config, device=lm.device)
+    decoded = decode_kv(stream, expect=config, device=lm.device, out=out)
     _sync(lm.device)
     t2 = time.perf_counter()
     return decoded, stream, t1 - t0, t2 - t1
