@@ -143,7 +143,8 @@ def test_continuation_full_matches_the_former_evaluator(tiny):
     decoded, st = roundtrip_contexts(cap, KIVI2, lm)
     for i in range(3):  # each row (decoded straight into the buffers) is decode_kv of the context's stream
         want = decode_kv(encode_kv(cap.context_kv(i), KIVI2))
-        assert all(torch.equal(k[i : i + 1], wk) and torch.equal(v[i : i + 1], wv) for (k, v), (wk, wv) in zip(decoded, want))
+        for (k, v), (wk, wv) in zip(decoded, want):
+            assert torch.equal(k[i : i + 1], wk) and torch.equal(v[i : i + 1], wv)
     ref = metrics.continuation_scores(cap.baseline_logits, continuation_logits(lm, cap, decoded), cap.continuation_ids)
     lo, hi = metrics.bootstrap_relative_accuracy(ref["per_context_nll_delta"])
     assert row["relative_accuracy_raw"] == ref["relative_accuracy"] and row["kl_mean"] == ref["kl_mean"]

@@ -76,19 +76,18 @@ class RoundtripStats:
         """Encode ``kv`` (one context, model dtype), decode it from the bytes alone into row
         ``row`` of ``buffers``, count it.
 
-        A policy that keeps every token decodes straight into the row
-        (``decode_kv(out=...)``, as a serving engine fills its KV cache blocks), so the timed
-        decode writes the buffer and no copy follows it. A token-selecting one (``keep``)
-        decodes fresh ``(1, kv_heads, kept, head_dim)`` tensors, copied into the row's first
-        ``kept`` tokens after the timing. The decode timing is then the one the codec benchmark
-        judges (decode into preallocated tensors), and the round trips run without a copy
-        between them. On bf16 KV of the default model, 8 copies of one context in turn (one-off
-        script, 2 threads, 2-vCPU AMD EPYC Zen 5), ``kivi-2`` measured 11.9 / 16.8 GB/s to encode
-        / decode with fresh tensors and no copy, 7.0 / 10.8 GB/s with a copy after each round
-        trip, 12.9 / 17.9 GB/s decoding into the buffers. Inside a profile no gain showed
-        (``--space presets``, 8 contexts, float32 KV in and out): one run of the copying code
-        and two of this one measured the bit-packed presets without ``keep`` at 2.4-6.7 GB/s to encode and
-        4.4-10.0 GB/s to decode, with no order between the ways."""
+        A policy that keeps every token decodes straight into the row (``decode_kv(out=...)``,
+        as a serving engine fills its KV cache blocks): the timed decode is the one the codec
+        benchmark judges, and no copy follows it. A token-selecting one (``keep``) decodes
+        fresh ``(1, kv_heads, kept, head_dim)`` tensors, copied into the row's first ``kept``
+        tokens after the timing. Measured (2-vCPU AMD EPYC Zen 5, 2026-12-05): on bf16 KV of the
+        default model, 8 copies of one context in turn, ``kivi-2`` encoded / decoded at 11.9 /
+        16.8 GB/s into fresh tensors, 7.0 / 10.8 GB/s with a copy after each round trip and 12.9
+        / 17.9 GB/s into the buffers (one-off script, 2 threads); inside a profile (``--space
+        presets``, 8 contexts, float32 KV) no gain showed: the bit-packed presets without
+        ``keep`` measured 2.4-6.7 GB/s to encode and 4.4-10.0 GB/s to decode in one run of the
+        copying code and two of this one, in no order.
+        """
         out = buffers.row(row) if selecting_transform(config) is None else None
         decoded, stream, t_enc, t_dec = encode_decode(lm, kv, config, out=out)
         if out is None:
