@@ -50,6 +50,8 @@ def profile(
     refine: bool = typer.Option(_D.refine, help="Re-evaluate the search's Pareto set at full fidelity."),
     refine_budget: int = typer.Option(_D.refine_budget, min=0, help="At most this many Pareto policies are "
                                       "re-evaluated, 2-D accuracy/ratio front first (0 = all)."),
+    climb_budget: int = typer.Option(_D.climb_budget, min=0, help="After the refinement, at most this many more "
+                                     "full-fidelity evaluations where a table floor is likeliest to gain ratio."),
     kv_dtype: str = typer.Option(_D.kv_dtype, help="bfloat16 (KV rounded to and stored in bf16, as a bf16 server "
                                  "holds it; half the memory) or model (KV as computed, float32 on CPU)."),
     prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
@@ -143,7 +145,7 @@ def profile(
                 context_tokens=context_tokens, continuation_tokens=continuation_tokens, out=str(out),
                 reports=str(reports), run=run, device=device, seed=seed, workload=workload, data=data,
                 samples=samples, cheap_samples=cheap_samples, max_new_tokens=max_new_tokens,
-                search_fidelity=search_fidelity, refine=refine, refine_budget=refine_budget, kv_dtype=kv_dtype, prompt_format=prompt_format,
+                search_fidelity=search_fidelity, refine=refine, refine_budget=refine_budget, climb_budget=climb_budget, kv_dtype=kv_dtype, prompt_format=prompt_format,
             )
         with _progress_hooks() as (on_stage, on_progress):
             result = run_profile(settings, resume=resume is not None, on_stage=on_stage, on_progress=on_progress,
@@ -160,7 +162,7 @@ SHARED_SETTINGS = frozenset({"device", "seed"})
 #: ``kvtune profile`` options that are T/Q/C settings (the other methods take theirs via --set).
 TQC_OWN_OPTIONS = frozenset({
     "text", "workload", "data", "samples", "cheap_samples", "max_new_tokens", "search_fidelity", "refine",
-    "refine_budget", "kv_dtype", "prompt_format", "space", "budget", "optimizer", "contexts", "context_tokens",
+    "refine_budget", "climb_budget", "kv_dtype", "prompt_format", "space", "budget", "optimizer", "contexts", "context_tokens",
     "continuation_tokens"})
 
 

@@ -499,3 +499,44 @@ def test_progress_lines_do_not_wrap(monkeypatch, terminal, width):
     else:
         assert [re.sub(r"^\[[0-9:]{8}\] ", "", line) for line in lines] == [
             "evaluate candidates (2)", f"  evaluate candidates 1/2 0s {info}"]
+
+
+CLIMB_SPACE = """\
+version: 2
+name: climb
+description: one family of uniform K/V widths, for floor climbing
+parameters:
+  transforms: {type: categorical, values: [identity]}
+  kv.name: {type: categorical, values: [uniform]}
+  key.bits: {type: ordinal, values: [2, 3, 4, 8], precision: increasing}
+  value.bits: {type: ordinal, values: [2, 3, 4, 8], precision: increasing}
+"""
+
+
+def test_floor_climbing_adds_full_fidelity_rows_within_its_budget_and_resume_adds_none(tmp_path, tiny_model_dir,
+                                                                                      tiny_text):
+    """On the tiny model the refinement leaves the 99 % floor at 2.85x (K2/V4 and K4/V2 bits);
+    K2/V2 misses it (lower end 98.98 %), and the climb's one pick, K2/V3, clears it at 3.13x."""
+    space = tmp_path / "climb.yaml"
+    space.write_text(CLIMB_SPACE)
+    args = ("--cheap-samples", "2", "--space", str(space), "--refine-budget", "3")
+    res = _profile(tmp_path, tiny_model_dir, tiny_text, *args, "--climb-budget", "2")
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "profiles" / "tiny"
+    trials = pd.read_parquet(run / "trials.parquet")
+    refined, climbed = trials[trials["stage"] == "refine"], trials[trials["stage"] == "climb"]
+    assert len(refined) == 3 and len(climbed) == 1 and (climbed["fidelity"] == "full").all()
+    assert (climbed["samples"] == 3).all() and not set(climbed["policy_id"]) & set(refined["policy_id"])
+    row = climbed.iloc[0]
+    assert "K:u2a" in row["label"] and "V:u3a" in row["label"] and row["relative_accuracy_lo"] >= 0.99
+    assert refined.loc[refined["relative_accuracy_lo"] >= 0.99, "compression_ratio"].max() == pytest.approx(2.854, abs=1e-3)
+    assert row["compression_ratio"] == pytest.approx(3.134, abs=1e-3)
+    assert "clears: 99 % 3.13x" in res.output
+    assert "climb" in json.loads((run / "run.json").read_text())["timing_seconds"]
+    assert runner.invoke(app, ["profile", "--resume", str(run)]).exit_code == 0  # complete: nothing more
+    assert len(pd.read_parquet(run / "trials.parquet")) == len(trials)
+    # without climbing the floor stays at the refinement's 2.85x
+    res = _profile(tmp_path / "no-climb", tiny_model_dir, tiny_text, *args, "--climb-budget", "0")
+    assert res.exit_code == 0, res.output
+    trials = pd.read_parquet(tmp_path / "no-climb" / "profiles" / "tiny" / "trials.parquet")
+    assert "climb" not in set(trials["stage"]) and "clears: 99 % 2.85x" in res.output

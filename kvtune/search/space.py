@@ -263,6 +263,31 @@ class SearchSpace:
                 return False
         return True
 
+    def precision_order(self) -> np.ndarray:
+        """:meth:`at_most_as_precise` of every pair at once: ``(n, n)`` bool, ``[a, b]`` true
+        when ``candidates[a]`` is at most as precise as ``candidates[b]`` (the diagonal is true).
+
+        Candidates are grouped by family and by their values of numeric parameters without a
+        precision direction; inside a group, ``a <= b`` iff every numeric value, negated where
+        a larger one is less precise, is at most ``b``'s.
+        """
+        n = len(self.candidates)
+        out = np.zeros((n, n), dtype=bool)
+        groups: dict[tuple, list[int]] = {}
+        for pos, c in enumerate(self.candidates):
+            free = tuple((p.key, c.params[p.key]) for p in self.parameters
+                         if p.is_numeric and p.precision == "none" and p.key in c.params)
+            groups.setdefault((self.family(c), free), []).append(pos)
+        for members in groups.values():
+            first = self.candidates[members[0]].params
+            directed = [p for p in self.parameters if p.is_numeric and p.precision != "none" and p.key in first]
+            signs = np.array([1.0 if p.precision == "increasing" else -1.0 for p in directed])
+            a = np.array([[float(self.candidates[i].params[p.key]) for p in directed] for i in members]).reshape(
+                len(members), len(directed)) * signs
+            ix = np.asarray(members)
+            out[np.ix_(ix, ix)] = (a[:, None, :] <= a[None, :, :]).all(-1)
+        return out
+
 
 def resolve_space_path(spec: str) -> Path:
     """``--space`` value -> file: a path, or the name of a bundled space in :data:`SPACES_DIR`

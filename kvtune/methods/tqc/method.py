@@ -213,10 +213,47 @@ class TQCMethod(Method):
             by_id = {c.policy_id: c for c in space.candidates}
             chosen = [by_id[pid] for pid in refinement_order(front, st.refine_budget, tuple(st.floors))]
             full = done.get("full", {})
-            yield Stage("refine", chosen, in_order(chosen), len(chosen),
+            refine = in_order(chosen)
+            yield Stage("refine", chosen, refine, len(chosen),
                         {c.policy_id: full[c.policy_id] for c in chosen if c.policy_id in full},
                         title="re-evaluate Pareto set (full)")
-        context.times["refine"] = time.perf_counter() - t_searched
+            context.times["refine"] = time.perf_counter() - t_searched
+            t_refined = time.perf_counter()
+            yield from self.climb(context, {r["policy_id"]: r for r in optimizer.told.values()},
+                                  {**full, **{r["policy_id"]: r for r in refine.told.values()}}, stored)
+            context.times["climb"] = time.perf_counter() - t_refined
+        else:
+            context.times["refine"] = time.perf_counter() - t_searched
+
+    def climb(self, context: TQCContext, cheap: dict[str, dict[str, Any]], full: dict[str, dict[str, Any]],
+              stored: list[dict[str, Any]]) -> Iterator[Stage]:
+        """Floor climbing (:mod:`kvtune.search.climb`): after the refinement, up to
+        ``settings.climb_budget`` more full-fidelity evaluations, one at a time, each picked
+        from the results so far (``cheap`` and ``full``: trial rows by policy id; a resumed run
+        counts its stored ``climb`` rows against the budget). Nothing without the up-front
+        ratio estimates."""
+        from kvtune.run.loop import in_order
+        from kvtune.search.climb import MIN_GAIN, climb_pick
+
+        st, space = context.settings, context.space
+        if context.ratios is None or st.climb_budget <= 0:
+            return
+        position = {c.policy_id: i for i, c in enumerate(space.candidates)}
+        full_at = {position[pid]: r for pid, r in full.items() if pid in position}
+        cheap_at = {position[pid]: r for pid, r in cheap.items() if pid in position}
+        used = sum(1 for r in stored if r.get("stage") == "climb")
+        device = search_device(st.device, context.lm)
+        for _ in range(used, st.climb_budget):
+            pick = climb_pick(space, context.ratios, full_at, st.floors, cheap=cheap_at, device=device)
+            if pick is None:
+                log.info("floor climbing stops: no policy is expected to raise a floor's ratio by %.0f %%", 100 * MIN_GAIN)
+                return
+            cand = space.candidates[pick.index]
+            step = in_order([cand])
+            yield Stage("climb", [cand], step, 1,
+                        title=(f"climb toward {pick.floor:.0%}: {pick.ratio:.2f}x, P(clears) {pick.probability:.2f} "
+                               f"(best {pick.best_ratio:.2f}x) (full)"))
+            full_at.update({pick.index: r for r in step.told.values()})
 
     def evaluate(self, context: TQCContext, candidate: Any, stage: Stage) -> dict[str, Any]:
         from kvtune.methods.tqc.profile import trial_record

@@ -14,8 +14,10 @@ from kvtune.run.settings import RunSettings
 
 SETTINGS_VERSION = 2
 """Version 2 added the workload fields (``workload``, ``data``, ``samples``, ``cheap_samples``,
-``max_new_tokens``, ``kv_dtype``, ``prompt_format``, ``search_fidelity``, ``refine``, ``refine_budget``); version-1 settings load with their
-defaults, which reproduce a version-1 run (the ``continuation`` workload)."""
+``max_new_tokens``, ``kv_dtype``, ``prompt_format``, ``search_fidelity``, ``refine``,
+``refine_budget``; later ``climb_budget``, which settings written before it load with its
+default); version-1 settings load with their defaults, which reproduce a version-1 run (the
+``continuation`` workload)."""
 READABLE_VERSIONS = (1, 2)
 
 
@@ -59,6 +61,9 @@ class ProfileSettings(RunSettings):
             then use the full-fidelity results (no effect when ``search_fidelity`` is ``full``).
         refine_budget: at most this many Pareto policies are re-evaluated (0 = all), in the
             order of :func:`kvtune.methods.tqc.profile.refinement_order`.
+        climb_budget: after the refinement, at most this many more policies are evaluated
+            at full fidelity, one at a time, where a table floor is most likely to gain ratio
+            (:mod:`kvtune.search.climb`; 0 = none).
         optimizer: registered optimizer name.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: seeds the optimizer (and anything random) so runs reproduce.
@@ -87,6 +92,7 @@ class ProfileSettings(RunSettings):
     search_fidelity: str = "cheap"
     refine: bool = True
     refine_budget: int = 16
+    climb_budget: int = 4
     run: str = ""
     out: str = "profiles"
     reports: str = "reports"

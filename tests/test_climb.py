@@ -1,0 +1,108 @@
+"""Floor climbing (kvtune.search.climb) and the space's vectorized precision order, on the
+synthetic problem whose exhaustive table gives the answers."""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+
+from kvtune.search import climb as climb_mod
+from kvtune.search.climb import best_full_ratio, climb_pick, missed
+from kvtune.search.optimizers.synthetic import synthetic_problem
+from kvtune.search.space import load_space
+
+
+@pytest.fixture(scope="module")
+def small():
+    space, table = synthetic_problem("small")
+    return space, table.to_dict("records"), table["compression_ratio"].to_numpy()
+
+
+def test_module_doctests():
+    assert doctest.testmod(climb_mod).failed == 0
+
+
+@pytest.mark.parametrize("name", ["default", "synthetic"])
+def test_precision_order_is_at_most_as_precise_for_every_pair(name):
+    space = load_space("default") if name == "default" else synthetic_problem("small")[0]
+    order = space.precision_order()
+    c = space.candidates
+    expected = np.array([[space.at_most_as_precise(a, b) for b in c] for a in c])
+    assert order.shape == (len(c), len(c)) and (order == expected).all()
+    assert order.sum() > 2 * len(c)  # not only the diagonal
+
+
+def _family(space, transforms="hadamard", model="per_channel"):
+    return [i for i, c in enumerate(space.candidates)
+            if c.params["transforms"] == transforms and c.params.get("codec.model") == model]
+
+
+def test_climbing_from_the_corners_of_a_family_reaches_each_floors_best_policy(small):
+    """Start like a refinement that missed: a family's extreme policies at full fidelity (2 and
+    8 bits: every one at or below 95.1 % or at most 1.93x). The exhaustive table's best ratios
+    clearing 99 % and 97 % in that family are 3.26x and 3.68x; four picks reach both, each pick
+    stays out of the pruned set, and then nothing is worth another evaluation."""
+    space, rows, ratios = small
+    fam = _family(space)
+    corner = [i for i in fam if space.candidates[i].params["key.bits"] in (2, 8)
+              and space.candidates[i].params["value.bits"] in (2, 8)]
+    full = {i: rows[i] for i in corner}
+    best = {q: max(rows[i]["compression_ratio"] for i in fam if rows[i]["relative_accuracy_lo"] >= q) for q in (0.99, 0.97)}
+    assert best[0.99] == pytest.approx(3.26, abs=0.005) and best[0.97] == pytest.approx(3.68, abs=0.005)
+    assert best_full_ratio(full, 0.99) == best_full_ratio(full, 0.97) == pytest.approx(1.93, abs=0.005)
+    order = space.precision_order()
+    picks = []
+    while (pick := climb_pick(space, ratios, full, (0.99, 0.97))) is not None:
+        assert pick.index in fam and pick.index not in full
+        assert not order[pick.index, missed(full, {}, pick.floor)].any()
+        assert pick.best_ratio == best_full_ratio(full, pick.floor) and pick.gain >= climb_mod.MIN_GAIN
+        full[pick.index] = rows[pick.index]
+        picks.append(pick)
+        assert len(picks) <= 8
+    assert len(picks) == 4
+    assert best_full_ratio(full, 0.99) == pytest.approx(best[0.99]) and best_full_ratio(full, 0.97) == pytest.approx(best[0.97])
+
+
+def test_no_pick_without_a_family_of_three_results_or_anything_left(small):
+    space, rows, ratios = small
+    fam = _family(space)
+    assert climb_pick(space, ratios, {i: rows[i] for i in fam[:2]}, (0.99,)) is None  # 2 results: no surrogate
+    mixed = {i: rows[i] for i in fam[:2] + _family(space, "identity")[:1]}  # 3 results, no family with 3
+    assert climb_pick(space, ratios, mixed, (0.99,)) is None
+    assert climb_pick(space, ratios, {i: r for i, r in enumerate(rows)}, (0.99,)) is None  # all evaluated
+    with pytest.raises(ValueError, match="ratios has shape"):
+        climb_pick(space, ratios[:-1], {}, (0.99,))
+
+
+def test_failed_trials_count_as_evaluated_but_not_as_results(small):
+    space, rows, ratios = small
+    fam = _family(space)
+    failed = {i: {"relative_accuracy": float("nan"), "compression_ratio": float("nan")} for i in fam}
+    assert climb_pick(space, ratios, failed, (0.99,)) is None
+
+
+def test_missed_takes_full_results_below_at_both_ends_and_cheap_ones_below_at_the_upper_end():
+    full = {0: {"relative_accuracy": 0.985, "relative_accuracy_lo": 0.98},  # missed
+            1: {"relative_accuracy": 0.992, "relative_accuracy_lo": 0.985},  # noise may hide a pass: kept
+            2: {"relative_accuracy": 0.995, "relative_accuracy_lo": 0.991}}  # cleared
+    cheap = {3: {"relative_accuracy": 0.95, "relative_accuracy_hi": 0.97},  # the whole interval below 99 %
+             4: {"relative_accuracy": 0.985, "relative_accuracy_hi": 0.995},
+             5: {"relative_accuracy": 0.9}}  # no interval: not used
+    assert missed(full, cheap, 0.99) == [0, 3]
+    assert missed(full, cheap, 0.96) == []
+
+
+def test_a_cheap_result_far_below_the_floor_prunes_its_less_precise_family(small):
+    """From the corner start a 99 % floor has a pick; with a cheap result of every policy of the
+    family whose interval ends below 99 % (upper end 98.5 %), none is left."""
+    space, rows, ratios = small
+    fam = _family(space)
+    corner = [i for i in fam if space.candidates[i].params["key.bits"] in (2, 8)
+              and space.candidates[i].params["value.bits"] in (2, 8)]
+    full = {i: rows[i] for i in corner}
+    assert climb_pick(space, ratios, full, (0.99,)) is not None
+    low = {i: {"relative_accuracy": 0.98, "relative_accuracy_hi": 0.985} for i in fam}
+    assert climb_pick(space, ratios, full, (0.99,), cheap=low) is None
+    assert climb_pick(space, ratios, full, (0.99,), cheap={i: low[i] for i in fam[:3]}) is not None
