@@ -106,3 +106,36 @@ def test_a_cheap_result_far_below_the_floor_prunes_its_less_precise_family(small
     low = {i: {"relative_accuracy": 0.98, "relative_accuracy_hi": 0.985} for i in fam}
     assert climb_pick(space, ratios, full, (0.99,), cheap=low) is None
     assert climb_pick(space, ratios, full, (0.99,), cheap={i: low[i] for i in fam[:3]}) is not None
+
+
+def _climb_stages(space, rows, ratios, full, stored, **settings):
+    """Drive :meth:`TQCMethod.climb` as the runner does: evaluate each stage's one candidate
+    from the synthetic table and tell it; returns the positions evaluated."""
+    from kvtune.methods.tqc.method import TQCContext, TQCMethod
+    from kvtune.methods.tqc.settings import ProfileSettings
+
+    ctx = TQCContext(settings=ProfileSettings(device="cpu", floors=(0.99, 0.97), **settings), lm=None,
+                     workload=None, space=space, ratios=ratios, info={})
+    by_id = {space.candidates[i].policy_id: rows[i] for i in full}
+    picked = []
+    for stage in TQCMethod().climb(ctx, {}, by_id, stored):
+        assert stage.name == "climb" and stage.budget == 1 and len(stage.candidates) == 1
+        cand = stage.optimizer.ask()
+        stage.optimizer.tell(cand, rows[cand.index])
+        picked.append(cand.index)
+    return picked
+
+
+def test_the_profile_climbs_within_its_budget_and_a_resume_counts_stored_climbs(small):
+    space, rows, ratios = small
+    fam = _family(space)
+    corner = [i for i in fam if space.candidates[i].params["key.bits"] in (2, 8)
+              and space.candidates[i].params["value.bits"] in (2, 8)]
+    first = _climb_stages(space, rows, ratios, corner, [], climb_budget=2)
+    assert len(first) == 2
+    assert _climb_stages(space, rows, ratios, corner, [], climb_budget=8) == first + [
+        p for p in _climb_stages(space, rows, ratios, corner + first, [{"stage": "climb"}] * 2, climb_budget=8)]
+    # a resumed run with one stored climb (and its row among the full results) makes one more
+    assert _climb_stages(space, rows, ratios, corner + first[:1], [{"stage": "climb"}], climb_budget=2) == first[1:]
+    assert _climb_stages(space, rows, ratios, corner, [], climb_budget=0) == []
+    assert _climb_stages(space, rows, ratios.copy() * 0 + 1, corner, [], climb_budget=2) == []  # nothing to gain

@@ -63,7 +63,8 @@ class ProfileSettings(RunSettings):
             order of :func:`kvtune.methods.tqc.profile.refinement_order`.
         climb_budget: after the refinement, at most this many more policies are evaluated
             at full fidelity, one at a time, where a table floor is most likely to gain ratio
-            (:mod:`kvtune.search.climb`; 0 = none).
+            (:mod:`kvtune.search.climb`; 0 = none; no climbing with the ``random`` and
+            ``exhaustive`` optimizers, which skip the up-front ratio estimates).
         optimizer: registered optimizer name.
         device: ``auto``, ``cpu`` or ``cuda``.
         seed: seeds the optimizer (and anything random) so runs reproduce.
