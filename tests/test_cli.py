@@ -532,7 +532,9 @@ def test_floor_climbing_adds_full_fidelity_rows_within_its_budget_and_resume_add
     assert refined.loc[refined["relative_accuracy_lo"] >= 0.99, "compression_ratio"].max() == pytest.approx(2.854, abs=1e-3)
     assert row["compression_ratio"] == pytest.approx(3.134, abs=1e-3)
     assert "clears: 99 % 3.13x" in res.output
-    assert "climb" in json.loads((run / "run.json").read_text())["timing_seconds"]
+    info = json.loads((run / "run.json").read_text())
+    assert "climb" in info["timing_seconds"] and info["fidelity"]["climbed"] == 1 and info["fidelity"]["full"] == 4
+    assert "floor climbing evaluated 1 more policy there" in (tmp_path / "reports" / "tiny.html").read_text()
     assert runner.invoke(app, ["profile", "--resume", str(run)]).exit_code == 0  # complete: nothing more
     assert len(pd.read_parquet(run / "trials.parquet")) == len(trials)
     # without climbing the floor stays at the refinement's 2.85x

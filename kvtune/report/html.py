@@ -474,12 +474,15 @@ def _fidelity_note(info: Mapping[str, Any] | None) -> str:
         return ""
     rho = info.get("spearman_relative_accuracy")
     rho_text = "n/a (fewer than 2 policies)" if rho is None else f"{rho:.3f}"
+    climbed = int(info.get("climbed") or 0)
+    climb_text = (f", and floor climbing evaluated {climbed} more {'policy' if climbed == 1 else 'policies'} there"
+                  if climbed else "")
     return (
         f'<p class="note">Multi-fidelity: the search evaluated policies at <b>{html.escape(str(info["search"]))}</b> '
-        f"fidelity (the trial charts show those values); its Pareto set ({int(info.get('refined', 0))} policies) was "
-        f"re-evaluated at <b>{html.escape(str(info['final']))}</b> fidelity, and the Pareto table and policy tables use "
-        f"those results. Spearman rank correlation of cheap vs full relative accuracy over those policies: "
-        f"<b>{rho_text}</b>.</p>"
+        f"fidelity (the trial charts show those values); part of its Pareto set was re-evaluated at "
+        f"<b>{html.escape(str(info['final']))}</b> fidelity{climb_text}, and the Pareto table and policy tables use "
+        f"those results. Spearman rank correlation of cheap vs full relative accuracy over the "
+        f"{int(info.get('refined', 0))} policies evaluated at both: <b>{rho_text}</b>.</p>"
     )
 
 

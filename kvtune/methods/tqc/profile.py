@@ -509,8 +509,10 @@ def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.Dat
 
     Returns:
         ``(searched, final, info)``; ``info`` has ``search``, ``final`` (fidelity names),
-        ``refined`` (policies evaluated at both) and ``spearman_relative_accuracy``: the rank
-        correlation of the cheap and full relative accuracies over those policies (NaN below 2).
+        ``refined`` (policies evaluated at both), ``spearman_relative_accuracy``: the rank
+        correlation of the cheap and full relative accuracies over those policies (None below
+        2), and, once there are full-fidelity rows, ``full`` (their number) and ``climbed`` (of
+        them, those of the ``climb`` stage, :mod:`kvtune.search.climb`).
     """
     fid = trials["fidelity"].fillna("full") if "fidelity" in trials else pd.Series("full", index=trials.index)
     searched = trials[fid == search_fidelity]
@@ -521,7 +523,9 @@ def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.Dat
         return searched, searched, info
     both = searched.merge(full, on="policy_id", suffixes=("_cheap", "_full"))
     rho = spearman(both["relative_accuracy_raw_cheap"].tolist(), both["relative_accuracy_raw_full"].tolist())
-    info.update(final="full", refined=len(both), spearman_relative_accuracy=None if rho != rho else round(rho, 4))
+    climbed = int((full["stage"] == "climb").sum()) if "stage" in full else 0
+    info.update(final="full", refined=len(both), spearman_relative_accuracy=None if rho != rho else round(rho, 4),
+                full=len(full), climbed=climbed)
     return searched, full, info
 
 
