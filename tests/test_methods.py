@@ -154,3 +154,16 @@ def test_resume_with_set_values_is_refused_not_ignored(tmp_path):
     req = ProfileRequest(resume=Path(tmp_path / "some-run"), options={"ranks": "8", "budget": "3"})
     with pytest.raises(KvtuneError, match=r"--set budget, ranks cannot change them"):
         run_request(METHODS["scd"], req)
+
+
+@pytest.mark.parametrize("name,bad", [("budget", -1), ("refine_budget", -2), ("climb_budget", -1), ("climb_budget", 1.5),
+                                      ("climb_budget", True), ("refine_budget", "4")])
+def test_negative_or_non_integer_tqc_budgets_are_refused_before_anything_loads(name, bad):
+    """The CLI's ``min=0`` guards only its own flags; settings from Python or an edited run.json
+    reach the same check."""
+    from kvtune.methods.tqc.profile import check_profile_settings
+    from kvtune.methods.tqc.settings import ProfileSettings
+
+    with pytest.raises(KvtuneError, match=f"--{name.replace('_', '-')} must be an integer >= 0"):
+        check_profile_settings(ProfileSettings(**{name: bad}))
+    check_profile_settings(ProfileSettings(**{name: 0}))

@@ -142,12 +142,16 @@ def check_profile_settings(settings: ProfileSettings) -> None:
     """Check a T/Q/C run's settings, space and inputs before the model loads.
 
     Raises:
-        KvtuneError (and subclasses): fidelity, optimizer, ``kv_dtype``, ``prompt_format``,
-            ``device``, workload and sample counts, the space (and ``context_tokens`` long
+        KvtuneError (and subclasses): the budgets (integers >= 0), fidelity, optimizer,
+            ``kv_dtype``, ``prompt_format``, ``device``, workload and sample counts, the space (and ``context_tokens`` long
             enough for its MixHQ head calibration, :func:`check_head_calibration`),
             ``--text``/``--data``, and the memory the run needs (:func:`check_profile_memory`).
     """
     check_floors(settings.floors, "floors")
+    for name in ("budget", "refine_budget", "climb_budget"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise KvtuneError(f"--{name.replace('_', '-')} must be an integer >= 0, not {value!r}")
     if settings.search_fidelity not in FIDELITIES:
         raise KvtuneError(f"--search-fidelity must be one of {', '.join(FIDELITIES)}, not {settings.search_fidelity!r}")
     if settings.optimizer not in OPTIMIZERS:
