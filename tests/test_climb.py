@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvtune.search import climb as climb_mod
-from kvtune.search.climb import best_full_ratio, climb_pick, missed
+from kvtune.search.climb import best_full_ratio, climb_pick, family_posteriors, missed, predicted_scores
+from kvtune.search.optimizers.kvserve import feasibility_score
 from kvtune.search.optimizers.synthetic import synthetic_problem
 from kvtune.search.space import load_space
 
@@ -63,6 +64,47 @@ def test_climbing_from_the_corners_of_a_family_reaches_each_floors_best_policy(s
         assert len(picks) <= 8
     assert len(picks) == 4
     assert best_full_ratio(full, 0.99) == pytest.approx(best[0.99]) and best_full_ratio(full, 0.97) == pytest.approx(best[0.97])
+
+
+def _start(space, rows, key_bits):
+    """Full-fidelity results of the hadamard / per-channel family at ``key_bits`` and 2 or 8
+    value bits."""
+    return {i: rows[i] for i in _family(space) if space.candidates[i].params["key.bits"] in key_bits
+            and space.candidates[i].params["value.bits"] in (2, 8)}
+
+
+def test_predicted_means_never_fall_with_precision(small):
+    """The family GP alone predicts a lower score for a more precise policy on 17 pairs of the
+    4- and 8-bit start (4 of the corner start); the monotone mean on none."""
+    space, rows, _ = small
+    order = space.precision_order()
+    for key_bits, raw_violations in [((4, 8), 17), ((2, 8), 4)]:
+        scored = {i: feasibility_score(r) for i, r in _start(space, rows, key_bits).items()}
+        raw, _ = family_posteriors(space, scored)
+        mean, _ = predicted_scores(space, scored)
+        fam = _family(space)
+        pairs = [(a, b) for a in fam for b in fam if order[a, b] and a != b]
+        assert sum(raw[a] > raw[b] + 1e-9 for a, b in pairs) == raw_violations
+        assert not any(mean[a] > mean[b] for a, b in pairs)
+        assert (mean >= raw).all() and np.isneginf(mean[_family(space, "identity")]).all()  # no results there
+
+
+def test_picks_start_from_a_miss(small):
+    """From results at 4- and 8-bit keys only, the surrogate knows nothing of 2- and 3-bit keys;
+    every pick is at least as precise as a result below its floor, and two picks reach the
+    family's best ratios at 99 % (3.26x) and 97 % (3.68x)."""
+    space, rows, ratios = small
+    full = _start(space, rows, (4, 8))
+    order = space.precision_order()
+    picks = []
+    while (pick := climb_pick(space, ratios, full, (0.99, 0.97))) is not None and len(picks) < 8:
+        below = [i for i, r in full.items() if feasibility_score(r) < pick.floor]
+        assert order[below, pick.index].any()
+        full[pick.index] = rows[pick.index]
+        picks.append(pick.index)
+    assert len(picks) == 2
+    assert best_full_ratio(full, 0.99) == pytest.approx(3.26, abs=0.005)
+    assert best_full_ratio(full, 0.97) == pytest.approx(3.68, abs=0.005)
 
 
 def test_no_pick_without_a_family_of_three_results_or_anything_left(small):

@@ -62,7 +62,8 @@ from kvtune.search.optimizers.gp import candidate_inputs, fit_gp, normal_cdf, re
 from kvtune.search.optimizers.kvserve import feasibility_score, warp_accuracy
 from kvtune.search.space import SearchSpace
 
-__all__ = ["ClimbPick", "best_full_ratio", "climb_pick", "floor_gains", "missed", "monotone_mean"]
+__all__ = ["ClimbPick", "best_full_ratio", "climb_pick", "family_posteriors", "floor_gains", "missed", "monotone_mean",
+           "predicted_scores"]
 
 #: Smallest expected relative ratio gain worth a full-fidelity evaluation.
 MIN_GAIN = 0.02
@@ -160,6 +161,21 @@ def family_posteriors(space: SearchSpace, scored: Mapping[int, float], *, maxite
     return mean, std
 
 
+def predicted_scores(space: SearchSpace, scored: Mapping[int, float], order: np.ndarray | None = None, *,
+                     maxiter: int = 60, device: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rules 1 and 2 of the module docstring: :func:`family_posteriors` with each mean raised
+    by :func:`monotone_mean` (``order``: :meth:`~kvtune.search.space.SearchSpace.precision_order`,
+    computed when None).
+
+    Returns:
+        ``mean, std``: ``(n,)`` float64 of the warped score; a candidate at most as precise as
+        another never has the larger mean.
+    """
+    order = space.precision_order() if order is None else order
+    mean, std = family_posteriors(space, scored, maxiter=maxiter, device=device)
+    return monotone_mean(mean, order), std
+
+
 def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[str, Any]], floors: Sequence[float],
                *, cheap: Mapping[int, dict[str, Any]] | None = None, min_gain: float = MIN_GAIN, maxiter: int = 60,
                device: Any = None) -> ClimbPick | None:
@@ -190,9 +206,8 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
     open_[list(full)] = False
     if len(scored) < 3 or not open_.any():
         return None
-    mean, std = family_posteriors(space, scored, maxiter=maxiter, device=device)
     order = space.precision_order()
-    mean = monotone_mean(mean, order)
+    mean, std = predicted_scores(space, scored, order, maxiter=maxiter, device=device)
     best: ClimbPick | None = None
     for q in sorted(floors, reverse=True):
         r_q = best_full_ratio(full, q)
