@@ -3,13 +3,15 @@
 Replays ``mobo`` (the profile's search; ``--budget`` evaluations, default the profile's) on the
 cheap-fidelity replay table of the session-15 default space (``benchmarks/spaces/default_s15.yaml``),
 then the profile's refinement order (:func:`kvtune.methods.tqc.profile.refinement_order`) at
-refinement budgets 12 and 16, and reports
-per seed the highest compression ratio among
+refinement budgets 12 and 16, then floor climbing (:func:`kvtune.search.climb.climb_pick`, up to
+``--climb`` evaluations after the refinement of 16, each answered by the projected full-fidelity
+row below), and reports per seed the highest compression ratio among
 
-* the search's trials, and
-* the policies each refinement budget would re-evaluate,
+* the search's trials,
+* the policies each refinement budget would re-evaluate, and
+* those of the refinement of 16 plus the climb's,
 
-that would clear 99 % at full fidelity. The table holds cheap-fidelity results only (8 contexts),
+that would clear 99 % (``--floor``) at full fidelity. The table holds cheap-fidelity results only (8 contexts),
 so "would clear" is projected: the 95 % interval's half-width shrinks as ``1 / sqrt(n)``, so at
 24 contexts the lower end is ``accuracy - (accuracy - lo) * sqrt(8 / 24)``. On the 12 policies
 of the table's run that were re-evaluated at 24 contexts this projection was -0.003 .. +0.023
@@ -43,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", type=float, default=0.99)
     ap.add_argument("--full-samples", type=int, default=24, help="contexts at full fidelity")
     ap.add_argument("--options", type=json.loads, default={}, help='mobo options as JSON, e.g. \'{"acc_ref": 0.9}\'')
+    ap.add_argument("--climb", type=int, default=ProfileSettings().climb_budget,
+                    help="floor-climbing evaluations after the refinement of 16 (default: the profile's)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from search import replay_problem
 
     from kvtune.methods.tqc.profile import refinement_order
+    from kvtune.search.climb import climb_pick
     from kvtune.search.optimizers.bench import run_optimizer
     from kvtune.search.pareto import pareto_front
 
@@ -64,12 +69,29 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{desc}; best projected to clear {args.floor:.0%}: {best(t.index):.2f}x")
     rows, ratios = [], replay.ratios(space)
+    position = {c.policy_id: i for i, c in enumerate(space.candidates)}
+    projected = t.assign(relative_accuracy_lo=t["relative_accuracy"] - (t["relative_accuracy"] - t["relative_accuracy_lo"]) * shrink)
+
+    def climbed(searched: pd.DataFrame, refined: list[str]) -> list[str]:
+        """The refined ids plus up to ``--climb`` picks, each answered by its projected row."""
+        full = {position[p]: projected.loc[p].to_dict() for p in refined}
+        cheap = {position[p]: t.loc[p].to_dict() for p in searched["policy_id"]}
+        ids = list(refined)
+        for _ in range(args.climb):
+            pick = climb_pick(space, ratios, full, (0.99, 0.97, 0.95, 0.90), cheap=cheap)
+            if pick is None:
+                break
+            pid = space.candidates[pick.index].policy_id
+            full[pick.index] = projected.loc[pid].to_dict()
+            ids.append(pid)
+        return ids
     for seed in range(args.seeds):
         run = run_optimizer("mobo", space, replay, seed=seed, budget=args.budget, ratios=ratios, options=args.options)
         told = pd.DataFrame(run.trials)
         front = pareto_front(told)
-        rows.append({"seed": seed, "search": best(told["policy_id"]),
-                     "refine 12": best(refinement_order(front, 12)), "refine 16": best(refinement_order(front, 16))})
+        refined = refinement_order(front, 16)
+        rows.append({"seed": seed, "search": best(told["policy_id"]), "refine 12": best(refinement_order(front, 12)),
+                     "refine 16": best(refined), f"+ climb {args.climb}": best(climbed(told, refined))})
         print(rows[-1], flush=True)
     df = pd.DataFrame(rows).set_index("seed")
     print(df.round(2).to_string())
