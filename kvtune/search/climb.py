@@ -77,7 +77,7 @@ class ClimbPick:
     """The next policy to evaluate at full fidelity.
 
     Attributes:
-        index: the candidate's index in the space.
+        index: the candidate's position in ``space.candidates``.
         floor: the accuracy floor (fraction) it is expected to raise.
         probability: the surrogate's probability that its lower end clears ``floor`` at full
             fidelity.
@@ -126,7 +126,7 @@ def floor_gains(probability: np.ndarray, ratios: np.ndarray, best_ratio: float) 
 
 
 def missed(full: Mapping[int, dict[str, Any]], cheap: Mapping[int, dict[str, Any]], floor: float) -> list[int]:
-    """Positions of the results that missed ``floor`` (module docstring, rule 4): full-fidelity
+    """Positions of the results that missed ``floor`` (module docstring, rule 3): full-fidelity
     ones at their lower end and point estimate, cheap ones at their interval's upper end."""
     out = [i for i, r in full.items()
            if feasibility_score(r) < floor and result_value(r, "relative_accuracy") < floor]
@@ -184,7 +184,8 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
 
     Args:
         space: the search space.
-        ratios: ``(n,)`` up-front compression ratio estimates of its candidates.
+        ratios: ``(n,)`` up-front compression ratio estimates of its candidates (a candidate
+            whose estimate is not finite is never picked).
         full: full-fidelity results by candidate position in ``space.candidates`` (trial
             records: ``relative_accuracy``, ``relative_accuracy_lo``, ``compression_ratio``;
             failed ones, without a finite score, only count as evaluated).
@@ -200,6 +201,7 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
     ratios = np.asarray(ratios, dtype=np.float64)
     if ratios.shape != (len(space.candidates),):
         raise ValueError(f"ratios has shape {ratios.shape}, the space {len(space.candidates)} candidates")
+    ratios = np.where(np.isfinite(ratios), ratios, 0.0)
     scored = {i: feasibility_score(r) for i, r in full.items()}
     scored = {i: s for i, s in scored.items() if np.isfinite(s)}
     open_ = np.ones(len(space.candidates), dtype=bool)
