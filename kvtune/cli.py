@@ -51,7 +51,9 @@ def profile(
     refine_budget: int = typer.Option(_D.refine_budget, min=0, help="At most this many Pareto policies are "
                                       "re-evaluated, 2-D accuracy/ratio front first (0 = all)."),
     climb_budget: int = typer.Option(_D.climb_budget, min=0, help="After the refinement, at most this many more "
-                                     "full-fidelity evaluations where a table floor is likeliest to gain ratio."),
+                                     "full-fidelity evaluations where a table floor is likeliest to gain ratio "
+                                     "(not with --no-refine, --search-fidelity full, or the random and exhaustive "
+                                     "optimizers)."),
     kv_dtype: str = typer.Option(_D.kv_dtype, help="bfloat16 (KV rounded to and stored in bf16, as a bf16 server "
                                  "holds it; half the memory) or model (KV as computed, float32 on CPU)."),
     prompt_format: str = typer.Option(_D.prompt_format, help="auto (chat template when present), chat or plain."),
@@ -188,7 +190,8 @@ def check_resumed_settings(run_dir: Path, settings: object, given: dict) -> None
               if hasattr(settings, name) and getattr(settings, name) != value]
     if differ:
         raise ConfigError(f"--resume {run_dir} continues with the settings stored in its run.json; "
-                          f"{', '.join(differ)} cannot change them (leave them out, or start a new --run)")
+                          f"{', '.join(differ)} cannot change them (leave them out, edit them in run.json's settings before "
+                          f"resuming, or start a new --run)")
 
 
 def _set_options(pairs: list[str]) -> dict[str, str]:
@@ -276,9 +279,10 @@ def _print_summary(result) -> None:
         from kvtune.search.pareto import best_ratio_per_floor
 
         rows = trials[trials["fidelity"] == pareto["fidelity"].iloc[0]] if "fidelity" in pareto and "fidelity" in trials else trials
-        best = best_ratio_per_floor(rows)
+        floors = getattr(result.settings, "floors", None)
+        best = best_ratio_per_floor(rows, *([tuple(floors)] if floors else []))
         console.print("best ratio whose 95 % interval clears: " + ", ".join(
-            f"{100 * f:.0f} % {'-' if r is None else f'{r:.2f}x'}" for f, r in best.items()), markup=False)
+            f"{100 * f:g} % {'-' if r is None else f'{r:.2f}x'}" for f, r in best.items()), markup=False)
     for name, path in result.files.items():
         console.print(f"  {name:<18} {path}")
 

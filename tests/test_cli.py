@@ -537,6 +537,12 @@ def test_floor_climbing_adds_full_fidelity_rows_within_its_budget_and_resume_add
     assert "floor climbing evaluated 1 more policy there" in (tmp_path / "reports" / "tiny.html").read_text()
     assert runner.invoke(app, ["profile", "--resume", str(run)]).exit_code == 0  # complete: nothing more
     assert len(pd.read_parquet(run / "trials.parquet")) == len(trials)
+    # the summary reads the run's own floors (edited in run.json: the run resumes, nothing to climb)
+    info["settings"].update(floors=[0.995, 0.9], climb_budget=0)
+    (run / "run.json").write_text(json.dumps(info))
+    res = runner.invoke(app, ["profile", "--resume", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "clears: 99.5 % " in res.output and ", 90 % " in res.output and "97 %" not in res.output
     # without climbing the floor stays at the refinement's 2.85x
     res = _profile(tmp_path / "no-climb", tiny_model_dir, tiny_text, *args, "--climb-budget", "0")
     assert res.exit_code == 0, res.output

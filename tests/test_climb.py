@@ -116,6 +116,20 @@ def test_no_pick_without_a_family_of_three_results_or_anything_left(small):
     assert climb_pick(space, ratios, {i: r for i, r in enumerate(rows)}, (0.99,)) is None  # all evaluated
     with pytest.raises(ValueError, match="ratios has shape"):
         climb_pick(space, ratios[:-1], {}, (0.99,))
+    for bad in (len(rows), -1):
+        with pytest.raises(ValueError, match=f"result position {bad} is not one of the space's"):
+            climb_pick(space, ratios, {**{i: rows[i] for i in fam[:3]}, bad: rows[0]}, (0.99,))
+
+
+def test_a_ratio_that_is_not_finite_is_never_picked(small):
+    space, rows, ratios = small
+    full = _start(space, rows, (2, 8))
+    pick = climb_pick(space, ratios, full, (0.99, 0.97))
+    for bad in (np.nan, np.inf):
+        changed = ratios.copy()
+        changed[pick.index] = bad
+        other = climb_pick(space, changed, full, (0.99, 0.97))
+        assert other is not None and other.index != pick.index and np.isfinite(other.gain)
 
 
 def test_failed_trials_count_as_evaluated_but_not_as_results(small):
@@ -134,6 +148,8 @@ def test_missed_takes_full_results_below_at_both_ends_and_cheap_ones_below_at_th
              5: {"relative_accuracy": 0.9}}  # no interval: not used
     assert missed(full, cheap, 0.99) == [0, 3]
     assert missed(full, cheap, 0.96) == []
+    # a policy's own full result outranks its cheap one: 2 cleared at full fidelity
+    assert missed(full, {**cheap, 2: {"relative_accuracy": 0.98, "relative_accuracy_hi": 0.985}}, 0.99) == [0, 3]
 
 
 def test_a_cheap_result_far_below_the_floor_prunes_its_less_precise_family(small):
@@ -181,3 +197,15 @@ def test_the_profile_climbs_within_its_budget_and_a_resume_counts_stored_climbs(
     assert _climb_stages(space, rows, ratios, corner + first[:1], [{"stage": "climb"}], climb_budget=2) == first[1:]
     assert _climb_stages(space, rows, ratios, corner, [], climb_budget=0) == []
     assert _climb_stages(space, rows, ratios.copy() * 0 + 1, corner, [], climb_budget=2) == []  # nothing to gain
+
+
+def test_the_profile_says_why_it_does_not_climb(small, caplog, monkeypatch):
+    space, rows, ratios = small
+    corner = list(_start(space, rows, (2, 8)))
+    with caplog.at_level("WARNING"):
+        assert _climb_stages(space, rows, None, corner, [], climb_budget=2) == []
+    assert "skips the up-front ratio estimates" in caplog.text
+    monkeypatch.setattr(climb_mod, "MAX_GROUP", 8)  # the family's 24 comparable candidates are too many
+    with caplog.at_level("WARNING"):
+        assert _climb_stages(space, rows, ratios, corner, [], climb_budget=2) == []
+    assert "more than 8 comparable candidates" in caplog.text

@@ -118,7 +118,8 @@ def test_a_failed_resume_keeps_what_run_json_held(tmp_path, tiny_model_dir, tiny
 
 
 @pytest.mark.parametrize("method, floors_name, bad", [
-    ("tqc", "floors", "nan,0.9"), ("tqc", "floors", "1.5"), ("scd", "floors", "nan,0.9"), ("scd", "floors", "0"),
+    ("tqc", "floors", "nan,0.9"), ("tqc", "floors", "1.5"), ("tqc", "floors", "0.99,0.99"), ("scd", "floors", "nan,0.9"),
+    ("scd", "floors", "0"), ("scd", "floors", "0.97,0.9,0.97"),
     ("bicache", "table_floors", "nan"), ("bicache", "table_floors", "1.5"),
     ("bicache", "floors", '{"kv_cosine": "abc"}'), ("bicache", "floors", '{"kv_cosine": null}'),
 ])
@@ -135,7 +136,7 @@ def test_bad_floors_are_refused_before_anything_loads(tmp_path, method, floors_n
         from kvtune.methods.tqc.settings import ProfileSettings
 
         floors = tuple(float(x) for x in bad.split(","))
-        with pytest.raises(KvtuneError, match="floors must be a non-empty list of fractions"):
+        with pytest.raises(KvtuneError, match="floors must be (a non-empty list of fractions|distinct)"):
             check_profile_settings(ProfileSettings(floors=floors))
         return
     res = CliRunner().invoke(app, [*args, "--set", f"{floors_name}={bad}"])
@@ -164,6 +165,6 @@ def test_negative_or_non_integer_tqc_budgets_are_refused_before_anything_loads(n
     from kvtune.methods.tqc.profile import check_profile_settings
     from kvtune.methods.tqc.settings import ProfileSettings
 
-    with pytest.raises(KvtuneError, match=f"--{name.replace('_', '-')} must be an integer >= 0"):
+    with pytest.raises(KvtuneError, match=rf"^{name} \(--{name.replace('_', '-')}\) must be an integer >= 0"):
         check_profile_settings(ProfileSettings(**{name: bad}))
     check_profile_settings(ProfileSettings(**{name: 0}))

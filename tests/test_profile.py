@@ -71,13 +71,16 @@ def test_split_fidelities_pairs_cheap_and_full_rows():
     })
     searched, final, info = split_fidelities(trials, "cheap")
     assert searched["policy_id"].tolist() == ["a", "b", "c"] and final["policy_id"].tolist() == ["a", "b"]
-    assert info == {"search": "cheap", "final": "full", "refined": 2, "spearman_relative_accuracy": 1.0, "full": 2,
-                    "climbed": 0}
+    assert info == {"search": "cheap", "final": "full", "refined": 2, "paired": 2, "spearman_relative_accuracy": 1.0,
+                    "full": 2, "climbed": 0}
     trials = pd.concat([trials.assign(stage=["search"] * 3 + ["refine"] * 2), pd.DataFrame(
         {"policy_id": ["d"], "fidelity": ["full"], "relative_accuracy_raw": [0.99], "stage": ["climb"]})])
     _, final, info = split_fidelities(trials, "cheap")  # a climbed policy the search never saw
     assert final["policy_id"].tolist() == ["a", "b", "d"]
-    assert info["refined"] == 2 and info["full"] == 3 and info["climbed"] == 1
+    assert info["refined"] == 2 and info["paired"] == 2 and info["full"] == 3 and info["climbed"] == 1
+    trials.loc[trials["policy_id"] == "d", "policy_id"] = "c"  # a climbed policy the search had seen
+    _, _, info = split_fidelities(trials, "cheap")
+    assert info["refined"] == 2 and info["paired"] == 3 and info["climbed"] == 1
     searched, final, info = split_fidelities(trials.iloc[:3], "cheap")  # nothing refined yet
     assert final is searched and info["final"] == "cheap" and info["spearman_relative_accuracy"] is None
 

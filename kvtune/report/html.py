@@ -482,7 +482,7 @@ def _fidelity_note(info: Mapping[str, Any] | None) -> str:
         f"fidelity (the trial charts show those values); part of its Pareto set was re-evaluated at "
         f"<b>{html.escape(str(info['final']))}</b> fidelity{climb_text}, and the Pareto table and policy tables use "
         f"those results. Spearman rank correlation of cheap vs full relative accuracy over the "
-        f"{int(info.get('refined', 0))} policies evaluated at both: <b>{rho_text}</b>.</p>"
+        f"{int(info.get('paired', info.get('refined', 0)))} policies evaluated at both: <b>{rho_text}</b>.</p>"
     )
 
 

@@ -240,9 +240,9 @@ def check_floors(values: Any, name: str = "floors") -> tuple[float, ...]:
         name: the setting's name, for the message.
 
     Raises:
-        ConfigError: not a non-empty sequence of real numbers, or a value that is NaN, infinite,
+        ConfigError: not a non-empty sequence of real numbers, a value that is NaN, infinite,
             <= 0 or > 1 (no relative accuracy above 1.0 is ever reported, so no policy could
-            reach it).
+            reach it), or a value listed twice.
     """
     try:
         floors = tuple(values)
@@ -252,4 +252,6 @@ def check_floors(values: Any, name: str = "floors") -> tuple[float, ...]:
                               for f in floors)  # NaN fails both comparisons
     if not ok:
         raise ConfigError(f"{name} must be a non-empty list of fractions in (0, 1] (0.97 = 97 %), got {list(floors)}")
+    if len(set(floors)) != len(floors):
+        raise ConfigError(f"{name} must be distinct, got {list(floors)}")
     return tuple(float(f) for f in floors)

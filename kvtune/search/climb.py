@@ -26,7 +26,7 @@ Bayesian Profiling Engine), run at full fidelity for every floor of the table at
    ranked that policy first, but gave families without full results the prior's mean (a
    2-bit policy that scored 89 % on the cheap samples: a 28 % chance of clearing 99 %).
 2. **Monotone mean.** Each candidate's predicted mean is raised to the largest mean among the
-   candidates at most as precise as it (:meth:`~kvtune.search.space.SearchSpace.precision_order`):
+   candidates at most as precise as it (:meth:`~kvtune.search.space.SearchSpace.precision_groups`):
    the GP alone can predict less accuracy for more bits where it extrapolates.
 3. **Where.** At floor ``q`` only candidates not yet evaluated at full fidelity and at least as
    precise as a full-fidelity result below ``q`` (at its lower end) are scored: the climb
@@ -35,9 +35,10 @@ Bayesian Profiling Engine), run at full fidelity for every floor of the table at
    2-bit keys and gave a policy that scores 86.7 % a 94 % chance of clearing 99 %.
    **Pruning.** A candidate at most as precise as a result that missed ``q`` scores 0 at
    ``q``: KVServe's precision rule, assuming accuracy is monotone in precision. Missed: a
-   full-fidelity result below ``q`` at its lower end and its point estimate, or a
-   cheap-fidelity one whose whole 95 % interval lies below ``q`` (``relative_accuracy_hi``;
-   the cheap score stands in for the full one there, as it does in the search).
+   full-fidelity result below ``q`` at its lower end and its point estimate, or, for a policy
+   without a full result, a cheap-fidelity one whose whole 95 % interval lies below ``q``
+   (``relative_accuracy_hi``; the cheap score stands in for the full one there, as it does in
+   the search).
 4. **Score.** For floor ``q`` with best full-fidelity ratio ``r_q`` (1.0: sending the KV
    uncompressed), each candidate ``c`` rule 3 leaves scores the expected relative gain
    ``P(s_full(c) >= q) * max(CR(c) - r_q, 0) / r_q`` (constrained expected improvement,
@@ -62,14 +63,18 @@ from kvtune.search.optimizers.gp import candidate_inputs, fit_gp, normal_cdf, re
 from kvtune.search.optimizers.kvserve import feasibility_score, warp_accuracy
 from kvtune.search.space import SearchSpace
 
-__all__ = ["ClimbPick", "best_full_ratio", "climb_pick", "family_posteriors", "floor_gains", "missed", "monotone_mean",
-           "predicted_scores"]
+__all__ = ["ClimbPick", "above_any", "below_any", "best_full_ratio", "climb_pick", "family_posteriors", "floor_gains",
+           "missed", "monotone_mean", "predicted_scores"]
 
 #: Smallest expected relative ratio gain worth a full-fidelity evaluation.
 MIN_GAIN = 0.02
 
 #: Full-fidelity results a family needs before its surrogate predicts anything.
 MIN_FAMILY_RESULTS = 3
+
+#: Most comparable candidates (one group of :meth:`~kvtune.search.space.SearchSpace.precision_groups`)
+#: a space may have for climbing: the group's order takes ``m ** 2`` bytes (256 MiB here).
+MAX_GROUP = 16384
 
 
 @dataclass(frozen=True)
@@ -101,14 +106,43 @@ def best_full_ratio(full: Mapping[int, dict[str, Any]], floor: float) -> float:
     return max([1.0, *(v for v in ok if np.isfinite(v))])
 
 
-def monotone_mean(mean: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """``mean[b]`` raised to ``max(mean[a])`` over every ``a`` with ``order[a, b]`` (at most as
-    precise as ``b``; ``order`` from :meth:`~kvtune.search.space.SearchSpace.precision_order`).
+def monotone_mean(mean: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarray]], chunk: int = 1024) -> np.ndarray:
+    """``mean[b]`` raised to ``max(mean[a])`` over every ``a`` at most as precise as ``b``
+    (``groups`` from :meth:`~kvtune.search.space.SearchSpace.precision_groups`; at most ``m x
+    chunk`` float64 at a time for a group of ``m``).
 
-    >>> monotone_mean(np.array([2.0, 1.0, 0.5]), np.array([[1, 1, 0], [0, 1, 0], [0, 0, 1]], bool))
+    >>> monotone_mean(np.array([2.0, 1.0, 0.5]), [(np.array([0, 1]), np.array([[1, 1], [0, 1]], bool)),
+    ...                                           (np.array([2]), np.ones((1, 1), bool))])
     array([2. , 2. , 0.5])
     """
-    return np.where(order, np.asarray(mean, dtype=np.float64)[:, None], -np.inf).max(0)
+    mean = np.asarray(mean, dtype=np.float64)
+    out = mean.copy()
+    for ix, order in groups:
+        m = mean[ix][:, None]
+        for s in range(0, len(ix), chunk):
+            out[ix[s : s + chunk]] = np.where(order[:, s : s + chunk], m, -np.inf).max(0)
+    return out
+
+
+def above_any(groups: Sequence[tuple[np.ndarray, np.ndarray]], positions: Sequence[int], n: int) -> np.ndarray:
+    """``(n,)`` bool: candidates at least as precise as one of ``positions``."""
+    return _related(groups, positions, n, above=True)
+
+
+def below_any(groups: Sequence[tuple[np.ndarray, np.ndarray]], positions: Sequence[int], n: int) -> np.ndarray:
+    """``(n,)`` bool: candidates at most as precise as one of ``positions``."""
+    return _related(groups, positions, n, above=False)
+
+
+def _related(groups, positions, n: int, *, above: bool) -> np.ndarray:
+    marked = np.zeros(n, dtype=bool)
+    marked[np.asarray(list(positions), dtype=np.int64)] = True
+    out = np.zeros(n, dtype=bool)
+    for ix, order in groups:
+        hit = marked[ix]
+        if hit.any():
+            out[ix] = order[hit].any(0) if above else order[:, hit].any(1)
+    return out
 
 
 def floor_gains(probability: np.ndarray, ratios: np.ndarray, best_ratio: float) -> np.ndarray:
@@ -127,10 +161,11 @@ def floor_gains(probability: np.ndarray, ratios: np.ndarray, best_ratio: float) 
 
 def missed(full: Mapping[int, dict[str, Any]], cheap: Mapping[int, dict[str, Any]], floor: float) -> list[int]:
     """Positions of the results that missed ``floor`` (module docstring, rule 3): full-fidelity
-    ones at their lower end and point estimate, cheap ones at their interval's upper end."""
+    ones at their lower end and point estimate, cheap ones (of policies without a full result)
+    at their interval's upper end."""
     out = [i for i, r in full.items()
            if feasibility_score(r) < floor and result_value(r, "relative_accuracy") < floor]
-    return out + [i for i, r in cheap.items() if result_value(r, "relative_accuracy_hi") < floor]
+    return out + [i for i, r in cheap.items() if i not in full and result_value(r, "relative_accuracy_hi") < floor]
 
 
 def family_posteriors(space: SearchSpace, scored: Mapping[int, float], *, maxiter: int = 60,
@@ -161,24 +196,24 @@ def family_posteriors(space: SearchSpace, scored: Mapping[int, float], *, maxite
     return mean, std
 
 
-def predicted_scores(space: SearchSpace, scored: Mapping[int, float], order: np.ndarray | None = None, *,
-                     maxiter: int = 60, device: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def predicted_scores(space: SearchSpace, scored: Mapping[int, float], groups=None, *, maxiter: int = 60,
+                     device: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Rules 1 and 2 of the module docstring: :func:`family_posteriors` with each mean raised
-    by :func:`monotone_mean` (``order``: :meth:`~kvtune.search.space.SearchSpace.precision_order`,
+    by :func:`monotone_mean` (``groups``: :meth:`~kvtune.search.space.SearchSpace.precision_groups`,
     computed when None).
 
     Returns:
         ``mean, std``: ``(n,)`` float64 of the warped score; a candidate at most as precise as
         another never has the larger mean.
     """
-    order = space.precision_order() if order is None else order
+    groups = space.precision_groups() if groups is None else groups
     mean, std = family_posteriors(space, scored, maxiter=maxiter, device=device)
-    return monotone_mean(mean, order), std
+    return monotone_mean(mean, groups), std
 
 
 def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[str, Any]], floors: Sequence[float],
-               *, cheap: Mapping[int, dict[str, Any]] | None = None, min_gain: float = MIN_GAIN, maxiter: int = 60,
-               device: Any = None) -> ClimbPick | None:
+               *, cheap: Mapping[int, dict[str, Any]] | None = None, groups=None, min_gain: float = MIN_GAIN,
+               maxiter: int = 60, device: Any = None) -> ClimbPick | None:
     """The next full-fidelity evaluation of floor climbing (module docstring), or None (fewer
     than 3 scored results, every candidate evaluated, or no score reaching ``min_gain``).
 
@@ -191,16 +226,22 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
             failed ones, without a finite score, only count as evaluated).
         floors: the table's accuracy floors (fractions).
         cheap: cheap-fidelity results by position (``relative_accuracy_hi``), for pruning only.
+        groups: ``space.precision_groups()`` (computed when None; pass it to reuse it).
         min_gain: smallest expected relative gain worth an evaluation.
         maxiter: L-BFGS-B iteration cap of the GP fit.
         device: where the GP is fitted (:func:`~kvtune.search.optimizers.gp.compute_device`).
 
     Raises:
-        ValueError: ``ratios`` does not have one entry per candidate.
+        ValueError: ``ratios`` does not have one entry per candidate, or a position of ``full``
+            or ``cheap`` is not one of the space's.
     """
+    n = len(space.candidates)
     ratios = np.asarray(ratios, dtype=np.float64)
-    if ratios.shape != (len(space.candidates),):
-        raise ValueError(f"ratios has shape {ratios.shape}, the space {len(space.candidates)} candidates")
+    if ratios.shape != (n,):
+        raise ValueError(f"ratios has shape {ratios.shape}, the space {n} candidates")
+    bad = [i for i in (*full, *(cheap or {})) if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n]
+    if bad:
+        raise ValueError(f"result position {bad[0]!r} is not one of the space's {n} candidates")
     ratios = np.where(np.isfinite(ratios), ratios, 0.0)
     scored = {i: feasibility_score(r) for i, r in full.items()}
     scored = {i: s for i, s in scored.items() if np.isfinite(s)}
@@ -208,14 +249,14 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
     open_[list(full)] = False
     if len(scored) < 3 or not open_.any():
         return None
-    order = space.precision_order()
-    mean, std = predicted_scores(space, scored, order, maxiter=maxiter, device=device)
+    groups = space.precision_groups() if groups is None else groups
+    mean, std = predicted_scores(space, scored, groups, maxiter=maxiter, device=device)
     best: ClimbPick | None = None
     for q in sorted(floors, reverse=True):
         r_q = best_full_ratio(full, q)
         p = normal_cdf((mean - warp_accuracy(q)) / std)
         below = [i for i, v in scored.items() if v < q]
-        allowed = open_ & order[below].any(0) & ~order[:, missed(full, cheap or {}, q)].any(1)
+        allowed = open_ & above_any(groups, below, n) & ~below_any(groups, missed(full, cheap or {}, q), n)
         gains = np.where(allowed, floor_gains(p, ratios, r_q), 0.0)
         j = int(np.argmax(gains))
         if gains[j] >= min_gain and (best is None or gains[j] > best.gain):

@@ -263,29 +263,40 @@ class SearchSpace:
                 return False
         return True
 
-    def precision_order(self) -> np.ndarray:
-        """:meth:`at_most_as_precise` of every pair at once: ``(n, n)`` bool, ``[a, b]`` true
-        when ``candidates[a]`` is at most as precise as ``candidates[b]`` (the diagonal is true).
-
-        Candidates are grouped by family and by their values of numeric parameters without a
-        precision direction; inside a group, ``a <= b`` iff every numeric value, negated where
-        a larger one is less precise, is at most ``b``'s.
+    def precision_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """:meth:`at_most_as_precise` as blocks: ``[(positions, order), ...]``, one per group of
+        candidates that can be compared (same family, same values of the numeric parameters
+        without a precision direction). ``positions``: ``(m,)`` int64 positions in
+        :attr:`candidates`; ``order``: ``(m, m)`` bool, ``[a, b]`` true when
+        ``candidates[positions[a]]`` is at most as precise as ``candidates[positions[b]]`` (the
+        diagonal is true). Candidates of different groups are never comparable. Memory is the
+        sum of ``m ** 2`` bytes over the groups.
         """
-        n = len(self.candidates)
-        out = np.zeros((n, n), dtype=bool)
         groups: dict[tuple, list[int]] = {}
         for pos, c in enumerate(self.candidates):
             free = tuple((p.key, c.params[p.key]) for p in self.parameters
                          if p.is_numeric and p.precision == "none" and p.key in c.params)
             groups.setdefault((self.family(c), free), []).append(pos)
+        out = []
         for members in groups.values():
             first = self.candidates[members[0]].params
             directed = [p for p in self.parameters if p.is_numeric and p.precision != "none" and p.key in first]
-            signs = np.array([1.0 if p.precision == "increasing" else -1.0 for p in directed])
-            a = np.array([[float(self.candidates[i].params[p.key]) for p in directed] for i in members]).reshape(
-                len(members), len(directed)) * signs
-            ix = np.asarray(members)
-            out[np.ix_(ix, ix)] = (a[:, None, :] <= a[None, :, :]).all(-1)
+            order = np.ones((len(members), len(members)), dtype=bool)
+            for p in directed:
+                sign = 1.0 if p.precision == "increasing" else -1.0
+                v = sign * np.array([float(self.candidates[i].params[p.key]) for i in members])
+                order &= v[:, None] <= v[None, :]
+            out.append((np.asarray(members, dtype=np.int64), order))
+        return out
+
+    def precision_order(self) -> np.ndarray:
+        """:meth:`at_most_as_precise` of every pair at once: ``(n, n)`` bool, ``[a, b]`` true
+        when ``candidates[a]`` is at most as precise as ``candidates[b]`` (the diagonal is
+        true); :meth:`precision_groups` as one matrix (``n ** 2`` bytes)."""
+        n = len(self.candidates)
+        out = np.zeros((n, n), dtype=bool)
+        for ix, order in self.precision_groups():
+            out[np.ix_(ix, ix)] = order
         return out
 
 

@@ -233,10 +233,18 @@ class TQCMethod(Method):
         counts its stored ``climb`` rows against the budget). Nothing without the up-front
         ratio estimates."""
         from kvtune.run.loop import in_order
-        from kvtune.search.climb import MIN_GAIN, climb_pick
+        from kvtune.search.climb import MAX_GROUP, MIN_GAIN, climb_pick
 
         st, space = context.settings, context.space
-        if context.ratios is None or st.climb_budget <= 0:
+        if st.climb_budget <= 0:
+            return
+        if context.ratios is None:
+            log.warning("no floor climbing: --optimizer %s skips the up-front ratio estimates it needs", st.optimizer)
+            return
+        groups = space.precision_groups()
+        if max(len(ix) for ix, _ in groups) > MAX_GROUP:
+            log.warning("no floor climbing: space %s has more than %d comparable candidates in one family",
+                        space.name, MAX_GROUP)
             return
         position = {c.policy_id: i for i, c in enumerate(space.candidates)}
         full_at = {position[pid]: r for pid, r in full.items() if pid in position}
@@ -244,14 +252,14 @@ class TQCMethod(Method):
         used = sum(1 for r in stored if r.get("stage") == "climb")
         device = search_device(st.device, context.lm)
         for _ in range(used, st.climb_budget):
-            pick = climb_pick(space, context.ratios, full_at, st.floors, cheap=cheap_at, device=device)
+            pick = climb_pick(space, context.ratios, full_at, st.floors, cheap=cheap_at, groups=groups, device=device)
             if pick is None:
                 log.info("floor climbing stops: no policy is expected to raise a floor's ratio by %.0f %%", 100 * MIN_GAIN)
                 return
             cand = space.candidates[pick.index]
             step = in_order([cand])
             yield Stage("climb", [cand], step, 1,
-                        title=(f"climb toward {pick.floor:.0%}: {pick.ratio:.2f}x, P(clears) {pick.probability:.2f} "
+                        title=(f"climb toward {100 * pick.floor:g} %: {pick.ratio:.2f}x, P(clears) {pick.probability:.2f} "
                                f"(best {pick.best_ratio:.2f}x) (full)"))
             full_at.update({pick.index: r for r in step.told.values()})
 

@@ -151,7 +151,7 @@ def check_profile_settings(settings: ProfileSettings) -> None:
     for name in ("budget", "refine_budget", "climb_budget"):
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise KvtuneError(f"--{name.replace('_', '-')} must be an integer >= 0, not {value!r}")
+            raise KvtuneError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 0, not {value!r}")
     if settings.search_fidelity not in FIDELITIES:
         raise KvtuneError(f"--search-fidelity must be one of {', '.join(FIDELITIES)}, not {settings.search_fidelity!r}")
     if settings.optimizer not in OPTIMIZERS:
@@ -513,10 +513,13 @@ def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.Dat
 
     Returns:
         ``(searched, final, info)``; ``info`` has ``search``, ``final`` (fidelity names),
-        ``refined`` (policies evaluated at both), ``spearman_relative_accuracy``: the rank
-        correlation of the cheap and full relative accuracies over those policies (None below
-        2), and, once there are full-fidelity rows, ``full`` (their number) and ``climbed`` (of
-        them, those of the ``climb`` stage, :mod:`kvtune.search.climb`).
+        ``refined`` (0 until there are full-fidelity rows), ``spearman_relative_accuracy``
+        (None until then), and, once there are: ``full`` (their number), ``climbed`` (of
+        them, those of the ``climb`` stage, :mod:`kvtune.search.climb`), ``refined`` (the
+        others), ``paired`` (policies evaluated at both fidelities) and
+        ``spearman_relative_accuracy``, the rank correlation of their cheap and full relative
+        accuracies (None below 2). Runs written before climbing existed hold ``refined`` =
+        the paired count and no ``paired``.
     """
     fid = trials["fidelity"].fillna("full") if "fidelity" in trials else pd.Series("full", index=trials.index)
     searched = trials[fid == search_fidelity]
@@ -528,8 +531,8 @@ def split_fidelities(trials: pd.DataFrame, search_fidelity: str) -> tuple[pd.Dat
     both = searched.merge(full, on="policy_id", suffixes=("_cheap", "_full"))
     rho = spearman(both["relative_accuracy_raw_cheap"].tolist(), both["relative_accuracy_raw_full"].tolist())
     climbed = int((full["stage"] == "climb").sum()) if "stage" in full else 0
-    info.update(final="full", refined=len(both), spearman_relative_accuracy=None if rho != rho else round(rho, 4),
-                full=len(full), climbed=climbed)
+    info.update(final="full", refined=len(full) - climbed, paired=len(both),
+                spearman_relative_accuracy=None if rho != rho else round(rho, 4), full=len(full), climbed=climbed)
     return searched, full, info
 
 
