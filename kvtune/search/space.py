@@ -289,16 +289,6 @@ class SearchSpace:
             out.append((np.asarray(members, dtype=np.int64), order))
         return out
 
-    def precision_order(self) -> np.ndarray:
-        """:meth:`at_most_as_precise` of every pair at once: ``(n, n)`` bool, ``[a, b]`` true
-        when ``candidates[a]`` is at most as precise as ``candidates[b]`` (the diagonal is
-        true); :meth:`precision_groups` as one matrix (``n ** 2`` bytes)."""
-        n = len(self.candidates)
-        out = np.zeros((n, n), dtype=bool)
-        for ix, order in self.precision_groups():
-            out[np.ix_(ix, ix)] = order
-        return out
-
 
 def resolve_space_path(spec: str) -> Path:
     """``--space`` value -> file: a path, or the name of a bundled space in :data:`SPACES_DIR`

@@ -6,7 +6,9 @@ Context: the model, the workload (prefilled samples, the uncompressed baseline),
 (MixHQ heads calibrated when it needs them) and the ratio estimates of model-based optimizers;
 the driver of a Ray run keeps it without the model and the workload (:meth:`TQCMethod.driver_view`).
 Stages: ``search`` (the space at ``search_fidelity`` with ``settings.optimizer``), then
-``refine`` (the search's Pareto set again at full fidelity, :func:`kvtune.methods.tqc.profile.refinement_order`).
+``refine`` (the search's Pareto set again at full fidelity, :func:`kvtune.methods.tqc.profile.refinement_order`),
+then ``climb`` (up to ``climb_budget`` more full-fidelity evaluations, one at a time:
+:mod:`kvtune.search.climb`).
 Table: the Pareto front of the final-fidelity rows, gated on the 95 % interval's lower end
 (:func:`kvtune.tables.run.interval_gate`), with the implicit ``"none"`` policy.
 """

@@ -100,7 +100,8 @@ def run_profile(settings: ProfileSettings, *, resume: bool = False, on_stage: Ho
     prefill every sample, cache the uncompressed baseline); calibrate MixHQ heads when the space
     needs them; estimate every candidate's compression ratio when the optimizer uses them;
     search at ``settings.search_fidelity`` (one trials row per policy, written as it finishes);
-    re-evaluate the search's Pareto set at full fidelity (multi-fidelity, issue 6); then
+    re-evaluate the search's Pareto set at full fidelity (multi-fidelity, issue 6) and climb
+    toward the table's floors (:mod:`kvtune.search.climb`); then
     :func:`kvtune.run.runner.finalize_run` (the shared runner,
     :func:`kvtune.run.runner.run_method`, with the ``tqc`` method).
 
