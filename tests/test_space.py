@@ -240,3 +240,11 @@ def test_the_cap_counts_active_combinations_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(space_mod, "MAX_COMBINATIONS", 6)
     with pytest.raises(SpaceError, match="has 7 parameter combinations, more than the cap of 6"):
         load_space(p)
+
+
+def test_precision_groups_refuse_a_group_above_max_size_before_building_it():
+    space = load_space("default")
+    largest = max(len(ix) for ix, _ in space.precision_groups())
+    assert len(space.precision_groups(max_size=largest)) == len(space.precision_groups())
+    with pytest.raises(SpaceError, match=f"more than {largest - 1} comparable candidates in one family \\({largest}\\)"):
+        space.precision_groups(max_size=largest - 1)

@@ -63,8 +63,8 @@ from kvtune.search.optimizers.gp import candidate_inputs, fit_gp, normal_cdf, re
 from kvtune.search.optimizers.kvserve import feasibility_score, warp_accuracy
 from kvtune.search.space import SearchSpace
 
-__all__ = ["ClimbPick", "above_any", "below_any", "best_full_ratio", "climb_pick", "family_posteriors", "floor_gains",
-           "missed", "monotone_mean", "predicted_scores"]
+__all__ = ["ClimbPick", "best_full_ratio", "climb_pick", "family_posteriors", "floor_gains", "missed", "monotone_mean",
+           "predicted_scores", "related"]
 
 #: Smallest expected relative ratio gain worth a full-fidelity evaluation.
 MIN_GAIN = 0.02
@@ -124,17 +124,11 @@ def monotone_mean(mean: np.ndarray, groups: Sequence[tuple[np.ndarray, np.ndarra
     return out
 
 
-def above_any(groups: Sequence[tuple[np.ndarray, np.ndarray]], positions: Sequence[int], n: int) -> np.ndarray:
-    """``(n,)`` bool: candidates at least as precise as one of ``positions``."""
-    return _related(groups, positions, n, above=True)
-
-
-def below_any(groups: Sequence[tuple[np.ndarray, np.ndarray]], positions: Sequence[int], n: int) -> np.ndarray:
-    """``(n,)`` bool: candidates at most as precise as one of ``positions``."""
-    return _related(groups, positions, n, above=False)
-
-
-def _related(groups, positions, n: int, *, above: bool) -> np.ndarray:
+def related(groups: Sequence[tuple[np.ndarray, np.ndarray]], positions: Sequence[int], n: int, *,
+            above: bool) -> np.ndarray:
+    """``(n,)`` bool: candidates at least as precise (``above``) or at most as precise (not
+    ``above``) as one of ``positions`` (``groups`` from
+    :meth:`~kvtune.search.space.SearchSpace.precision_groups`; a position relates to itself)."""
     marked = np.zeros(n, dtype=bool)
     marked[np.asarray(list(positions), dtype=np.int64)] = True
     out = np.zeros(n, dtype=bool)
@@ -215,7 +209,7 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
                *, cheap: Mapping[int, dict[str, Any]] | None = None, groups=None, min_gain: float = MIN_GAIN,
                maxiter: int = 60, device: Any = None) -> ClimbPick | None:
     """The next full-fidelity evaluation of floor climbing (module docstring), or None (fewer
-    than 3 scored results, every candidate evaluated, or no score reaching ``min_gain``).
+    than :data:`MIN_FAMILY_RESULTS` scored results, every candidate evaluated, or no score reaching ``min_gain``).
 
     Args:
         space: the search space.
@@ -245,9 +239,9 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
     ratios = np.where(np.isfinite(ratios), ratios, 0.0)
     scored = {i: feasibility_score(r) for i, r in full.items()}
     scored = {i: s for i, s in scored.items() if np.isfinite(s)}
-    open_ = np.ones(len(space.candidates), dtype=bool)
+    open_ = np.ones(n, dtype=bool)
     open_[list(full)] = False
-    if len(scored) < 3 or not open_.any():
+    if len(scored) < MIN_FAMILY_RESULTS or not open_.any():
         return None
     groups = space.precision_groups() if groups is None else groups
     mean, std = predicted_scores(space, scored, groups, maxiter=maxiter, device=device)
@@ -256,7 +250,8 @@ def climb_pick(space: SearchSpace, ratios: np.ndarray, full: Mapping[int, dict[s
         r_q = best_full_ratio(full, q)
         p = normal_cdf((mean - warp_accuracy(q)) / std)
         below = [i for i, v in scored.items() if v < q]
-        allowed = open_ & above_any(groups, below, n) & ~below_any(groups, missed(full, cheap or {}, q), n)
+        allowed = open_ & related(groups, below, n, above=True) & ~related(groups, missed(full, cheap or {}, q), n,
+                                                                          above=False)
         gains = np.where(allowed, floor_gains(p, ratios, r_q), 0.0)
         j = int(np.argmax(gains))
         if gains[j] >= min_gain and (best is None or gains[j] > best.gain):

@@ -263,7 +263,7 @@ class SearchSpace:
                 return False
         return True
 
-    def precision_groups(self) -> list[tuple[np.ndarray, np.ndarray]]:
+    def precision_groups(self, max_size: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """:meth:`at_most_as_precise` as blocks: ``[(positions, order), ...]``, one per group of
         candidates that can be compared (same family, same values of the numeric parameters
         without a precision direction). ``positions``: ``(m,)`` int64 positions in
@@ -271,12 +271,20 @@ class SearchSpace:
         ``candidates[positions[a]]`` is at most as precise as ``candidates[positions[b]]`` (the
         diagonal is true). Candidates of different groups are never comparable. Memory is the
         sum of ``m ** 2`` bytes over the groups.
+
+        Raises:
+            SpaceError: a group has more than ``max_size`` candidates (checked before any block
+                is built).
         """
         groups: dict[tuple, list[int]] = {}
         for pos, c in enumerate(self.candidates):
             free = tuple((p.key, c.params[p.key]) for p in self.parameters
                          if p.is_numeric and p.precision == "none" and p.key in c.params)
             groups.setdefault((self.family(c), free), []).append(pos)
+        largest = max((len(m) for m in groups.values()), default=0)
+        if max_size is not None and largest > max_size:
+            raise SpaceError(f"space {self.name!r} has more than {max_size} comparable candidates in one family "
+                             f"({largest})")
         out = []
         for members in groups.values():
             first = self.candidates[members[0]].params

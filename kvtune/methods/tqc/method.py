@@ -234,6 +234,7 @@ class TQCMethod(Method):
         from the results so far (``cheap`` and ``full``: trial rows by policy id; a resumed run
         counts its stored ``climb`` rows against the budget). Nothing without the up-front
         ratio estimates."""
+        from kvtune.core.errors import SpaceError
         from kvtune.run.loop import in_order
         from kvtune.search.climb import MAX_GROUP, MIN_GAIN, climb_pick
 
@@ -243,10 +244,10 @@ class TQCMethod(Method):
         if context.ratios is None:
             log.warning("no floor climbing: --optimizer %s skips the up-front ratio estimates it needs", st.optimizer)
             return
-        groups = space.precision_groups()
-        if max(len(ix) for ix, _ in groups) > MAX_GROUP:
-            log.warning("no floor climbing: space %s has more than %d comparable candidates in one family",
-                        space.name, MAX_GROUP)
+        try:
+            groups = space.precision_groups(max_size=MAX_GROUP)
+        except SpaceError as exc:
+            log.warning("no floor climbing: %s", exc)
             return
         position = {c.policy_id: i for i, c in enumerate(space.candidates)}
         full_at = {position[pid]: r for pid, r in full.items() if pid in position}
