@@ -1718,6 +1718,24 @@ def test_rans_count_groups_matches_bincount(div, mod, n):
     assert np.array_equal(K.rans_count_groups(sym, div, mod, mod, k), expected)
 
 
+@covers("column_counts")
+@pytest.mark.parametrize("mod, k, rows", [(64, 2, 1), (64, 16, 255), (64, 32, 256), (128, 5, 700), (192, 17, 511),
+                                          (64, 16, 0)])
+def test_column_counts_match_bincount(mod, k, rows):
+    """Per-column counts in byte vectors == ``np.add.at`` over (column, symbol), across the
+    255-row blocks of the byte accumulators (one column holding the same value on every row
+    of 700) and with symbols of ``k`` or more, which are not counted."""
+    rng = np.random.default_rng(mod + k + rows)
+    sym = rng.integers(0, k + 3, (rows, mod)).astype(np.uint8)
+    sym[:, 1] = k - 1  # a counter that every row increments
+    expected = np.zeros((mod, k), np.int64)
+    inside = sym < k
+    np.add.at(expected, (np.nonzero(inside)[1], sym[inside]), 1)
+    got = K.column_counts(sym.reshape(-1), mod, k)
+    assert got.shape == (mod, k) and np.array_equal(got, expected)
+    assert got[1, k - 1] == rows
+
+
 def component_case(shape, first, seed):
     """PCA-like coefficients (variance falling over the components; a constant component, a
     huge-mean one) and a component table of three segments (widths 1, 3, 8) with dropped ones."""

@@ -12,6 +12,7 @@ One module per component of :mod:`kvtune.codecs` that the kernels accelerate:
 * :mod:`.components`: per-component quantization of ``dp-alloc`` (KVTC-like presets);
 * :mod:`.rans`: interleaved rANS coding and its integer tables (the ``rans`` codec);
   :mod:`.rans_lanes`: its coder loops on 512-bit vectors (32 lanes, long runs);
+  :mod:`.column_counts`: the per-channel symbol counts its tables start from, in byte vectors;
 * :mod:`.segments`: every segment of one K or V tensor in one call;
   :mod:`.rans_segments`: the same with each segment's symbols rANS-coded (the ``rans`` codec);
 * :mod:`.batch`: every tensor of a cache in one call per codec thread, transforms included (the
@@ -123,6 +124,7 @@ with kernel_cache_dir():  # every kernel module is compiled/cached under one sou
     )
     from .components import GRID_CODES, dequantize_components, quantize_components
     from .codebook import codebook_dequantize, codebook_quantize
+    from .column_counts import column_counts
     from .crc import CRC32_CLMUL, CRC32_VPCLMUL, crc32_combine, crc32_update
     from .finite import all_finite_bf16, all_finite_f32, first_nonfinite_f16, max_magnitude_bf16, max_magnitude_f32
     from .fp8 import fp8_dequantize, fp8_quantize
@@ -257,6 +259,7 @@ __all__ = [
     "rans_fused_tables",
     "rans_decoder_tables",
     "rans_count_groups",
+    "column_counts",
     "rans_choose_table",
     "rans_level_weights",
     "rans_encode_symbols",

@@ -48,6 +48,8 @@ import numpy as np
 from numba import njit
 
 from .cachedir import kernel_cache_dir
+from .column_counts import MAX_VECTOR_ALPHABET, column_counts
+from .column_counts import WIDTH as COLUMN_WIDTH
 from .crc import crc32_update
 from .lowlevel import JIT
 from .rans_lanes import GROUP, MAX_PREC, MIN_PREC, VECTOR_LANES, decode_groups, encode_groups
@@ -441,6 +443,16 @@ with kernel_cache_dir():
                 out[q, v] += part[0, v] + part[1, v] + part[2, v] + part[3, v]
         return out
 
+    @njit(inline="always")
+    def _columns_in_vectors(n, bits, div, mod):
+        """Whether :func:`.column_counts.column_counts` counts ``n`` symbols of ``bits`` bits
+        grouped by ``(div, mod)``: per channel (``div == 1``) on whole rows of a multiple of
+        64 channels, alphabets of at most 32 values. Per 4-bit CacheGen delta tensor (176,832
+        symbols, 64 channels) 10.5 us, against 34.5 us for the counts of the fused super-symbols
+        split into digits; 5-bit: 20 against 42 us (one thread, Zen 5, one-off script)."""
+        return (div == 1 and mod % COLUMN_WIDTH == 0 and mod > 0 and n % mod == 0
+                and (1 << bits) <= MAX_VECTOR_ALPHABET)
+
     @njit(**JIT)
     def _digit_counts(fused, comp, bits, groups):
         """Group counts int64 ``(groups, 2**bits)`` from counts of super-symbols per fused model
@@ -765,8 +777,10 @@ with kernel_cache_dir():
                             neg_grid, grid16, form_steps, form_pooled, max_level, weight_bits, prec,
                             table_lane_run=LANE_RUN, lane_run=LANE_RUN):
         """The whole rANS coding of one tensor's symbols, in one call without the GIL: the
-        super-symbols (:func:`_fuse`), group counts (:func:`rans_count_groups` of the
-        super-symbols, split into digits by :func:`_digit_counts`; of the symbols when ``m = 1``),
+        super-symbols (:func:`_fuse`), group counts (per channel in byte vectors,
+        :func:`.column_counts.column_counts`, where :func:`_columns_in_vectors`; else
+        :func:`rans_count_groups` of the super-symbols, split into digits by
+        :func:`_digit_counts`, or of the symbols when ``m = 1``),
         the table form (:func:`rans_choose_table`), the residuals' histogram and words, and the
         super-symbols' words.
 
@@ -787,10 +801,13 @@ with kernel_cache_dir():
             words, whether the symbols' run took 32 lanes.
         """
         fz = np.empty(flat.shape[0] // m if m > 1 else 0, np.uint16)
-        if m == 1:
+        if m > 1:
+            _fuse(flat, bits, m, fz)
+        if _columns_in_vectors(flat.shape[0], bits, count_div, count_mod):
+            counts = column_counts(flat, count_mod, 1 << bits)
+        elif m == 1:
             counts = rans_count_groups(flat, count_div, count_mod, groups, 1 << bits)
         else:  # half or a quarter of the increments: count super-symbols, then split their digits
-            _fuse(flat, bits, m, fz)
             fused = rans_count_groups(fz, coder[0], coder[1], coder[1], 1 << (bits * m))
             counts = _digit_counts(fused, comp_group, bits, groups)
         form, levels, res, est = rans_choose_table(counts, neg_grid, grid16, form_steps, form_pooled, max_level)
