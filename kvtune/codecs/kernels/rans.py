@@ -158,8 +158,8 @@ with kernel_cache_dir():
         for i in range(g):
             rans_normalize(weights[i], pc, comp_f[i])
         ks = 1 << (bits * m)
-        freq = np.zeros((nm, ks), np.int64)
-        cum = np.zeros((nm, ks + 1), np.int64)
+        freq = np.empty((nm, ks), np.int64)  # every entry is written below
+        cum = np.empty((nm, ks + 1), np.int64)
         sh = m * pc - prec
         half = (np.int64(1) << sh) >> 1
         prod = np.empty(ks, np.int64)
