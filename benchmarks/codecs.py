@@ -77,6 +77,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+OMP_WAIT = os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+"""The OpenMP wait policy of torch's workers, set before torch loads libgomp (an
+``OMP_WAIT_POLICY`` already in the environment wins). With libgomp's default a worker spins for
+up to 300,000 iterations after each parallel region (``GOMP_SPINCOUNT``): after the memcpy
+reference's 2-thread copies it took a core from the codec threads measured next, beyond the
+first run of a burst. ``kvquant-3`` decoded into preallocated tensors (2 threads, medians of 25;
+2-vCPU AMD EPYC Zen 5, 2026-12-05, one-off script) in 4.00 / 2.48 / 2.34 ms (first, second,
+third run after a memcpy sample) with the default and 2.46 / 2.02 / 1.91 ms with ``PASSIVE``,
+against 1.71-1.87 ms back to back; the reference's 1-thread copy does not use the workers."""
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -555,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- memcpy reference (bf16 KV, copy_ into preallocated tensors, medians): "
         f"{mc1:.2f} GB/s with 1 thread, {mcn:.2f} GB/s with {args.threads}; the faster is used per sample. "
         f"float32 copy of the same tensors: {fp32:.2f} GB/s (of float32 bytes)",
+        f"- OMP_WAIT_POLICY={OMP_WAIT} (torch's OpenMP workers; PASSIVE unless set: see the script)",
         f"- kernels ready in {warm:.1f} s (compile on first use after an edit, else loaded from the numba cache)",
         f"- {args.repeats} repeats after one warm-up call per case, each the median of {args.burst} back-to-back runs "
         "(the memcpy samples too); GB/s of original bf16 KV, medians; "
