@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row
 from .lowlevel import (HALF, INLINE, JIT, ONE, U8, ZERO, absmax, target_has_features, vminmax, vminmax_groups8,
                        vminmax_rows8)
-from .quantize import store_rows
+from .quantize import store16, store_rows
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
@@ -31,11 +31,13 @@ _BINS_BLOCK = 1024  # values per block of the Lloyd histogram's bin pass
 PERMUTE = target_has_features("avx512f")
 """Whether the decoder looks up the levels of a small codebook (8 levels or fewer) 16 lanes at a
 time with one ``vpermps`` (AVX-512 F: the padded codebook in one register, the symbols as lane
-indices) and scales them in the same registers (:func:`_vdeq_levels16`), instead of a chain of
-7 compares and selects per lane (:func:`_level`) and a second pass for the scaling:
-``kvquant-3`` decoded into preallocated tensors in 2.8-3.1 ms instead of 3.7 on one thread and
-1.7 instead of 2.0-2.1 on two (the default model's 30 layers, medians of 40, the same tensors;
-2-vCPU Zen 5, one-off script, 2026-12-05)."""
+indices), scales and converts them in the same registers and stores them straight into the
+output row (:func:`_vdeq_levels16`), instead of a chain of 7 compares and selects per lane
+(:func:`_level`), a pass for the scaling and one for the conversion of a block of rows
+(:func:`.quantize.store_rows`). ``kvquant-3`` decoded into preallocated bfloat16 tensors (the
+default model's 30 layers, medians of 40, the same tensors; 2-vCPU Zen 5, one-off script,
+2026-12-05): 3.7 ms before, 2.8-3.1 with the lookups and scaling in registers, 2.2-2.3 with the
+conversion too, on one thread; 2.0-2.1, 1.7, then 1.3-1.4 ms on two."""
 _F32x16 = ir.VectorType(ir.FloatType(), 16)
 _I32x16 = ir.VectorType(ir.IntType(32), 16)
 
@@ -372,11 +374,13 @@ def _vdeq_levels16(typingctx, sym, soff, table, s, z, poff, blk, boff):
     an add, as :meth:`kvtune.codecs.codebook.CodebookQuantizer.dequantize_block`; no add when
     ``z`` is None): uint8 symbols below 16, float32 ``table`` of 16 entries (one ``vpermps``;
     needs :data:`PERMUTE`); ``s`` and ``z`` float32 scalars (a per-token group's), or float32
-    arrays read at ``s[poff + i]`` (per-channel groups)."""
+    arrays read at ``s[poff + i]`` (per-channel groups); ``blk`` float32, or uint16 bfloat16
+    bits (:func:`.quantize.store16`'s rounding)."""
     def f32_array(a):
         return isinstance(a, types.Array) and a.dtype == types.float32
 
-    if not (isinstance(sym, types.Array) and sym.dtype == types.uint8 and f32_array(table) and f32_array(blk)):
+    if not (isinstance(sym, types.Array) and sym.dtype == types.uint8 and f32_array(table) and isinstance(blk, types.Array)
+            and blk.dtype in (types.float32, types.uint16)):
         return None
     add = z != types.none
     lanes = f32_array(s) and (f32_array(z) or not add)
@@ -404,9 +408,7 @@ def _vdeq_levels16(typingctx, sym, soff, table, s, z, poff, blk, boff):
         v = builder.fmul(v, at(3, 5, _F32x16, 4) if lanes else splat(3))
         if add:
             v = builder.fadd(at(4, 5, _F32x16, 4) if lanes else splat(4), v)
-        data = context.make_array(sa[6])(context, builder, args[6]).data
-        off = context.cast(builder, args[7], sa[7], types.int64)
-        builder.store(v, builder.bitcast(builder.gep(data, [off]), _F32x16.as_pointer()), align=4)
+        store16(context, builder, v, sa[6], args[6], sa[7], args[7])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -441,7 +443,8 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
     pad = np.empty(16, np.float32)  # lanes 8-15 of the vpermps table: never indexed (symbols < 8)
     for k in range(16):
         pad[k] = levels[min(k, nl - 1)]
-    vector = PERMUTE and small and d_n % 16 == 0 and (not per_token or (g % 16 == 0 and d_n % g == 0))
+    vector = (PERMUTE and small and kind != 2 and d_n % 16 == 0
+              and (not per_token or (g % 16 == 0 and d_n % g == 0)))  # float16 output: through the block
     l0, l1, l2, l3, l4, l5, l6, l7 = pad[0], pad[1], pad[2], pad[3], pad[4], pad[5], pad[6], pad[7]
     r = 0
     for b in range(nb):
@@ -459,7 +462,8 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                     if minmax:
                         for d in range(dn):
                             zz[d] = f16_bits_to_f32(zf[m + d])
-                if vector:  # lookups and scaling 16 lanes at a time, straight into the block
+                if vector:  # lookups, scaling and conversion 16 lanes at a time, into the output row
+                    row = _u(dst[k])
                     if per_token:
                         for gi in range(ng):
                             m = r * ng - ng + gi
@@ -467,16 +471,17 @@ def codebook_dequantize(sym, levels, scale, zero, per_token, g, minmax, heads, t
                             if minmax:
                                 z = f16_bits_to_f32(zf[m])
                                 for d in range(_u(gi * g), _u(gi * g + g), _u(16)):
-                                    _vdeq_levels16(sf, src + d, pad, s, z, 0, blk, o + d)
+                                    _vdeq_levels16(sf, src + d, pad, s, z, 0, of, row + d)
                             else:
                                 for d in range(_u(gi * g), _u(gi * g + g), _u(16)):
-                                    _vdeq_levels16(sf, src + d, pad, s, None, 0, blk, o + d)
+                                    _vdeq_levels16(sf, src + d, pad, s, None, 0, of, row + d)
                     elif minmax:
                         for d in range(_u(0), dn, _u(16)):
-                            _vdeq_levels16(sf, src + d, pad, ss, zz, d, blk, o + d)
+                            _vdeq_levels16(sf, src + d, pad, ss, zz, d, of, row + d)
                     else:
                         for d in range(_u(0), dn, _u(16)):
-                            _vdeq_levels16(sf, src + d, pad, ss, None, d, blk, o + d)
+                            _vdeq_levels16(sf, src + d, pad, ss, None, d, of, row + d)
+                    continue
                 else:
                     for d in range(dn):  # the row's levels first: this loop vectorizes on its own
                         blk[o + d] = _level(sf[src + d], levels, small, l0, l1, l2, l3, l4, l5, l6, l7)

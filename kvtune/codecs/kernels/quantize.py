@@ -204,12 +204,12 @@ _vquant16v = _vquant(16, True)
 def _deq_store(context, builder, u, s, z, out_ty, out_arg, ooff_ty, ooff):
     """``out[ooff:ooff + 16] = z + float32(u) * s`` (a multiply, then an add: the reference's
     two roundings) for 16 uint8 lanes ``u`` (``s``, ``z``: 16-lane float32), stored as
-    :func:`_store16`."""
+    :func:`store16`."""
     v = builder.fadd(z, builder.fmul(builder.uitofp(u, ir.VectorType(ir.FloatType(), 16)), s))
-    _store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff)
+    store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff)
 
 
-def _store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff):
+def store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff):
     """``out[ooff:ooff + 16] = v`` (16-lane float32): float32 ``out`` as is, or uint16 ``out``
     of bfloat16 bits rounded to nearest even with NaN as 0x7FC0
     (:func:`~kvtune.codecs.kernels.convert.f32_to_bf16_bits`).
@@ -282,7 +282,7 @@ _NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80
 
 
 HW_BF16 = target_has_features("avx512bf16", "avx512dq")
-"""Whether :func:`_store16` converts with ``vcvtneps2bf16`` (AVX512-BF16) and classifies with
+"""Whether :func:`store16` converts with ``vcvtneps2bf16`` (AVX512-BF16) and classifies with
 ``vfpclassps`` (AVX512-DQ): numba's target CPU has both. numba caches kernels per target CPU,
 so the choice is made once per target."""
 
@@ -343,7 +343,7 @@ def _vdeq16v(typingctx, sym, soff, ss, zz, poff, out, ooff):
 @intrinsic
 def _vstore16(typingctx, src, soff, out, ooff):
     """16 float32 lanes ``src[soff:soff + 16]`` written to float32 ``out`` or as bfloat16 bits
-    to uint16 ``out`` (:func:`_store16`: round to nearest even, NaN as 0x7FC0), in compiled
+    to uint16 ``out`` (:func:`store16`: round to nearest even, NaN as 0x7FC0), in compiled
     code (a vector load, the conversion, a vector store)."""
     if not (isinstance(src, types.Array) and src.dtype == types.float32 and _deq_out_ok(out)):
         return None
@@ -352,7 +352,7 @@ def _vstore16(typingctx, src, soff, out, ooff):
     def codegen(context, builder, signature, args):
         sa = signature.args
         v = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.FloatType())
-        _store16(context, builder, v, sa[2], args[2], sa[3], args[3])
+        store16(context, builder, v, sa[2], args[2], sa[3], args[3])
         return context.get_dummy_value()
 
     return sig, codegen
