@@ -379,8 +379,8 @@ def _vdeq_levels16(typingctx, sym, soff, table, s, z, poff, blk, boff):
     def f32_array(a):
         return isinstance(a, types.Array) and a.dtype == types.float32
 
-    if not (isinstance(sym, types.Array) and sym.dtype == types.uint8 and f32_array(table) and isinstance(blk, types.Array)
-            and blk.dtype in (types.float32, types.uint16)):
+    if not (isinstance(sym, types.Array) and sym.dtype == types.uint8 and f32_array(table)
+            and isinstance(blk, types.Array) and blk.dtype in (types.float32, types.uint16)):
         return None
     add = z != types.none
     lanes = f32_array(s) and (f32_array(z) or not add)
@@ -393,7 +393,7 @@ def _vdeq_levels16(typingctx, sym, soff, table, s, z, poff, blk, boff):
 
         def at(i, j, vty, align):
             data = context.make_array(sa[i])(context, builder, args[i]).data
-            off = context.cast(builder, args[j], sa[j], types.int64) if j is not None else ir.Constant(ir.IntType(64), 0)
+            off = ir.Constant(ir.IntType(64), 0) if j is None else context.cast(builder, args[j], sa[j], types.int64)
             return builder.load(builder.bitcast(builder.gep(data, [off]), vty.as_pointer()), align=align)
 
         def splat(i):
