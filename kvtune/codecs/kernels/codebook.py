@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row
 from .lowlevel import (HALF, INLINE, JIT, ONE, U8, ZERO, absmax, target_has_features, vminmax, vminmax_groups8,
                        vminmax_rows8)
-from .quantize import store16, store_rows
+from .quantize import load_lanes, splat16, store16, store_rows
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
@@ -391,23 +391,21 @@ def _vdeq_levels16(typingctx, sym, soff, table, s, z, poff, blk, boff):
     def codegen(context, builder, signature, args):
         sa = signature.args
 
-        def at(i, j, vty, align):
-            data = context.make_array(sa[i])(context, builder, args[i]).data
-            off = ir.Constant(ir.IntType(64), 0) if j is None else context.cast(builder, args[j], sa[j], types.int64)
-            return builder.load(builder.bitcast(builder.gep(data, [off]), vty.as_pointer()), align=align)
+        f32 = ir.FloatType()
+
+        def lanes_of(i):  # float32 array i at poff
+            return load_lanes(context, builder, sa[i], args[i], sa[5], args[5], f32)
 
         def splat(i):
-            v = context.cast(builder, args[i], sa[i], types.float32)
-            v = builder.insert_element(ir.Constant(_F32x16, ir.Undefined), v, ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(v, ir.Constant(_F32x16, ir.Undefined), ir.Constant(_I32x16, [0] * 16))
+            return splat16(builder, context.cast(builder, args[i], sa[i], types.float32))
 
-        idx = builder.zext(at(0, 1, ir.VectorType(ir.IntType(8), 16), 1), _I32x16)
+        idx = builder.zext(load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8)), _I32x16)
+        table = load_lanes(context, builder, sa[2], args[2], types.int64, ir.Constant(ir.IntType(64), 0), f32)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x16, [_F32x16, _I32x16]),
                                             "llvm.x86.avx512.permvar.sf.512")
-        v = builder.call(fn, [at(2, None, _F32x16, 4), idx])
-        v = builder.fmul(v, at(3, 5, _F32x16, 4) if lanes else splat(3))
+        v = builder.fmul(builder.call(fn, [table, idx]), lanes_of(3) if lanes else splat(3))
         if add:
-            v = builder.fadd(at(4, 5, _F32x16, 4) if lanes else splat(4), v)
+            v = builder.fadd(lanes_of(4) if lanes else splat(4), v)
         store16(context, builder, v, sa[6], args[6], sa[7], args[7])
         return context.get_dummy_value()
 

@@ -287,14 +287,16 @@ HW_BF16 = target_has_features("avx512bf16", "avx512dq")
 so the choice is made once per target."""
 
 
-def _load_lanes(context, builder, ary_ty, ary_arg, off_ty, off, elem, n=16):
+def load_lanes(context, builder, ary_ty, ary_arg, off_ty, off, elem, n=16):
+    """Codegen: the ``n`` elements of LLVM type ``elem`` at ``array[off]`` as one vector load."""
     ary = context.make_array(ary_ty)(context, builder, ary_arg)
     o = context.cast(builder, off, off_ty, types.int64)
     return builder.load(builder.bitcast(builder.gep(ary.data, [o]), ir.VectorType(elem, n).as_pointer()),
                         align=elem.width // 8 if isinstance(elem, ir.IntType) else 4)
 
 
-def _splat16(builder, val):
+def splat16(builder, val):
+    """Codegen: the scalar ``val`` in all 16 lanes of a vector."""
     v = ir.VectorType(val.type, 16)
     return builder.shuffle_vector(builder.insert_element(ir.Constant(v, ir.Undefined), val, ir.Constant(ir.IntType(32), 0)),
                                   ir.Constant(v, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
@@ -314,8 +316,8 @@ def _vdeq16(typingctx, sym, soff, s, z, out, ooff):
 
     def codegen(context, builder, signature, args):
         sa = signature.args
-        u = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8))
-        sv, zv = (_splat16(builder, context.cast(builder, args[i], sa[i], types.float32)) for i in (2, 3))
+        u = load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8))
+        sv, zv = (splat16(builder, context.cast(builder, args[i], sa[i], types.float32)) for i in (2, 3))
         _deq_store(context, builder, u, sv, zv, sa[4], args[4], sa[5], args[5])
         return context.get_dummy_value()
 
@@ -331,9 +333,9 @@ def _vdeq16v(typingctx, sym, soff, ss, zz, poff, out, ooff):
 
     def codegen(context, builder, signature, args):
         sa = signature.args
-        u = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8))
-        sv = _load_lanes(context, builder, sa[2], args[2], sa[4], args[4], ir.FloatType())
-        zv = _load_lanes(context, builder, sa[3], args[3], sa[4], args[4], ir.FloatType())
+        u = load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.IntType(8))
+        sv = load_lanes(context, builder, sa[2], args[2], sa[4], args[4], ir.FloatType())
+        zv = load_lanes(context, builder, sa[3], args[3], sa[4], args[4], ir.FloatType())
         _deq_store(context, builder, u, sv, zv, sa[5], args[5], sa[6], args[6])
         return context.get_dummy_value()
 
@@ -351,7 +353,7 @@ def _vstore16(typingctx, src, soff, out, ooff):
 
     def codegen(context, builder, signature, args):
         sa = signature.args
-        v = _load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.FloatType())
+        v = load_lanes(context, builder, sa[0], args[0], sa[1], args[1], ir.FloatType())
         store16(context, builder, v, sa[2], args[2], sa[3], args[3])
         return context.get_dummy_value()
 
