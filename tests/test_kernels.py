@@ -664,9 +664,10 @@ def test_hadamard_load_and_store_match_convert_then_rotate(d, t):
     assert np.array_equal(out32.view(np.uint32), back.numpy().view(np.uint32))
 
 
-ROTATED_SHAPES = [(2, 3, 77, 64), (1, 3, 37, 48), (1, 2, 5, 16), (1, 2, 0, 64)]
-"""Shapes whose Hadamard blocks are held in registers (64; 48 = 32 + 16; 16): 77 and 37 tokens
-cross the per-token kernels' blocks of 32 rows and the heads."""
+ROTATED_SHAPES = [(2, 3, 77, 64), (1, 3, 37, 48), (1, 2, 5, 16), (1, 2, 0, 64), (1, 2, 4, 32), (1, 2, 33, 128),
+                  (1, 1, 3, 256)]
+"""Shapes whose Hadamard blocks are held in registers (64; 48 = 32 + 16; 16; 32; 128; 256): 77,
+37 and 33 tokens cross the per-token kernels' blocks of 32 rows and the heads."""
 
 
 def rotation_of(shape, seed: int = 0):
@@ -727,6 +728,31 @@ def test_a_fused_rotation_dequantizes_as_dequantize_then_rotate_back(bits):
                     K.dequantize_per_token(sym, scale, zero, g, bits, symmetric, heads, tokens, out, kind, rot)
                     want = expected_out(shape, kind, dtype, heads, tokens, rows)
                     assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), (shape, sel, g, kind)
+
+
+def test_a_fused_rotation_dequantizes_extreme_float16_metadata_as_the_reference():
+    """The decoder's in-register rows (one group, one Hadamard block: bfloat16 bits converted
+    without a subnormal check) on the smallest float16 scale (a subnormal, 2**-24), the
+    largest (65504) and zero points of -65504 and +-2**-24: the reference's bits."""
+    shape = (1, 2, 6, 64)
+    (signs, blocks, scales), rot = rotation_of(shape, 3)
+    heads, tokens = idx(range(2)), idx(range(6))
+    sym = np.zeros(shape, np.uint8)
+    sym[..., 5] = 1
+    sym[0, 1, 3:] = 15
+    mshape = (1, 2, 6, 1)
+    scale = np.array([0x0001, 0x7BFF, 0x0001, 0x7BFF, 0x0000, 0x3C00] * 2, np.uint16).reshape(mshape)
+    zero = np.array([0x0000, 0xFBFF, 0x8001, 0x0001, 0x7BFF, 0x8000] * 2, np.uint16).reshape(mshape)
+    for symmetric in (False, True):
+        y = np.zeros(shape, np.float32)
+        K.dequantize_per_token(sym, scale, zero, 64, 4, symmetric, heads, tokens, y, 0)
+        K.hadamard_rows(y, signs, blocks, scales, True)
+        assert np.isfinite(y).all() and not ((y != 0) & (np.abs(y) < np.finfo(np.float32).tiny)).any()
+        for kind, dtype in OUT_KINDS:
+            out = out_array(shape, kind)
+            K.dequantize_per_token(sym, scale, zero, 64, 4, symmetric, heads, tokens, out, kind, rot)
+            want = expected_out(shape, kind, dtype, heads, tokens, torch.from_numpy(y))
+            assert np.array_equal(out.view(np.uint8), want.view(np.uint8)), (symmetric, kind)
 
 
 def test_rotation_growth_bounds_the_rotated_magnitude():

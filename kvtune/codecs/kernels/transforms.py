@@ -74,18 +74,43 @@ def _wht_pair8(typingctx, arr, p, q):
     return sig, codegen
 
 
-def _make_wht(n: int, inverse: bool):
-    """An intrinsic ``_wht(arr, off, signs, soff, c)``: the whole randomized Hadamard block of
-    size ``n`` (8..256) on ``arr[off:off + n]`` held in vector registers of
-    ``L = min(n, 16)`` lanes -- forward ``x * signs``, butterflies, ``* c``; ``inverse``:
-    butterflies, ``* c``, ``* signs`` -- the exact operation sequence of the reference, with no
-    loop control.
+def butterflies(builder, vs, lanes):
+    """Codegen: the butterfly stages of one Walsh-Hadamard block held in the ``lanes``-lane
+    float32 vectors ``vs`` (the block's values in order; ``lanes * len(vs)`` a power of two),
+    unnormalized (no ``* 1/sqrt(n)``). Returns the new vectors.
 
-    A butterfly stage inside a vector (strides 1, 2, 4, 8) is one shuffle (lane ``i`` takes lane
+    A stage inside a vector (strides 1, 2, 4, 8) is one shuffle (lane ``i`` takes lane
     ``i ^ stride``) and one ``llvm.fma(v, m, swapped)`` with ``m`` = +1 in the low lane of each
     pair (``a + b``) and -1 in the high one (``a - b``): a product with +-1 is exact, so the
     fused multiply-add rounds once, exactly as the reference's add or subtract. Stages across
-    vectors (strides 16, 32, ...) are a plain add and subtract."""
+    vectors (strides ``lanes``, ``2 * lanes``, ...) are a plain add and subtract."""
+    i32 = ir.IntType(32)
+    vt = ir.VectorType(ir.FloatType(), lanes)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{lanes}f32")
+    stride = 1
+    while stride < lanes:  # inside each vector
+        perm = ir.Constant(ir.VectorType(i32, lanes), [ir.Constant(i32, i ^ stride) for i in range(lanes)])
+        pm = ir.Constant(vt, [-1.0 if i & stride else 1.0 for i in range(lanes)])
+        vs = [builder.call(fma, [v, pm, builder.shuffle_vector(v, v, perm)]) for v in vs]
+        stride *= 2
+    step, nv = 1, len(vs)
+    while step < nv:  # across vectors
+        out = list(vs)
+        for i in range(nv):
+            if not i & step:
+                a, b = vs[i], vs[i + step]
+                out[i], out[i + step] = builder.fadd(a, b), builder.fsub(a, b)
+        vs = out
+        step *= 2
+    return vs
+
+
+def _make_wht(n: int, inverse: bool):
+    """An intrinsic ``_wht(arr, off, signs, soff, c)``: the whole randomized Hadamard block of
+    size ``n`` (8..256) on ``arr[off:off + n]`` held in vector registers of
+    ``L = min(n, 16)`` lanes -- forward ``x * signs``, :func:`butterflies`, ``* c``;
+    ``inverse``: butterflies, ``* c``, ``* signs`` -- the exact operation sequence of the
+    reference, with no loop control."""
     lanes = min(n, 16)
     nv = n // lanes
 
@@ -111,26 +136,10 @@ def _make_wht(n: int, inverse: bool):
             cf = context.cast(builder, args[4], sa[4], types.float32)
             cv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), cf, ir.Constant(i32, 0)),
                                         ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{lanes}f32")
             vs = [builder.load(p, align=4) for p in ptrs]
             if not inverse:
                 vs = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
-            stride = 1
-            while stride < lanes:  # inside each vector
-                perm = ir.Constant(ir.VectorType(i32, lanes), [ir.Constant(i32, i ^ stride) for i in range(lanes)])
-                pm = ir.Constant(vt, [-1.0 if i & stride else 1.0 for i in range(lanes)])
-                vs = [builder.call(fma, [v, pm, builder.shuffle_vector(v, v, perm)]) for v in vs]
-                stride *= 2
-            step = 1
-            while step < nv:  # across vectors
-                out = list(vs)
-                for i in range(nv):
-                    if not i & step:
-                        a, b = vs[i], vs[i + step]
-                        out[i], out[i + step] = builder.fadd(a, b), builder.fsub(a, b)
-                vs = out
-                step *= 2
-            vs = [builder.fmul(v, cv) for v in vs]
+            vs = [builder.fmul(v, cv) for v in butterflies(builder, vs, lanes)]
             if inverse:
                 vs = [builder.fmul(v, builder.load(sp, align=4)) for v, sp in zip(vs, sptrs)]
             for v, p in zip(vs, ptrs):
