@@ -954,6 +954,30 @@ def build_table(shape, plan):
 
 
 @covers("encode_segments", "decode_segments")
+@pytest.mark.parametrize("tokens", [[3, 4, 5, 6], [5, 1, 2, 8], [2, 4, 3, 5], [7]])
+def test_bfloat16_segments_decode_into_their_heads_and_tokens(tokens):
+    """A bfloat16 pass-through segment is written back at its heads and tokens, into bfloat16
+    and float32 outputs, whether its tokens are one run (one copy loop per head) or not (a
+    permutation of a run included), and nothing else is touched."""
+    shape = (2, 3, 9, 16)
+    x = student_t(shape, seed=7, scale=5.0).to(torch.bfloat16)
+    heads = [2, 0]
+    segs, index, nbytes, _ = build_table(shape, [(NoQuantizer(), 16, heads, tokens, [K.KIND_BF16, 16, 0, 0, 0])])
+    out = np.zeros(nbytes, np.uint8)
+    xk = bits16(x).copy()
+    luts, lut16, lut8 = fp8_luts()
+    K.encode_segments(xk, segs, index, out, np.zeros(x.numel(), np.uint8), True, lut8, nf_table())
+    h, t = torch.tensor(heads), torch.tensor(tokens)
+    for kind, dtype in OUT_KINDS[:2]:
+        y = out_array(shape, kind)
+        before = y.copy()
+        assert K.decode_segments(out, segs, index, luts, lut16, np.zeros(x.numel(), np.uint8), True, y, kind, nf_table())
+        want = expected_out(shape, kind, dtype, idx(heads), idx(tokens), x[:, h][:, :, t].float())
+        assert np.array_equal(y.view(np.uint8), want.view(np.uint8)), kind
+        assert not np.array_equal(y, before)
+
+
+@covers("encode_segments", "decode_segments")
 def test_unscaled_e4m3_segments_cast_every_bfloat16_and_every_float8_as_torch():
     """The 16-lane e4m3 conversions (bfloat16 input, bfloat16 output) on every finite bfloat16
     pattern (saturating beyond +-448) and every float8 pattern (NaNs included), against

@@ -156,7 +156,9 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
     copy into bfloat16 output (uint16 ``out``, ``kind`` 1), else converted as
     :func:`~kvtune.codecs.kernels.convert.store_row`. Returns the largest magnitude pattern
     copied (the bits without the sign, as :func:`~.finite.max_magnitude_bf16`: ``>= 0x7F80`` is
-    a NaN or inf), a max reduction in the same loop."""
+    a NaN or inf), a max reduction in the same loop. Into bfloat16, a head whose tokens are
+    consecutive is one run of ``out``, copied by one loop instead of one per row: the ``none``
+    preset's decode into preallocated tensors, two threads, 1.28-1.41 -> 1.04-1.22 ms."""
     if out.dtype == types.uint16:
 
         def impl(data, off, heads, tokens, out, kind):
@@ -166,9 +168,22 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
             o = _u(off)
             row = np.empty(d_n, np.float32)
             mag = np.uint16(0)
+            ts = tokens.shape[0]
+            run = ts > 0
+            for k in range(1, ts):
+                run &= tokens[k] == tokens[0] + k
             for b in range(nb):
                 for hi in range(heads.shape[0]):
-                    for ti in range(tokens.shape[0]):
+                    if kind == 1 and run:  # the head's rows are one run of out: one loop
+                        dst = _u(((b * nh + heads[hi]) * nt + tokens[0]) * d_n)
+                        for d in range(_u(ts * d_n)):
+                            v = _le16(data, o + U2 * d)
+                            of[dst + d] = v
+                            e = np.uint16(v & _MAGNITUDE16)
+                            mag = e if e > mag else mag
+                        o += U2 * _u(ts * d_n)
+                        continue
+                    for ti in range(ts):
                         dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
                         if kind == 1:
                             for d in range(dn):
