@@ -1024,6 +1024,26 @@ def test_finite_check_reads_exponent_bits():
     assert kernels.all_finite_f32(np.zeros(0, np.float32))
 
 
+def test_fastpath_all_finite_reads_cpu_bf16_and_float32_and_declines_the_rest():
+    """``fastpath.all_finite`` answers for contiguous bfloat16 / float32 CPU tensors (a NaN or
+    inf anywhere, the last element included, is found) and returns None for float16, strided
+    and lazily negated tensors, which ``check_kv`` then checks with torch."""
+    from kvtune.codecs import fastpath
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.linspace(-3.0, 3.0, 4 * 37, dtype=dtype).reshape(1, 4, 37, 1)
+        assert fastpath.all_finite(x) is True
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y.view(-1)[-1] = bad
+            assert fastpath.all_finite(y) is False
+    x = torch.ones(2, 3, 4, 8)
+    assert fastpath.all_finite(x.half()) is None
+    assert fastpath.all_finite(x.transpose(1, 2)) is None
+    neg = torch.complex(x, x).conj().imag  # a lazy negation view: its memory holds -x
+    assert neg.is_neg() and fastpath.all_finite(neg) is None
+
+
 def test_layer_offset_must_be_an_int():
     kv = make_kv(MATRIX_SHAPES[:1])
     for bad in (1.0, "1", True):
