@@ -222,10 +222,10 @@ def store16(context, builder, v, out_ty, out_arg, ooff_ty, ooff):
     dequantization into bfloat16 14.4-15.9 -> 10.0-10.6 us, the whole tensor decode
     (:func:`~.segments.decode_tensor`) 19.5-19.8 -> 15.8-16.5 us, ``quarot-4``'s 40-43 -> 35-40
     us (the README's codec speed notes)."""
-    store16_rows(context, builder, [v], out_ty, out_arg, [context.cast(builder, ooff, ooff_ty, types.int64)])
+    _store16_rows(context, builder, [v], out_ty, out_arg, [context.cast(builder, ooff, ooff_ty, types.int64)])
 
 
-def store16_rows(context, builder, vs, out_ty, out_arg, offs, checked=True):
+def _store16_rows(context, builder, vs, out_ty, out_arg, offs, checked=True):
     """:func:`store16` of several 16-lane float32 vectors ``vs`` at the int64 offsets ``offs``
     (LLVM values) with one check for subnormal and NaN lanes across all of them (one branch
     instead of one per vector), or none when ``checked`` is false: for values that cannot be
@@ -685,7 +685,7 @@ def _make_deq_rotated(n: int):
     then by the sign ``+-1``, and ``fl(fl(y c) s) = fl(y (c s))`` because rounding to nearest
     even is symmetric in sign, so one multiply gives the same floats.
 
-    The bfloat16 conversion is unchecked (:func:`store16_rows`): every value is zero or at
+    The bfloat16 conversion is unchecked (:func:`_store16_rows`): every value is zero or at
     least ``2**-29`` in magnitude, never subnormal. ``s`` and ``z`` are float16 values (or
     ``z = s * -(2**bits - 1) / 2``), multiples of ``2**-25``; so are their sums and roundings
     in float32, and the butterflies' sums; the block scale ``c >= 1/16``. A NaN or inf scale
@@ -713,7 +713,7 @@ def _make_deq_rotated(n: int):
                                              builder.add(ho, ir.Constant(i64, 16 * k)), f32))
                   for k, v in enumerate(butterflies(builder, vs, 16))]
             offs = [builder.add(oo, ir.Constant(i64, 16 * k)) for k in range(nv)]
-            store16_rows(context, builder, vs, sa[6], args[6], offs, checked=False)
+            _store16_rows(context, builder, vs, sa[6], args[6], offs, checked=False)
             return context.get_dummy_value()
 
         return sig, codegen
