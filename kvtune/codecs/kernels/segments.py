@@ -146,6 +146,18 @@ def _le16(data, o):
     return np.uint16(data[o]) | (np.uint16(data[o + U1]) << np.uint16(8))
 
 
+@njit(**INLINE)
+def _copy_bf16(data, o, of, dst, n, mag):
+    """``of[dst:dst + n]`` = the ``n`` little-endian uint16 at byte offset ``o`` of ``data``;
+    returns ``mag`` raised to the largest magnitude pattern copied (as :func:`_get_bf16`)."""
+    for d in range(n):
+        v = _le16(data, o + U2 * d)
+        of[dst + d] = v
+        e = np.uint16(v & _MAGNITUDE16)
+        mag = e if e > mag else mag
+    return mag
+
+
 def _get_bf16(data, off, heads, tokens, out, kind):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError
 
@@ -175,22 +187,14 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
             for b in range(nb):
                 for hi in range(heads.shape[0]):
                     if kind == 1 and run:  # the head's rows are one run of out: one loop
-                        dst = _u(((b * nh + heads[hi]) * nt + tokens[0]) * d_n)
-                        for d in range(_u(ts * d_n)):
-                            v = _le16(data, o + U2 * d)
-                            of[dst + d] = v
-                            e = np.uint16(v & _MAGNITUDE16)
-                            mag = e if e > mag else mag
-                        o += U2 * _u(ts * d_n)
+                        n = _u(ts * d_n)
+                        mag = _copy_bf16(data, o, of, _u(((b * nh + heads[hi]) * nt + tokens[0]) * d_n), n, mag)
+                        o += U2 * n
                         continue
                     for ti in range(ts):
                         dst = _u(((b * nh + heads[hi]) * nt + tokens[ti]) * d_n)
                         if kind == 1:
-                            for d in range(dn):
-                                v = _le16(data, o + U2 * d)
-                                of[dst + d] = v
-                                e = np.uint16(v & _MAGNITUDE16)
-                                mag = e if e > mag else mag
+                            mag = _copy_bf16(data, o, of, dst, dn, mag)
                         else:
                             for d in range(dn):
                                 v = _le16(data, o + U2 * d)
