@@ -88,9 +88,9 @@ _ROWS = 32  # rows per block of the per-token kernels
 
 
 @njit(**INLINE)
-def _consecutive(tokens):
+def consecutive(tokens):
     """Whether the token indices are consecutive (a block of rows within one head is then one
-    run of rows of the tensor, :func:`_block_rows`)."""
+    run of rows of the tensor, :func:`_block_rows`); true for none or one."""
     run = True
     for k in range(1, tokens.shape[0]):
         run &= tokens[k] == tokens[0] + k
@@ -431,7 +431,7 @@ def quantize_per_token(x, heads, tokens, g, bits, symmetric, sym, scale, zero, r
     invs = np.empty(_ROWS * ng, np.float32)
     tiled = g % 8 == 0 and d_n % g == 0  # KIVI's g = 32, a whole row of 64 or 128: one flat loop
     ug = _u(g)
-    run = _consecutive(tokens)
+    run = consecutive(tokens)
     one_block = rot is not None and _whole_row_block(rot[1], d_n)
     pos = (0, 0, 0)  # (batch, head index, token index) of the next row to load
     for r0 in range(0, nrows, _ROWS):
@@ -621,7 +621,8 @@ def _make_load_rotated(n: int):
 
     @intrinsic
     def _load_rotated(typingctx, x, xoff, signs, soff, c, blk, boff):
-        if not (isinstance(x, types.Array) and x.dtype in (types.float32, types.uint16)):
+        if not (isinstance(x, types.Array) and x.dtype in (types.float32, types.uint16)
+                and isinstance(blk, types.Array) and blk.dtype == types.float32):
             return None
         sig = types.void(x, xoff, signs, soff, c, blk, boff)
 
@@ -645,9 +646,8 @@ def _make_load_rotated(n: int):
                     v = load_lanes(context, builder, sa[0], args[0], types.int64, at(xo, k), f32)
                 sg = builder.bitcast(load_lanes(context, builder, sa[2], args[2], types.int64, at(so, k), f32), vi)
                 vs.append(builder.bitcast(builder.xor(builder.bitcast(v, vi), builder.and_(sg, sign)), vt))
-            out = context.make_array(sa[5])(context, builder, args[5])
-            for k, v in enumerate(butterflies(builder, vs, 16)):
-                builder.store(builder.fmul(v, cv), builder.bitcast(builder.gep(out.data, [at(bo, k)]), vt.as_pointer()), align=4)
+            vs = [builder.fmul(v, cv) for v in butterflies(builder, vs, 16)]
+            _store16_rows(context, builder, vs, sa[5], args[5], [at(bo, k) for k in range(nv)])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -790,15 +790,15 @@ def _dequantize_rotated(sym, scale, zero, g, bits, symmetric, heads, tokens, out
     ng = scale.shape[3]
     ug = _u(g)
     signs, blocks, bscales = rot
-    blk = np.empty(_ROWS * d_n, np.float32)
-    dst = np.empty(_ROWS, np.int64)
-    head = np.empty(_ROWS, np.int64)
-    run = _consecutive(tokens)
-    pos = (0, 0, 0)
-    nrows = nb * hs * ts
     if _one_block(blocks, d_n, ng, kind):
         _deq_rotated_rows(sf, scf, zf, bits, symmetric, nb, heads, tokens, nh, nt, d_n, of, signs, bscales[0])
         return
+    blk = np.empty(_ROWS * d_n, np.float32)
+    dst = np.empty(_ROWS, np.int64)
+    head = np.empty(_ROWS, np.int64)
+    run = consecutive(tokens)
+    pos = (0, 0, 0)
+    nrows = nb * hs * ts
     for r0 in range(0, nrows, _ROWS):
         nr = min(_ROWS, nrows - r0)
         pos, contiguous = _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, dst, head)

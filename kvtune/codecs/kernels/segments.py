@@ -26,7 +26,7 @@ from .finite import max_masked
 from .fp8 import LANES as FP8_LANES
 from .fp8 import bf16_from_e4m3_16, e4m3_from_bf16_16, fp8_dequantize, fp8_quantize
 from .lowlevel import INLINE, JIT, U1, U2, u32_as_f32
-from .quantize import dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
+from .quantize import consecutive, dequantize_per_channel, dequantize_per_token, quantize_per_channel, quantize_per_token
 from .transforms import rotation_growth
 
 _u = uintp
@@ -181,9 +181,7 @@ def _get_bf16_impl(data, off, heads, tokens, out, kind):
             row = np.empty(d_n, np.float32)
             mag = np.uint16(0)
             ts = tokens.shape[0]
-            run = ts > 0
-            for k in range(1, ts):
-                run &= tokens[k] == tokens[0] + k
+            run = ts > 0 and consecutive(tokens)
             for b in range(nb):
                 for hi in range(heads.shape[0]):
                     if kind == 1 and run:  # the head's rows are one run of out: one loop
