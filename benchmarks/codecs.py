@@ -215,8 +215,10 @@ def load_or_fit_basis(path: Path, contexts: int, tokens: int, calib: int = 2) ->
     return register_basis(load_basis(path))
 
 
-def preset_cases(basis: str | None = None) -> list[Case]:
-    """Every preset (kvtc-* only with a PCA ``basis`` digest); each range-coded one also with
+def preset_cases(basis: str | None = None, kv=None) -> list[Case]:
+    """Every preset (kvtc-* only with a PCA ``basis`` digest; kvquant-3c with codebooks fitted
+    on ``kv``, the measured KV itself, when given: its speed does not depend on the levels'
+    values, and a profile run fits them on other contexts); each range-coded one also with
     ``rans``; and PCA policies (with a basis): ``keep`` 0.85 (one choice for all heads)
     then ``kvtc-3`` rANS-coded, ``dp-alloc`` on the ecsq grid at K 1 / V 2.5 bits, and (with a
     basis that carries per-layer sensitivity) the model-wide budget at K 0.75 / V 2 bits."""
@@ -227,6 +229,12 @@ def preset_cases(basis: str | None = None) -> list[Case]:
             if basis is None:
                 continue
             cfg = cfg.with_pca_basis(basis)
+        if cfg.needs_codebooks:
+            if kv is None:
+                continue
+            from kvtune.evaluate.calibrate_codebook import calibrate_codebooks
+
+            cfg = calibrate_codebooks(cfg, [kv])
         target = TARGET_RANGE if cfg.codec.name == "range" else TARGET_BITPACK if cfg.codec.name == "bitpack" else None
         out.append(Case("preset", name, cfg, target))
         if cfg.codec.name == "range" and "rans" in CODECS:  # the same policy with the rANS codec
@@ -526,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
     memcpy = Memcpy(kv, args.threads)
     basis = load_or_fit_basis(args.basis, args.contexts, args.tokens) if args.basis else None
-    cases = component_cases() + preset_cases(basis)
+    cases = component_cases() + preset_cases(basis, kv)
     if args.only:
         wanted = [w for w in args.only.split(",") if w]
         cases = [c for c in cases if any(w in c.name for w in wanted)]

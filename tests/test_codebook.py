@@ -257,3 +257,151 @@ def test_check_levels_names_the_bad_level():
         check_levels(torch.tensor([-1.0, 0.5, 0.25, 1.0]))
     with pytest.raises(CorruptStreamError, match="level 0 is nan"):
         check_levels(torch.tensor([float("nan"), 0.5], dtype=torch.float16))
+
+
+# ----------------------------------------------------------------------------- calibrated codebooks
+
+
+CAL = {"name": "codebook", "bits": 3, "levels": "calibrated", "granularity": "per_token", "recent_tokens": 8}
+
+
+def _contexts(n: int, seed: int, layers: int = 2, tokens: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(1, 2, tokens, 32, generator=g) * (1 + layer), torch.distributions.Laplace(0, 1).sample(
+        (1, 2, tokens, 32))) for layer in range(layers)] for _ in range(n)]
+
+
+def test_a_calibrated_codebook_is_the_lloyd_fit_of_all_calibration_values_pooled():
+    from kvtune.evaluate.calibrate_codebook import fit_codebooks
+
+    torch.manual_seed(0)
+    cfg = PolicyConfig.from_dict({"key": CAL, "value": {**CAL, "normalize": "absmax"}})
+    contexts = _contexts(3, seed=1)
+    for kind, quant in (("key", cfg.key), ("value", cfg.value)):
+        table = fit_codebooks(cfg, kind, contexts)
+        assert len(table) == 2
+        for layer in range(2):
+            # the normalised values outside the recent window, every context concatenated: one fit
+            body = [kv[layer][0 if kind == "key" else 1][:, :, :32] for kv in contexts]
+            u = torch.cat([quant.coder(3)._normalized(x)[0].reshape(-1) for x in body])
+            assert table[layer] == tuple(fit_lloyd(u, 3).double().tolist())
+            assert table[layer][0] == -1.0 and table[layer][-1] == 1.0
+    # keys (Gaussian) and values (Laplacian, absmax) get different levels
+    assert fit_codebooks(cfg, "key", contexts)[0] != fit_codebooks(cfg, "value", contexts)[0]
+
+
+def test_calibrated_codebooks_see_the_values_after_the_transforms_and_ignore_token_selection():
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks, codebook_key, fit_codebooks
+
+    contexts = _contexts(2, seed=2)
+    plain = PolicyConfig.from_dict({"key": CAL, "value": CAL})
+    rotated = PolicyConfig.from_dict({"transforms": ["hadamard"], "key": CAL, "value": CAL})
+    kept = PolicyConfig.from_dict({"transforms": [{"name": "keep", "fraction": 0.5}, "hadamard"], "key": CAL, "value": CAL})
+    assert fit_codebooks(plain, "key", contexts) != fit_codebooks(rotated, "key", contexts)
+    assert codebook_key(rotated, "key") == codebook_key(kept, "key") != codebook_key(plain, "key")
+    assert codebook_key(rotated, "key") != codebook_key(rotated, "value")
+    cache: dict = {}
+    ready = calibrate_codebooks(rotated, contexts, cache)
+    assert sorted(cache) == sorted({codebook_key(rotated, "key"), codebook_key(rotated, "value")})
+    assert ready.key.codebooks == fit_codebooks(rotated, "key", contexts) and not ready.needs_codebooks
+    calls = []
+    assert calibrate_codebooks(kept, lambda: calls.append(1) or contexts, cache).key.codebooks == ready.key.codebooks
+    assert calls == []  # read from the cache: no contexts needed
+    assert calibrate_codebooks(ready, lambda: calls.append(1)) is ready and calls == []
+
+
+def test_calibrated_policies_encode_with_their_layers_levels_and_refuse_what_they_lack():
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks, fit_codebooks
+
+    cfg = PolicyConfig.from_dict({"key": CAL, "value": CAL})
+    kv = _contexts(1, seed=3)[0]
+    with pytest.raises(ConfigError, match="need codebooks from a calibration pass"):
+        encode_kv(kv, cfg)
+    with pytest.raises(ConfigError, match="at least one calibration context"):
+        fit_codebooks(cfg, "key", [])
+    with pytest.raises(ConfigError, match="has no calibrated levels"):
+        fit_codebooks(PolicyConfig.kivi(2), "key", [kv])
+    ready = calibrate_codebooks(cfg, _contexts(2, seed=4))
+    stream = encode_kv(kv, ready)
+    assert stream == encode_kv(kv, ready, impl="reference")
+    (k0, v0), (k1, v1) = decode_kv(stream, expect=ready)
+    # each layer decodes to levels of its own codebook: the body's values are level * scale + zero
+    for layer, v in ((0, v0), (1, v1)):
+        q = ready.value.quantize(kv[layer][1], layer=layer, kind="value")
+        body = next(p for p in q.parts if p.bits == 3)
+        assert body.segment.coder.codebooks == (ready.value.codebooks[layer],)
+    with pytest.raises(ConfigError, match="cover layers 0..1; got layer 2"):
+        encode_kv(kv, ready, layer_offset=1)
+    # swapping the layers' codebooks changes the policy and the bytes
+    swapped = ready.with_codebooks({"key": ready.key.codebooks, "value": ready.value.codebooks[::-1]})
+    assert swapped.policy_id != ready.policy_id and encode_kv(kv, swapped)[64:] != stream[64:]
+    with pytest.raises(ConfigError, match="has no calibrated levels"):
+        PolicyConfig.kivi(2).with_codebooks({"key": ready.key.codebooks})
+    with pytest.raises(ConfigError, match="no value codebooks"):
+        cfg.with_codebooks({"key": ready.key.codebooks})
+
+
+OK8 = [-1.0, -0.5, -0.25, 0.0, 0.125, 0.25, 0.5, 1.0]  # float16 values, sorted
+
+
+@pytest.mark.parametrize("codebooks, match", [
+    ([[-1, -0.5, 0, 0.5, 1]], r"codebooks\[0\] must be a list of 8 levels"),
+    ([OK8[:7] + [1.5]], r"codebooks\[0\]\[7\] is 1.5: levels must be float16 values within \[-1, 1\]"),
+    ([OK8[:7] + [float("nan")]], r"codebooks\[0\]\[7\] is nan"),
+    ([OK8[:7] + [1.0001]], r"codebooks\[0\]\[7\] is 1.0001"),
+    ([OK8[:6] + [0.30001, 1]], r"codebooks\[0\]\[6\] is 0.30001: levels must be float16"),
+    ([OK8, OK8[:6] + [0.125, 1]], r"codebooks\[1\]\[6\] \(0.125\) is below level 5"),
+    ([["a"] * 8], r"codebooks\[0\] must hold numbers"),
+    ([[True] * 8], r"codebooks\[0\] must hold numbers"),
+    ("abc", r"parameter .codebooks. = .abc. is invalid; allowed: a list"),
+])
+def test_forged_calibrated_codebooks_are_refused_when_the_policy_is_built(codebooks, match):
+    spec = {**CAL, "codebooks": codebooks}
+    with pytest.raises(ConfigError, match=match):
+        PolicyConfig.from_dict({"key": spec, "value": spec})
+
+
+def test_calibrated_codebooks_round_trip_through_json_and_name_the_policy():
+    spec = {**CAL, "codebooks": [OK8, OK8[:7] + [0.75]]}
+    cfg = PolicyConfig.from_dict({"key": spec, "value": spec})
+    assert cfg.key.codebooks == (tuple(OK8), tuple(OK8[:7] + [0.75]))
+    assert PolicyConfig.from_json(cfg.to_json()) == cfg
+    other = PolicyConfig.from_dict({"key": spec, "value": {**spec, "codebooks": [OK8, OK8]}})
+    assert other.label == cfg.label == "identity|K:cb3clm/tok/g32/r8|V:cb3clm/tok/g32/r8|bitpack"
+    assert other.policy_id != cfg.policy_id
+
+
+def test_codebooks_go_with_calibrated_levels_only():
+    with pytest.raises(ConfigError, match="'codebooks' goes with levels='calibrated', not 'lloyd'"):
+        CodebookQuantizer(levels="lloyd", codebooks=((-1.0, 0.0, 0.5, 1.0),), bits=2)
+
+
+def test_a_run_fits_codebooks_once_on_its_calibration_contexts_and_reads_them_back(tiny_model_dir, tmp_path):
+    import json
+
+    from kvtune.evaluate.calibrate_codebook import codebook_key, fit_codebooks
+    from kvtune.evaluate.capture import capture
+    from kvtune.evaluate.model import load_model
+    from kvtune.core.errors import KvtuneError
+    from kvtune.methods.tqc.profile import codebook_calibrator
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(5))
+    cfg = PolicyConfig.from_dict({"transforms": ["hadamard"], "key": {**CAL, "granularity": "per_channel"}, "value": CAL})
+    calls = []
+    ready = codebook_calibrator(lm, lambda: calls.append(1) or ids, tmp_path)(cfg)
+    cap = capture(lm, ids, 40, baseline=False)
+    contexts = [cap.context_kv(i) for i in range(cap.num_contexts)]
+    assert calls == [1] and ready.key.codebooks == fit_codebooks(cfg, "key", contexts)
+    assert len(ready.value.codebooks) == lm.num_layers
+    stored = json.loads((tmp_path / "calibration.json").read_text())["codebooks"]
+    assert sorted(stored) == sorted(codebook_key(cfg, k) for k in ("key", "value"))
+    # read back, never refitted: the contexts are not even made
+    assert codebook_calibrator(lm, lambda: calls.append(1) or ids, tmp_path)(cfg) == ready and calls == [1]
+    stored[codebook_key(cfg, "key")][0][3] = 2.0  # an edited file is refused, not replaced
+    (tmp_path / "calibration.json").write_text(json.dumps({"codebooks": stored}))
+    with pytest.raises(ConfigError, match=r"codebooks\[0\]\[3\] is 2.0"):
+        codebook_calibrator(lm, ids, tmp_path)(cfg)
+    (tmp_path / "calibration.json").write_text(json.dumps({"codebooks": [1, 2]}))
+    with pytest.raises(KvtuneError, match="codebooks must be an object"):
+        codebook_calibrator(lm, ids, tmp_path)(cfg)

@@ -159,6 +159,15 @@ TRANSFORM_EXAMPLES = {
 TOKEN_SELECTING = ("keep",)
 """Transforms that shorten the tensors (first in a chain, K and V together): not in the
 per-tensor transform tests; in the round-trip matrix, compared with the kept tokens (:func:`selected`)."""
+def _calibrated_levels(bits: int, layers: int = 7) -> tuple[tuple[float, ...], ...]:
+    """Per layer (0..6, the matrix's) a distinct sorted float16 codebook with end levels -1 and
+    1: ``sign(t) |t|^(1 + l / 4)`` on an even grid (a layer's levels in another layer change
+    the bytes)."""
+    grid = torch.linspace(-1, 1, 2**bits, dtype=torch.float64)
+    return tuple(tuple((grid.sign() * grid.abs() ** (1 + l / 4)).to(torch.float16).double().tolist())
+                 for l in range(layers))
+
+
 QUANTIZER_EXAMPLES = {
     "uniform": [
         UniformQuantizer(bits=1, granularity="per_token", group_size=0),
@@ -191,6 +200,10 @@ QUANTIZER_EXAMPLES = {
         CodebookQuantizer(bits=2, normalize="absmax", granularity="per_channel", group_size=32, recent_tokens=16),
         CodebookQuantizer(bits=4, levels="nf", group_size=0, sink_tokens=2),
         CodebookQuantizer(bits=8, levels="nf", normalize="absmax", granularity="per_channel", group_size=7),
+        # codebooks calibrated offline, per layer (KVQuant)
+        CodebookQuantizer(bits=3, levels="calibrated", codebooks=_calibrated_levels(3)),
+        CodebookQuantizer(bits=2, levels="calibrated", normalize="absmax", granularity="per_channel", group_size=16,
+                          recent_tokens=8, codebooks=_calibrated_levels(2)),
     ],
     "dp-alloc": [DPAlloc(basis=MATRIX_BASIS), DPAlloc(bits=1.5, max_bits=4, grid="minmax", basis=MATRIX_BASIS),
                  DPAlloc(bits=8, basis=MATRIX_BASIS_POST), DPAlloc(bits=2.5, max_bits=6, grid="ecsq", basis=MATRIX_BASIS),

@@ -198,6 +198,7 @@ def test_a_worker_reads_the_run_folders_calibration_and_hands_back_only_new_file
                                                                                    tmp_path):
     """What a resumed Ray run relies on: the run folder's calibration.json (worker_files) is the
     one the worker's context uses, and it is not handed back as a file of the worker's."""
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks
     from kvtune.search.space import load_space
 
     st = tqc_settings(tiny_model_dir, tiny_text, tmp_path, "x", **MIXHQ)
@@ -213,6 +214,9 @@ def test_a_worker_reads_the_run_folders_calibration_and_hands_back_only_new_file
     handoff = second.handoff()
     assert handoff.files == {}
     expected = load_space("presets").with_head_scores(scores).with_pca_basis(stored["pca_bases"]["pre"]["digest"])
+    # kvquant-3c's codebooks: the ones recorded in the first worker's calibration.json, never refitted
+    expected = expected.with_codebooks(lambda c: calibrate_codebooks(c, lambda: pytest.fail("refitted"), dict(stored["codebooks"])))
+    assert not expected.needs_codebooks and len(stored["codebooks"]) == 2
     assert [c.policy_id for c in handoff.view.space.candidates] == [c.policy_id for c in expected.candidates]
     assert handoff.view.lm is None and handoff.view.workload is None
     for worker in (first, second):

@@ -781,7 +781,7 @@ def test_encode_tensor_with_a_fused_rotation_checks_the_rotated_bound():
     y = np.zeros(shape, np.float32)
     K.to_float32(xk, y)
     K.hadamard_rows(y, signs, blocks, scales, False)
-    lut8, books = fp8_luts()[2], nf_table()
+    lut8, books = fp8_luts()[2], BOOKS
     want, got = np.zeros(n, np.uint8), np.full(n, 0xAB, np.uint8)
     K.encode_tensor(y, math.inf, segs, ix, want, np.zeros(n * 8, np.uint8), lut8, books)
     amax = float(torch.from_numpy(xk.view(np.int16)).view(torch.bfloat16).float().abs().max())
@@ -914,14 +914,23 @@ def fp8_luts():
     return np.stack(vals), np.stack(b16), np.stack(syms)
 
 
+CAL_LEVELS = (-1.0, -0.5625, -0.25, -0.0625, 0.125, 0.375, 0.6875, 1.0)
+"""A calibrated 3-bit codebook (float16 values), row 9 of :data:`BOOKS`."""
+BOOKS = np.vstack([nf_table(), np.pad(np.array(CAL_LEVELS), (0, 256 - len(CAL_LEVELS)))])
+"""The NF levels (rows 0-8) and one calibrated codebook, as the fast path stacks a policy's."""
+
+
 def segment_plan(shape):
-    """Segments of one tensor (B, 3, 26, D): (coder, bits, heads, tokens, row of the kernel table)."""
+    """Segments of one tensor (B, 3, 26, D): (coder, bits, heads, tokens, leading columns of the
+    kernel table's row, and its SEG_BOOK when not ``bits``)."""
     per_tok = UniformQuantizer(bits=4, granularity="per_token", group_size=8)
     per_ch = UniformQuantizer(bits=3, symmetric=True, granularity="per_channel", group_size=4)
     e5 = FP8Quantizer(format="e5m2", scaled=True)
     e4 = FP8Quantizer(format="e4m3")
     lloyd = CodebookQuantizer(bits=3, levels="lloyd", normalize="minmax", granularity="per_channel", group_size=2)
     nf = CodebookQuantizer(bits=4, levels="nf", normalize="absmax", granularity="per_token", group_size=8)
+    cal = CodebookQuantizer(bits=3, levels="calibrated", normalize="minmax", granularity="per_token", group_size=4,
+                            codebooks=(CAL_LEVELS,))
     d = shape[3]
     return [
         (per_tok, 4, [0, 2], list(range(0, 10)), [K.KIND_UNIFORM, 4, 1, 8, 0]),
@@ -933,7 +942,8 @@ def segment_plan(shape):
         (lloyd, 3, [1, 2], list(range(20, 23)), [K.KIND_CODEBOOK, 3, 0, 2, K.CB_MINMAX + K.CB_LLOYD]),
         (nf, 4, [0, 1, 2], list(range(23, 26)), [K.KIND_CODEBOOK, 4, 1, 8, 0]),
         (lloyd, 3, [0], list(range(20, 23)), [K.KIND_CODEBOOK, 3, 0, 2, K.CB_MINMAX + K.CB_LLOYD]),
-    ][: 9 if d else 0]
+        (cal, 3, [1], list(range(17, 20)), [K.KIND_CODEBOOK, 3, 1, 4, K.CB_MINMAX, 9]),  # levels in BOOKS' row 9
+    ][: 10 if d else 0]
 
 
 def build_table(shape, plan):
@@ -945,7 +955,9 @@ def build_table(shape, plan):
         count = math.prod(seg)
         meta = sum(f.nbytes for f in coder.block_meta_layout(seg))
         payload = 2 * count if bits == 16 else (count * bits + 7) // 8
-        row = head_cols + [len(index), len(heads), len(index) + len(heads), len(tokens), pos, meta, pos + meta, payload, sym_pos]
+        book = head_cols[5] if len(head_cols) > 5 else bits
+        row = head_cols[:5] + [len(index), len(heads), len(index) + len(heads), len(tokens), pos, meta, pos + meta,
+                               payload, sym_pos, book]
         index += heads + tokens
         rows.append(row)
         pos += meta + payload
@@ -966,12 +978,12 @@ def test_bfloat16_segments_decode_into_their_heads_and_tokens(tokens):
     out = np.zeros(nbytes, np.uint8)
     xk = bits16(x).copy()
     luts, lut16, lut8 = fp8_luts()
-    K.encode_segments(xk, segs, index, out, np.zeros(x.numel(), np.uint8), True, lut8, nf_table())
+    K.encode_segments(xk, segs, index, out, np.zeros(x.numel(), np.uint8), True, lut8, BOOKS)
     h, t = torch.tensor(heads), torch.tensor(tokens)
     for kind, dtype in OUT_KINDS[:2]:
         y = out_array(shape, kind)
         before = y.copy()
-        assert K.decode_segments(out, segs, index, luts, lut16, np.zeros(x.numel(), np.uint8), True, y, kind, nf_table())
+        assert K.decode_segments(out, segs, index, luts, lut16, np.zeros(x.numel(), np.uint8), True, y, kind, BOOKS)
         want = expected_out(shape, kind, dtype, idx(heads), idx(tokens), x[:, h][:, :, t].float())
         assert np.array_equal(y.view(np.uint8), want.view(np.uint8)), kind
         assert not np.array_equal(y, before)
@@ -989,12 +1001,12 @@ def test_unscaled_e4m3_segments_cast_every_bfloat16_and_every_float8_as_torch():
     segs, index, nbytes, _ = build_table(x.shape, seg)
     luts, lut16, lut8 = fp8_luts()
     out = np.zeros(nbytes, np.uint8)
-    K.encode_segments(x, segs, index, out, np.zeros(x.size, np.uint8), True, lut8, nf_table())
+    K.encode_segments(x, segs, index, out, np.zeros(x.size, np.uint8), True, lut8, BOOKS)
     want = fp8_encode(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).float(), "e4m3")
     assert np.array_equal(out, want.numpy().reshape(-1))
     codes = np.resize(np.arange(256, dtype=np.uint8), nbytes)
     y = np.zeros(x.shape, np.uint16)
-    K.decode_segments(codes, segs, index, luts, lut16, np.zeros(x.size, np.uint8), True, y, 1, nf_table())
+    K.decode_segments(codes, segs, index, luts, lut16, np.zeros(x.size, np.uint8), True, y, 1, BOOKS)
     cast = torch.from_numpy(codes).view(FP8_DTYPES["e4m3"]).to(torch.float32).to(torch.bfloat16)  # as dequantize_block
     assert np.array_equal(y.reshape(-1), bits16(cast))
 
@@ -1023,13 +1035,13 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
         decoded_ref.append(coder.dequantize_block(sym, meta, tuple(sel.shape)))
     out = np.zeros(max(nbytes, 1), np.uint8)
     symbuf = np.zeros(max(sym_nbytes, 1), np.uint8)
-    seen = K.encode_segments(xk, segs, index, out, symbuf, True, lut8, nf_table())
+    seen = K.encode_segments(xk, segs, index, out, symbuf, True, lut8, BOOKS)
     assert out[:nbytes].tobytes() == b"".join(expected)
     assert seen < 256
     # not packed: each segment's raw symbols at its SEG_SYM offset, metadata as before
     out2 = np.zeros_like(out)
     symbuf2 = np.zeros_like(symbuf)
-    K.encode_segments(xk, segs, index, out2, symbuf2, False, lut8, nf_table())
+    K.encode_segments(xk, segs, index, out2, symbuf2, False, lut8, BOOKS)
     for s, (coder, bits, heads, tokens, _) in enumerate(plan):
         m0, ml = segs[s, K.SEG_META], segs[s, K.SEG_META_LEN]
         assert out2[m0 : m0 + ml].tobytes() == expected[s][:ml]
@@ -1045,7 +1057,7 @@ def test_encode_decode_segments_match_the_reference_segments(dtype, d):
                 vals.to(odtype).numpy() if kind == 0 else bits16(vals.to(odtype)))
         for packed, data, sbuf in ((True, out, np.zeros_like(symbuf)), (False, out2, symbuf2.copy())):
             got = out_array(shape, kind)
-            K.decode_segments(data, segs, index, luts, lut16, sbuf, packed, got, kind, nf_table())
+            K.decode_segments(data, segs, index, luts, lut16, sbuf, packed, got, kind, BOOKS)
             assert np.array_equal(got, ref_out), (kind, packed)
 
 
@@ -1061,23 +1073,23 @@ def test_encode_tensor_is_check_then_segments_then_crc(dtype):
     segs, index, nbytes, _ = build_table(shape, segment_plan(shape))
     lut8 = fp8_luts()[2]
     want = np.zeros(nbytes, np.uint8)
-    seen_want = K.encode_segments(xk, segs, index, want, np.zeros(nbytes * 8, np.uint8), True, lut8, nf_table())
+    seen_want = K.encode_segments(xk, segs, index, want, np.zeros(nbytes * 8, np.uint8), True, lut8, BOOKS)
     magnitude = K.max_magnitude_bf16(xk) if dtype == "bf16" else K.max_magnitude_f32(xk)
     amax = float(x.abs().max().to(torch.bfloat16 if dtype == "bf16" else torch.float32))
     for limit in (math.inf, amax, 2 * amax):
         out = np.zeros(nbytes, np.uint8)
-        bits, seen, crc = K.encode_tensor(xk, limit, segs, index, out, np.zeros(nbytes * 8, np.uint8), lut8, nf_table())
+        bits, seen, crc = K.encode_tensor(xk, limit, segs, index, out, np.zeros(nbytes * 8, np.uint8), lut8, BOOKS)
         assert (bits, seen, crc) == (magnitude, seen_want, zlib.crc32(want.tobytes()))
         assert np.array_equal(out, want)
     out = np.zeros(nbytes, np.uint8)
     bits, seen, crc = K.encode_tensor(xk, np.nextafter(amax, 0.0), segs, index, out, np.zeros(nbytes * 8, np.uint8),
-                                      lut8, nf_table())
+                                      lut8, BOOKS)
     assert (bits, seen, crc) == (magnitude, -1, 0) and not out.any()
     for bad in (np.nan, np.inf, -np.inf):
         y = x.clone()
         y[1, 2, 5, 3] = bad
         yk, _ = kernel_input(y, dtype)
-        bits, seen, _ = K.encode_tensor(yk, math.inf, segs, index, out, np.zeros(nbytes * 8, np.uint8), lut8, nf_table())
+        bits, seen, _ = K.encode_tensor(yk, math.inf, segs, index, out, np.zeros(nbytes * 8, np.uint8), lut8, BOOKS)
         assert seen == -1 and bits >= (0x7F80 if dtype == "bf16" else 0x7F800000) and not out.any()
 
 
@@ -1091,11 +1103,11 @@ def test_decode_tensor_is_crc_then_packed_segments():
     segs, index, nbytes, _ = build_table(shape, segment_plan(shape))
     luts, lut16, lut8 = fp8_luts()
     data = np.zeros(nbytes, np.uint8)
-    K.encode_segments(xk, segs, index, data, np.zeros(nbytes * 8, np.uint8), True, lut8, nf_table())
+    K.encode_segments(xk, segs, index, data, np.zeros(nbytes * 8, np.uint8), True, lut8, BOOKS)
     for kind, _ in OUT_KINDS:
         want, got = out_array(shape, kind), out_array(shape, kind)
-        assert K.decode_segments(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), True, want, kind, nf_table())
-        crc, finite = K.decode_tensor(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), got, kind, nf_table())
+        assert K.decode_segments(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), True, want, kind, BOOKS)
+        crc, finite = K.decode_tensor(data, segs, index, luts, lut16, np.zeros(nbytes * 8, np.uint8), got, kind, BOOKS)
         assert crc == zlib.crc32(data.tobytes()) and finite and np.array_equal(got, want), kind
 
 
@@ -1112,9 +1124,9 @@ def test_a_nan_or_inf_in_a_bfloat16_or_float8_segment_is_reported(packed):
     luts, lut16, lut8 = fp8_luts()
     data = np.zeros(nbytes, np.uint8)
     sym = np.zeros(nbytes * 8, np.uint8)
-    K.encode_segments(xk, segs, index, data, sym, True, lut8, nf_table())
+    K.encode_segments(xk, segs, index, data, sym, True, lut8, BOOKS)
     if not packed:  # the symbols at their SEG_SYM offsets, as another codec hands them over
-        K.encode_segments(xk, segs, index, np.zeros(nbytes, np.uint8), sym, False, lut8, nf_table())
+        K.encode_segments(xk, segs, index, np.zeros(nbytes, np.uint8), sym, False, lut8, BOOKS)
     bf16 = int(np.flatnonzero(segs[:, K.SEG_KIND] == K.KIND_BF16)[0])
     at = segs[bf16, K.SEG_PAYLOAD if packed else K.SEG_SYM] + 2 * 37  # the segment's 38th value
     cases = {0x7FC0: False, 0x7F80: False, 0xFF80: False, 0xFFC1: False, 0x7F7F: True, 0xFF7F: True}
@@ -1122,14 +1134,14 @@ def test_a_nan_or_inf_in_a_bfloat16_or_float8_segment_is_reported(packed):
         for kind, _ in OUT_KINDS:
             d, sb = data.copy(), sym.copy()
             (d if packed else sb)[at : at + 2] = (pattern & 0xFF, pattern >> 8)
-            got = K.decode_segments(d, segs, index, luts, lut16, sb, packed, out_array(shape, kind), kind, nf_table())
+            got = K.decode_segments(d, segs, index, luts, lut16, sb, packed, out_array(shape, kind), kind, BOOKS)
             assert got == finite, (hex(pattern), kind)
             if packed:
-                assert K.decode_tensor(d, segs, index, luts, lut16, sb, out_array(shape, kind), kind, nf_table())[1] == finite
+                assert K.decode_tensor(d, segs, index, luts, lut16, sb, out_array(shape, kind), kind, BOOKS)[1] == finite
     other = data.copy()  # 0x7FC0 bytes in the first (4-bit uniform) segment's payload: codes, not values
     po = segs[0, K.SEG_PAYLOAD]
     other[po : po + 2] = (0xC0, 0x7F)
-    assert K.decode_segments(other, segs, index, luts, lut16, sym, True, out_array(shape, 1), 1, nf_table())
+    assert K.decode_segments(other, segs, index, luts, lut16, sym, True, out_array(shape, 1), 1, BOOKS)
     # float8 symbols: e5m2 inf / NaN (exponent bits all set) and e4m3's NaN are reported,
     # their largest finite symbols are not
     for fp8 in np.flatnonzero(segs[:, K.SEG_KIND] == K.KIND_FP8):
@@ -1139,7 +1151,7 @@ def test_a_nan_or_inf_in_a_bfloat16_or_float8_segment_is_reported(packed):
         for symbol, finite in cases.items():
             d, sb = data.copy(), sym.copy()
             (d if packed else sb)[at] = symbol
-            got = K.decode_segments(d, segs, index, luts, lut16, sb, packed, out_array(shape, 1), 1, nf_table())
+            got = K.decode_segments(d, segs, index, luts, lut16, sb, packed, out_array(shape, 1), 1, BOOKS)
             assert got == finite, (e5m2, hex(symbol))
 
 
@@ -1198,11 +1210,11 @@ def test_encode_batch_is_encode_tensor_per_row(dtype, threads):
     want, want_results = np.zeros(sizes.sum(), np.uint8), []
     for (tab, idx, n, _), x, start, limit in zip(tables, xs, table[:, K.ENC_OUT], limits):
         want_results.append(K.encode_tensor(x, limit, tab, idx, want[start : start + n], np.zeros(n * 8, np.uint8),
-                                            lut8, nf_table()))
+                                            lut8, BOOKS))
     assert want_results[2][1] == -1
     buf, results, counter = np.zeros(sizes.sum(), np.uint8), np.zeros((len(xs), 3), np.int64), np.zeros(1, np.int64)
     run_threads(threads, lambda: K.encode_batch(table, limits, segs, index, buf, np.zeros(sizes.max() * 8, np.uint8),
-                                                lut8, nf_table(), results, counter, *no_transforms(len(xs))))
+                                                lut8, BOOKS, results, counter, *no_transforms(len(xs))))
     assert np.array_equal(buf, want) and results.tolist() == [list(map(int, r)) for r in want_results]
     assert counter[0] >= len(xs)  # every thread left after the last row
 
@@ -1222,11 +1234,11 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     luts, lut16, lut8 = fp8_luts()
     for i, ((tab, idx, n, _), shape, start) in enumerate(zip(tables, BATCH_SHAPES, starts)):
         x = kernel_input(with_extremes(student_t(shape, seed=20 + i, scale=30.0)), "bf16")[0]
-        K.encode_segments(x, tab, idx, stream[start : start + n], np.zeros(n * 8, np.uint8), True, lut8, nf_table())
+        K.encode_segments(x, tab, idx, stream[start : start + n], np.zeros(n * 8, np.uint8), True, lut8, BOOKS)
     stream.flags.writeable = False
     outs = [out_array(shape, kind) for shape in BATCH_SHAPES]
     want = [out_array(shape, kind) for shape in BATCH_SHAPES]
-    want_crcs = [K.decode_tensor(stream[a : a + n], tab, idx, luts, lut16, np.zeros(n * 8, np.uint8), w, kind, nf_table())[0]
+    want_crcs = [K.decode_tensor(stream[a : a + n], tab, idx, luts, lut16, np.zeros(n * 8, np.uint8), w, kind, BOOKS)[0]
                  for (tab, idx, n, _), a, w in zip(tables, starts, want)]
     table[:, K.DEC_IN], table[:, K.DEC_LEN] = starts, sizes
     table[:, K.DEC_B : K.DEC_D + 1] = BATCH_SHAPES
@@ -1234,7 +1246,7 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     table[:, K.DEC_KIND] = kind
     crcs, bad, counter = np.zeros(len(outs), np.int64), np.full(len(outs), 9, np.uint8), np.zeros(1, np.int64)
     run_threads(threads, lambda: K.decode_batch(stream, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8),
-                                                nf_table(), crcs, bad, counter, *no_transforms(len(outs))))
+                                                BOOKS, crcs, bad, counter, *no_transforms(len(outs))))
     assert crcs.tolist() == want_crcs and all(np.array_equal(o, w) for o, w in zip(outs, want))
     assert bad.tolist() == [0, 0, 0, 0]
     # a NaN scale in row 2's last metadata section (float16 0x7E00, little-endian): only row 2 is flagged
@@ -1243,7 +1255,7 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     at = starts[2] + tab[-1, K.SEG_META] + tab[-1, K.SEG_META_LEN] - 2
     forged[at : at + 2] = (0x00, 0x7E)
     counter[0] = 0
-    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad,
+    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), BOOKS, crcs, bad,
                    counter, *no_transforms(len(outs)))
     assert bad.tolist() == [0, 0, K.BAD_META, 0]
     # and a bfloat16 NaN in row 1's bfloat16 segment (its first value): BAD_PAYLOAD for row 1
@@ -1251,7 +1263,7 @@ def test_decode_batch_is_decode_tensor_per_row(kind, threads):
     at = starts[1] + tab[np.flatnonzero(tab[:, K.SEG_KIND] == K.KIND_BF16)[0], K.SEG_PAYLOAD]
     forged[at : at + 2] = (0xC0, 0x7F)
     counter[0] = 0
-    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad,
+    K.decode_batch(forged, table, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), BOOKS, crcs, bad,
                    counter, *no_transforms(len(outs)))
     assert bad.tolist() == [0, K.BAD_PAYLOAD, K.BAD_META, 0]
 
@@ -1321,11 +1333,11 @@ def test_batch_kernels_run_transform_programs(kind, order):
         t = tab.copy()
         t[:, K.SEG_META] += state[i]
         t[:, K.SEG_PAYLOAD] += state[i]
-        K.encode_tensor(y, math.inf, t, ix, out, np.zeros(n * 8, np.uint8), lut8, nf_table())
+        K.encode_tensor(y, math.inf, t, ix, out, np.zeros(n * 8, np.uint8), lut8, BOOKS)
     buf, results, counter = np.zeros(sizes.sum(), np.uint8), np.zeros((len(xs), 3), np.int64), np.zeros(1, np.int64)
     work = np.zeros(max(math.prod(s) for s in BATCH_SHAPES), np.float32)
     args = (ops, flat_signs, blocks, scales, work, np.zeros(2 * max(s[1] * s[3] for s in BATCH_SHAPES), np.uint16))
-    K.encode_batch(enc, np.full(len(xs), math.inf), segs, index, buf, np.zeros(sizes.max() * 8, np.uint8), lut8, nf_table(),
+    K.encode_batch(enc, np.full(len(xs), math.inf), segs, index, buf, np.zeros(sizes.max() * 8, np.uint8), lut8, BOOKS,
                    results, counter, *args)
     assert np.array_equal(buf, want) and results[:, 2].tolist() == [
         zlib.crc32(want[a : a + n].tobytes()) for a, n in zip(enc[:, K.ENC_OUT], sizes)]
@@ -1338,7 +1350,7 @@ def test_batch_kernels_run_transform_programs(kind, order):
     dec[:, K.DEC_OUT] = [o.ctypes.data for o in outs]
     dec[:, K.DEC_KIND] = kind
     crcs, bad, counter = np.zeros(len(outs), np.int64), np.full(len(outs), 9, np.uint8), np.zeros(1, np.int64)
-    K.decode_batch(want, dec, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad, counter,
+    K.decode_batch(want, dec, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), BOOKS, crcs, bad, counter,
                    *args)
     for i, ((tab, ix, n, _), start, got) in enumerate(zip(tables, enc[:, K.ENC_OUT], outs)):
         h, d = got.shape[1], got.shape[3]
@@ -1347,7 +1359,7 @@ def test_batch_kernels_run_transform_programs(kind, order):
         t[:, K.SEG_META] += state[i]
         t[:, K.SEG_PAYLOAD] += state[i]
         y = np.zeros(got.shape, np.float32)
-        K.decode_tensor(data, t, ix, luts, lut16, np.zeros(n * 8, np.uint8), y, 0, nf_table())
+        K.decode_tensor(data, t, ix, luts, lut16, np.zeros(n * 8, np.uint8), y, 0, BOOKS)
         st = data[: state[i]].view(np.uint16).reshape(2, h, d)
         for name in reversed(order):
             if name == "hadamard":
@@ -1365,7 +1377,7 @@ def test_batch_kernels_run_transform_programs(kind, order):
     forged = want.copy()
     forged[enc[1, K.ENC_OUT] + 1] = 0x7C  # the first float16 of tensor 1's state: +inf
     counter[0] = 0
-    K.decode_batch(forged, dec, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), nf_table(), crcs, bad, counter,
+    K.decode_batch(forged, dec, segs, index, luts, lut16, np.zeros(sizes.max() * 8, np.uint8), BOOKS, crcs, bad, counter,
                    *args)
     assert bad.tolist() == [0, K.BAD_STATE, 0, 0]
 

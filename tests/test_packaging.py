@@ -52,4 +52,4 @@ def test_the_wheel_ships_the_spaces_and_an_install_loads_them(tmp_path):
     init, spaces_dir, presets_path, counts = run.stdout.strip().splitlines()
     assert Path(init).is_relative_to(site) and Path(spaces_dir) == site / "kvtune" / "search" / "spaces"
     assert Path(presets_path) == site / "kvtune" / "search" / "spaces" / "presets.yaml"
-    assert counts.split()[:2] == ["358", "11"] and int(counts.split()[2]) >= 6
+    assert counts.split()[:2] == ["358", "12"] and int(counts.split()[2]) >= 6

@@ -21,14 +21,15 @@ from kvtune.codecs.presets import (
     read_presets,
 )
 from kvtune.core.errors import ConfigError
+from kvtune.evaluate.calibrate_codebook import calibrate_codebooks
 
 try:  # the range codec is written alongside this library; the cachegen preset needs it
     importlib.import_module("kvtune.codecs.range_coder")
 except ImportError:
     pass
 
-NAMES = ["kivi-2", "kivi-4", "cachegen", "quarot-4", "duo-like", "kvtc-2", "kvtc-3", "kvquant-3", "fp8", "none",
-         "snapkv-like"]
+NAMES = ["kivi-2", "kivi-4", "cachegen", "quarot-4", "duo-like", "kvtc-2", "kvtc-3", "kvquant-3", "kvquant-3c", "fp8",
+         "none", "snapkv-like"]
 SHAPE = (1, 3, 1024, 64)  # SmolLM2-135M: 3 KV heads, head_dim 64; 1,024 tokens
 SCORES = [[0.1, 0.9, 0.3]]  # one layer: head 1 is the retrieval head (1 of 3 at fraction 0.25)
 
@@ -40,6 +41,8 @@ EXPECTED_BITS = {
     # 3 bits + fp16 (scale, zero) per group of 32 = 4 bits, 128 recent tokens in bf16, and a
     # codebook of 8 fp16 levels per K and per V tensor
     "kvquant-3": (896 * 4 + 128 * 16) / 1024 + 8 * 16 / (3 * 1024 * 64),
+    # the same with codebooks calibrated offline: no levels in the stream
+    "kvquant-3c": (896 * 4 + 128 * 16) / 1024,
     # Hadamard, then 4 bits + fp16 (scale, zero) per 64-channel token vector
     "quarot-4": 4 + 32 / 64,
     # 1 head at 8 bits, 2 at 2 bits, each + 1 bit of (scale, zero) per 32
@@ -68,7 +71,9 @@ def presets() -> dict[str, PolicyConfig]:
 
 
 def _ready(cfg: PolicyConfig) -> PolicyConfig:
-    return cfg.with_head_scores(SCORES) if cfg.needs_head_scores else cfg
+    """Head scores and codebooks (fitted on KV of another seed) filled in where needed."""
+    cfg = cfg.with_head_scores(SCORES) if cfg.needs_head_scores else cfg
+    return calibrate_codebooks(cfg, [kv_of(seed=1)])
 
 
 def test_presets_file_lists_the_published_baselines():
@@ -109,7 +114,7 @@ def test_preset_bits_per_element(presets, name):
     assert k2.shape == v2.shape == SHAPE
     rel = float((v2 - kv[0][1]).norm() / kv[0][1].norm())
     # Gaussian values: 2 bits ~0.37, 3 bits ~0.15, 4 bits ~0.08
-    assert rel < {"kivi-2": 0.45, "duo-like": 0.45, "kvquant-3": 0.17}.get(name, 0.12)
+    assert rel < {"kivi-2": 0.45, "duo-like": 0.45, "kvquant-3": 0.17, "kvquant-3c": 0.17}.get(name, 0.12)
 
 
 def test_kivi2_metadata_costs_one_bit_per_quantized_element(presets):
@@ -162,6 +167,24 @@ def test_duo_like_needs_head_scores(presets):
     assert q.bits_per_head().tolist() == [3.0, 9.0, 3.0]
 
 
+def test_kvquant_3c_needs_codebooks_and_then_encodes_as_kvquant_3_without_levels(presets):
+    cfg = presets["kvquant-3c"]
+    assert cfg.label == "identity|K:cb3clm/ch/g32/r128|V:cb3clm/tok/g32/r128|bitpack"
+    assert calibration_needs(cfg) == ["calibrated codebooks"]
+    with pytest.raises(ConfigError, match="preset 'kvquant-3c' needs calibrated codebooks"):
+        check_calibrated("kvquant-3c", cfg)
+    with pytest.raises(ConfigError, match="calibrat"):
+        encode_kv(kv_of(), cfg)
+    ready = _ready(cfg)
+    assert calibration_needs(ready) == [] and len(ready.key.codebooks) == len(ready.value.codebooks) == 1
+    # the same groups and scales as the per-tensor fit: only the levels differ (and travel no more)
+    kv = kv_of()
+    per_tensor = read_header(encode_kv(kv, presets["kvquant-3"]))
+    offline = read_header(encode_kv(kv, ready))
+    assert per_tensor.meta_nbytes - offline.meta_nbytes == 2 * 8 * 2
+    assert per_tensor.payload_nbytes == offline.payload_nbytes
+
+
 def kvtc_basis(layers: int = 1, tokens: int = 512):
     """A pre-RoPE PCA basis fitted on :func:`kv_of` KV of SHAPE's geometry (other seed)."""
     from kvtune.codecs.pca import RopeSpec, fit_pca_basis, register_basis
@@ -208,7 +231,7 @@ def test_calibration_needs_name_head_scores_and_nothing_for_ready_presets(preset
     with pytest.raises(ConfigError, match="preset 'duo-like' needs MixHQ head scores"):
         check_calibrated("duo-like", presets["duo-like"])
     assert [n for n, c in presets.items() if calibration_needs(c)] == [
-        n for n in ("duo-like", "kvtc-2", "kvtc-3") if n in presets]
+        n for n in ("duo-like", "kvtc-2", "kvtc-3", "kvquant-3c") if n in presets]
     assert calibration_needs(_ready(presets["duo-like"])) == [] and calibration_needs(presets["kivi-2"]) == []
 
 

@@ -51,11 +51,11 @@ def test_full_space_has_the_pca_family_and_subset_keeps_the_replay_candidates():
     assert all(c.config.transforms[-1].rope == "pre" and c.config.key.sink_tokens == 4 for c in pca)
     codebook = [c for c in space.candidates if c.params["kv.name"] == "codebook"]
     assert {(c.config.key.bits, c.config.value.bits) for c in codebook} == {(k, v) for k in (2, 3, 4) for v in (2, 3, 4)}
-    assert len(space) == 1280 + 768 + 16 + 144 + 24
+    assert len(space) == 1280 + 768 + 16 + 288 + 24
     others = [c.policy_id for c in space.candidates if c.params["kv.name"] not in ("dp-alloc", "codebook")]
     sub = space.subset(others + ["not-an-id"])
     assert [c.policy_id for c in sub.candidates] == others and [c.index for c in sub.candidates] == list(range(len(others)))
-    with pytest.raises(SpaceError, match="none of the 2232 candidates"):
+    with pytest.raises(SpaceError, match="none of the 2376 candidates"):
         space.subset([])
 
 

@@ -3,7 +3,7 @@
 Every preset of ``kvtune/search/spaces/presets.yaml`` (``duo-like`` with fixed head scores) plus a few
 policies covering the stateful ``affine`` transform, ``hadamard``, ``delta`` anchors and the
 ``fp8`` scaled quantizer is encoded on a fixed seeded random KV cache (two layers, float32,
-bfloat16 and float16 inputs), on both the fast path and the reference path; the SHA-256 of
+bfloat16 and float16 inputs; ``kvquant-3c`` with fixed codebooks), on both the fast path and the reference path; the SHA-256 of
 every stream is pinned below. The values were computed before the stream-hardening change
 (issue 13, step 8), so they check that the change kept streams byte-identical.
 
@@ -29,6 +29,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SHAPE = (1, 3, 160, 64)  # 3 KV heads; 160 tokens: a 128-token recent window plus a body
 SCORES = [[0.1, 0.9, 0.3], [0.8, 0.2, 0.4], [0.5, 0.6, 0.7]]  # layers 0..2 (offset 1: layers 1, 2)
 LAYER_OFFSET = 1
+CODEBOOKS = (  # kvquant-3c's calibrated levels, layers 0..2 (float16 values)
+    (-1.0, -0.625, -0.3125, -0.0625, 0.1875, 0.4375, 0.6875, 1.0),
+    (-1.0, -0.5, -0.25, -0.125, 0.0, 0.25, 0.5, 1.0),
+    (-1.0, -0.75, -0.375, -0.125, 0.125, 0.375, 0.75, 1.0),
+)
 
 EXTRA_POLICIES = {
     "affine-hadamard": {
@@ -64,7 +69,8 @@ def golden_policies() -> dict[str, PolicyConfig]:
             policy["codec"] = "bitpack"
             name = f"{name}+bitpack"
         cfg = PolicyConfig.from_dict(policy)
-        out[name] = cfg.with_head_scores(SCORES) if cfg.needs_head_scores else cfg
+        cfg = cfg.with_head_scores(SCORES) if cfg.needs_head_scores else cfg
+        out[name] = cfg.with_codebooks({"key": CODEBOOKS, "value": CODEBOOKS[::-1]}) if cfg.needs_codebooks else cfg
     for name, policy in EXTRA_POLICIES.items():
         out[name] = PolicyConfig.from_dict(policy)
     return out
@@ -104,6 +110,10 @@ GOLDEN: dict[tuple[str, str], str] = {  # (policy, input dtype): sha256 of the s
     ("kvquant-3", "float32"): "1c525cb0b8f2b9d525e2e2d64346e1dee70d8641fb680584958425d2c4f9a6ed",
     ("kvquant-3", "bfloat16"): "c32a223eb5259560cfd5a15d996575c09fce07c3a853cc9a4a589943a57e5cb8",
     ("kvquant-3", "float16"): "b35e783c7d4bed7de78218d0c1ed73f6f4cb998eae11c7fbf963190b560e2417",
+    # kvquant-3c (codebooks calibrated offline, issue 16, session 37): pinned when it was written
+    ("kvquant-3c", "float32"): "77dea537a77dc298a109d3ca5386d80aea15f4213d3f64306dc781a95343a92b",
+    ("kvquant-3c", "bfloat16"): "2b93cfb12a6192f988b850c8f1caef999ecc77e783ea1078dc9e0d293b1b10d3",
+    ("kvquant-3c", "float16"): "3820685615c0e4642f6779d715a947ebbbad54b65c5133018f860d79392f5f4a",
     ("fp8", "float32"): "fc7ebf4677cfaed85be01b2f11071d5d579dddbbc870a60d1e59f2285181cd33",
     ("fp8", "bfloat16"): "28f28b957c418885581a29f278299192c284c15061d0a8135ab6155eae40c8bf",
     ("fp8", "float16"): "d37d0641cb615e539f9a13be234563b17cd6b673ad2fb79c872291defb5d31f7",

@@ -65,8 +65,14 @@ def preset_configs(layers: int, heads: int) -> dict[str, PolicyConfig]:
         if name not in DEVICE_PRESETS:
             continue
         cfg = preset.config()
-        out[name] = cfg.with_head_scores(head_scores(layers, heads)) if cfg.needs_head_scores else cfg
+        cfg = cfg.with_head_scores(head_scores(layers, heads)) if cfg.needs_head_scores else cfg
+        out[name] = cfg.with_codebooks({"key": CODEBOOKS[:layers], "value": CODEBOOKS[-layers:]}) if cfg.needs_codebooks else cfg
     return out
+
+
+#: Calibrated 3-bit codebooks for ``kvquant-3c`` (float16 values; up to 40 layers, each its own).
+CODEBOOKS = tuple(tuple(float(torch.tensor(v).half()) for v in (-1.0, -0.6 + 0.005 * i, -0.3, -0.05, 0.15, 0.4,
+                                                                  0.65 - 0.004 * i, 1.0)) for i in range(40))
 
 
 def on(kv, device):

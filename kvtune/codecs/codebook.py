@@ -15,6 +15,14 @@ non-uniform codebook of ``2**bits`` levels in ``[-1, 1]``:
   size). Non-uniform datatypes fitted to the KV
   distribution are the point of KVQuant ("KVQuant: Towards 10 Million Context Length LLM
   Inference with KV Cache Quantization", arXiv 2401.18079, sec. 3.3).
+* ``levels = "calibrated"``: one Lloyd-Max codebook per layer (and K or V), fitted **once,
+  offline**, on calibration contexts, as KVQuant fits its datatypes (sec. 3.3: "computed
+  offline ... using calibration data"): :func:`fit_calibrated` pools the normalised values of
+  every calibration context's layer into one histogram and runs the same Lloyd iterations. The
+  levels are part of the policy (``codebooks[layer]``, float16 values, like ``mixhq``'s head
+  scores; :meth:`kvtune.codecs.PolicyConfig.with_codebooks`), so nothing but the group scales
+  travels per tensor and no encode pays for a fit. Blocks of another width than ``bits`` (a
+  transform's floors, e.g. ``delta`` anchors) use the NF levels.
 
 Normalisation (``normalize``):
 
@@ -33,7 +41,9 @@ the same bytes. Every float operation is one IEEE operation that rounds the same
 everywhere, and the Lloyd fit is exact integer arithmetic on a histogram until one final
 division per level (see :func:`fit_lloyd`), so its result does not depend on summation order.
 
-Decoding validates a transmitted codebook: levels that are not finite, lie outside
+Calibrated codebooks are checked when the policy is built (:func:`check_codebooks`: finite,
+within ``[-1, 1]``, non-decreasing, ``2**bits`` float16 values per layer), so a stream names
+them through its policy and its policy id. Decoding validates a transmitted codebook: levels that are not finite, lie outside
 ``[-1, 1]`` or are not in non-decreasing order raise
 :class:`~kvtune.core.errors.CorruptStreamError` (:func:`check_levels`); a levels field of the
 wrong size is a metadata section of the wrong length, which the stream reader refuses.
@@ -43,13 +53,14 @@ from __future__ import annotations
 
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 import torch
 
-from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, param, register_quantizer
+from kvtune.codecs.base import BF16_BITS, MetaField, Quantizer, Segment, param, register_quantizer
 from kvtune.codecs.quantizers import (
     FP16_MAX,
     NoQuantizer,
@@ -59,13 +70,15 @@ from kvtune.codecs.quantizers import (
     ungroup,
     window_floors,
 )
-from kvtune.core.errors import CorruptStreamError
+from kvtune.core.errors import ConfigError, CorruptStreamError
 
 __all__ = [
     "CodebookQuantizer",
     "nf_levels",
     "nf_table",
     "fit_lloyd",
+    "fit_calibrated",
+    "check_codebooks",
     "lloyd_histogram",
     "lloyd_from_histogram",
     "check_levels",
@@ -206,6 +219,55 @@ def fit_lloyd(u: torch.Tensor, bits: int) -> torch.Tensor:
     return lev.to(torch.float32).to(torch.float16)
 
 
+def fit_calibrated(counts: torch.Tensor, bits: int) -> tuple[float, ...]:
+    """The calibrated codebook of a layer: :func:`fit_lloyd` on a histogram pooled over
+    calibration contexts (KVQuant, arXiv 2401.18079, sec. 3.3: datatypes fitted offline).
+
+    Args:
+        counts: int64 ``(HIST_BINS,)``, the sum of :func:`lloyd_histogram` over the layer's
+            calibration blocks (:meth:`CodebookQuantizer.block_histogram`); all zeros gives the
+            NF levels.
+        bits: 2..8.
+
+    Returns:
+        ``2**bits`` non-decreasing float16 values in ``[-1, 1]`` as Python floats (what
+        ``codebooks[layer]`` holds), the end levels ``-1`` and ``1``.
+    """
+    lev = lloyd_from_histogram(counts.cpu(), nf_levels(bits))
+    return tuple(lev.to(torch.float32).to(torch.float16).to(torch.float64).tolist())
+
+
+def check_codebooks(codebooks: object, bits: int) -> tuple[tuple[float, ...], ...]:
+    """Validate calibrated codebooks (:attr:`CodebookQuantizer.codebooks`) and return them as
+    tuples of floats.
+
+    Args:
+        codebooks: per layer, a sequence of ``2**bits`` numbers.
+        bits: the quantizer's width.
+
+    Raises:
+        ConfigError: not a sequence of sequences of numbers; a layer with another number of
+            levels; a level that is not finite, lies outside ``[-1, 1]``, is not a float16
+            value, or is below the level before it. The message names the layer and level.
+    """
+    if not isinstance(codebooks, (tuple, list)):
+        raise ConfigError(f"codebooks must be a list of per-layer lists of levels, got {type(codebooks).__name__}")
+    out = []
+    for i, row in enumerate(codebooks):
+        if not isinstance(row, (tuple, list)) or len(row) != 2**bits:
+            raise ConfigError(f"codebooks[{i}] must be a list of {2**bits} levels ({bits} bits), got {str(row)[:80]}")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+            raise ConfigError(f"codebooks[{i}] must hold numbers, got {str(row)[:80]}")
+        vals = tuple(float(v) for v in row)
+        for k, v in enumerate(vals):
+            if not -1.0 <= v <= 1.0 or float(np.float16(v)) != v:
+                raise ConfigError(f"codebooks[{i}][{k}] is {v!r}: levels must be float16 values within [-1, 1]")
+            if k and v < vals[k - 1]:
+                raise ConfigError(f"codebooks[{i}][{k}] ({v!r}) is below level {k - 1} ({vals[k - 1]!r}): levels must be sorted")
+        out.append(vals)
+    return tuple(out)
+
+
 def check_levels(levels: torch.Tensor) -> None:
     """Refuse a codebook read from a stream that would decode garbage.
 
@@ -256,7 +318,8 @@ class CodebookQuantizer(Quantizer):
     Block kernel: normalise each group (``absmax``: ``u = x / scale``; ``minmax``:
     ``u = (x - zero) / scale``; float32 division, ``u = 0`` where ``scale == 0``), code ``u`` as
     :func:`nearest_level` of the codebook (NF: :func:`nf_levels` rounded to float32; Lloyd:
-    :func:`fit_lloyd` of the block's ``u``), decode ``levels[q] * scale`` (``+ zero``: a multiply,
+    :func:`fit_lloyd` of the block's ``u``; calibrated: the layer's ``codebooks`` entry, which
+    :meth:`plan` puts into the block coder), decode ``levels[q] * scale`` (``+ zero``: a multiply,
     then an add).
 
     Metadata of a block of shape ``(B, H, T, D)`` (wire order): ``levels`` float16
@@ -274,8 +337,8 @@ class CodebookQuantizer(Quantizer):
 
     Args:
         bits: bits per symbol, 2..8 (``2**bits`` levels).
-        levels: ``"lloyd"`` (fitted, sent per block; default) or ``"nf"`` (NormalFloat,
-            data-free).
+        levels: ``"lloyd"`` (fitted, sent per block; default), ``"nf"`` (NormalFloat,
+            data-free) or ``"calibrated"`` (fitted offline per layer, in ``codebooks``).
         normalize: ``"minmax"`` (scale and zero point; default) or ``"absmax"`` (scale).
             The defaults are the measured best on SmolLM2's KV
             (``benchmarks/results/nonuniform.md``: 3-bit Lloyd / min-max 100.0 % relative
@@ -284,23 +347,63 @@ class CodebookQuantizer(Quantizer):
         granularity: ``"per_token"`` (groups along head_dim) or ``"per_channel"`` (along tokens).
         group_size: elements per group along the axis; 0 = the whole axis.
         sink_tokens, recent_tokens: first / last tokens kept in bfloat16.
+        codebooks: with ``levels="calibrated"``, per layer (absolute index) the ``2**bits``
+            float16 levels of :func:`fit_calibrated`, filled in by
+            :meth:`kvtune.codecs.PolicyConfig.with_codebooks`; empty until then (planning a
+            tensor raises :class:`ConfigError`).
 
     Raises:
-        ConfigError: on construction, a parameter out of range.
+        ConfigError: on construction, a parameter out of range, or ``codebooks`` that
+            :func:`check_codebooks` refuses or that come without ``levels="calibrated"``; when
+            planning, a calibrated quantizer without a codebook for the layer.
         CorruptStreamError: on decode, a Lloyd codebook that :func:`check_levels` refuses.
     """
 
     bits: int = param(3, low=2, high=MAX_BITS, doc="bits per symbol")
-    levels: str = param("lloyd", choices=("nf", "lloyd"), doc="codebook: NormalFloat or fitted Lloyd-Max")
+    levels: str = param("lloyd", choices=("nf", "lloyd", "calibrated"),
+                        doc="codebook: NormalFloat, Lloyd-Max fitted per block, or calibrated per layer")
     normalize: str = param("minmax", choices=("absmax", "minmax"), doc="group normalisation")
     granularity: str = param("per_token", choices=("per_token", "per_channel"), doc="grouping axis")
     group_size: int = param(32, low=0, high=2**31 - 1, doc="elements per group along the axis, 0 = whole axis")
     sink_tokens: int = param(0, low=0, doc="first tokens kept in bfloat16", elide_default=True)
     recent_tokens: int = param(0, low=0, doc="last tokens kept in bfloat16", elide_default=True)
+    codebooks: tuple = param((), doc="calibrated float16 levels per layer (levels='calibrated')", elide_default=True)
+
+    def validate(self) -> None:
+        if self.codebooks and self.levels != "calibrated":
+            raise ConfigError(f"quantizer 'codebook': parameter 'codebooks' goes with levels='calibrated', not {self.levels!r}")
+        try:
+            object.__setattr__(self, "codebooks", check_codebooks(self.codebooks, self.bits))
+        except ConfigError as exc:
+            raise ConfigError(f"quantizer 'codebook': parameter 'codebooks': {exc}") from None
 
     @property
     def symbol_bits(self) -> int:
         return self.bits
+
+    # ------------------------------------------------------------------ calibration
+
+    @property
+    def needs_codebooks(self) -> bool:
+        """True for ``levels="calibrated"`` without codebooks yet."""
+        return self.levels == "calibrated" and not self.codebooks
+
+    def with_codebooks(self, codebooks) -> "CodebookQuantizer":
+        """A copy with calibrated ``codebooks`` (per layer, ``2**bits`` float16 levels).
+
+        Raises:
+            ConfigError: codebooks that :func:`check_codebooks` refuses, or a quantizer whose
+                levels are not ``"calibrated"``.
+        """
+        return dataclasses.replace(self, codebooks=codebooks)
+
+    def calibration_segments(self, shape, *, layer: int, kind: str,
+                             min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
+        """The segments of a tensor's plan whose :meth:`block_histogram` s make the layer's
+        calibrated codebook: those of width :attr:`bits` (the others are bfloat16 windows or
+        NF blocks). Their coders hold no levels: for histograms only."""
+        return tuple(s for s in super().plan(shape, layer=layer, kind=kind, min_bits=min_bits)
+                     if type(s.coder) is CodebookQuantizer and s.coder.levels == "calibrated")
 
     @property
     def value_limit(self) -> float:
@@ -316,8 +419,30 @@ class CodebookQuantizer(Quantizer):
             return NoQuantizer()
         if not 2 <= bits <= MAX_BITS:
             raise ValueError(f"quantizer 'codebook' has no {bits}-bit block kernel")
-        return CodebookQuantizer(bits=bits, levels=self.levels, normalize=self.normalize,
+        levels = "nf" if self.levels == "calibrated" and bits != self.bits else self.levels
+        return CodebookQuantizer(bits=bits, levels=levels, normalize=self.normalize,
                                  granularity=self.granularity, group_size=self.group_size)
+
+    def plan(self, shape, *, layer: int, kind: str, min_bits: torch.Tensor | None = None) -> tuple[Segment, ...]:
+        """:meth:`Quantizer.plan`; with calibrated levels, the blocks of width :attr:`bits` get a
+        coder holding ``codebooks[layer]`` (a one-entry ``codebooks``).
+
+        Raises:
+            ConfigError: calibrated levels without codebooks, or codebooks that do not cover
+                ``layer``.
+        """
+        segments = super().plan(shape, layer=layer, kind=kind, min_bits=min_bits)
+        if self.levels != "calibrated":
+            return segments
+        if not self.codebooks:
+            raise ConfigError("codebook levels='calibrated' need codebooks from a calibration pass "
+                              "(kvtune.evaluate.calibrate_codebook.calibrate_codebooks), set with PolicyConfig.with_codebooks; "
+                              "this policy has none")
+        if not 0 <= layer < len(self.codebooks):
+            raise ConfigError(f"calibrated codebooks cover layers 0..{len(self.codebooks) - 1}; got layer {layer}")
+        coder = dataclasses.replace(self.coder(self.bits), codebooks=(self.codebooks[layer],))
+        return tuple(dataclasses.replace(s, coder=coder) if s.bits == self.bits and type(s.coder) is CodebookQuantizer
+                     else s for s in segments)
 
     def window_min_bits(self, tokens: int) -> torch.Tensor | None:
         """16 on the sink and recent windows (:func:`~kvtune.codecs.quantizers.window_floors`)."""
@@ -338,15 +463,35 @@ class CodebookQuantizer(Quantizer):
         return out
 
     def quantize_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """uint8 symbols of ``x.shape`` and the float16 metadata of :meth:`block_meta_layout`."""
+        """uint8 symbols of ``x.shape`` and the float16 metadata of :meth:`block_meta_layout`.
+
+        Raises:
+            ConfigError: a calibrated block coder without its layer's levels (use :meth:`plan`).
+        """
         shape = tuple(x.shape)
-        axis, _ = _meta_shape(shape, self.granularity, self.group_size)
         x = x.to(torch.float32)
         if x.numel() == 0:
             meta = {f.name: torch.zeros(f.shape, dtype=f.dtype, device=x.device) for f in self.block_meta_layout(shape)}
             if self.levels == "lloyd":
                 meta["levels"] = fit_lloyd(x, self.bits)
             return torch.zeros(shape, dtype=torch.uint8, device=x.device), meta
+        u, meta = self._normalized(x)
+        if self.levels == "lloyd":
+            meta["levels"] = fit_lloyd(u, self.bits)
+        return nearest_level(u, self._levels32(meta, x.device)).contiguous(), meta
+
+    def block_histogram(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 ``(HIST_BINS,)``: :func:`lloyd_histogram` of the normalised values of a block
+        ``x`` (float32 ``(batch, heads, tokens, head_dim)``), the statistic a calibrated codebook
+        is fitted on (:func:`fit_calibrated`)."""
+        if x.numel() == 0:
+            return torch.zeros(HIST_BINS, dtype=torch.int64)
+        return lloyd_histogram(self._normalized(x.to(torch.float32))[0]).cpu()
+
+    def _normalized(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """float32 ``u`` of ``x.shape`` (non-empty) and the float16 ``scale`` (and ``zero``)."""
+        shape = tuple(x.shape)
+        axis, _ = _meta_shape(shape, self.granularity, self.group_size)
         xg = group(x, axis, self.group_size)
         red = axis + 1
         if self.normalize == "absmax":
@@ -364,15 +509,18 @@ class CodebookQuantizer(Quantizer):
             centred = xg - zero.unsqueeze(red)
         scale = scale16.to(torch.float32).unsqueeze(red)
         u = torch.where(scale > 0, centred / scale, torch.zeros_like(centred))
-        u = ungroup(u, axis, shape[axis])
-        if self.levels == "lloyd":
-            meta["levels"] = fit_lloyd(u, self.bits)
-        return nearest_level(u, self._levels32(meta, x.device)).contiguous(), meta
+        return ungroup(u, axis, shape[axis]), meta
 
     def _levels32(self, meta: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-        """float32 codebook of a block: its ``levels`` field, or the NF levels."""
+        """float32 codebook of a block: its ``levels`` field, the layer's calibrated levels, or
+        the NF levels."""
         if self.levels == "lloyd":
             return meta["levels"].to(torch.float32)
+        if self.levels == "calibrated":
+            if len(self.codebooks) != 1:
+                raise ConfigError("a calibrated codebook block needs its layer's levels: take the block coders "
+                                  "from CodebookQuantizer.plan (after PolicyConfig.with_codebooks)")
+            return torch.tensor(self.codebooks[0], dtype=torch.float32, device=device)
         return nf_levels(self.bits).to(torch.float32).to(device)
 
     def dequantize_block(self, symbols: torch.Tensor, meta, shape: tuple[int, ...]) -> torch.Tensor:
@@ -396,10 +544,12 @@ class CodebookQuantizer(Quantizer):
         return ungroup(xg, axis, shape[axis]).contiguous()
 
     def short_label(self) -> str:
-        """``cb{bits}{nf|ll}[m]/{tok|ch}[/g{group_size}][/s{sink}][/r{recent}]``, e.g.
-        ``cb3ll/ch/g32/r128`` (``m``: minmax normalisation)."""
+        """``cb{bits}{nf|ll|cl}[m]/{tok|ch}[/g{group_size}][/s{sink}][/r{recent}]``, e.g.
+        ``cb3ll/ch/g32/r128`` (``m``: minmax normalisation; ``cl``: calibrated levels, which are
+        in :attr:`policy_id`, not in the label)."""
         gran = "tok" if self.granularity == "per_token" else "ch"
         grp = f"/g{self.group_size}" if self.group_size else ""
         win = (f"/s{self.sink_tokens}" if self.sink_tokens else "") + (f"/r{self.recent_tokens}" if self.recent_tokens else "")
         norm = "m" if self.normalize == "minmax" else ""
-        return f"cb{self.bits}{'nf' if self.levels == 'nf' else 'll'}{norm}/{gran}{grp}{win}"
+        lev = {"nf": "nf", "lloyd": "ll", "calibrated": "cl"}[self.levels]
+        return f"cb{self.bits}{lev}{norm}/{gran}{grp}{win}"

@@ -67,7 +67,7 @@ import math
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ from kvtune.codecs.base import (
 from kvtune.codecs.bitalloc import GAUSSIAN_STEPS, DPAlloc
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.checksum import crc32
-from kvtune.codecs.codebook import CodebookQuantizer, check_levels, nf_table
+from kvtune.codecs.codebook import MAX_BITS, CodebookQuantizer, check_levels, nf_table
 from kvtune.codecs.fp8 import FP8_DTYPES, FP8Quantizer, fp8_encode
 from kvtune.codecs.kvtensors import NAME_DTYPES, NON_FINITE, to_output_dtype
 from kvtune.codecs.pca import PCA, leading_width
@@ -197,6 +197,7 @@ class _Plan:
         checks: per segment ``(bits, count, metadata bytes, bitpack payload bytes)``.
         value_limit: the smallest :attr:`~kvtune.codecs.base.Quantizer.value_limit` of the
             segments' coders.
+        books: the policy's codebook levels for the kernels (:attr:`_Compiled.books`).
         rans: with the ``rans`` codec, the segments' rANS coding for
             :func:`kvtune.codecs.kernels.rans_encode_tensor` (:func:`kvtune.codecs.rans.tensor_program`).
     """
@@ -215,6 +216,7 @@ class _Plan:
     max_numel: int = 0
     checks: tuple[tuple[int, int, int, int], ...] = ()
     value_limit: float = math.inf
+    books: np.ndarray | None = None
     rans: RansProgram | None = None
 
 
@@ -243,8 +245,10 @@ def _index(sel, n: int) -> np.ndarray:
     return sel.numpy().astype(np.int64)
 
 
-def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nbytes: int):
-    """``(segs, idx, nbytes, sym_nbytes)`` of :class:`_Plan`."""
+def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nbytes: int,
+                   book_rows: Mapping[tuple[float, ...], int]):
+    """``(segs, idx, nbytes, sym_nbytes)`` of :class:`_Plan`; ``book_rows`` maps calibrated
+    codebook levels to their row of the policy's ``books`` (:class:`_Compiled`)."""
     rows, idx = [], []
     pos, sym_pos, ipos = state_nbytes, 0, 0
     for seg in segments:
@@ -263,6 +267,7 @@ def _segment_table(segments: Sequence[Segment], shape: tuple[int, ...], state_nb
             row[K.SEG_A] = int(coder.granularity == "per_token")
             row[K.SEG_G] = max(coder.group_size or (d if coder.granularity == "per_token" else ts), 1)
             row[K.SEG_B] = K.CB_MINMAX * (coder.normalize == "minmax") + K.CB_LLOYD * (coder.levels == "lloyd")
+            row[K.SEG_BOOK] = book_rows[coder.codebooks[0]] if coder.levels == "calibrated" else seg.bits
         elif kind == "fp8":
             row[K.SEG_KIND] = K.KIND_FP8
             row[K.SEG_A] = int(coder.format == "e5m2")
@@ -422,11 +427,35 @@ distinct headers, do not pile up memory."""
 _MISSING = object()
 
 
+def _books(config) -> tuple[np.ndarray, dict[tuple[float, ...], int]]:
+    """``(books, rows)``: the NF levels (:func:`~kvtune.codecs.codebook.nf_table`, rows 0-8)
+    followed by every distinct calibrated codebook of ``config``'s quantizers (read-only float64
+    ``(R, 256)``), and the row of each calibrated codebook."""
+    rows: dict[tuple[float, ...], int] = {}
+    extra = []
+    for quant in (config.key, config.value):
+        for levels in getattr(quant, "codebooks", ()):
+            if levels not in rows:
+                rows[levels] = MAX_BITS + 1 + len(extra)
+                extra.append(np.pad(np.array(levels, np.float64), (0, 2**MAX_BITS - len(levels))))
+    if not extra:
+        return nf_table(), rows
+    books = np.vstack([nf_table(), *extra])
+    books.setflags(write=False)
+    return books, rows
+
+
+def _batch_books(batch) -> np.ndarray:
+    """The codebook levels of a batch plan's policy (its tensor plans share them)."""
+    return batch.plans[0].books if batch.plans else nf_table()
+
+
 class _Compiled:
-    """Per-policy cache of tensor plans."""
+    """Per-policy cache of tensor plans, and the policy's codebook levels (:attr:`books`)."""
 
     def __init__(self, config) -> None:
         self.config = config
+        self.books, self.book_rows = _books(config)
         self.plans: dict[tuple, _Plan] = {}
         self.batches: dict[tuple, BatchPlan | None] = {}
         self.batch_tensors = 0
@@ -495,7 +524,7 @@ class _Compiled:
             elif isinstance(t, Affine):
                 ops.append(("affine", t.statistic == "rms", t.shift))
         segments = quant.plan(shape, layer=layer, kind=kind, min_bits=transform_min_bits(cfg.transforms, shape[2]))
-        segs, idx, nbytes, sym_nbytes = _segment_table(segments, shape, state_nbytes)
+        segs, idx, nbytes, sym_nbytes = _segment_table(segments, shape, state_nbytes, self.book_rows)
         whole = len(segments) == 1 and segments[0].is_whole and segments[0].bits == BF16_BITS
         bounds = [(0, state_nbytes)]
         for row in segs.tolist():
@@ -510,7 +539,7 @@ class _Compiled:
             rans = tensor_program(cfg.codec.model, [(s.bits, tuple(s.shape), row[K.SEG_SYM])
                                                     for s, row in zip(segments, segs.tolist())])
         return _Plan(shape, tuple(ops), state_nbytes, tuple(segments), segs, idx, nbytes, sym_nbytes, whole,
-                     tuple(bounds), max_bits, max_numel, checks, value_limit, rans)
+                     tuple(bounds), max_bits, max_numel, checks, value_limit, self.books, rans)
 
 
 @functools.lru_cache(maxsize=128)
@@ -644,7 +673,7 @@ def _encode_checked(x: np.ndarray, bits: int, plan: _Plan, kind: str, layer: int
     if not finite:
         raise KVInputError(f"kv[{index}] {'K' if kind == 'key' else 'V'} {NON_FINITE}")
     _check_value_range(x, amax, plan, layer, kind)
-    return K.encode_tensor(x, math.inf, plan.segs, plan.idx, out, _scratch(plan.max_numel), _fp8_luts()[2], nf_table())
+    return K.encode_tensor(x, math.inf, plan.segs, plan.idx, out, _scratch(plan.max_numel), _fp8_luts()[2], plan.books)
 
 
 def _encode_one(task) -> tuple[list, int, int]:
@@ -669,7 +698,7 @@ def _encode_one(task) -> tuple[list, int, int]:
             amax = _magnitude(x)[1]
     _check_value_range(x, amax, plan, layer, kind)
     if comp.bitpack:
-        seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2], nf_table())
+        seen = K.encode_segments(x, plan.segs, plan.idx, out, _scratch(plan.max_numel), True, _fp8_luts()[2], plan.books)
         if seen >> plan.max_bits:  # cannot happen: the kernels clamp every symbol
             raise AssertionError(f"kernel emitted a symbol wider than {plan.max_bits} bits")
         view = memoryview(out)
@@ -678,7 +707,7 @@ def _encode_one(task) -> tuple[list, int, int]:
     if plan.rans is not None:  # quantization, every segment's rANS payload and the CRC: one call
         pay = np.empty(plan.rans.payload_nbytes, np.uint8)
         lengths = np.empty(len(plan.segments), np.int64)
-        status, crc = K.rans_encode_tensor(x, plan.segs, plan.idx, out, symbuf, _fp8_luts()[2], nf_table(),
+        status, crc = K.rans_encode_tensor(x, plan.segs, plan.idx, out, symbuf, _fp8_luts()[2], plan.books,
                                            plan.state_nbytes, *plan.rans.args, pay, lengths)
         if status:  # cannot happen: the kernels clamp every symbol
             raise AssertionError(f"kernel emitted a symbol wider than segment {status - 1}'s bits")
@@ -689,7 +718,7 @@ def _encode_one(task) -> tuple[list, int, int]:
             sections += (view[a:b], pview[at : at + length])
             n += b - a + length
         return sections, int(crc), n
-    K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2], nf_table())
+    K.encode_segments(x, plan.segs, plan.idx, out, symbuf, False, _fp8_luts()[2], plan.books)
     view = memoryview(out)
     sections = [view[: plan.state_nbytes]]
     codec = comp.config.codec
@@ -925,7 +954,7 @@ def encode_into(kv, batch: BatchPlan, buf: np.ndarray) -> int:
     limits = np.array([p.value_limit for p in batch.plans], np.float64)
     results = np.empty((len(flat), 3), np.int64)
     counter = np.zeros(1, np.int64)
-    lut8, books = _fp8_luts()[2], nf_table()
+    lut8, books = _fp8_luts()[2], _batch_books(batch)
 
     def work(_) -> None:
         K.encode_batch(table, limits, batch.segs, batch.idx, buf, _scratch(batch.max_numel), lut8, books, results, counter,
@@ -1014,7 +1043,7 @@ def decode_into(buf: np.ndarray, batch: BatchPlan, dtype: torch.dtype, out=None)
     crcs = np.empty(len(table), np.int64)
     bad = np.empty(len(table), np.uint8)
     counter = np.zeros(1, np.int64)
-    luts, books = _fp8_luts(), nf_table()
+    luts, books = _fp8_luts(), _batch_books(batch)
 
     def work(_) -> None:
         K.decode_batch(buf, table, batch.segs, batch.idx, luts[0], luts[1], _scratch(batch.max_numel), books, crcs,
@@ -1098,10 +1127,10 @@ def _decode_planned(sections, data, shape, plan: _Plan, comp: _Compiled, dtype, 
     finite = True
     if crc is None:  # bitpack: the CRC and every segment in one kernel call
         crc, finite = K.decode_tensor(data, segs, plan.idx, luts[0], luts[1], symbuf, y, out_kind if direct else 0,
-                                      nf_table())
+                                      plan.books)
     elif plan.segments:
         finite = K.decode_segments(data, segs, plan.idx, luts[0], luts[1], symbuf, False, y, out_kind if direct else 0,
-                                   nf_table())
+                                   plan.books)
     if not finite:
         raise nonfinite_payload_error(layer, "K" if kind == "key" else "V")
     if not direct and plan.transforms[:1] and plan.transforms[0][0] == "delta" and out_kind != _FLOAT16:

@@ -283,6 +283,39 @@ class PolicyConfig:
         return dataclasses.replace(self, key=self.key.with_head_scores(scores), value=self.value.with_head_scores(scores))
 
     @property
+    def needs_codebooks(self) -> bool:
+        """True when a quantizer has calibrated codebook levels (``codebook`` with
+        ``levels="calibrated"``) and no codebooks yet."""
+        return any(getattr(q, "needs_codebooks", False) for q in (self.key, self.value))
+
+    def with_codebooks(self, codebooks: Mapping[str, Any]) -> "PolicyConfig":
+        """A copy whose calibrated-codebook quantizers get their levels.
+
+        Args:
+            codebooks: ``{"key": table, "value": table}`` (either may be missing when its
+                quantizer needs none); a table holds, per layer (absolute index), ``2**bits``
+                float16 levels (:func:`kvtune.evaluate.calibrate_codebook.fit_codebooks`).
+
+        Returns:
+            The new policy (the levels are in its :attr:`policy_id` and travel with its streams).
+
+        Raises:
+            ConfigError: a table for a quantizer without calibrated levels, a missing table, or
+                levels that :func:`kvtune.codecs.codebook.check_codebooks` refuses.
+        """
+        out = {}
+        for kind in KINDS:
+            quant, table = getattr(self, kind), codebooks.get(kind)
+            if table is None:
+                if getattr(quant, "needs_codebooks", False):
+                    raise ConfigError(f"with_codebooks: no {kind} codebooks for {quant.short_label()}")
+                continue
+            if getattr(quant, "levels", None) != "calibrated":
+                raise ConfigError(f"with_codebooks: the {kind} quantizer {quant.short_label()} has no calibrated levels")
+            out[kind] = quant.with_codebooks(table)
+        return dataclasses.replace(self, **out)
+
+    @property
     def needs_pca_basis(self) -> bool:
         """True when a ``pca`` transform has no basis yet (:mod:`kvtune.codecs.pca`)."""
         return bool(missing_pca_ropes(self.transforms))

@@ -21,7 +21,9 @@ calibration pass on the model's KV before they can encode, and are returned with
 policies whose quantizer ranks heads (``mixhq``, the ``duo-like`` preset) need head scores
 (:meth:`PolicyConfig.with_head_scores`); the ``kvtc-*`` presets (KVTC, "KV Cache Transform
 Coding for Compact Storage in LLM Inference", arXiv 2511.01815, sec. 3) need a PCA basis
-(:meth:`PolicyConfig.with_pca_basis`). A profile run calibrates both (``--space presets``);
+(:meth:`PolicyConfig.with_pca_basis`); ``kvquant-3c`` needs its codebooks (KVQuant, arXiv
+2401.18079, sec. 3.3: fitted offline per layer; :meth:`PolicyConfig.with_codebooks`). A profile
+run calibrates them all (``--space presets``);
 code that uses a preset without a run refuses such presets up front
 (:func:`calibration_needs`, :func:`check_calibrated`).
 """
@@ -104,10 +106,12 @@ def calibration_needs(config: PolicyConfig) -> list[str]:
     """What ``config`` still needs from a calibration pass on the model's KV before it can encode.
 
     Example: ``["MixHQ head scores"]`` (``duo-like``), ``["a PCA basis (pre-RoPE keys)"]``
-    (``kvtc-2``); ``[]`` for a policy that can encode as it is.
+    (``kvtc-2``), ``["calibrated codebooks"]`` (``kvquant-3c``); ``[]`` for a policy that can
+    encode as it is.
     """
     needs = ["MixHQ head scores"] if config.needs_head_scores else []
-    return needs + [f"a PCA basis ({rope}-RoPE keys)" for rope in sorted(config.pca_ropes_missing)]
+    needs += [f"a PCA basis ({rope}-RoPE keys)" for rope in sorted(config.pca_ropes_missing)]
+    return needs + (["calibrated codebooks"] if config.needs_codebooks else [])
 
 
 def check_calibrated(name: str, config: PolicyConfig) -> PolicyConfig:
@@ -123,7 +127,7 @@ def check_calibrated(name: str, config: PolicyConfig) -> PolicyConfig:
             f"preset {name!r} needs {' and '.join(needs)} from a calibration pass on the model's KV, which is not "
             "done here: profile it in a run (--space presets; the run calibrates it and keeps the data in "
             "calibration.json) and use that run's policy table, or fill it in yourself "
-            "(PolicyConfig.with_head_scores / with_pca_basis)")
+            "(PolicyConfig.with_head_scores / with_pca_basis / with_codebooks)")
     return config
 
 

@@ -197,6 +197,24 @@ class SearchSpace:
                            parameters=self.parameters, fixed=self.fixed, candidates=cands)
 
     @property
+    def needs_codebooks(self) -> bool:
+        """Whether some candidate has calibrated codebook levels and no codebooks yet."""
+        return any(c.config.needs_codebooks for c in self.candidates)
+
+    def with_codebooks(self, calibrate) -> "SearchSpace":
+        """A copy whose candidates carry their calibrated codebooks.
+
+        Args:
+            calibrate: ``PolicyConfig -> PolicyConfig`` that fills a policy's missing codebooks
+                (e.g. :func:`kvtune.evaluate.calibrate_codebook.calibrate_codebooks` on the
+                run's calibration KV); called for every candidate that needs them.
+        """
+        cands = [Candidate(index=c.index, params=c.params, config=calibrate(c.config) if c.config.needs_codebooks else c.config)
+                 for c in self.candidates]
+        return SearchSpace(name=self.name, path=self.path, description=self.description,
+                           parameters=self.parameters, fixed=self.fixed, candidates=cands)
+
+    @property
     def pca_ropes_missing(self) -> frozenset[str]:
         """The ``rope`` modes of the ``pca`` transforms still without a basis, over all
         candidates (empty: no candidate needs a PCA calibration)."""

@@ -372,6 +372,11 @@ def policy_configs(
                     "pass head_scores="
                 )
             config = config.with_head_scores(head_scores)
+        if config.needs_codebooks:
+            raise CalibrationError(
+                f"policy {pid} ({label}) has calibrated codebook levels without their codebooks: a profile run "
+                "stores them in each policy's configuration, so this table was not written by one (fill them in "
+                "with PolicyConfig.with_codebooks)")
         missing = pca_problems(config)
         if missing:
             raise CalibrationError(

@@ -35,14 +35,15 @@ _u = uintp
 
 SEG_KIND, SEG_BITS, SEG_A, SEG_G, SEG_B = 0, 1, 2, 3, 4
 SEG_HEADS, SEG_NHEADS, SEG_TOKENS, SEG_NTOKENS = 5, 6, 7, 8
-SEG_META, SEG_META_LEN, SEG_PAYLOAD, SEG_PAYLOAD_LEN, SEG_SYM = 9, 10, 11, 12, 13
-SEG_COLUMNS = 14
+SEG_META, SEG_META_LEN, SEG_PAYLOAD, SEG_PAYLOAD_LEN, SEG_SYM, SEG_BOOK = 9, 10, 11, 12, 13, 14
+SEG_COLUMNS = 15
 """Columns: kind (:data:`KIND_UNIFORM` / :data:`KIND_BF16` / :data:`KIND_FP8` /
 :data:`KIND_CODEBOOK`), bits, A (uniform, codebook: per-token; fp8: e5m2), g (uniform, codebook:
 group length), B (uniform: symmetric; fp8: scaled; codebook: 1 minmax + 2 Lloyd levels),
 offset and count of the head indices and of the token indices in the index array, byte offset
 and length of the metadata and of the payload section in the tensor's output buffer, byte
-offset of the raw symbols in the symbol buffer (codecs other than bitpack)."""
+offset of the raw symbols in the symbol buffer (codecs other than bitpack), and for a codebook
+segment without fitted levels the row of ``books`` that holds its levels (NF: ``bits``)."""
 KIND_UNIFORM, KIND_BF16, KIND_FP8, KIND_CODEBOOK = 0, 1, 2, 3
 CB_MINMAX, CB_LLOYD = 1, 2
 """Flags of a codebook segment's B column: mid-range zero points, fitted (transmitted) levels."""
@@ -339,8 +340,10 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books, rot=None):
             ``SEG_SYM`` offset (uint8, or little-endian uint16 for bfloat16) for another codec.
         pack: bit-pack into ``out`` (the ``bitpack`` codec).
         lut8: uint8 ``(2, 65536)``: the e4m3 and e5m2 symbol of every bfloat16 pattern.
-        books: float64 ``(9, 256)``: row ``b`` starts with the ``2**b`` NF levels
-            (:func:`kvtune.codecs.codebook.nf_table`).
+        books: float64 ``(R, 256)``, ``R >= 9``: a codebook segment without fitted levels takes
+            the first ``2**bits`` entries of row ``SEG_BOOK`` (rows ``b < 9``: the ``2**b`` NF
+            levels, :func:`kvtune.codecs.codebook.nf_table`; further rows: calibrated levels of
+            a layer).
         rot: ``None``, or a Hadamard rotation of ``x`` fused into the quantizer's row loads
             (:func:`~.quantize.quantize_per_token`): the same bytes as rotating ``x`` first.
             Only for tables of per-token uniform segments (:func:`per_token_only`).
@@ -388,7 +391,7 @@ def encode_segments(x, segs, idx, out, symbuf, pack, lut8, books, rot=None):
             per_token, g, flags = segs[s, SEG_A] != 0, segs[s, SEG_G], segs[s, SEG_B]
             lv, sc, ze = _cb_meta(meta, m, nb, hs, ts, d_n, per_token, g, flags, bits)
             codebook_quantize(x, heads, tokens, per_token, g, flags & CB_MINMAX != 0, flags & CB_LLOYD != 0,
-                              books[bits, : 1 << bits], sym, lv, sc, ze)
+                              books[segs[s, SEG_BOOK], : 1 << bits], sym, lv, sc, ze)
         else:
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0
             sc = meta[: max(m, nb * hs * ts)].reshape((nb, hs, ts))
@@ -417,7 +420,7 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             scratch otherwise.
         packed: the payloads in ``data`` are bit-packed (``bitpack``).
         out: ``(B, H, T, D)`` float32, or uint16 bits of ``kind`` (1 bfloat16, 2 float16).
-        books: the NF levels, as :func:`encode_segments`. Fitted codebooks are taken as they
+        books: the NF and calibrated levels, as :func:`encode_segments`. Fitted codebooks are taken as they
             are: the caller validates them (:func:`kvtune.codecs.codebook.check_levels`).
         rot: ``None``, or the rotation to undo on each row before its conversion
             (:func:`~.quantize.dequantize_per_token`), as :func:`encode_segments`'s.
@@ -474,7 +477,7 @@ def decode_segments(data, segs, idx, luts, lut16, symbuf, packed, out, kind, boo
             nl = 1 << bits
             lev = np.empty(nl, np.float32)
             for k in range(nl):
-                lev[k] = f16_bits_to_f32(lv[k]) if flags & CB_LLOYD else np.float32(books[bits, k])
+                lev[k] = f16_bits_to_f32(lv[k]) if flags & CB_LLOYD else np.float32(books[segs[s, SEG_BOOK], k])
             codebook_dequantize(sym4, lev, sc, ze, per_token, g, flags & CB_MINMAX != 0, heads, tokens, out, kind)
         else:
             e5m2, scaled = segs[s, SEG_A] != 0, segs[s, SEG_B] != 0

@@ -28,7 +28,7 @@ def warm_up() -> float:
     start = time.perf_counter()
     shape = (1, 2, 8, 8)
     seg = np.zeros((1, SEG_COLUMNS), np.int64)
-    seg[0] = (KIND_UNIFORM, 4, 1, 8, 0, 0, 2, 2, 8, 0, 64, 64, 64, 0)  # 2 heads x 8 tokens x 8, groups of 8
+    seg[0] = (KIND_UNIFORM, 4, 1, 8, 0, 0, 2, 2, 8, 0, 64, 64, 64, 0, 0)  # 2 heads x 8 tokens x 8, groups of 8
     idx = np.array([0, 1, *range(8)], np.int64)
     out = np.zeros(128, np.uint8)
     sym = np.zeros(128, np.uint8)

@@ -293,6 +293,7 @@ class TransferPolicy:
         return self.method.label()
 
     needs_head_scores = False
+    needs_codebooks = False
 
 
 def scd_space(methods: list[SCD]) -> Any:

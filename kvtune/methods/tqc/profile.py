@@ -436,7 +436,53 @@ def calibrated_space(space, lm, calibration_ids: torch.Tensor, run_dir: Path, on
         space = space.with_pca_basis(calibrated_pca_bases(sorted(space.pca_ropes_missing), lm,
                                                           calibration_ids if pca_ids is None else pca_ids,
                                                           run_dir, on_stage, on_progress))
+    if space.needs_codebooks:
+        space = space.with_codebooks(codebook_calibrator(lm, calibration_ids if pca_ids is None else pca_ids, run_dir,
+                                                         on_stage, on_progress))
     return space
+
+
+def codebook_calibrator(lm, calibration_ids: torch.Tensor | Callable[[], torch.Tensor], run_dir: Path,
+                        on_stage: Hook = _noop, on_progress: Hook = _noop) -> Callable:
+    """``PolicyConfig -> PolicyConfig`` filling a policy's calibrated codebooks
+    (:func:`kvtune.evaluate.calibrate_codebook.calibrate_codebooks`) from the run's
+    ``calibration.json`` (``codebooks.<codebook_key>``: per layer the float16 levels) or, for
+    the missing ones, from the KV of ``calibration_ids`` (``(N, T)`` int64 contexts, or a
+    function returning them; prefilled once, on the first missing codebook), each new one
+    added to ``calibration.json`` at once (atomic; a recorded one is never refitted).
+
+    Raises:
+        KvtuneError: an unreadable ``calibration.json``, or a ``codebooks`` entry that is not an
+            object (never silently replaced by a new fit); ConfigError: a recorded codebook
+            that the quantizer refuses (an edited file).
+    """
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks
+    from kvtune.evaluate.capture import capture
+
+    path = run_dir / "calibration.json"
+
+    @functools.cache
+    def contexts():
+        ids = calibration_ids() if callable(calibration_ids) else calibration_ids
+        on_stage("capture KV for codebook calibration", 1)
+        cap = capture(lm, ids, int(ids.shape[1]), baseline=False)
+        on_progress(1)
+        return [cap.context_kv(i) for i in range(cap.num_contexts)]
+
+    def calibrate(config):
+        doc = read_calibration(path)
+        recorded = doc.get("codebooks") or {}
+        if not isinstance(recorded, dict):
+            raise KvtuneError(f"{path}: codebooks must be an object mapping codebook keys to per-layer levels, "
+                              f"got {type(recorded).__name__}")
+        cache = dict(recorded)
+        config = calibrate_codebooks(config, contexts, cache)
+        new = {k: [list(row) for row in v] for k, v in cache.items() if k not in recorded}
+        if new:
+            atomic_write_text(path, json.dumps({**doc, "codebooks": {**recorded, **new}}, indent=1))
+        return config
+
+    return calibrate
 
 
 def calibrated_pca_bases(ropes, lm, calibration_ids: torch.Tensor | Callable[[], torch.Tensor], run_dir: Path,
