@@ -615,8 +615,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
     if keep is not None:  # the rest of the policy runs on the kept tokens
         kv, selection = select_kv(kv, keep)
     shapes = [(tuple(k.shape), tuple(v.shape)) for k, v in kv]
-    stream_fields = dict(policy=config.to_dict(), policy_id=config.policy_id, layer_offset=layer_offset,
-                         dtype=DTYPE_NAMES[dtype], shapes=shapes,
+    stream_fields = dict(policy_id=config.policy_id, layer_offset=layer_offset, dtype=DTYPE_NAMES[dtype], shapes=shapes,
                          source_tokens=None if selection is None else selection.source_tokens,
                          masks=None if selection is None else selection.masks)
     batch = fastpath.encode_plan(inner, shapes, layer_offset) if fast and not on_device else None
@@ -627,7 +626,8 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
         key = (config.policy_id, dtype)  # the header is a function of the batch's shapes and these
         head = batch.heads.get(key) if selection is None else None
         if head is None:
-            head = stream_head(**stream_fields, lengths=batch.lengths)
+            # the policy's dict only here: a calibrated one (480 codebook levels) takes ~30 us to build
+            head = stream_head(**stream_fields, policy=config.to_dict(), lengths=batch.lengths)
             if selection is None:
                 batch.heads[key] = head
         return write_stream_in_place(head=head, nbytes=int(batch.nbytes.sum()), masks=stream_fields["masks"],
@@ -647,7 +647,7 @@ def encode_kv(kv: KVLayers, config: PolicyConfig, *, layer_offset: int = 0, impl
                              _encode_tensor(v, inner, inner.value, layer, "value", pos)))
     _check_encoded_sections(shapes, [tuple(TensorSections.from_flat(flat) for flat in pair) for pair in sections], inner,
                             layer_offset)
-    return write_stream(**stream_fields, sections=sections, crcs=crcs)
+    return write_stream(**stream_fields, policy=config.to_dict(), sections=sections, crcs=crcs)
 
 
 def _check_encoded_sections(shapes, sections, config: PolicyConfig, layer_offset: int) -> None:
