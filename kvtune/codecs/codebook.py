@@ -16,8 +16,8 @@ non-uniform codebook of ``2**bits`` levels in ``[-1, 1]``:
   distribution are the point of KVQuant ("KVQuant: Towards 10 Million Context Length LLM
   Inference with KV Cache Quantization", arXiv 2401.18079, sec. 3.3).
 * ``levels = "calibrated"``: one Lloyd-Max codebook per layer (and K or V), fitted **once,
-  offline**, on calibration contexts, as KVQuant fits its datatypes (sec. 3.3: "computed
-  offline ... using calibration data"): :func:`fit_calibrated` pools the normalised values of
+  offline**, on calibration contexts, as KVQuant derives its datatypes offline from calibration
+  data (sec. 3.3): :func:`fit_calibrated` pools the normalised values of
   every calibration context's layer into one histogram and runs the same Lloyd iterations. The
   levels are part of the policy (``codebooks[layer]``, float16 values, like ``mixhq``'s head
   scores; :meth:`kvtune.codecs.PolicyConfig.with_codebooks`), so nothing but the group scales
@@ -43,17 +43,17 @@ division per level (see :func:`fit_lloyd`), so its result does not depend on sum
 
 Calibrated codebooks are checked when the policy is built (:func:`check_codebooks`: finite,
 within ``[-1, 1]``, non-decreasing, ``2**bits`` float16 values per layer), so a stream names
-them through its policy and its policy id. Decoding validates a transmitted codebook: levels that are not finite, lie outside
-``[-1, 1]`` or are not in non-decreasing order raise
+them through its policy and its policy id. Decoding validates a transmitted codebook: levels
+that are not finite, lie outside ``[-1, 1]`` or are not in non-decreasing order raise
 :class:`~kvtune.core.errors.CorruptStreamError` (:func:`check_levels`); a levels field of the
 wrong size is a metadata section of the wrong length, which the stream reader refuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
