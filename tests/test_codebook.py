@@ -7,6 +7,7 @@ matrix of test_codecs.py; the kernels against the reference in test_kernels.py.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -405,3 +406,114 @@ def test_a_run_fits_codebooks_once_on_its_calibration_contexts_and_reads_them_ba
     (tmp_path / "calibration.json").write_text(json.dumps({"codebooks": [1, 2]}))
     with pytest.raises(KvtuneError, match="codebooks must be an object"):
         codebook_calibrator(lm, ids, tmp_path)(cfg)
+
+
+# ----------------------------------------------------------------------------- calibrated: bad input
+
+
+def _calibrated_stream():
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks
+
+    cfg = calibrate_codebooks(PolicyConfig.from_dict({"key": CAL, "value": CAL}), _contexts(1, seed=8))
+    kv = _contexts(1, seed=9)[0]
+    return cfg, kv, encode_kv(kv, cfg)
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+@pytest.mark.parametrize("level, match", [(-10**400, r"codebooks\[1\]\[2\] is -1000"), (0.3, "float16 values"),
+                                          (2, "within"), ("x", "must hold numbers")],
+                         ids=["huge-int", "not-float16", "out-of-range", "string"])
+def test_a_stream_whose_policy_carries_forged_codebooks_is_a_kv_stream_error(impl, level, match):
+    """Every checksum of the forged stream is right: the policy itself is refused."""
+    from kvtune.core.errors import KVStreamError
+
+    _, _, stream = _calibrated_stream()
+    h, sections = read_stream(stream)
+    policy = json.loads(json.dumps(h.policy))
+    policy["value"]["codebooks"][1][2] = level
+    flat = [[[bytes(p) for p in t.flat()] for t in layer] for layer in sections]
+    forged = write_stream(policy=policy, policy_id=h.policy_id, layer_offset=h.layer_offset, dtype=h.dtype,
+                          shapes=h.shapes, sections=flat)
+    with pytest.raises(KVStreamError, match=match):
+        decode_kv(forged, impl=impl)
+
+
+def test_a_negative_zero_level_is_zero_so_that_policies_and_decoders_agree():
+    neg = [-1.0, -0.5, -0.25, -0.0, 0.125, 0.25, 0.5, 1.0]
+    spec = {**CAL, "normalize": "absmax", "codebooks": [neg, neg]}
+    cfg = PolicyConfig.from_dict({"key": spec, "value": spec})
+    assert all(math.copysign(1.0, v) > 0 for v in cfg.key.codebooks[0][3:4])
+    pos = PolicyConfig.from_dict({"key": {**spec, "codebooks": [OK8, OK8]}, "value": {**spec, "codebooks": [OK8, OK8]}})
+    assert pos == cfg and pos.policy_id == cfg.policy_id and "-0.0" not in cfg.to_json()  # one policy, not two
+    kv = [(gaussian((1, 2, 64, 32), seed=1) * 0.01, gaussian((1, 2, 64, 32), seed=2) * 0.01) for _ in range(2)]
+    stream = encode_kv(kv, cfg, impl="fast")
+    assert stream == encode_kv(kv, cfg, impl="reference")
+    fast, ref = decode_kv(stream, impl="fast"), decode_kv(stream, impl="reference")
+    for (a, b), (c, d) in zip(fast, ref):  # bit for bit: -0.0 and 0.0 differ
+        assert torch.equal(a.view(torch.int32), c.view(torch.int32)) and torch.equal(b.view(torch.int32), d.view(torch.int32))
+
+
+def test_malformed_calibration_input_is_a_typed_error_before_any_fit(caplog):
+    from kvtune.codecs.codebook import MAX_CODEBOOK_LAYERS
+    from kvtune.core.errors import KVInputError, KVInputTypeError
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks, codebook_key, fit_codebooks
+
+    cfg = PolicyConfig.from_dict({"key": CAL, "value": CAL})
+    ok = _contexts(1, seed=10)[0]
+    with pytest.raises(ConfigError, match="codebooks for 0 layers"):
+        cfg.with_codebooks({"key": [], "value": []})
+    with pytest.raises(ConfigError, match="with_codebooks takes"):
+        cfg.with_codebooks([1])
+    with pytest.raises(ConfigError, match="no layers"):
+        calibrate_codebooks(cfg, [[]])
+    with pytest.raises(ConfigError, match="kind must be 'key' or 'value'"):
+        codebook_key(cfg, "keys")
+    with pytest.raises(ConfigError, match="kind must be"):
+        fit_codebooks(cfg, "foo", [ok])
+    nan = [(k.clone(), v.clone()) for k, v in ok]
+    nan[1][1][0, 1, 5, 3] = float("nan")
+    with pytest.raises(KVInputError, match="calibration context 1: kv\\[1\\] V"):
+        fit_codebooks(cfg, "value", [ok, nan])
+    huge = [(k.clone(), v.clone()) for k, v in ok]
+    huge[0][0][0, 0, 2, 0] = 1e6
+    with pytest.raises(KVInputError, match="layer 0 key"):
+        fit_codebooks(cfg, "key", [huge])
+    with pytest.raises(KVInputTypeError, match="calibration context 0: kv\\[0\\] must be a \\(K, V\\) pair"):
+        fit_codebooks(cfg, "key", [[(ok[0][0],)]])
+    with pytest.raises(KVInputError, match="calibration context 0: kv\\[0\\] K must be a"):
+        fit_codebooks(cfg, "key", [[(ok[0][0][0], ok[0][1])]])
+    with pytest.raises(ConfigError, match=f"cover {MAX_CODEBOOK_LAYERS + 1} layers; at most {MAX_CODEBOOK_LAYERS}"):
+        cfg.with_codebooks({"key": [OK8] * (MAX_CODEBOOK_LAYERS + 1), "value": [OK8]})
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        PolicyConfig.from_json("[" * 100_000 + "]" * 100_000)
+    # contexts no longer than the recent window: nothing to fit, NF levels and a warning
+    short = [(k[:, :, :8], v[:, :, :8]) for k, v in ok]
+    with caplog.at_level("WARNING"):
+        table = fit_codebooks(cfg, "key", [short])
+    assert table[0] == tuple(nf_levels(3).float().half().double().tolist()) and "NF levels" in caplog.text
+
+
+def test_a_run_refuses_recorded_codebooks_that_do_not_fit_its_model(tiny_model_dir, tmp_path):
+    from kvtune.core.errors import KvtuneError
+    from kvtune.evaluate.calibrate_codebook import codebook_key
+    from kvtune.evaluate.model import load_model
+    from kvtune.methods.tqc.profile import codebook_calibrator
+    from kvtune.serving.artifacts import codebook_problems
+
+    lm = load_model(str(tiny_model_dir), "cpu")
+    cfg = PolicyConfig.from_dict({"key": CAL, "value": CAL})
+    key = codebook_key(cfg, "key")
+    path = tmp_path / "calibration.json"
+    for entry, error, match in (
+        ({key: [OK8] * (lm.num_layers + 1)}, ConfigError, f"codebooks.{key} .key codebooks of .*cover 3 layers; the model has 2"),
+        ({key: None}, ConfigError, f"calibration.json: codebooks.{key} .*must be a list of per-layer lists"),
+        ({key: [OK8[:7]] * 2}, ConfigError, r"codebooks\[0\] must be a list of 8 levels"),
+        (False, KvtuneError, "codebooks must be an object"),
+        ([], KvtuneError, "codebooks must be an object"),
+    ):
+        path.write_text(json.dumps({"codebooks": entry}))
+        with pytest.raises(error, match=match):
+            codebook_calibrator(lm, lambda: pytest.fail("a recorded entry must not be refitted"), tmp_path)(cfg)
+    one = PolicyConfig.from_dict({"key": {**CAL, "codebooks": [OK8]}, "value": {**CAL, "codebooks": [OK8, OK8]}})
+    assert codebook_problems({"p": one}, num_layers=2) == ["policy p has key codebooks for 1 layers"]
+    assert codebook_problems({"p": one}, num_layers=1) == ["policy p has value codebooks for 2 layers"]

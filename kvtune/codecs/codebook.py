@@ -86,6 +86,7 @@ __all__ = [
     "HIST_BINS",
     "LLOYD_ITERS",
     "MAX_BITS",
+    "MAX_CODEBOOK_LAYERS",
 ]
 
 HIST_BINS = 4096
@@ -94,6 +95,10 @@ LLOYD_ITERS = 16
 """Lloyd iterations of :func:`fit_lloyd` (a fixed number: the fit is deterministic)."""
 MAX_BITS = 8
 """Widest codebook: ``2**8`` levels."""
+MAX_CODEBOOK_LAYERS = 4096
+"""Most layers a calibrated ``codebooks`` table may cover (models have a few hundred at most):
+the kernels give every distinct codebook a 2 KiB row (:mod:`kvtune.codecs.fastpath`), so a
+forged policy cannot make a decoder allocate more than 8 MiB for them."""
 
 
 # ----------------------------------------------------------------------------- NormalFloat
@@ -231,34 +236,43 @@ def fit_calibrated(counts: torch.Tensor, bits: int) -> tuple[float, ...]:
 
     Returns:
         ``2**bits`` non-decreasing float16 values in ``[-1, 1]`` as Python floats (what
-        ``codebooks[layer]`` holds), the end levels ``-1`` and ``1``.
+        ``codebooks[layer]`` holds), the end levels ``-1`` and ``1``, no negative zero.
     """
     lev = lloyd_from_histogram(counts.cpu(), nf_levels(bits))
-    return tuple(lev.to(torch.float32).to(torch.float16).to(torch.float64).tolist())
+    return tuple(v + 0.0 for v in lev.to(torch.float32).to(torch.float16).to(torch.float64).tolist())  # -0.0 -> 0.0
 
 
 def check_codebooks(codebooks: object, bits: int) -> tuple[tuple[float, ...], ...]:
     """Validate calibrated codebooks (:attr:`CodebookQuantizer.codebooks`) and return them as
-    tuples of floats.
+    tuples of floats, a negative zero made ``0.0`` (the two would be one codebook to a
+    hash or an equality test, yet decode to different bits).
 
     Args:
-        codebooks: per layer, a sequence of ``2**bits`` numbers.
+        codebooks: per layer, a sequence of ``2**bits`` numbers (at most
+            :data:`MAX_CODEBOOK_LAYERS` layers).
         bits: the quantizer's width.
 
     Raises:
-        ConfigError: not a sequence of sequences of numbers; a layer with another number of
-            levels; a level that is not finite, lies outside ``[-1, 1]``, is not a float16
-            value, or is below the level before it. The message names the layer and level.
+        ConfigError: not a sequence of sequences of numbers; more layers than
+            :data:`MAX_CODEBOOK_LAYERS`; a layer with another number of levels; a level that
+            is not finite (or an integer beyond the float range), lies outside ``[-1, 1]``, is
+            not a float16 value, or is below the level before it. The message names the layer
+            and level.
     """
     if not isinstance(codebooks, (tuple, list)):
         raise ConfigError(f"codebooks must be a list of per-layer lists of levels, got {type(codebooks).__name__}")
+    if len(codebooks) > MAX_CODEBOOK_LAYERS:
+        raise ConfigError(f"codebooks cover {len(codebooks)} layers; at most {MAX_CODEBOOK_LAYERS}")
     out = []
     for i, row in enumerate(codebooks):
         if not isinstance(row, (tuple, list)) or len(row) != 2**bits:
             raise ConfigError(f"codebooks[{i}] must be a list of {2**bits} levels ({bits} bits), got {str(row)[:80]}")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
             raise ConfigError(f"codebooks[{i}] must hold numbers, got {str(row)[:80]}")
-        vals = tuple(float(v) for v in row)
+        for k, v in enumerate(row):
+            if isinstance(v, int) and not -1 <= v <= 1:  # before float(): a huge int overflows it
+                raise ConfigError(f"codebooks[{i}][{k}] is {str(v)[:40]}: levels must be float16 values within [-1, 1]")
+        vals = tuple(float(v) + 0.0 for v in row)
         for k, v in enumerate(vals):
             if not -1.0 <= v <= 1.0 or float(np.float16(v)) != v:
                 raise ConfigError(f"codebooks[{i}][{k}] is {v!r}: levels must be float16 values within [-1, 1]")
@@ -392,9 +406,11 @@ class CodebookQuantizer(Quantizer):
         """A copy with calibrated ``codebooks`` (per layer, ``2**bits`` float16 levels).
 
         Raises:
-            ConfigError: codebooks that :func:`check_codebooks` refuses, or a quantizer whose
-                levels are not ``"calibrated"``.
+            ConfigError: no layers, codebooks that :func:`check_codebooks` refuses, or a
+                quantizer whose levels are not ``"calibrated"``.
         """
+        if isinstance(codebooks, (tuple, list)) and not codebooks:
+            raise ConfigError("with_codebooks: codebooks for 0 layers")
         return dataclasses.replace(self, codebooks=codebooks)
 
     def calibration_segments(self, shape, *, layer: int, kind: str,

@@ -223,6 +223,8 @@ class PolicyConfig:
             d = json.loads(text)
         except ValueError as exc:
             raise ConfigError(f"policy JSON is invalid: {exc}") from None
+        except RecursionError:
+            raise ConfigError("policy JSON is nested too deeply to parse") from None
         return cls.from_dict(d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,9 +302,12 @@ class PolicyConfig:
             The new policy (the levels are in its :attr:`policy_id` and travel with its streams).
 
         Raises:
-            ConfigError: a table for a quantizer without calibrated levels, a missing table, or
-                levels that :func:`kvtune.codecs.codebook.check_codebooks` refuses.
+            ConfigError: not a mapping; a table for a quantizer without calibrated levels, a
+                missing or empty table, or levels that
+                :func:`kvtune.codecs.codebook.check_codebooks` refuses.
         """
+        if not isinstance(codebooks, Mapping):
+            raise ConfigError(f"with_codebooks takes {{'key': table, 'value': table}}, got {type(codebooks).__name__}")
         out = {}
         for kind in KINDS:
             quant, table = getattr(self, kind), codebooks.get(kind)
@@ -739,7 +744,7 @@ def _header_policy(header: StreamHeader) -> PolicyConfig:
     """The policy a stream header carries, checked against the id it records."""
     try:
         config = PolicyConfig.from_dict(header.policy)
-    except (ConfigError, TypeError, ValueError) as exc:
+    except (ConfigError, TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {str(exc)[:500]}") from None
     if config.policy_id != header.policy_id:  # the id is the hash of the policy: they must agree
         raise CorruptStreamError(f"corrupt KV stream: header policy id {header.policy_id!r} is not the id "

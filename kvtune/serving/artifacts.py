@@ -48,6 +48,7 @@ __all__ = [
     "ServingArtifacts",
     "load_artifacts",
     "mixhq_problems",
+    "codebook_problems",
     "policy_configs",
     "selection_problem",
     "basis_problem",
@@ -356,8 +357,8 @@ def policy_configs(
             )
         try:
             config = PolicyConfig.from_json(config_json)
-        except (ConfigError, TypeError, ValueError) as exc:
-            raise TableError(f"policy {pid} ({label}): configuration does not parse: {exc}") from None
+        except (ConfigError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise TableError(f"policy {pid} ({label}): configuration does not parse: {str(exc)[:500]}") from None
         if config.policy_id != pid:
             raise TableError(f"policy {pid} ({label}): its config_json is the configuration of policy {config.policy_id} "
                              "(an edited table: a policy id is the hash of its configuration)")
@@ -384,6 +385,18 @@ def policy_configs(
                 "calibration.json and pca_basis*.safetensors beside the table (or load the run folder), or "
                 "register it with kvtune.codecs.pca.register_basis(load_basis(path))")
         out[pid] = config
+    return out
+
+
+def codebook_problems(configs: Mapping[str, PolicyConfig], *, num_layers: int) -> list[str]:
+    """Policies whose calibrated codebooks (``codebook`` with ``levels="calibrated"``) do not
+    cover exactly ``num_layers`` layers (empty when all do or none has them)."""
+    out = []
+    for pid, config in configs.items():
+        for slot in ("key", "value"):
+            books = getattr(getattr(config, slot), "codebooks", None)
+            if books and len(books) != num_layers:
+                out.append(f"policy {pid} has {slot} codebooks for {len(books)} layers")
     return out
 
 

@@ -54,6 +54,7 @@ from kvtune.serving.artifacts import (
     ModelMismatchError,
     ServingArtifacts,
     load_artifacts,
+    codebook_problems,
     mixhq_problems,
     policy_configs,
 )
@@ -346,6 +347,7 @@ class ServingPolicy:
         if allow_dtype_mismatch:
             problems = [p for p in problems if not p.startswith("KV dtype")]
         problems += mixhq_problems(self._configs, num_layers=num_layers, kv_heads=kv_heads)
+        problems += codebook_problems(self._configs, num_layers=num_layers)
         if problems:
             raise ModelMismatchError(
                 f"serving model does not match the policy table of {self.table.model!r} ({geo.source}): "

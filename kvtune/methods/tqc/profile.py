@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from kvtune.core.errors import KvtuneError
+from kvtune.core.errors import ConfigError, KvtuneError
 from kvtune.evaluate.calibrate import HeadScores, calibrate_head_scores
 from kvtune.evaluate.memory import (
     MemoryEstimate,
@@ -453,10 +453,13 @@ def codebook_calibrator(lm, calibration_ids: torch.Tensor | Callable[[], torch.T
 
     Raises:
         KvtuneError: an unreadable ``calibration.json``, or a ``codebooks`` entry that is not an
-            object (never silently replaced by a new fit); ConfigError: a recorded codebook
-            that the quantizer refuses (an edited file).
+            object (never silently replaced by a new fit); ConfigError: a recorded table that
+            the quantizer refuses or that does not cover the model's layers (an edited file;
+            the message names the file and the entry); as
+            :func:`~kvtune.evaluate.calibrate_codebook.fit_codebooks` for a new fit.
     """
-    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks
+    from kvtune.codecs.codebook import check_codebooks
+    from kvtune.evaluate.calibrate_codebook import calibrate_codebooks, codebook_key
     from kvtune.evaluate.capture import capture
 
     path = run_dir / "calibration.json"
@@ -471,10 +474,21 @@ def codebook_calibrator(lm, calibration_ids: torch.Tensor | Callable[[], torch.T
 
     def calibrate(config):
         doc = read_calibration(path)
-        recorded = doc.get("codebooks") or {}
+        recorded = doc.get("codebooks", {})
         if not isinstance(recorded, dict):
             raise KvtuneError(f"{path}: codebooks must be an object mapping codebook keys to per-layer levels, "
                               f"got {type(recorded).__name__}")
+        for kind in ("key", "value"):
+            quant = getattr(config, kind)
+            name = codebook_key(config, kind) if getattr(quant, "needs_codebooks", False) else None
+            if name in recorded:
+                try:
+                    table = check_codebooks(recorded[name], quant.bits)
+                except ConfigError as exc:
+                    raise ConfigError(f"{path}: codebooks.{name} ({kind} codebooks of {config.label}): {exc}") from None
+                if len(table) != lm.num_layers:
+                    raise ConfigError(f"{path}: codebooks.{name} ({kind} codebooks of {config.label}) cover "
+                                      f"{len(table)} layers; the model has {lm.num_layers}")
         cache = dict(recorded)
         config = calibrate_codebooks(config, contexts, cache)
         new = {k: [list(row) for row in v] for k, v in cache.items() if k not in recorded}
