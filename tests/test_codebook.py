@@ -305,6 +305,9 @@ def test_calibrated_codebooks_see_the_values_after_the_transforms_and_ignore_tok
     ready = calibrate_codebooks(rotated, contexts, cache)
     assert sorted(cache) == sorted({codebook_key(rotated, "key"), codebook_key(rotated, "value")})
     assert ready.key.codebooks == fit_codebooks(rotated, "key", contexts) and not ready.needs_codebooks
+    as_tensor = rotated.with_codebooks({k: torch.tensor(getattr(ready, k).codebooks, dtype=torch.float16)
+                                        for k in ("key", "value")})
+    assert as_tensor == ready and as_tensor.policy_id == ready.policy_id
     calls = []
     assert calibrate_codebooks(kept, lambda: calls.append(1) or contexts, cache).key.codebooks == ready.key.codebooks
     assert calls == []  # read from the cache: no contexts needed

@@ -403,12 +403,15 @@ class CodebookQuantizer(Quantizer):
         return self.levels == "calibrated" and not self.codebooks
 
     def with_codebooks(self, codebooks) -> "CodebookQuantizer":
-        """A copy with calibrated ``codebooks`` (per layer, ``2**bits`` float16 levels).
+        """A copy with calibrated ``codebooks`` (per layer, ``2**bits`` float16 levels; nested
+        lists, or a ``(layers, 2**bits)`` tensor or array).
 
         Raises:
             ConfigError: no layers, codebooks that :func:`check_codebooks` refuses, or a
                 quantizer whose levels are not ``"calibrated"``.
         """
+        if hasattr(codebooks, "tolist"):  # a (layers, 2**bits) tensor or array
+            codebooks = codebooks.tolist()
         if isinstance(codebooks, (tuple, list)) and not codebooks:
             raise ConfigError("with_codebooks: codebooks for 0 layers")
         return dataclasses.replace(self, codebooks=codebooks)
