@@ -21,7 +21,7 @@ from numba.extending import intrinsic
 from .convert import f16_bits_to_f32, f32_to_f16_bits, fp16_round_up_bits, load_row
 from .lowlevel import (HALF, INLINE, JIT, ONE, U8, ZERO, absmax, target_has_features, vminmax, vminmax_groups8,
                        vminmax_rows8)
-from .quantize import U16, load_lanes, splat16, store16, store_rows
+from .quantize import U16, group_lanes, load_lanes, splat16, store16, store_rows
 
 _u = uintp
 _NB = 4096  # histogram bins over [-1, 1] (kvtune.codecs.codebook.HIST_BINS)
@@ -308,12 +308,10 @@ def _symbols(u, n, lev, sym):
 
 
 def _vcode(per_lane: bool):
-    """An intrinsic for 16 lanes of a given codebook's symbols (8 levels or fewer):
-    ``dst[doff + i]`` = the number of the 7 sorted midpoints ``mids[:7]`` (float32, ``mids``
-    holds 16, +inf past the last midpoint) below ``u_i = (src[soff + i] - z) / s`` (0 where
-    ``s`` is not positive), with one group's scalar ``z`` and ``s`` (``f(src, soff, z, s, mids,
-    dst, doff)``) or, when ``per_lane``, ``zs[poff + i]`` and ``ss[poff + i]`` (``f(src, soff,
-    zs, ss, poff, mids, dst, doff)``, per-channel groups).
+    """An intrinsic for 16 lanes of a given codebook's symbols (8 levels or fewer;
+    :func:`~.quantize.group_lanes`, ``extra`` the midpoints): ``dst[doff + i]`` = the number of
+    the 7 sorted midpoints ``mids[:7]`` (float32, ``mids`` holds 16, +inf past the last
+    midpoint) below ``u_i = (src[soff + i] - z) / s`` (0 where ``s`` is not positive).
 
     The reference's operations on a vector (a subtract, a division, ordered compares;
     :func:`_symbols`, :func:`kvtune.codecs.codebook.nearest_level`). The midpoints below ``u``
@@ -321,68 +319,31 @@ def _vcode(per_lane: bool):
     compares, the midpoints fetched by ``vpermps`` from one register (:data:`PERMUTE`); without
     AVX-512, seven compares and a sum."""
 
-    def typer(src, soff, *rest):
-        dst = rest[-2]
-        if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(dst, types.Array)
-                and dst.dtype == types.uint8):
-            return None
-        sig = types.void(src, soff, *rest)
+    def body(context, builder, v, z, sc, mids_type, mids):
+        vf = v.type
+        zero = ir.Constant(vf, [0.0] * 16)
+        u = builder.select(builder.fcmp_ordered(">", sc, zero), builder.fdiv(builder.fsub(v, z), sc), zero)
+        table = load_lanes(context, builder, mids_type, mids, types.int64, ir.Constant(ir.IntType(64), 0), ir.FloatType())
 
-        def codegen(context, builder, signature, args):
-            sa = signature.args
-            i32, i8 = ir.IntType(32), ir.IntType(8)
-            vf, vi8 = _F32x16, ir.VectorType(i8, 16)
+        def ci(c):
+            return ir.Constant(_I32x16, [c] * 16)
 
-            def ptr(i, j, ty):  # ty* to array args[i] at index args[j]
-                ary = context.make_array(sa[i])(context, builder, args[i])
-                idx = context.cast(builder, args[j], sa[j], types.int64)
-                return builder.bitcast(builder.gep(ary.data, [idx]), ty.as_pointer())
+        def above(t, c):  # c where u > t, else 0
+            return builder.select(builder.fcmp_ordered(">", u, t), ci(c), ci(0))
 
-            def splat(val):
-                return builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), val, ir.Constant(i32, 0)),
-                                              ir.Constant(vf, ir.Undefined), ir.Constant(_I32x16, [0] * 16))
+        if PERMUTE:  # k = 4 [u > m3]; k += 2 [u > m(k+1)]; k += [u > m(k)]
+            perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x16, [_F32x16, _I32x16]),
+                                                  "llvm.x86.avx512.permvar.sf.512")
+            k = above(builder.call(perm, [table, ci(3)]), 4)
+            k = builder.add(k, above(builder.call(perm, [table, builder.add(k, ci(1))]), 2))
+            k = builder.add(k, above(builder.call(perm, [table, k]), 1))
+        else:
+            k = ci(0)
+            for j in range(7):
+                k = builder.add(k, above(builder.shuffle_vector(table, ir.Constant(vf, ir.Undefined), ci(j)), 1))
+        return builder.trunc(k, ir.VectorType(ir.IntType(8), 16))
 
-            if per_lane:
-                z, sc = builder.load(ptr(2, 4, vf), align=4), builder.load(ptr(3, 4, vf), align=4)
-                mi, di, do = 5, 6, 7
-            else:
-                z = splat(context.cast(builder, args[2], sa[2], types.float32))
-                sc = splat(context.cast(builder, args[3], sa[3], types.float32))
-                mi, di, do = 4, 5, 6
-            zero = ir.Constant(vf, [0.0] * 16)
-            v = builder.load(ptr(0, 1, vf), align=4)
-            u = builder.select(builder.fcmp_ordered(">", sc, zero), builder.fdiv(builder.fsub(v, z), sc), zero)
-            table = load_lanes(context, builder, sa[mi], args[mi], types.int64, ir.Constant(ir.IntType(64), 0), ir.FloatType())
-
-            def ci(c):
-                return ir.Constant(_I32x16, [c] * 16)
-
-            def above(t, c):  # c where u > t, else 0
-                return builder.select(builder.fcmp_ordered(">", u, t), ci(c), ci(0))
-
-            if PERMUTE:  # k = 4 [u > m3]; k += 2 [u > m(k+1)]; k += [u > m(k)]
-                perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32x16, [_F32x16, _I32x16]),
-                                                      "llvm.x86.avx512.permvar.sf.512")
-                k = above(builder.call(perm, [table, ci(3)]), 4)
-                k = builder.add(k, above(builder.call(perm, [table, builder.add(k, ci(1))]), 2))
-                k = builder.add(k, above(builder.call(perm, [table, k]), 1))
-            else:
-                k = ci(0)
-                for j in range(7):
-                    mj = builder.shuffle_vector(table, ir.Constant(vf, ir.Undefined), ci(j))
-                    k = builder.add(k, above(mj, 1))
-            builder.store(builder.trunc(k, vi8), ptr(di, do, vi8), align=1)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    if per_lane:
-        def vcode(typingctx, src, soff, zs, ss, poff, mids, dst, doff):
-            return typer(src, soff, zs, ss, poff, mids, dst, doff)
-    else:
-        def vcode(typingctx, src, soff, z, s, mids, dst, doff):
-            return typer(src, soff, z, s, mids, dst, doff)
-    return intrinsic(vcode)
+    return group_lanes(16, per_lane, body, _vcode.__doc__)
 
 
 _vcode16 = _vcode(False)

@@ -132,16 +132,16 @@ def _block_rows(pos, nr, heads, tokens, run, nh, nt, d_n, src, head):
     return (b, hi, ti), contiguous
 
 
-def _vquant(lanes: int, per_lane: bool):
-    """An intrinsic for ``lanes`` lanes of :func:`_quant`:
-    ``dst[doff + i] = clamp(rint((src[soff + i] - z) * inv), 0, fq)``, with one group's scalar
-    ``z`` and ``inv`` (``f(src, soff, z, inv, fq, dst, doff)``) or, when ``per_lane``,
-    ``zs[poff + i]`` and ``invs[poff + i]`` (``f(src, soff, zs, invs, poff, fq, dst, doff)``,
-    per-channel groups).
-
-    A subtract, a multiply (two roundings, no FMA), ``llvm.rint`` (nearest even, as
-    ``np.rint``/``torch.round``), max/min clamp, conversion to uint8: the reference's operations
-    on a vector (16 lanes fill an AVX-512 register; LLVM splits them into two on AVX2)."""
+def group_lanes(lanes: int, per_lane: bool, body, doc: str):
+    """A numba intrinsic that codes ``lanes`` float32 values of one group (or, ``per_lane``,
+    of ``lanes`` per-channel groups) into ``lanes`` uint8 symbols:
+    ``f(src, soff, z, s, extra, dst, doff)`` with one group's scalar ``z`` and ``s``, or
+    ``f(src, soff, zs, ss, poff, extra, dst, doff)`` with ``zs[poff + i]`` / ``ss[poff + i]``
+    per lane. It loads ``src[soff : soff + lanes]`` (float32 array), ``z`` and ``s`` as
+    ``<lanes x float>`` vectors and stores ``body(context, builder, v, z, s, extra_type,
+    extra)`` (a ``<lanes x i8>``) at ``dst[doff]`` (uint8 array). The plumbing of
+    :func:`_vquant` and of the codebook coder (:mod:`.codebook`); ``doc`` is the intrinsic's
+    docstring."""
 
     def typer(src, soff, *rest):
         dst = rest[-2]
@@ -152,14 +152,13 @@ def _vquant(lanes: int, per_lane: bool):
 
         def codegen(context, builder, signature, args):
             sa = signature.args
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            vf = ir.VectorType(f32, lanes)
-            mod = builder.module
+            i32 = ir.IntType(32)
+            vf = ir.VectorType(ir.FloatType(), lanes)
 
-            def vptr(i, j):  # <lanes x float>* to array args[i] at index args[j]
+            def ptr(i, j, ty):  # ty* to array args[i] at index args[j]
                 ary = context.make_array(sa[i])(context, builder, args[i])
                 idx = context.cast(builder, args[j], sa[j], types.int64)
-                return builder.bitcast(builder.gep(ary.data, [idx]), vf.as_pointer())
+                return builder.bitcast(builder.gep(ary.data, [idx]), ty.as_pointer())
 
             def splat(i):
                 val = context.cast(builder, args[i], sa[i], types.float32)
@@ -167,32 +166,51 @@ def _vquant(lanes: int, per_lane: bool):
                                               ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
 
             if per_lane:
-                z, inv = builder.load(vptr(2, 4), align=4), builder.load(vptr(3, 4), align=4)
-                fq, di, do = splat(5), 6, 7
+                z, s = builder.load(ptr(2, 4, vf), align=4), builder.load(ptr(3, 4, vf), align=4)
+                xi, di, do = 5, 6, 7
             else:
-                z, inv, fq, di, do = splat(2), splat(3), splat(4), 5, 6
-            name = f"v{lanes}f32"
-            rint = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf]), f"llvm.rint.{name}")
-            vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.{name}")
-            vmin = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.minnum.{name}")
-            v = builder.load(vptr(0, 1), align=4)
-            u = builder.call(rint, [builder.fmul(builder.fsub(v, z), inv)])
-            u = builder.call(vmin, [builder.call(vmax, [u, ir.Constant(vf, [0.0] * lanes)]), fq])
-            dary = context.make_array(sa[di])(context, builder, args[di])
-            dptr = builder.gep(dary.data, [context.cast(builder, args[do], sa[do], types.int64)])
-            vi8 = ir.VectorType(ir.IntType(8), lanes)
-            builder.store(builder.fptoui(u, vi8), builder.bitcast(dptr, vi8.as_pointer()), align=1)
+                z, s, xi, di, do = splat(2), splat(3), 4, 5, 6
+            v = builder.load(ptr(0, 1, vf), align=4)
+            out = body(context, builder, v, z, s, sa[xi], args[xi])
+            builder.store(out, ptr(di, do, ir.VectorType(ir.IntType(8), lanes)), align=1)
             return context.get_dummy_value()
 
         return sig, codegen
 
     if per_lane:
-        def vquant(typingctx, src, soff, zs, invs, poff, fq, dst, doff):
-            return typer(src, soff, zs, invs, poff, fq, dst, doff)
+        def f(typingctx, src, soff, zs, ss, poff, extra, dst, doff):
+            return typer(src, soff, zs, ss, poff, extra, dst, doff)
     else:
-        def vquant(typingctx, src, soff, z, inv, fq, dst, doff):
-            return typer(src, soff, z, inv, fq, dst, doff)
-    return intrinsic(vquant)
+        def f(typingctx, src, soff, z, s, extra, dst, doff):
+            return typer(src, soff, z, s, extra, dst, doff)
+    f.__doc__ = doc
+    return intrinsic(f)
+
+
+def _vquant(lanes: int, per_lane: bool):
+    """An intrinsic for ``lanes`` lanes of :func:`_quant` (:func:`group_lanes`, ``s`` the
+    inverse scale ``inv``, ``extra`` the largest symbol ``fq``):
+    ``dst[doff + i] = clamp(rint((src[soff + i] - z) * inv), 0, fq)``.
+
+    A subtract, a multiply (two roundings, no FMA), ``llvm.rint`` (nearest even, as
+    ``np.rint``/``torch.round``), max/min clamp, conversion to uint8: the reference's operations
+    on a vector (16 lanes fill an AVX-512 register; LLVM splits them into two on AVX2)."""
+
+    def body(context, builder, v, z, inv, fq_type, fq):
+        vf = v.type
+        name = f"v{lanes}f32"
+        mod = builder.module
+        rint = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf]), f"llvm.rint.{name}")
+        vmax = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.maxnum.{name}")
+        vmin = cgutils.get_or_insert_function(mod, ir.FunctionType(vf, [vf, vf]), f"llvm.minnum.{name}")
+        top = context.cast(builder, fq, fq_type, types.float32)
+        top = builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), top, ir.Constant(ir.IntType(32), 0)),
+                                     ir.Constant(vf, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+        u = builder.call(rint, [builder.fmul(builder.fsub(v, z), inv)])
+        u = builder.call(vmin, [builder.call(vmax, [u, ir.Constant(vf, [0.0] * lanes)]), top])
+        return builder.fptoui(u, ir.VectorType(ir.IntType(8), lanes))
+
+    return group_lanes(lanes, per_lane, body, _vquant.__doc__)
 
 
 _vquant8 = _vquant(8, False)
