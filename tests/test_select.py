@@ -303,6 +303,40 @@ def test_forged_masks_are_corrupt_with_a_valid_crc(selected_stream, edit, match)
         kept_positions(forged)
 
 
+def test_layers_of_one_geometry_are_checked_together_and_the_first_faulty_layer_is_named():
+    kv = make_kv([((1, 2, 100, 64),) * 2] * 4, seed=3)
+    stream = encode_kv(kv, policy(KEEP_NORM), layer_offset=3)
+    keep = Keep.from_dict(KEEP_NORM)
+    assert [p.tolist() for p in kept_positions(stream).positions] == [keep.select(k).tolist() for k, _ in kv]
+    off, row = mask_offset(stream), -(-100 // 8)
+
+    def forge(edits):  # {layer index in the stream: edit of its first head's mask bits}
+        data = bytearray(stream)
+        for i, edit in edits.items():
+            at = off + i * 2 * row
+            bits = np.unpackbits(np.frombuffer(bytes(data[at : at + row]), np.uint8), bitorder="little")
+            edit(bits)
+            data[at : at + row] = np.packbits(bits, bitorder="little").tobytes()
+        return reseal(bytes(data))
+
+    def popcount(bits):
+        bits[50] ^= 1
+
+    def sink(bits):  # the same popcount, the first sink token swapped for a dropped one
+        dropped = int(np.nonzero(bits[:96] == 0)[0][0])
+        bits[0], bits[dropped] = 0, 1
+
+    for edits, match in (({2: popcount}, "layer 5 selection mask keeps .* tokens in a row"),
+                         ({3: popcount, 1: sink}, "layer 4 selection mask drops a sink or recent token"),
+                         ({0: sink, 1: popcount}, "layer 3 selection mask drops a sink")):
+        forged = forge(edits)
+        for impl in ("reference", "fast"):
+            with pytest.raises(CorruptStreamError, match=match):
+                decode_kv(forged, impl=impl)
+        with pytest.raises(CorruptStreamError, match=match):
+            kept_positions(forged)
+
+
 def test_mask_bits_beyond_the_tokens_are_corrupt():
     kv = make_kv([((1, 1, 12, 8),) * 2])
     stream = encode_kv(kv, policy({"name": "keep", "fraction": 0.5, "score": "key-norm", "sink_tokens": 0,

@@ -789,13 +789,15 @@ def _decode_read(stream, header: StreamHeader, expect: PolicyConfig | None, impl
     config = _remembered(header, "policy", lambda: _header_policy(header))
     dtype = NAME_DTYPES[header.dtype]
     bits = check_selection(header, selection_views(stream, header), selecting_transform(config))
-    positions = mask_positions(header, bits) if bits else None
-    config = without_selection(config)  # the kept tokens decode as any stream of the rest of the policy
+    # the kept tokens decode as any stream of the rest of the policy
+    config = _remembered(header, "inner policy", lambda: without_selection(config))
+    # the kept positions only for a transform that depends on them (e.g. pca un-rotating keys)
+    positions = mask_positions(header, bits) if bits and any(t.uses_positions for t in config.transforms) else None
     check_claimed_sizes(header, None if config.codec.bounds_by_length else section_views(stream, header), config)
     device = decode_device(device)
     if out is not None:
         _check_out(out, header.shapes, dtype, device, stream if device.type == "cpu" else None)
-    if positions is not None and any(t.uses_positions for t in config.transforms):
+    if positions is not None:
         if impl == "torch":  # the device path takes rows at 0 .. tokens - 1, not the kept positions
             raise ConfigError(f"policy {header.policy_id}: keep before a position-dependent transform has no "
                               "torch path; use impl='auto', 'fast' or 'reference'")

@@ -70,7 +70,6 @@ __all__ = [
     "is_selecting",
     "select_kv",
     "pack_positions",
-    "unpack_mask",
     "check_selection",
     "kept_positions",
     "mask_positions",
@@ -382,31 +381,44 @@ def pack_positions(positions: torch.Tensor, tokens: int) -> bytes:
     return np.packbits(bits, axis=1, bitorder="little").tobytes()
 
 
-def unpack_mask(mask: bytes | memoryview, batch: int, heads: int, tokens: int) -> np.ndarray:
-    """bool ``(batch * kv_heads, ceil(tokens / 8) * 8)`` bits of a mask (padding included).
+def _mask_length_problem(mask: bytes | memoryview, batch: int, heads: int, tokens: int) -> str | None:
+    """What is wrong with the length of one layer's mask (``batch * heads`` rows of
+    ``ceil(tokens / 8)`` bytes), or ``None``."""
+    need = batch * heads * -(-tokens // 8)
+    if len(mask) == need:
+        return None
+    return f"selection mask has {len(mask)} bytes, {batch} x {heads} rows of {tokens} tokens need {need}"
 
-    Raises:
-        CorruptStreamError: ``mask`` is not ``batch * heads * ceil(tokens / 8)`` bytes.
-    """
-    row = -(-tokens // 8)
-    if len(mask) != batch * heads * row:
-        raise CorruptStreamError(f"corrupt KV stream: selection mask has {len(mask)} bytes, "
-                                 f"{batch} x {heads} rows of {tokens} tokens need {batch * heads * row}")
-    raw = np.frombuffer(mask, dtype=np.uint8).reshape(batch * heads, row)
-    return np.unpackbits(raw, axis=1, bitorder="little").astype(bool)
+
+def _unpack_masks(masks: Sequence[bytes | memoryview], rows: int, tokens: int) -> np.ndarray:
+    """bool ``(len(masks), rows, ceil(tokens / 8) * 8)``: the bits of masks of one geometry
+    (lengths checked by the caller), unpacked in one pass."""
+    raw = np.frombuffer(b"".join(masks), dtype=np.uint8).reshape(len(masks), rows, -(-tokens // 8))
+    return np.unpackbits(raw, axis=2, bitorder="little").view(bool)
+
+
+def _geometry_groups(header: StreamHeader) -> dict[tuple[int, int, int], list[int]]:
+    """The layers of a selected stream grouped by ``(batch, kv_heads, source tokens)``, in
+    order (one group for a model whose layers share a shape): the selection checks and the
+    positions run once per group, not once per layer."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, ((kshape, _), tokens) in enumerate(zip(header.shapes, header.source_tokens)):
+        groups.setdefault((kshape[0], kshape[1], tokens), []).append(i)
+    return groups
 
 
 def check_selection(header: StreamHeader, masks: Sequence[memoryview], keep: Keep | None) -> list[np.ndarray]:
     """Check a stream's selection block against its policy and shapes; return the masks' bits
-    (:func:`unpack_mask`, per layer).
+    (bool ``(batch * kv_heads, source tokens)`` per layer).
 
     Every mask row must hold exactly the kept token count of its layer (the recorded shape,
     which must be ``keep.kept_count(source_tokens)``), no bit beyond ``source_tokens``, and the
-    sink and recent tokens.
+    sink and recent tokens. The counts and lengths of every layer are checked first, then the
+    bits, in one vectorized pass per layer geometry (:func:`_geometry_groups`).
 
     Raises:
         CorruptStreamError: a policy with ``keep`` without a selection block or the other way
-            round, or a mask that breaks a rule (the message names the layer).
+            round, or a mask that breaks a rule (the message names the first such layer).
     """
     if (keep is None) != (header.source_tokens is None):
         have = "no" if header.source_tokens is None else "a"
@@ -414,24 +426,43 @@ def check_selection(header: StreamHeader, masks: Sequence[memoryview], keep: Kee
                                  f"tokens but the stream has {have} selection block")
     if keep is None:
         return []
-    out = []
+
+    def where(i: int) -> str:
+        return f"corrupt KV stream: layer {header.layer_offset + i} selection mask"
+
     for i, ((kshape, _), tokens, mask) in enumerate(zip(header.shapes, header.source_tokens, masks)):
-        where = f"corrupt KV stream: layer {header.layer_offset + i} selection mask"
         kept = keep.kept_count(tokens)
         if kshape[2] != kept:
-            raise CorruptStreamError(f"{where}: {kshape[2]} tokens recorded, the policy keeps {kept} of {tokens}")
-        bits = unpack_mask(mask, kshape[0], kshape[1], tokens)
-        if bits[:, tokens:].any():
-            raise CorruptStreamError(f"{where} sets bits beyond its {tokens} tokens")
-        counts = bits.sum(axis=1)
-        if (counts != kept).any():
-            raise CorruptStreamError(f"{where} keeps {int(counts[counts != kept][0])} tokens in a row, the policy {kept}")
-        if not bits[:, :tokens][:, keep.forced(tokens).numpy()].all():
-            raise CorruptStreamError(f"{where} drops a sink or recent token")
-        rows = bits.reshape(kshape[0], kshape[1], -1)
-        if not keep.per_head and (rows != rows[:, :1]).any():
-            raise CorruptStreamError(f"{where} keeps other tokens in other heads, the policy one choice for all heads")
-        out.append(bits[:, :tokens])
+            raise CorruptStreamError(f"{where(i)}: {kshape[2]} tokens recorded, the policy keeps {kept} of {tokens}")
+        problem = _mask_length_problem(mask, kshape[0], kshape[1], tokens)
+        if problem is not None:
+            raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {problem}")
+    out: list[np.ndarray] = [np.empty(0, bool)] * len(header.shapes)
+    faults: list[tuple[int, str]] = []
+    for (batch, heads, tokens), layers in _geometry_groups(header).items():
+        kept = keep.kept_count(tokens)
+        bits = _unpack_masks([masks[i] for i in layers], batch * heads, tokens)  # (layers, rows, padded)
+        counts = bits.sum(axis=2)
+        checks = (
+            (bits[:, :, tokens:].any(axis=(1, 2)), lambda j: f"sets bits beyond its {tokens} tokens"),
+            ((counts != kept).any(axis=1),
+             lambda j: f"keeps {int(counts[j][counts[j] != kept][0])} tokens in a row, the policy {kept}"),
+            (~bits[:, :, :tokens][:, :, keep.forced(tokens).numpy()].all(axis=(1, 2)),
+             lambda j: "drops a sink or recent token"),
+        )
+        if not keep.per_head:
+            by_head = bits.reshape(len(layers), batch, heads, -1)
+            checks += (((by_head != by_head[:, :, :1]).any(axis=(1, 2, 3)),
+                        lambda j: "keeps other tokens in other heads, the policy one choice for all heads"),)
+        bad = np.stack([flags for flags, _ in checks])  # (rules, layers)
+        if bad.any():  # this group's first faulty layer, with the first rule it breaks
+            j = int(np.flatnonzero(bad.any(axis=0))[0])
+            faults.append((layers[j], checks[int(np.flatnonzero(bad[:, j])[0])][1](j)))
+        for j, i in enumerate(layers):
+            out[i] = bits[j, :, :tokens]
+    if faults:
+        i, message = min(faults, key=lambda f: f[0])
+        raise CorruptStreamError(f"{where(i)} {message}")
     return out
 
 
@@ -459,9 +490,12 @@ def kept_positions(stream: bytes | bytearray | memoryview) -> KeptPositions | No
 
 def mask_positions(header: StreamHeader, bits: Sequence[np.ndarray]) -> list[torch.Tensor]:
     """Per layer, int64 ``(batch, kv_heads, kept)`` kept positions from the mask bits that
-    :func:`check_selection` returned for ``header`` (so every row holds ``kept`` bits)."""
-    out = []
-    for (kshape, _), b in zip(header.shapes, bits):
-        idx = np.nonzero(b)[1].reshape(kshape[0], kshape[1], kshape[2])
-        out.append(torch.from_numpy(idx.astype(np.int64)))
+    :func:`check_selection` returned for ``header`` (so every row holds ``kept`` bits); one
+    pass per layer geometry."""
+    out: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(header.shapes)
+    for (batch, heads, _), layers in _geometry_groups(header).items():
+        kept = header.shapes[layers[0]][0][2]
+        idx = np.nonzero(np.stack([bits[i] for i in layers]))[2].astype(np.int64)
+        for j, pos in zip(layers, torch.from_numpy(idx).view(len(layers), batch, heads, kept)):
+            out[j] = pos
     return out
