@@ -46,7 +46,7 @@ from kvtune.codecs.pca import (
     unrotate_keys,
 )
 from kvtune.codecs.policy import apply_transforms, invert_transforms
-from kvtune.codecs.select import kept_positions
+from kvtune.codecs import kept_positions
 from kvtune.codecs.stream import read_stream
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError, TruncatedStreamError
 

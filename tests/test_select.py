@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvtune.codecs import PolicyConfig, decode_kv, encode_kv, read_header
-from kvtune.codecs.select import Keep, kept_positions, select_kv, window_attention
+from kvtune.codecs import kept_positions
+from kvtune.codecs.select import Keep, select_kv, window_attention
 from kvtune.core.errors import ConfigError, CorruptStreamError, KVStreamError, TableError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -408,6 +409,59 @@ def test_forged_source_tokens_are_corrupt(edit, tail, match):
     stream = encode_kv(make_kv(SHAPES[:1]), policy(KEEP_NORM))
     with pytest.raises(KVStreamError, match=match):
         decode_kv(forge_header(stream, edit, tail))
+
+
+def test_a_structural_fault_of_a_later_layer_does_not_hide_an_earlier_layers_bit_fault():
+    def fewer_tokens(h):  # layer 1 claims 14 source tokens (same 2-byte rows; the policy keeps 7, 8 recorded)
+        h["source_tokens"][1] = 14
+
+    def no_heads(h):  # layer 1 forged to 0 KV heads (so no mask)
+        for kind in (0, 1):
+            h["shapes"][1][kind][1] = 0
+
+    for edit, layer1_mask in ((fewer_tokens, True), (no_heads, False)):
+        for per_head in (True, False):
+            stream = encode_kv(make_kv([((1, 2, 16, 32),) * 2] * 2), policy({**KEEP_NORM, "per_head": per_head}))
+            off = mask_offset(stream)
+            first = bytearray(stream[off : off + 4])  # layer 0's two rows of 2 bytes
+            first[1] ^= 0x01  # token 8 flipped: a popcount fault in layer 0
+            forged = forge_header(stream, edit, bytes(first) + (stream[off + 4 : -4] if layer1_mask else b""))
+            for read in (lambda d: decode_kv(d, impl="reference"), lambda d: decode_kv(d, impl="fast"), kept_positions):
+                with pytest.raises(CorruptStreamError, match="layer 0 selection mask keeps"):
+                    read(forged)
+
+
+def test_a_layer_without_batch_is_corrupt_and_layers_without_tokens_allocate_nothing():
+    stream = encode_kv(make_kv([((1, 2, 16, 32),) * 2] * 2), policy(KEEP_NORM))
+
+    def no_batch(h):
+        for kind in (0, 1):
+            h["shapes"][1][kind][0] = 0
+
+    layer0 = stream[mask_offset(stream) : mask_offset(stream) + 4]  # layer 1's mask goes with its batch
+    for read in (decode_kv, kept_positions):
+        with pytest.raises(CorruptStreamError, match="layer 1 K shape .* has batch = 0"):
+            read(forge_header(stream, no_batch, layer0))
+    empty = encode_kv(make_kv([((1, 2, 0, 32),) * 2] * 2), policy(KEEP_NORM))
+
+    def vast(h):  # 2**20 x 2**20 rows of 0 bytes: nothing to check, no array of that many rows
+        for layer in (0, 1):
+            for kind in (0, 1):
+                h["shapes"][layer][kind][:2] = [2**20, 2**20]
+
+    kept = kept_positions(forge_header(empty, vast))
+    assert kept.source_tokens == [0, 0]
+    assert [tuple(p.shape) for p in kept.positions] == [(2**20, 2**20, 0)] * 2
+
+
+def test_kept_positions_checks_the_policy_against_its_id():
+    stream = encode_kv(make_kv(SHAPES[:1]), policy(KEEP_NORM))
+
+    def no_sinks(h):  # the policy edited, its id kept
+        h["policy"]["transforms"][0]["sink_tokens"] = 0
+
+    with pytest.raises(CorruptStreamError, match="is not the id"):
+        kept_positions(forge_header(stream, no_sinks))
 
 
 def test_selection_block_without_keep_is_corrupt():

@@ -32,7 +32,7 @@ from kvtune.codecs.base import (
 )
 from kvtune.codecs.bitpack import BitPack
 from kvtune.codecs.codebook import CodebookQuantizer
-from kvtune.codecs.policy import KVLayers, PolicyConfig, decode_kv, encode_kv, original_nbytes
+from kvtune.codecs.policy import KVLayers, PolicyConfig, decode_kv, encode_kv, kept_positions, original_nbytes
 from kvtune.codecs.quantizers import NoQuantizer, UniformQuantizer
 from kvtune.codecs.stream import FORMAT_VERSION, MAGIC, StreamHeader, read_header
 from kvtune.codecs.transforms import Hadamard, Identity
@@ -42,6 +42,7 @@ __all__ = [
     "PolicyConfig",
     "encode_kv",
     "decode_kv",
+    "kept_positions",
     "original_nbytes",
     "read_header",
     "StreamHeader",

@@ -52,6 +52,7 @@ from kvtune.codecs import fastpath, torchpath
 from kvtune.codecs.bitalloc import check_pca_pairing, fill_dp_alloc  # registers "dp-alloc"
 from kvtune.codecs.pca import KINDS, fill_pca_bases, missing_pca_ropes  # registers "pca"
 from kvtune.codecs.select import (
+    KeptPositions,
     check_selection,
     check_selection_chain,
     mask_positions,
@@ -105,6 +106,7 @@ __all__ = [
     "decode_device",
     "encode_kv",
     "decode_kv",
+    "kept_positions",
     "original_nbytes",
     "POLICY_VERSIONS",
     "apply_transforms",
@@ -707,7 +709,7 @@ def decode_kv(
         One ``(K, V)`` pair per layer on ``device``, with the shapes and dtype of the encoded
         input (with ``keep``, the kept tokens in their original order: ``(batch, kv_heads,
         kept, head_dim)``, which is also the shape ``out`` must have; their positions:
-        :func:`kvtune.codecs.select.kept_positions`); float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
+        :func:`kept_positions`); float16 values saturate at +-65504 (:func:`kvtune.codecs.kvtensors.to_output_dtype`),
         so a stream of finite float16 input never decodes to inf.
 
     Raises:
@@ -777,6 +779,30 @@ def _remembered(header: StreamHeader, fact: Any, compute):
         _HEADER_FACTS.clear()
     _HEADER_FACTS[key] = value
     return value
+
+
+def kept_positions(stream: bytes | bytearray | memoryview) -> KeptPositions | None:
+    """The kept positions and original token counts of a token-selected stream (a policy whose
+    first transform is ``keep``, :mod:`kvtune.codecs.select`), or ``None`` for a stream
+    without token selection: where the tokens that :func:`decode_kv` returns were in the
+    context. Validates the stream as :func:`decode_kv` does before it decodes: the header and
+    checksum (:func:`kvtune.codecs.read_header`), the policy against the id it records, and
+    the selection block (:func:`kvtune.codecs.select.check_selection`).
+
+    Returns:
+        :class:`~kvtune.codecs.select.KeptPositions`: per layer the original token count and
+        int64 ``(batch, kv_heads, kept)`` increasing positions.
+
+    Raises:
+        KVStreamError: the stream is truncated or corrupt (as :func:`decode_kv`), or names a
+            policy this kvtune cannot build.
+    """
+    header = read_header(stream)
+    config = _remembered(header, "policy", lambda: _header_policy(header))
+    bits = check_selection(header, selection_views(stream, header), selecting_transform(config))
+    if header.source_tokens is None:
+        return None
+    return KeptPositions(list(header.source_tokens), mask_positions(header, bits))
 
 
 def _decode_read(stream, header: StreamHeader, expect: PolicyConfig | None, impl: str, out, device) -> KVLayers:

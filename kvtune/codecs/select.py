@@ -31,7 +31,7 @@ tensor's sections, one bitmask per layer: ``batch x kv_heads`` rows of ``ceil(to
 bytes, bit ``t % 8`` (least significant first) of byte ``t // 8`` set when token ``t`` was kept.
 The masks count in the stream bytes (so in the compression ratio) and in its CRC32;
 :func:`check_selection` refuses (``CorruptStreamError``) a mask whose popcount, padding bits or
-sink / recent bits disagree with the policy and the recorded shapes. :func:`kept_positions`
+sink / recent bits disagree with the policy and the recorded shapes. :func:`kvtune.codecs.kept_positions`
 gives consumers the kept positions and the original token counts of a stream.
 
 Determinism: ``key-norm`` sums squares of bfloat16/float16 values in float64, exact for KV
@@ -54,9 +54,9 @@ import numpy as np
 import torch
 
 from kvtune.codecs.base import Transform, param, register_transform
-from kvtune.codecs.stream import MAX_DIM, StreamHeader, read_stream, selection_views
+from kvtune.codecs.stream import MAX_DIM, StreamHeader, shape_problem
 from kvtune.codecs.threads import parallel_map
-from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError, KVStreamError
+from kvtune.core.errors import ConfigError, CorruptStreamError, KVInputError
 
 __all__ = [
     "Keep",
@@ -71,7 +71,6 @@ __all__ = [
     "select_kv",
     "pack_positions",
     "check_selection",
-    "kept_positions",
     "mask_positions",
     "window_attention",
 ]
@@ -168,7 +167,7 @@ class Keep(Transform):
 
     def inverse(self, y: torch.Tensor, *, layer: int, kind: str, state: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The identity: a decoded selected tensor keeps its ``kept`` tokens (the dropped ones
-        are not sent; :func:`kept_positions` tells where the kept ones were)."""
+        are not sent; :func:`kvtune.codecs.kept_positions` tells where the kept ones were)."""
         return y
 
 
@@ -188,7 +187,7 @@ class Selection(NamedTuple):
 
 
 class KeptPositions(NamedTuple):
-    """The kept positions of a selected stream (:func:`kept_positions`).
+    """The kept positions of a selected stream (:func:`kvtune.codecs.kept_positions`).
 
     Attributes:
         source_tokens: per layer, the original (context) token count.
@@ -411,14 +410,17 @@ def check_selection(header: StreamHeader, masks: Sequence[memoryview], keep: Kee
     """Check a stream's selection block against its policy and shapes; return the masks' bits
     (bool ``(batch * kv_heads, source tokens)`` per layer).
 
-    Every mask row must hold exactly the kept token count of its layer (the recorded shape,
-    which must be ``keep.kept_count(source_tokens)``), no bit beyond ``source_tokens``, and the
-    sink and recent tokens. The counts and lengths of every layer are checked first, then the
-    bits, in one vectorized pass per layer geometry (:func:`_geometry_groups`).
+    Every layer's K shape must be a tensor's (:func:`kvtune.codecs.stream.shape_problem`) with
+    the kept token count of its layer (``keep.kept_count(source_tokens)``), its mask the right
+    length; every mask row must hold exactly that many bits, none beyond ``source_tokens``, and
+    the sink and recent tokens. The bits of all layers of one ``(batch, kv_heads, tokens)``
+    geometry are checked in one vectorized pass (:func:`_geometry_groups`); the work and memory
+    are bounded by 8 bytes per mask byte (layers without tokens have nothing to check).
 
     Raises:
         CorruptStreamError: a policy with ``keep`` without a selection block or the other way
-            round, or a mask that breaks a rule (the message names the first such layer).
+            round, or a layer that breaks a rule: the message names the first such layer and
+            the first rule it breaks, in the order above.
     """
     if (keep is None) != (header.source_tokens is None):
         have = "no" if header.source_tokens is None else "a"
@@ -426,66 +428,46 @@ def check_selection(header: StreamHeader, masks: Sequence[memoryview], keep: Kee
                                  f"tokens but the stream has {have} selection block")
     if keep is None:
         return []
-
-    def where(i: int) -> str:
-        return f"corrupt KV stream: layer {header.layer_offset + i} selection mask"
-
+    faults: dict[int, str] = {}  # layer index -> the first rule it breaks
     for i, ((kshape, _), tokens, mask) in enumerate(zip(header.shapes, header.source_tokens, masks)):
         kept = keep.kept_count(tokens)
-        if kshape[2] != kept:
-            raise CorruptStreamError(f"{where(i)}: {kshape[2]} tokens recorded, the policy keeps {kept} of {tokens}")
-        problem = _mask_length_problem(mask, kshape[0], kshape[1], tokens)
+        problem = shape_problem(kshape)
         if problem is not None:
-            raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {problem}")
-    out: list[np.ndarray] = [np.empty(0, bool)] * len(header.shapes)
-    faults: list[tuple[int, str]] = []
+            faults[i] = f"K shape {tuple(kshape)} {problem}"
+        elif kshape[2] != kept:
+            faults[i] = f"selection mask: {kshape[2]} tokens recorded, the policy keeps {kept} of {tokens}"
+        else:
+            problem = _mask_length_problem(mask, kshape[0], kshape[1], tokens)
+            if problem is not None:
+                faults[i] = problem
+    checked: dict[int, np.ndarray] = {}
     for (batch, heads, tokens), layers in _geometry_groups(header).items():
+        layers = [i for i in layers if i not in faults]
+        if not layers or not tokens:  # no bits to check (a mask without tokens is empty)
+            continue
         kept = keep.kept_count(tokens)
         bits = _unpack_masks([masks[i] for i in layers], batch * heads, tokens)  # (layers, rows, padded)
         counts = bits.sum(axis=2)
-        checks = (
+        rules = [
             (bits[:, :, tokens:].any(axis=(1, 2)), lambda j: f"sets bits beyond its {tokens} tokens"),
             ((counts != kept).any(axis=1),
              lambda j: f"keeps {int(counts[j][counts[j] != kept][0])} tokens in a row, the policy {kept}"),
             (~bits[:, :, :tokens][:, :, keep.forced(tokens).numpy()].all(axis=(1, 2)),
              lambda j: "drops a sink or recent token"),
-        )
+        ]
         if not keep.per_head:
             by_head = bits.reshape(len(layers), batch, heads, -1)
-            checks += (((by_head != by_head[:, :, :1]).any(axis=(1, 2, 3)),
-                        lambda j: "keeps other tokens in other heads, the policy one choice for all heads"),)
-        bad = np.stack([flags for flags, _ in checks])  # (rules, layers)
-        if bad.any():  # this group's first faulty layer, with the first rule it breaks
-            j = int(np.flatnonzero(bad.any(axis=0))[0])
-            faults.append((layers[j], checks[int(np.flatnonzero(bad[:, j])[0])][1](j)))
-        for j, i in enumerate(layers):
-            out[i] = bits[j, :, :tokens]
+            rules.append(((by_head != by_head[:, :, :1]).any(axis=(1, 2, 3)),
+                          lambda j: "keeps other tokens in other heads, the policy one choice for all heads"))
+        broken = np.stack([flags for flags, _ in rules])  # (rules, layers)
+        for j in np.flatnonzero(broken.any(axis=0)).tolist():
+            faults[layers[j]] = "selection mask " + rules[int(np.flatnonzero(broken[:, j])[0])][1](j)
+        checked.update((i, bits[j, :, :tokens]) for j, i in enumerate(layers))
     if faults:
-        i, message = min(faults, key=lambda f: f[0])
-        raise CorruptStreamError(f"{where(i)} {message}")
-    return out
-
-
-def kept_positions(stream: bytes | bytearray | memoryview) -> KeptPositions | None:
-    """The kept positions and original token counts of a selected stream, or ``None`` for a
-    stream without token selection. Validates the stream (:func:`kvtune.codecs.read_header`'s
-    checks and :func:`check_selection`) first.
-
-    Raises:
-        KVStreamError: the stream is truncated or corrupt (as :func:`kvtune.codecs.decode_kv`),
-            or names a policy this kvtune cannot build.
-    """
-    header, _ = read_stream(stream)
-    transforms = header.policy.get("transforms") or []
-    try:
-        first = Transform.from_dict(transforms[0]) if isinstance(transforms, list) and transforms else None
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise KVStreamError(f"KV stream policy {header.policy_id} cannot be built here: {str(exc)[:500]}") from None
-    keep = first if is_selecting(first) else None
-    bits = check_selection(header, selection_views(stream, header), keep)
-    if keep is None:
-        return None
-    return KeptPositions(list(header.source_tokens), mask_positions(header, bits))
+        i = min(faults)
+        raise CorruptStreamError(f"corrupt KV stream: layer {header.layer_offset + i} {faults[i]}")
+    return [checked[i] if i in checked else np.zeros((k[0] * k[1], 0), bool)  # the layers without tokens
+            for i, (k, _) in enumerate(header.shapes)]
 
 
 def mask_positions(header: StreamHeader, bits: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -493,7 +475,11 @@ def mask_positions(header: StreamHeader, bits: Sequence[np.ndarray]) -> list[tor
     :func:`check_selection` returned for ``header`` (so every row holds ``kept`` bits); one
     pass per layer geometry."""
     out: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(header.shapes)
-    for (batch, heads, _), layers in _geometry_groups(header).items():
+    for (batch, heads, tokens), layers in _geometry_groups(header).items():
+        if not tokens:  # nothing kept (batch * heads may be huge: no array of that many rows)
+            for j in layers:
+                out[j] = torch.empty((batch, heads, 0), dtype=torch.int64)
+            continue
         kept = header.shapes[layers[0]][0][2]
         idx = np.nonzero(np.stack([bits[i] for i in layers]))[2].astype(np.int64)
         for j, pos in zip(layers, torch.from_numpy(idx).view(len(layers), batch, heads, kept)):
